@@ -1,0 +1,245 @@
+"""The job spec: one typed object for a training job, YAML in and out.
+
+Field names follow ms-swift (`swift sft --help`) so the form, the YAML and the command line
+read the same. Parsing never raises for user mistakes: it returns every problem at once, each
+naming its field (and, for YAML, the file).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DEEPSPEED_PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+TORCH_DTYPES = ("bfloat16", "float16", "float32")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Spellings used across ms-swift's docs (Megatron-SWIFT, DeepSpeed, Ulysses pages) and common
+# shorthands; all map onto one canonical field.
+ALIASES: dict[str, str] = {
+    "tp_size": "tensor_model_parallel_size",
+    "tp": "tensor_model_parallel_size",
+    "tp_degree": "tensor_model_parallel_size",
+    "tensor_parallel_size": "tensor_model_parallel_size",
+    "pp_size": "pipeline_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "pp_degree": "pipeline_model_parallel_size",
+    "pipeline_parallel_size": "pipeline_model_parallel_size",
+    "cp_size": "context_parallel_size",
+    "cp": "context_parallel_size",
+    "cp_degree": "context_parallel_size",
+    "ep_size": "expert_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "ep_degree": "expert_model_parallel_size",
+    "expert_parallel_size": "expert_model_parallel_size",
+    "sp_size": "sequence_parallel_size",
+    "ulysses_size": "sequence_parallel_size",
+    "model_id_or_path": "model",
+    "model_name_or_path": "model",
+    "datasets": "dataset",
+    "batch_size": "per_device_train_batch_size",
+    "micro_batch_size": "per_device_train_batch_size",
+    "lr": "learning_rate",
+    "lora_r": "lora_rank",
+    "dtype": "torch_dtype",
+    "max_len": "max_length",
+    "lora_target_modules": "target_modules",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong (or risky) with a job, named by the field that holds it."""
+
+    field: str
+    message: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class SpecError(Exception):
+    """Raised by `load_spec`/`parse_spec` callers that want an exception; carries every problem."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class JobSpec(BaseModel):
+    """A fine-tuning job. Every field but `model` and `dataset` has a default a beginner can keep."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str = Field(description="Local model directory or hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct).")
+    dataset: list[str] = Field(description="Data files (.jsonl/.json/.parquet/.csv) or hub ids; 'name#N' takes N samples.")
+    train_type: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or full fine-tuning.")
+
+    # Engine
+    deepspeed: str | None = Field(None, description="zero0..zero3, zero2_offload, zero3_offload, or a path to a DeepSpeed JSON.")
+    fsdp: str | None = Field(None, description="FSDP2 (torch fully_shard): 'full_shard', 'shard_grad_op', add 'offload' for CPU offload.")
+
+    # Layout
+    nnodes: int = Field(1, ge=1, description="Number of nodes.")
+    nproc_per_node: int | None = Field(None, ge=1, description="Worker processes per node; empty = every GPU of the node (1 on CPU).")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree (TP); a TP group stays inside one node.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Pipeline-parallel degree (PP).")
+    context_parallel_size: int = Field(1, ge=1, description="Context-parallel degree (CP): each sequence split over CP ranks.")
+    expert_model_parallel_size: int = Field(1, ge=1, description="Expert-parallel degree (EP), MoE models only.")
+    sequence_parallel_size: int = Field(1, ge=1, description="Ulysses sequence-parallel degree.")
+
+    # Data and batch
+    max_length: int = Field(2048, ge=8, description="Longest sequence in tokens; longer samples are truncated.")
+    per_device_train_batch_size: int = Field(1, ge=1, description="Micro-batch per GPU.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    packing: bool = Field(False, description="Pack several samples per sequence (attention kept within each sample).")
+
+    # Optimisation
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs over the dataset (ignored when max_steps > 0).")
+    max_steps: int = Field(-1, description="Total optimizer steps; -1 = from num_train_epochs.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Share of steps with linear warm-up.")
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule after warm-up.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 = off).")
+    torch_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute dtype.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward to save memory.")
+    use_liger_kernel: bool = Field(False, description="Liger fused kernels (when liger-kernel is installed).")
+    attn_impl: str | None = Field(None, description="Attention implementation: sdpa (default), flash_attention_2, eager.")
+    seed: int = Field(42, description="Random seed.")
+
+    # LoRA
+    lora_rank: int = Field(8, ge=1, description="LoRA rank r.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="Modules that get adapters; 'all-linear' = every linear layer but the head.")
+
+    # Checkpoints and logging
+    output_dir: str = Field("output", description="Directory that holds the run directories.")
+    save_steps: int = Field(500, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    save_total_limit: int | None = Field(None, ge=1, description="Keep at most N complete checkpoints.")
+    logging_steps: int = Field(5, ge=1, description="Log loss and speed every N steps.")
+    report_to: list[str] = Field(default_factory=list, description="Extra metric sinks, e.g. tensorboard.")
+    resume_from_checkpoint: str | None = Field(None, description="Checkpoint directory to resume from.")
+
+    # Runtime
+    ddp_timeout: int = Field(1800, ge=1, description="Collective timeout in seconds.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the workers (NCCL_*, ...).")
+
+    @field_validator("dataset", "target_modules", "report_to", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part for part in value.replace(",", " ").split() if part]
+        return value
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_text(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [name for name in value if not ENV_NAME.match(name)]
+        if bad:
+            raise ValueError(f"invalid environment variable name(s): {', '.join(map(repr, bad))}")
+        return value
+
+    @field_validator("deepspeed", "fsdp", "attn_impl", "resume_from_checkpoint", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        if value is True:
+            return "full_shard"
+        return value
+
+    @property
+    def deepspeed_preset(self) -> str | None:
+        """The preset name when `deepspeed` is one, else None (a path or no DeepSpeed)."""
+        return self.deepspeed if self.deepspeed in DEEPSPEED_PRESETS else None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+FIELDS = tuple(JobSpec.model_fields)
+
+
+def canonical_key(key: str) -> str:
+    key = key.strip().lstrip("-").replace("-", "_")
+    return ALIASES.get(key, key)
+
+
+def suggest(key: str, choices: tuple[str, ...] | list[str] = FIELDS) -> str:
+    close = difflib.get_close_matches(key, list(choices) + list(ALIASES), n=1, cutoff=0.6)
+    return f" (did you mean '{canonical_key(close[0])}'?)" if close else ""
+
+
+def parse_spec(data: Any, source: str = "job") -> tuple[JobSpec | None, list[Problem]]:
+    """Build a JobSpec from a mapping; returns (spec or None, every problem found)."""
+    if not isinstance(data, dict):
+        return None, [Problem(source, f"expected a mapping of fields, got {type(data).__name__}")]
+    problems: list[Problem] = []
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = canonical_key(str(raw_key))
+        if key not in FIELDS:
+            problems.append(Problem(str(raw_key), f"unknown field{suggest(key)}"))
+        elif key in values:
+            problems.append(Problem(key, f"given twice (as '{raw_key}' and an alias)"))
+        else:
+            values[key] = value
+    try:
+        spec = JobSpec(**values)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(part) for part in err["loc"]) or source
+            problems.append(Problem(loc, _pydantic_message(err)))
+        return None, problems
+    return (None if problems else spec), problems
+
+
+def _pydantic_message(err: dict[str, Any]) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "missing":
+        return "required"
+    if kind == "literal_error":
+        return msg.replace("Input should be", "must be one of")
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    return f"{msg[0].lower()}{msg[1:]} (got {err.get('input')!r})"
+
+
+def load_spec(path: str | Path) -> tuple[JobSpec | None, list[Problem]]:
+    """Read a job YAML file. File-level problems name the file (and line for YAML syntax errors)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, [Problem(str(path), "file not found")]
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [Problem(str(path), f"cannot read: {exc}")]
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        reason = getattr(exc, "problem", None) or str(exc)
+        return None, [Problem(where, f"invalid YAML: {reason}")]
+    if data is None:
+        return None, [Problem(str(path), "file is empty; it needs at least 'model' and 'dataset'")]
+    return parse_spec(data, source=str(path))
+
+
+def dump_spec(spec: JobSpec, path: str | Path) -> None:
+    Path(path).write_text(spec.to_yaml())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs what the tests need (CPU torch, the package, OpenSSH server, Debian's chromium) and runs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[test]'
+need=()
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null || need+=(openssh-client)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+python3 -m pytest "$@"
