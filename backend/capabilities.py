@@ -1,0 +1,40 @@
+"""What the training worker (launcher/) can run: the combinations it refuses, as Problems.
+
+Pure and torch-free, so the validator shows these on the form before launch; the worker calls it
+again at start and refuses the same list.
+"""
+from __future__ import annotations
+
+from backend.spec import JobSpec, Problem
+
+FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
+ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
+
+
+def unsupported(spec: JobSpec) -> list[Problem]:
+    problems: list[Problem] = []
+    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                  "expert_model_parallel_size", "sequence_parallel_size"):
+        if getattr(spec, field) > 1:
+            problems.append(Problem(field, "not supported by this worker (data parallel only: DDP, DeepSpeed ZeRO, "
+                                           "FSDP2); set it to 1"))
+    if spec.deepspeed and spec.fsdp:
+        problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
+    if spec.fsdp:
+        words = spec.fsdp.replace(",", " ").split()
+        bad = [w for w in words if w not in FSDP_WORDS]
+        if bad or not words:
+            problems.append(Problem("fsdp", f"unknown FSDP option(s) {bad}; use 'full_shard' or 'shard_grad_op', "
+                                            "optionally with 'offload'"))
+        if "full_shard" in words and "shard_grad_op" in words:
+            problems.append(Problem("fsdp", "'full_shard' and 'shard_grad_op' exclude each other"))
+        if spec.torch_dtype == "float16":
+            problems.append(Problem("torch_dtype", "float16 with FSDP is not supported (it needs a sharded grad "
+                                                   "scaler); use bfloat16"))
+    if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
+        problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
+    unknown_sinks = [s for s in spec.report_to if s not in ("none",)]
+    if unknown_sinks:
+        problems.append(Problem("report_to", f"{unknown_sinks} not supported by this worker; metrics go to the "
+                                             "run's event files and the studio", "warning"))
+    return problems

@@ -1,0 +1,212 @@
+"""The `swift-studio` command line.
+
+Each subcommand is one `add_<name>(parser)` + `cmd_<name>(args) -> int` pair registered in
+COMMANDS; adding a subcommand is one function pair and one line in that table. User mistakes
+raise `CliError` (one `field: message` line each, naming the file) and exit 1, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
+from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.spec import JobSpec, Problem, load_spec, parse_spec
+from backend.validate import errors, validate
+
+
+class CliError(Exception):
+    """A user mistake; each problem becomes one line on stderr and the exit code is 1."""
+
+    def __init__(self, problems: list[Problem] | list[str]):
+        self.lines = [str(p) for p in problems]
+        super().__init__("\n".join(self.lines))
+
+
+def _in_file(source: str, problems: list[Problem]) -> list[str]:
+    """Prefix field problems with the file they come from (file-level ones already name it)."""
+    return [str(p) if p.field.startswith(source) else f"{source}: {p}" for p in problems]
+
+
+def load_job(path: str) -> JobSpec:
+    spec, problems = load_spec(path)
+    if spec is None:
+        raise CliError(_in_file(path, problems))
+    return spec
+
+
+def load_cluster(hostfile: str | None) -> Cluster:
+    if not hostfile:
+        return local_cluster()
+    try:
+        return parse_hostfile(hostfile)
+    except HostfileError as exc:
+        raise CliError(exc.problems) from None
+
+
+def model_config_of(spec: JobSpec) -> ModelConfig | None:
+    try:
+        return find_model_config(spec.model)
+    except ModelConfigError:
+        return None  # validate() reports it against the `model` field
+
+
+def checked(spec: JobSpec, cluster: Cluster, source: str) -> list[Problem]:
+    """Validate; raise CliError on errors, print warnings, return the warnings."""
+    problems = validate(spec, cluster)
+    if errors(problems):
+        raise CliError(_in_file(source, errors(problems)) + [f"warning: {line}" for line in _in_file(source, [p for p in problems if p.severity == "warning"])])
+    warnings = [p for p in problems if p.severity == "warning"]
+    for line in _in_file(source, warnings):
+        print(f"warning: {line}", file=sys.stderr)
+    return warnings
+
+
+def job_and_cluster(args: argparse.Namespace) -> tuple[JobSpec, Cluster, str]:
+    """The job named on the command line and the cluster."""
+    return load_job(args.job), load_cluster(args.hostfile), args.job
+
+
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="job YAML")
+    parser.add_argument("--hostfile", help="DeepSpeed-style hostfile ('host slots=N [key=value ...]'); default: this machine")
+
+
+# -- validate ----------------------------------------------------------------------------------
+def add_validate(parser: argparse.ArgumentParser) -> None:
+    add_job_args(parser)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from backend.layout import compute_layout
+
+    spec, cluster, source = job_and_cluster(args)
+    checked(spec, cluster, source)
+    print(f"ok: {compute_layout(spec, cluster).summary()}")
+    return 0
+
+
+# -- plan --------------------------------------------------------------------------------------
+def add_plan(parser: argparse.ArgumentParser) -> None:
+    add_job_args(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--run-id", help="run id (default: a new YYYYmmdd-HHMMSS-<hex> id)")
+    parser.add_argument("--run-dir", help="run directory (default: <output_dir>/<run id>)")
+    parser.add_argument("--master-port", type=int, default=None, help="rendezvous port on the first node (default 29500)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from backend.manager import make_run_id
+    from backend.planner import DEFAULT_MASTER_PORT, PlanError, plan
+
+    spec, cluster, source = job_and_cluster(args)
+    warnings = checked(spec, cluster, source)
+    run_id = args.run_id or make_run_id(None, lambda _: False)
+    run_dir = Path(args.run_dir or Path(spec.output_dir) / run_id).expanduser().resolve()
+    try:
+        result = plan(spec, cluster, run_id, run_dir, master_port=args.master_port or DEFAULT_MASTER_PORT,
+                      model_config=model_config_of(spec))
+    except PlanError as exc:
+        raise CliError([str(exc)]) from None
+    if args.json:
+        print(json.dumps({**result.to_dict(), "warnings": [str(w) for w in warnings]}, indent=2))
+        return 0
+    print(result.summary())
+    for node in result.nodes:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in node.env.items())
+        print(f"\n# node {node.node_rank}: {node.host}\n{env} {shlex.join(node.argv)}")
+    return 0
+
+
+# -- import ------------------------------------------------------------------------------------
+def add_import(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("command", nargs="+", help="an ms-swift command line, quoted: \"swift sft --model ... --deepspeed zero3 ...\"")
+    parser.add_argument("-o", "--output", help="write the job YAML here instead of stdout")
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from backend.msswift import CommandError, import_command
+
+    command = args.command[0] if len(args.command) == 1 else shlex.join(args.command)
+    try:
+        result = import_command(command)
+    except CommandError as exc:
+        raise CliError([f"command: {exc}"]) from None
+    for line in result.ignored:
+        print(f"warning: {line}", file=sys.stderr)
+    spec, problems = parse_spec(result.spec, source="command")
+    if spec is None:
+        raise CliError(problems)
+    text = result.yaml_text(spec)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# -- studio ------------------------------------------------------------------------------------
+def add_studio(parser: argparse.ArgumentParser) -> None:
+    from studio.server import add_arguments  # Gradio is imported only when the studio starts
+
+    add_arguments(parser)
+
+
+def cmd_studio(args: argparse.Namespace) -> int:
+    from studio.server import run
+
+    return run(args)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS = [
+    Command("validate", "check a job against the cluster: exit 0 and the layout, or one line per problem", add_validate, cmd_validate),
+    Command("plan", "show the per-node torchrun command lines, env, DeepSpeed config and memory estimate", add_plan, cmd_plan),
+    Command("import", "turn an ms-swift command line (swift sft / megatron sft / torchrun) into job YAML", add_import, cmd_import),
+    Command("studio", "start the web studio on 127.0.0.1:7860 (what `swift-studio` alone does)", add_studio, cmd_studio),
+]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with usage mistakes reported like every other user mistake: one line, exit 1."""
+
+    def error(self, message: str):
+        raise CliError([f"{self.prog}: {message}"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="swift-studio", description="Fine-tune LLMs on one machine or a GPU cluster.")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add(sub.add_parser(command.name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        # No arguments: the studio on 127.0.0.1 with this machine and the demo preset.
+        args = parser.parse_args(argv or ["studio"])
+        return {c.name: c.run for c in COMMANDS}[args.command_name](args)
+    except CliError as exc:
+        for line in exc.lines:
+            print(line, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

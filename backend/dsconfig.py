@@ -1,0 +1,166 @@
+"""DeepSpeed config builder (pure): a preset name or the user's JSON, with the batch fields filled.
+
+Public API:
+    ZeroSettings                                   stage and offload devices of a config
+    zero_settings(spec) -> ZeroSettings | None      None when the job does not use DeepSpeed;
+                                                   raises DsConfigError for an unusable user JSON
+    load_user_config(path) -> dict                  raises DsConfigError naming the file (and line)
+    build_ds_config(spec, dp_size, hidden_size=None) -> dict
+                                                   train_batch_size = micro x accumulation x dp_size
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backend.spec import DEEPSPEED_PRESETS, JobSpec
+
+# ms-swift's bundled zero2.json uses 2e8-element buckets: small enough for 24 GiB cards, large
+# enough to keep NCCL busy.
+STAGE12_BUCKET = 200_000_000
+# DeepSpeed's own defaults when the hidden size is unknown (ZeRO-3 sizes scale with hidden^2).
+STAGE3_DEFAULT_BUCKET = 500_000_000
+STAGE3_DEFAULT_PERSISTENCE = 100_000
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class DsConfigError(ValueError):
+    """A DeepSpeed JSON the job cannot use; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    stage: int
+    offload_optimizer: str | None = None
+    """'cpu' or 'nvme' when the optimizer states live off the GPU."""
+    offload_param: str | None = None
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.offload_optimizer, self.offload_param)
+
+
+def _preset(name: str) -> dict[str, Any]:
+    stage = int(name[4])
+    zero: dict[str, Any] = {"stage": stage}
+    if stage in (1, 2):
+        zero.update(
+            allgather_partitions=True,
+            allgather_bucket_size=STAGE12_BUCKET,
+            reduce_scatter=True,
+            reduce_bucket_size=STAGE12_BUCKET,
+            overlap_comm=True,
+            contiguous_gradients=True,
+        )
+    if stage == 3:
+        zero.update(
+            overlap_comm=True,
+            contiguous_gradients=True,
+            sub_group_size=1_000_000_000,
+            reduce_bucket_size="auto",
+            stage3_prefetch_bucket_size="auto",
+            stage3_param_persistence_threshold="auto",
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_max_reuse_distance=1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if name.endswith("_offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"zero_optimization": zero}
+
+
+def load_user_config(path: str | Path) -> dict[str, Any]:
+    """Read a user's DeepSpeed JSON and check it names a ZeRO stage."""
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DsConfigError(f"{path}: DeepSpeed config not found (use zero0..zero3, zero2_offload, zero3_offload or a JSON path)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DsConfigError(f"{path}: cannot read DeepSpeed config: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise DsConfigError(f"{path}:{exc.lineno}: DeepSpeed config is not valid JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise DsConfigError(f"{path}: DeepSpeed config must be a JSON object")
+    zero = data.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise DsConfigError(f"{path}: DeepSpeed config needs zero_optimization.stage = 0, 1, 2 or 3 (got {stage!r})")
+    return data
+
+
+def base_config(spec: JobSpec) -> dict[str, Any] | None:
+    """The config before batch sizes are filled: a preset or the user's JSON; None without DeepSpeed."""
+    if spec.deepspeed is None:
+        return None
+    if spec.deepspeed in DEEPSPEED_PRESETS:
+        return _preset(spec.deepspeed)
+    return load_user_config(spec.deepspeed)
+
+
+def _device(section: Any) -> str | None:
+    if isinstance(section, dict) and section.get("device") in ("cpu", "nvme"):
+        return section["device"]
+    return None
+
+
+def zero_settings(spec: JobSpec) -> ZeroSettings | None:
+    config = base_config(spec)
+    if config is None:
+        return None
+    zero = config["zero_optimization"]
+    return ZeroSettings(int(zero["stage"]), _device(zero.get("offload_optimizer")), _device(zero.get("offload_param")))
+
+
+def _auto(value: Any) -> bool:
+    return value is None or value == "auto"
+
+
+def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config the workers load. The batch fields always come from the spec
+    (validation warns where a user JSON disagrees); other 'auto' or missing values are filled."""
+    config = copy.deepcopy(base_config(spec))
+    if config is None:
+        raise ValueError("the job does not use DeepSpeed")
+    config["train_micro_batch_size_per_gpu"] = spec.per_device_train_batch_size
+    config["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
+    config["train_batch_size"] = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size
+    if _auto(config.get("gradient_clipping")):
+        config["gradient_clipping"] = spec.max_grad_norm
+    for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        section = config.setdefault(key, {})
+        if _auto(section.get("enabled")):
+            section["enabled"] = spec.torch_dtype == dtype
+    if config["fp16"]["enabled"]:
+        for key, value in (("loss_scale", 0), ("initial_scale_power", 16), ("loss_scale_window", 1000), ("hysteresis", 2), ("min_loss_scale", 1)):
+            config["fp16"].setdefault(key, value)
+    zero = config["zero_optimization"]
+    sizes = {
+        "reduce_bucket_size": hidden_size * hidden_size if hidden_size else STAGE3_DEFAULT_BUCKET,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size) if hidden_size else STAGE3_DEFAULT_BUCKET,
+        "stage3_param_persistence_threshold": 10 * hidden_size if hidden_size else STAGE3_DEFAULT_PERSISTENCE,
+    }
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    config.setdefault("steps_per_print", 1_000_000_000)  # the worker logs; DeepSpeed's own prints are noise
+    config.setdefault("wall_clock_breakdown", False)
+    return config
+
+
+def user_batch_conflicts(spec: JobSpec, dp_size: int) -> list[str]:
+    """Batch fields a user JSON sets to numbers other than the spec implies (they are overwritten)."""
+    config = base_config(spec)
+    if config is None or spec.deepspeed in DEEPSPEED_PRESETS:
+        return []
+    want = {
+        "train_micro_batch_size_per_gpu": spec.per_device_train_batch_size,
+        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
+        "train_batch_size": spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size,
+    }
+    return [f"{key}={config[key]} (the job gives {value})" for key, value in want.items() if not _auto(config.get(key)) and config[key] != value]

@@ -1,0 +1,506 @@
+"""Ingest of node-agent lines: batched writes, exactly-once events, a live tail for charts,
+downsampling, and the alert rules.
+
+One `Ingestor` per database, shared by every run and node. The cluster backend calls
+`feed(run_id, node, line)` for each stdout line of a node's agent (from its asyncio loop: `feed`
+only parses and buffers, never touches the database) and starts a reconnecting agent with
+`--offsets json.dumps(ingestor.offsets(run_id, node))`. A background thread (`start()`) writes
+the buffers every `flush_interval_s`, evaluates the alert rules and downsamples old samples.
+
+Exactly once: an event line is identified by (run, file, byte offset after the line). The
+ingestor drops any line at or below the highest offset it has taken for that file, and commits
+the event rows, the series derived from them and the new offsets in one transaction;
+`offsets()` flushes first, so what it returns is both committed and complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy.engine import Engine
+
+from backend import alerts as rules
+from backend import telemetry_query as query
+from backend.telemetry_query import SeriesKey, SeriesResult
+from backend.telemetry_models import (NO_INDEX, Alert, IngestOffset, MetricSample, RankPlacement, RunEvent,
+                                      create_telemetry_tables)
+
+log = logging.getLogger(__name__)
+
+S, E, A, O, P = (m.__table__ for m in (MetricSample, RunEvent, Alert, IngestOffset, RankPlacement))
+
+# Fields of agent lines that are not metrics.
+_NOT_METRIC = {"kind", "t", "gpu", "run_pids"}
+TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "samples_per_s", "step_time_s", "mfu",
+                "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
+TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
+# Series that are sampled on a clock (and so are downsampled); train/ and rank/ follow steps.
+SAMPLED_PREFIXES = ("gpu/", "host/")
+
+
+@dataclass(frozen=True)
+class Downsampling:
+    """Full resolution for `raw_s`, then `mid_bucket_s` means until `old_after_s`, then
+    `old_bucket_s` means. Applies to clock-sampled series (gpu/, host/)."""
+
+    raw_s: float = 3600.0
+    mid_bucket_s: float = 60.0
+    old_after_s: float = 86400.0
+    old_bucket_s: float = 600.0
+
+
+@dataclass
+class _RunState:
+    """What the alert rules and the live tail need of one run, kept in memory."""
+
+    high: dict[str, int] = field(default_factory=dict)  # file -> highest offset taken
+    tail: deque = field(default_factory=deque)  # (seq, SeriesKey, t, value)
+    evicted_seq: int = 0
+    alert_keys: set[str] = field(default_factory=set)
+    running: bool = False
+    started_t: float | None = None
+    util: dict[tuple[str, int], deque] = field(default_factory=dict)
+    mem: dict[tuple[str, int], tuple[float, float, float]] = field(default_factory=dict)
+    train: deque = field(default_factory=lambda: deque(maxlen=64))
+    timing: dict[int, deque] = field(default_factory=dict)
+    placement: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    checkpoint: tuple[int, str] | None = None
+    last_collective: str | None = None
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> agent status
+    dirty: bool = False
+    last_compact: float = 0.0
+
+
+@dataclass
+class _Pending:
+    samples: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    offsets: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
+    placements: dict[tuple[str, int], dict] = field(default_factory=dict)
+    findings: list[tuple[str, rules.Finding]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.samples or self.events or self.offsets or self.placements or self.findings)
+
+
+def _value(x: Any) -> float | None:
+    """A number for the database: NaN/inf and non-numbers become None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+class Ingestor:
+    def __init__(self, engine: Engine, *, flush_interval_s: float = 0.25, tail_s: float = 60.0,
+                 tail_max_points: int = 400_000, eval_interval_s: float = 2.0, compact_interval_s: float = 300.0,
+                 alert_config: rules.AlertConfig = rules.AlertConfig(),
+                 downsampling: Downsampling = Downsampling(), clock=time.time, autostart: bool = True):
+        self.engine, self.autostart = engine, autostart
+        self.flush_interval_s, self.tail_s, self.tail_max_points = flush_interval_s, tail_s, tail_max_points
+        self.eval_interval_s, self.compact_interval_s = eval_interval_s, compact_interval_s
+        self.alert_config, self.downsampling, self.clock = alert_config, downsampling, clock
+        create_telemetry_tables(engine)
+        self._lock = threading.Lock()  # runs, pending, seq
+        self._flush_lock = threading.Lock()  # one writer at a time
+        self._runs: dict[str, _RunState] = {}
+        self._pending = _Pending()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.stats = {"lines": 0, "bad_lines": 0, "duplicates": 0, "samples": 0, "events": 0, "flushes": 0,
+                      "flush_errors": 0}
+        self.latencies: deque[float] = deque(maxlen=200_000)  # commit time - sample time, seconds
+
+    # ------------------------------------------------------------------------------- input
+    def feed(self, run_id: str, node: str, line: str | bytes) -> None:
+        """Take one agent stdout line. Never raises for bad input: it is counted and logged."""
+        try:
+            rec = json.loads(line)
+        except (ValueError, TypeError):
+            self.stats["bad_lines"] += 1
+            log.warning("agent %s/%s: unreadable line %.200r", run_id, node, line)
+            return
+        self.on_agent_line(run_id, node, rec)
+
+    def on_agent_line(self, run_id: str, node: str, rec: Any) -> None:
+        """Take one parsed agent line (the cluster backend's `TelemetrySink` call). Only parses and
+        buffers; the database is written by the background thread, started on the first line
+        unless `autostart=False`."""
+        if self.autostart and self._thread is None:
+            self.start()
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        with self._lock:
+            self.stats["lines"] += 1
+            if kind not in _HANDLERS:  # not an agent line, or a kind this backend does not know yet
+                self.stats["bad_lines"] += 1
+                return
+            try:
+                st = self._run(run_id)
+                handler = _HANDLERS[kind]
+                if handler is not None:
+                    handler(self, run_id, node, st, rec)
+                st.nodes.setdefault(node, {})["last_seen"] = self.clock()
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                self.stats["bad_lines"] += 1
+                log.warning("agent %s/%s: malformed line (%s): %.200r", run_id, node, exc, rec)
+
+    def feed_many(self, run_id: str, node: str, lines: Iterable[str | bytes]) -> None:
+        for line in lines:
+            self.feed(run_id, node, line)
+
+    def _run(self, run_id: str) -> _RunState:
+        st = self._runs.get(run_id)
+        if st is None:
+            st = self._runs[run_id] = self._load_run(run_id)
+        return st
+
+    def _load_run(self, run_id: str) -> _RunState:
+        """Resume a run's state from the database (after a backend restart)."""
+        st = _RunState()
+        with self.engine.connect() as conn:
+            st.high = {f: o for f, o in conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id))}
+            st.alert_keys = set(conn.execute(select(A.c.key).where(A.c.run_id == run_id)).scalars())
+            st.placement = {r: (n, g) for r, n, g in conn.execute(
+                select(P.c.rank, P.c.node, P.c.gpu).where(P.c.run_id == run_id))}
+            rows = conn.execute(select(E.c.type, E.c.rank, E.c.data).where(
+                E.c.run_id == run_id, E.c.type.in_(("start", "end", "train", "timing", "checkpoint")))
+                .order_by(E.c.id.desc()).limit(500)).all()
+        for etype, rank, data in reversed(rows):
+            self._track_event(st, etype, rank, json.loads(data))
+        return st
+
+    def _add_point(self, run_id: str, st: _RunState, key: SeriesKey, t: float, value: Any,
+                   step: int | None = None) -> None:
+        self._seq += 1
+        v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        st.tail.append((self._seq, key, t, v))
+        self._pending.samples.append({"run_id": run_id, "node": key.node, "gpu": key.gpu, "rank": key.rank,
+                                      "name": key.name, "t": t, "value": _value(value), "step": step,
+                                      "res_s": 0.0})
+        self.stats["samples"] += 1
+
+    def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        t, gpu = float(rec["t"]), int(rec["gpu"])
+        for name, value in rec.items():
+            if name not in _NOT_METRIC and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._add_point(run_id, st, SeriesKey(f"gpu/{name}", node, gpu, NO_INDEX), t, value)
+        if "util_pct" in rec:
+            pts = st.util.setdefault((node, gpu), deque())
+            pts.append((t, float(rec["util_pct"])))
+            horizon = t - self.alert_config.low_util_s - 30
+            while pts and pts[0][0] < horizon:
+                pts.popleft()
+        if "mem_used_gib" in rec and "mem_total_gib" in rec:
+            st.mem[(node, gpu)] = (t, float(rec["mem_used_gib"]), float(rec["mem_total_gib"]))
+        st.dirty = True
+
+    def _on_host(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        t = float(rec["t"])
+        for name, value in rec.items():
+            if name not in _NOT_METRIC and isinstance(value, (int, float)):
+                self._add_point(run_id, st, SeriesKey(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value)
+
+    def _take_offset(self, run_id: str, node: str, st: _RunState, rec: dict) -> bool:
+        """Record a file line's offset; False when that line was taken before (a duplicate)."""
+        file, offset = str(rec["file"]), int(rec["offset"])
+        if offset <= st.high.get(file, 0):
+            self.stats["duplicates"] += 1
+            return False
+        st.high[file] = offset
+        self._pending.offsets[(run_id, file)] = (offset, node)
+        return True
+
+    def _on_event(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        if not self._take_offset(run_id, node, st, rec):
+            return
+        data = rec.get("data")
+        if not isinstance(data, dict):  # an unreadable line the agent skipped: only the offset moves
+            return
+        etype = str(data.get("type", "unknown"))
+        rank = data.get("rank", rec.get("rank", NO_INDEX))
+        rank = rank if isinstance(rank, int) else NO_INDEX
+        t = _value(data.get("time")) or self.clock()
+        where = st.placement.get(rank, (node, None))[0]
+        self._pending.events.append({"run_id": run_id, "node": where, "rank": rank, "file": rec["file"],
+                                     "offset": int(rec["offset"]), "type": etype, "t": t,
+                                     "data": json.dumps(data, allow_nan=True)})
+        self.stats["events"] += 1
+        step = data.get("step") if isinstance(data.get("step"), int) else None
+        if etype == "train":
+            for f in TRAIN_FIELDS:
+                if f in data and data[f] is not None:
+                    self._add_point(run_id, st, SeriesKey(f"train/{f}", where, NO_INDEX, rank), t, data[f], step)
+        elif etype == "timing":
+            for f in TIMING_FIELDS:
+                if f in data and data[f] is not None:
+                    self._add_point(run_id, st, SeriesKey(f"rank/{f}", where, NO_INDEX, rank), t, data[f], step)
+        self._track_event(st, etype, rank, data)
+
+    @staticmethod
+    def _track_event(st: _RunState, etype: str, rank: int, data: dict) -> None:
+        t = _value(data.get("time"))
+        if etype == "start":
+            st.running, st.started_t = True, t
+            st.train.clear()
+            st.timing.clear()
+        elif etype == "end":
+            st.running = False
+        elif etype == "train":
+            st.train.append(data)
+        elif etype == "timing":
+            st.timing.setdefault(rank, deque(maxlen=16)).append(data)
+        elif etype == "checkpoint" and isinstance(data.get("step"), int):
+            st.checkpoint = (data["step"], str(data.get("path")))
+        st.dirty = True
+
+    def _on_log(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        if not self._take_offset(run_id, node, st, rec):
+            return
+        line = str(rec.get("line", ""))
+        finding = rules.log_line(node, line, self.clock())
+        if finding is not None:
+            op = rules.collective_of(line)
+            if op:
+                st.last_collective = f"{op} on node {node}"
+            self._add_finding(run_id, st, finding)
+
+    def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        for r in rec["ranks"]:
+            rank = int(r["rank"])
+            st.placement[rank] = (node, r.get("gpu"))
+            self._pending.placements[(run_id, rank)] = {
+                "run_id": run_id, "rank": rank, "node": node, "local_rank": r.get("local_rank"),
+                "gpu": r.get("gpu"), "pid": r.get("pid")}
+
+    def _on_status(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        status = st.nodes.setdefault(node, {})
+        kind = rec["kind"]
+        if kind == "hello":
+            status.update(gpus=rec.get("gpus"), agent_pid=rec.get("pid"), started=rec.get("t"), ended=None)
+        elif kind == "notice":
+            status.setdefault("notices", deque(maxlen=20)).append(str(rec.get("message")))
+            log.info("agent %s/%s: %s", run_id, node, rec.get("message"))
+        elif kind == "bye":
+            status["ended"] = rec.get("reason")
+
+    def _add_finding(self, run_id: str, st: _RunState, finding: rules.Finding) -> None:
+        self._pending.findings.append((run_id, finding))
+
+    # ------------------------------------------------------------------------------ writing
+    def flush(self) -> int:
+        """Write everything buffered in one transaction; returns the number of rows written. On a
+        database error the batch is kept and retried by the next flush."""
+        with self._flush_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        with self._lock:
+            batch, self._pending = self._pending, _Pending()
+        if not batch:
+            return 0
+        try:
+            with self.engine.begin() as conn:
+                if batch.samples:
+                    conn.execute(insert(S), batch.samples)
+                if batch.events:
+                    conn.execute(insert(E), batch.events)
+                for (run_id, file), (offset, node) in batch.offsets.items():
+                    if conn.execute(update(O).where(O.c.run_id == run_id, O.c.file == file)
+                                    .values(offset=offset, node=node)).rowcount == 0:
+                        conn.execute(insert(O).values(run_id=run_id, file=file, offset=offset, node=node))
+                for (run_id, rank), row in batch.placements.items():
+                    conn.execute(delete(P).where(P.c.run_id == run_id, P.c.rank == rank))
+                    conn.execute(insert(P).values(**row))
+                self._write_findings(conn, batch.findings)
+        except Exception:
+            self.stats["flush_errors"] += 1
+            log.exception("telemetry flush failed; %d samples and %d events kept for the next try",
+                          len(batch.samples), len(batch.events))
+            with self._lock:
+                self._pending = _merge(batch, self._pending)
+            return 0
+        done = self.clock()
+        self.latencies.extend(done - row["t"] for row in batch.samples)
+        self.stats["flushes"] += 1
+        return len(batch.samples) + len(batch.events)
+
+    def _write_findings(self, conn, findings: list[tuple[str, rules.Finding]]) -> None:
+        for run_id, f in findings:
+            with self._lock:
+                keys = self._runs[run_id].alert_keys  # the run's state exists: the finding came from it
+                new = f.key not in keys
+                keys.add(f.key)
+            if new:
+                conn.execute(insert(A).values(run_id=run_id, key=f.key, rule=f.rule, severity=f.severity, t=f.t,
+                                              last_t=f.t, count=1, message=f.message, node=f.node, rank=f.rank,
+                                              gpu=f.gpu, detail=f.detail))
+            else:
+                conn.execute(update(A).where(A.c.run_id == run_id, A.c.key == f.key)
+                             .values(last_t=f.t, count=A.c.count + 1))
+
+    # ----------------------------------------------------------------------------- reading
+    def offsets(self, run_id: str, node: str) -> dict[str, int]:
+        """Committed offsets to start `node`'s agent from: every event file of the run and the
+        node's own log. Flushes first, so nothing taken is left out."""
+        self.flush()
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id)).all()
+        return {f: o for f, o in rows if f.startswith("events/") or f == f"logs/{node}.log"}
+
+    def series(self, run_id: str, names: Iterable[str], since: int | None = None,
+               max_points: int = 1000, start: float | None = None, end: float | None = None) -> SeriesResult:
+        """Points of the named series (`gpu/util_pct`, or a prefix ending in '*': `gpu/*`).
+
+        since=None: the whole recorded history (or [start, end]), each series reduced to about
+        `max_points` bucket means in the database. since=<cursor>: only the points taken after
+        that cursor, from memory, so drawing the next second never re-reads the run."""
+        names = list(names)
+        if since is not None:
+            with self._lock:
+                st = self._run(run_id)
+                reset = since < st.evicted_seq
+                if not reset:
+                    out: dict[SeriesKey, list] = {}
+                    for seq, key, t, v in reversed(st.tail):
+                        if seq <= since:
+                            break
+                        if query.match(key.name, names):
+                            out.setdefault(key, []).append((t, v))
+                    for pts in out.values():
+                        pts.reverse()
+                    return SeriesResult(self._seq, out)
+        with self._flush_lock:
+            with self._lock:
+                cursor = self._seq
+                self._run(run_id)
+            self._flush_locked()
+            with self.engine.connect() as conn:
+                out = query.history(conn, run_id, names, max_points, start, end)
+        return SeriesResult(cursor, out, reset=since is not None)
+
+    def alerts(self, run_id: str) -> list[Alert]:
+        """Stored alerts of a run, oldest first (flushes pending ones first)."""
+        self.flush()
+        return query.alerts(self.engine, run_id)
+
+    def nodes(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """Per node: agent status as last reported (last_seen, gpus, notices, ended)."""
+        with self._lock:
+            st = self._run(run_id)
+            return {n: {k: (list(v) if isinstance(v, deque) else v) for k, v in s.items()} for n, s in st.nodes.items()}
+
+    # ---------------------------------------------------------------------- alerts, compaction
+    def window(self, run_id: str, now: float | None = None) -> rules.Window:
+        with self._lock:
+            st = self._run(run_id)
+            return rules.Window(
+                now=self.clock() if now is None else now, running=st.running, started_t=st.started_t,
+                util={k: list(v) for k, v in st.util.items()}, mem=dict(st.mem), train=list(st.train),
+                timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
+                checkpoint=st.checkpoint, last_collective=st.last_collective)
+
+    def evaluate(self, run_id: str, now: float | None = None) -> list[rules.Finding]:
+        """Run the alert rules on a run's window and queue the findings for storage."""
+        findings = rules.evaluate(self.window(run_id, now), self.alert_config)
+        with self._lock:
+            st = self._run(run_id)
+            st.dirty = False
+            for f in findings:
+                self._add_finding(run_id, st, f)
+        return findings
+
+    def compact(self, run_id: str, now: float | None = None) -> int:
+        """Replace clock-sampled rows older than the raw horizon with bucket means; returns the
+        number of rows removed."""
+        now = self.clock() if now is None else now
+        ds = self.downsampling
+        removed = 0
+        with self._flush_lock, self.engine.begin() as conn:
+            for bucket_s, older_than in ((ds.mid_bucket_s, ds.raw_s), (ds.old_bucket_s, ds.old_after_s)):
+                cutoff = math.floor((now - older_than) / bucket_s) * bucket_s
+                cond = [S.c.run_id == run_id, S.c.res_s < bucket_s, S.c.t < cutoff,
+                        or_(*(S.c.name.like(p + "%") for p in SAMPLED_PREFIXES))]
+                weight = func.max(S.c.res_s, 1.0) if conn.dialect.name == "sqlite" else func.greatest(S.c.res_s, 1.0)
+                bucket = query.bucket_of(conn, S.c.t, 0.0, bucket_s)
+                keys = (S.c.node, S.c.gpu, S.c.rank, S.c.name)
+                agg = select(*keys, func.sum(S.c.value * weight) / func.sum(weight),
+                             func.min(S.c.t), bucket).where(*cond).group_by(*keys, bucket)
+                rows = conn.execute(agg).all()
+                if not rows:
+                    continue
+                conn.execute(insert(S), [
+                    {"run_id": run_id, "node": node, "gpu": gpu, "rank": rank, "name": name,
+                     "t": (int(b) + 0.5) * bucket_s, "value": v, "step": None, "res_s": bucket_s}
+                    for node, gpu, rank, name, v, _t, b in rows])
+                # the new rows have res_s == bucket_s, so `cond` leaves them alone
+                removed += conn.execute(delete(S).where(*cond)).rowcount - len(rows)
+        return removed
+
+    # ---------------------------------------------------------------------- background thread
+    def start(self) -> "Ingestor":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="telemetry-ingest", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.flush()
+
+    def _loop(self) -> None:
+        next_eval = self.clock() + self.eval_interval_s
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self._tick_tail()
+                now = self.clock()
+                if now >= next_eval:
+                    next_eval = now + self.eval_interval_s
+                    with self._lock:
+                        dirty = [r for r, st in self._runs.items() if st.dirty or st.running]
+                    for run_id in dirty:
+                        self.evaluate(run_id, now)
+                self.flush()
+                with self._lock:
+                    due = [r for r, st in self._runs.items() if now - st.last_compact >= self.compact_interval_s]
+                    for r in due:
+                        self._runs[r].last_compact = now
+                for run_id in due:
+                    self.compact(run_id, now)
+            except Exception:  # keep ingesting; the error is in the log
+                log.exception("telemetry background pass failed")
+
+    def _tick_tail(self) -> None:
+        """Drop tail points older than `tail_s` (or beyond the point cap)."""
+        horizon = self.clock() - self.tail_s
+        with self._lock:
+            for st in self._runs.values():
+                tail = st.tail
+                while tail and (tail[0][2] < horizon or len(tail) > self.tail_max_points):
+                    st.evicted_seq = tail.popleft()[0]
+
+
+_HANDLERS = {
+    "gpu": Ingestor._on_gpu, "host": Ingestor._on_host, "event": Ingestor._on_event, "log": Ingestor._on_log,
+    "ranks": Ingestor._on_ranks, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
+    "bye": Ingestor._on_status, "heartbeat": None,
+}
+
+
+def _merge(old: _Pending, new: _Pending) -> _Pending:
+    old.samples += new.samples
+    old.events += new.events
+    old.offsets.update(new.offsets)
+    old.placements.update(new.placements)
+    old.findings += new.findings
+    return old

@@ -1,0 +1,180 @@
+"""Start and stop a run's workers on its nodes (the planner decides what; this executes it).
+
+Start: the run directory's files are written through the first node (the output directory is
+shared storage), then every node's torchrun command starts in parallel, detached in its own
+session and process group, with the run id in its environment and its group id in
+`pids/<node>.pid`. Stop: SIGTERM to each node's group (the worker checkpoints), SIGKILL after a
+grace period, then a check that no process carrying the run id is left on any node. Nothing is
+ever killed by a name pattern.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from backend import remote, ssh
+from backend.cluster import Node
+from backend.nodes import Pool, address_of
+
+STOP_GRACE_S = 90.0      # SIGTERM → SIGKILL: time for the worker's checkpoint on stop
+KILL_WAIT_S = 10.0       # after SIGKILL, until the group is gone
+POLL_S = 0.5
+FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What one node runs: the node, its setup line, torchrun's argv and the extra environment."""
+
+    node: Node
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    setup: str | None = None
+
+    @property
+    def name(self) -> str:
+        return remote.node_file_name(self.node.host)
+
+
+@dataclass
+class Started:
+    node: Node
+    setup: str | None
+    pgid: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class StopReport:
+    """Per node: whether a process of the run was left after the stop (should be all False)."""
+
+    leftovers: dict[str, list[int]] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not any(self.leftovers.values()) and not self.unreachable
+
+
+async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
+    """A TCP port free on the node now (for the rendezvous on the master)."""
+    res = await pool.run(node, remote.quote_argv([node.python, "-c", FREE_PORT_PY]), setup)
+    if not res.ok or not res.stdout.strip().isdigit():
+        raise ssh.NodeError(address_of(node), f"could not pick a free port with {node.python}: {res.first_error_line()}")
+    return int(res.stdout.strip())
+
+
+async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str]) -> None:
+    """Write the run directory's files (relative path → text) through one node."""
+    for rel, text in files.items():
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise ValueError(f"plan file path must stay inside the run directory: {rel!r}")
+        res = await pool.run(node, remote.write_file(f"{run_dir}/{rel}"), None, input=text)
+        if not res.ok:
+            raise ssh.NodeError(address_of(node), f"cannot write {run_dir}/{rel}: {res.first_error_line()}")
+
+
+_PGID = re.compile(r"^\s*(\d+)\s*$")
+
+
+async def start_node(pool: Pool, cmd: NodeCommand, run_id: str, run_dir: str) -> Started:
+    paths = remote.NodePaths(run_dir, cmd.name)
+    text = remote.detached_start(cmd.argv, cmd.env, paths, run_id)
+    try:
+        res = await pool.run(cmd.node, text, cmd.setup, timeout=remote.PID_WAIT_S + ssh.COMMAND_TIMEOUT_S)
+    except ssh.NodeError as exc:
+        return Started(cmd.node, cmd.setup, error=str(exc))
+    lines = res.stdout.strip().splitlines()
+    m = _PGID.match(lines[-1]) if lines else None
+    if not res.ok or not m:
+        return Started(cmd.node, cmd.setup, error=f"{cmd.node.host}: start failed: {res.first_error_line()}")
+    return Started(cmd.node, cmd.setup, pgid=int(m.group(1)))
+
+
+async def start_all(pool: Pool, commands: Sequence[NodeCommand], run_id: str, run_dir: str) -> list[Started]:
+    """Start every node at once; on any failure the ones that did start are stopped again."""
+    started = list(await asyncio.gather(*(start_node(pool, c, run_id, run_dir) for c in commands)))
+    if any(s.error for s in started):
+        await stop_all(pool, [s for s in started if s.pgid], run_id, run_dir, grace_s=0)
+    return started
+
+
+async def probe(pool: Pool, node: Node, setup: str | None, pgid: int | None, run_dir: str,
+                deadline_s: float = 0.0) -> tuple[bool, int | None]:
+    """(workers alive, torchrun's exit code or None) on one node."""
+    text = remote.probe(pgid, remote.NodePaths(run_dir, remote.node_file_name(node.host)))
+    if deadline_s:
+        res = await pool.run_retrying(node, text, None, deadline_s=deadline_s)
+    else:
+        res = await pool.run(node, text, None, timeout=10)
+    try:
+        return remote.parse_probe(res.stdout)
+    except ValueError:
+        raise ssh.NodeError(address_of(node), f"unexpected answer to a status check: {res.first_error_line()}") from None
+
+
+async def _signal(pool: Pool, s: Started, signal: str) -> None:
+    if s.pgid:
+        await pool.run(s.node, remote.signal_group(s.pgid, signal), None, timeout=10)
+
+
+async def _tagged(pool: Pool, node: Node, run_id: str) -> list[int]:
+    res = await pool.run(node, remote.tagged_pids(run_id), None, timeout=20)
+    return [int(x) for x in res.stdout.split() if x.isdigit()]
+
+
+async def stop_all(pool: Pool, started: Sequence[Started], run_id: str, run_dir: str,
+                   grace_s: float = STOP_GRACE_S, all_nodes: Sequence[Node] = ()) -> StopReport:
+    """SIGTERM every group, SIGKILL what is left after `grace_s`, then verify nothing remains.
+
+    `all_nodes` are checked for tagged leftovers too (e.g. a node whose start was not recorded).
+    """
+    report = StopReport()
+    loop = asyncio.get_running_loop()
+
+    async def one(s: Started) -> None:
+        label = s.node.host
+        try:
+            if grace_s > 0:
+                await _signal(pool, s, "TERM")
+                end = loop.time() + grace_s
+                while loop.time() < end:
+                    alive, _ = await probe(pool, s.node, s.setup, s.pgid, run_dir)
+                    if not alive:
+                        break
+                    await asyncio.sleep(POLL_S)
+            await _signal(pool, s, "KILL")
+            end = loop.time() + KILL_WAIT_S
+            while loop.time() < end:
+                alive, _ = await probe(pool, s.node, s.setup, s.pgid, run_dir)
+                if not alive:
+                    break
+                await asyncio.sleep(POLL_S / 5)
+        except ssh.NodeError as exc:
+            report.unreachable[label] = exc.reason
+
+    await asyncio.gather(*(one(s) for s in started if s.pgid))
+    nodes = {n.host: n for n in [*(s.node for s in started), *all_nodes]}
+    await asyncio.gather(*(_sweep(pool, node, run_id, report) for node in nodes.values()))
+    return report
+
+
+async def _sweep(pool: Pool, node: Node, run_id: str, report: StopReport) -> None:
+    """Kill processes carrying this run's id that escaped their group; record any that survive."""
+    try:
+        pids = await _tagged(pool, node, run_id)
+        if pids:
+            await pool.run(node, remote.kill_pids(pids, "KILL"), None, timeout=10)
+            await asyncio.sleep(0.2)
+            pids = await _tagged(pool, node, run_id)
+        report.leftovers[node.host] = pids
+    except ssh.NodeError as exc:
+        report.unreachable.setdefault(node.host, exc.reason)
+
+
+async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40, log_node: str | None = None) -> list[str]:
+    path = remote.NodePaths(run_dir, remote.node_file_name(log_node or node.host)).log
+    res = await pool.run(node, remote.tail(path, lines), None, timeout=15)
+    return res.stdout.splitlines()

@@ -1,0 +1,453 @@
+"""`RunManager`: the one object the UI and the CLI call.
+
+It owns an asyncio loop on a background thread (all SSH work happens there) and offers plain,
+blocking methods. On construction it re-attaches to runs the database says are active: it asks
+their nodes whether the workers still live and resumes watching them (or records how they ended
+while nobody was watching).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backend import launch as launch_ops
+from backend import lifecycle, logclass, nodes, remote, ssh
+from backend.cluster import Cluster
+from backend.db import create_db_and_tables, make_engine
+from backend.launch import NodeCommand, Started
+from backend.lifecycle import Failure, RunStore
+from backend.models import NodeProcess, Run
+from backend.spec import JobSpec
+from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
+
+EXPORT_TIMEOUT_S = 1800.0
+REATTACH_PROBE_S = 20.0
+
+
+class RunError(Exception):
+    """A request the manager cannot carry out (unknown run, wrong state); the message says why."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    run_id: str
+    run_dir: str
+    master_port: int
+    resume: str | None          # None, "latest" or a checkpoint directory
+
+
+@dataclass
+class LaunchPlan:
+    """What the planner decided: files for the run directory and one command per node (in order)."""
+
+    files: dict[str, str]
+    commands: list[tuple[list[str], dict[str, str]]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+Planner = Callable[[JobSpec, Cluster, PlanRequest], LaunchPlan]
+
+
+def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> LaunchPlan:
+    """`backend.planner.plan` in the shape the manager executes."""
+    from backend.modelcfg import ModelConfigError, find_model_config
+    from backend.planner import plan
+
+    try:
+        model_config = find_model_config(spec.model)
+    except ModelConfigError:
+        model_config = None
+    result = plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
+                  model_config=model_config)
+    return LaunchPlan(dict(result.files), [(list(n.argv), dict(n.env)) for n in result.nodes], result.to_dict())
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def make_run_id(name: str | None, taken: Callable[[str], bool]) -> str:
+    """`YYYYmmdd-HHMMSS-<6 hex>`, or the user's name made safe (a suffix when taken)."""
+    if name and name.strip():
+        base = _SAFE_NAME.sub("-", name.strip()).strip(".-")[:64] or "run"
+        candidate = base
+        while taken(candidate):
+            candidate = f"{base}-{secrets.token_hex(3)}"
+        return candidate
+    return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+
+
+class RunManager:
+    def __init__(self, db_url: str | None = None, known_hosts: str | Path | None = None,
+                 planner: Planner | None = None, sink: TelemetrySink | None = None,
+                 reattach: bool = True):
+        self.engine = make_engine(db_url)
+        create_db_and_tables(self.engine)
+        self.store = RunStore(self.engine)
+        self.known_hosts = Path(known_hosts) if known_hosts else ssh.default_known_hosts()
+        self.planner = planner or default_planner
+        self.sink = sink if sink is not None else _default_sink(self.engine)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swift-studio-control", daemon=True)
+        self._thread.start()
+        self.pool = nodes.Pool(self.known_hosts)
+        self._tasks: dict[str, Future] = {}
+        self._notices: dict[str, list[str]] = {}
+        self._closed = False
+        if reattach:
+            self._call(self._reattach_all())
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _spawn(self, run_id: str, coro) -> Future:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._tasks[run_id] = fut
+        return fut
+
+    def close(self) -> None:
+        """Stop watching (runs keep running on their nodes; a new manager re-attaches)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.pool.close()
+
+        try:
+            if hasattr(self.sink, "close"):
+                self.sink.close()
+            self._call(shutdown(), timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self.engine.dispose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- queries -------------------------------------------------------------------------------
+    def runs(self) -> list[Run]:
+        return self.store.runs()
+
+    def run(self, run_id: str) -> Run:
+        run = self.store.get(run_id)
+        if run is None:
+            raise RunError(f"no run {run_id!r}")
+        return run
+
+    def attempts(self, run_id: str):
+        return self.store.attempts(run_id)
+
+    def processes(self, run_id: str) -> list[NodeProcess]:
+        attempt = self.store.current_attempt(run_id)
+        return self.store.processes(attempt.id) if attempt else []
+
+    def notices(self, run_id: str) -> list[str]:
+        """Connection notices of the watch (a node not answering, answering again)."""
+        return list(self._notices.get(run_id, []))
+
+    def wait(self, run_id: str, timeout: float | None = None, states: tuple[str, ...] = lifecycle.FINAL) -> Run:
+        """Block until the run reaches one of `states` (default: finished); returns it."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.run(run_id)
+            if run.state in states:
+                return run
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"run {run_id} still {run.state} after {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def log_tail(self, run_id: str, node: str | None = None, lines: int = 100) -> list[str]:
+        run = self.run(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None:
+            return []
+        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)]
+        if not members:
+            return []
+        chosen = next(((n, s) for n, s in members if n.host == node), None) if node else members[0]
+        if chosen is None:
+            raise RunError(f"run {run_id} has no node {node!r}; nodes: {', '.join(n.host for n, _ in members)}")
+        return self._call(launch_ops.log_tail(self.pool, chosen[0], run.run_dir, lines), timeout=60)
+
+    def series(self, run_id: str, names, since: int | None = None, max_points: int = 1000):
+        """Metric series of a run (the ingestor's live tail over the stored history)."""
+        return self.sink.series(run_id, names, since=since, max_points=max_points)
+
+    def alerts(self, run_id: str):
+        return self.sink.alerts(run_id)
+
+    # -- node inventory ------------------------------------------------------------------------
+    def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
+        nodes.save_nodes(self.engine, cluster, setups)
+
+    def inventory(self):
+        return nodes.inventory(self.engine)
+
+    def remove_node(self, host: str) -> bool:
+        return nodes.remove_node(self.engine, host)
+
+    def host_key_fingerprint(self, cluster: Cluster, host: str) -> str:
+        node = _find_node(cluster, host)
+        return self._call(ssh.host_key_fingerprint(nodes.address_of(node)), timeout=30)
+
+    def trust_host(self, cluster: Cluster, host: str, expected_fingerprint: str | None = None) -> str:
+        """Trust the node's current host key (an explicit choice, recorded in the database)."""
+        node = _find_node(cluster, host)
+        address = nodes.address_of(node)
+        fingerprint = self._call(ssh.trust_host_key(address, self.known_hosts, expected_fingerprint), timeout=30)
+        nodes.record_trust(self.engine, address, fingerprint, self.known_hosts)
+        return fingerprint
+
+    # -- pre-flight ----------------------------------------------------------------------------
+    def preflight(self, cluster: Cluster, spec: JobSpec | None = None, setups: Mapping[str, str] | None = None,
+                  bandwidth: bool = True):
+        from backend import preflight
+        setups = nodes.setups_for(self.engine, cluster, setups)
+        return self._call(preflight.run_preflight(self.pool, cluster, spec, setups, bandwidth=bandwidth))
+
+    # -- launch / stop / resume / export -------------------------------------------------------
+    def launch(self, spec: JobSpec, cluster: Cluster, name: str | None = None,
+               setups: Mapping[str, str] | None = None) -> str:
+        """Create the run and start it in the background; returns the run id at once."""
+        run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
+        output_dir = str(Path(spec.output_dir).expanduser().absolute()) if not spec.output_dir.startswith("/") else spec.output_dir
+        spec = spec.model_copy(update={"output_dir": output_dir})
+        run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
+                  run_dir=f"{output_dir.rstrip('/')}/{run_id}")
+        self.store.create(run)
+        setups = nodes.setups_for(self.engine, cluster, setups)
+        self._spawn(run_id, self._attempt(run_id, spec, cluster, setups, resume=None))
+        return run_id
+
+    def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
+        """A new attempt of a stopped or failed run from its latest complete checkpoint."""
+        run = self.run(run_id)
+        if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
+            raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
+        spec = JobSpec.model_validate(_yaml_load(run.spec_yaml))
+        if cluster is None:
+            attempt = self.store.current_attempt(run_id)
+            members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)]
+            cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
+            setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
+        else:
+            setups = nodes.setups_for(self.engine, cluster, setups)
+        self._spawn(run_id, self._attempt(run_id, spec, cluster, dict(setups), resume="latest"))
+        return run_id
+
+    def stop(self, run_id: str, wait: bool = True, grace_s: float = launch_ops.STOP_GRACE_S) -> Run:
+        run = self.run(run_id)
+        if run.state in lifecycle.FINAL:
+            return run
+        self.store.request_stop(run_id)
+        fut = asyncio.run_coroutine_threadsafe(self._stop(run_id, grace_s), self._loop)
+        if wait:
+            fut.result()
+            return self.run(run_id)
+        return run
+
+    def export(self, run_id: str, checkpoint: str | None = None, out: str | None = None) -> dict:
+        """Run the worker's export on the run's first node; returns its JSON result."""
+        run = self.run(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None:
+            raise RunError(f"run {run_id} never started; nothing to export")
+        node, setup = nodes.node_from_dict(json.loads(attempt.cluster_json)[0])
+        argv = [node.python, "-m", "launcher.export", "--run-dir", run.run_dir]
+        if checkpoint:
+            argv += ["--checkpoint", str(checkpoint)]
+        if out:
+            argv += ["--out", str(out)]
+        res = self._call(self.pool.run(node, remote.run_in(None, run.run_dir, argv), setup,
+                                       timeout=EXPORT_TIMEOUT_S))
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("{")]
+        if not res.ok or not lines:
+            raise RunError(f"export on {node.host} failed (exit code {res.rc}): {res.first_error_line()}")
+        return json.loads(lines[-1])
+
+    # -- the control loop's side ---------------------------------------------------------------
+    async def _attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
+                       resume: str | None) -> None:
+        run = self.store.get(run_id)
+        self.store.transition(run_id, lifecycle.CHECKING)
+        # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
+        cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
+        members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
+        attempt = self.store.new_attempt(run_id, members, resume)
+        try:
+            failure = await self._check(spec, cluster, setups)
+            if failure:
+                self.store.transition(run_id, lifecycle.FAILED, failure)
+                return
+            if self._stop_requested(run_id):
+                return
+            self.store.transition(run_id, lifecycle.LAUNCHING)
+            master = cluster.nodes[0]
+            port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
+            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume))
+            self.store.set_plan(attempt.id, json.dumps(plan.summary))
+            files = {**plan.files, "plan.json": json.dumps(plan.summary, indent=2)}
+            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, files)
+            commands = [NodeCommand(n, argv, env, setups.get(n.host))
+                        for n, (argv, env) in zip(cluster.nodes, plan.commands)]
+            started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
+        except (ssh.NodeError, ValueError, RunError) as exc:
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(getattr(getattr(exc, "address", None), "host", None), None,
+                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"))
+            return
+        errors = [s for s in started if s.error]
+        for rank, s in enumerate(started):
+            self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=s.node.host, node_rank=rank,
+                                               pgid=s.pgid, state="running" if s.pgid else "failed"))
+        if errors:
+            first = errors[0]
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"))
+            return
+        if self._stop_requested(run_id):
+            # A stop arrived while starting: the stopper may have missed these groups.
+            await self._stop(run_id, launch_ops.STOP_GRACE_S)
+            return
+        self.store.transition(run_id, lifecycle.RUNNING)
+        await self._watch(run_id, attempt.id, started)
+
+    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str]) -> Failure | None:
+        """What must hold before anything starts: a valid layout, and every node reachable."""
+        problems = _validate(spec, cluster)
+        errors = [p for p in problems if getattr(p, "severity", "error") == "error"]
+        if errors:
+            return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
+
+        async def login(node):
+            try:
+                res = await self.pool.run(node, remote.quote_argv([node.python, "-c", "import sys"]),
+                                          setups.get(node.host), timeout=30)
+            except ssh.NodeError as exc:
+                return Failure(node.host, None, exc.kind, str(exc))
+            if not res.ok:
+                return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
+                               f"{node.host}: {node.python} does not run: {res.first_error_line()}")
+            return None
+
+        results = await asyncio.gather(*(login(n) for n in cluster.nodes))
+        return next((r for r in results if r), None)
+
+    def _stop_requested(self, run_id: str) -> bool:
+        run = self.store.get(run_id)
+        return bool(run and run.stop_requested)
+
+    def _notice(self, run_id: str, message: str) -> None:
+        self._notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
+
+    async def _watch(self, run_id: str, attempt_id: int, started: list[Started]) -> None:
+        run = self.store.get(run_id)
+        procs = {p.node: p for p in self.store.processes(attempt_id)}
+        watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
+
+        def on_update(n: NodeWatch) -> None:
+            state = "running" if n.alive else "exited"
+            self.store.update_process(n.proc_id, state=state, exit_code=n.exit_code, last_seen=n.last_seen,
+                                      ended_at=None if n.alive else time.time())
+
+        watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
+                                 stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
+                                 sink=self.sink, on_notice=lambda m: self._notice(run_id, m))
+        outcome: Outcome | None = await watcher.run()
+        if outcome is None:
+            return  # a stop was requested; `_stop` records the end
+        current = self.store.get(run_id)
+        if current.state == lifecycle.RUNNING:
+            self.store.transition(run_id, outcome.state, outcome.failure)
+
+    async def _stop(self, run_id: str, grace_s: float) -> None:
+        run = self.store.get(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None or run.state in lifecycle.FINAL:
+            return
+        members = {n.host: (n, s) for n, s in (nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json))}
+        started = [Started(members[p.node][0], members[p.node][1], pgid=p.pgid)
+                   for p in self.store.processes(attempt.id) if p.node in members and p.pgid]
+        report = await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=grace_s,
+                                       all_nodes=[n for n, _ in members.values()])
+        for p in self.store.processes(attempt.id):
+            self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
+                                      ended_at=time.time())
+        run = self.store.get(run_id)
+        if run.state in lifecycle.FINAL:
+            return
+        failure = None
+        if not report.clean:
+            detail = "; ".join([*(f"{h}: {why}" for h, why in report.unreachable.items()),
+                                *(f"{h}: pids {p} survived" for h, p in report.leftovers.items() if p)])
+            failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
+                              f"stopped, but not every node could be verified clean: {detail}")
+        self.store.transition(run_id, lifecycle.STOPPED, failure)
+
+    async def _reattach_all(self) -> None:
+        for run in self.store.runs(states=lifecycle.ACTIVE):
+            await self._reattach(run)
+
+    async def _reattach(self, run: Run) -> None:
+        attempt = self.store.current_attempt(run.id)
+        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+        if run.state != lifecycle.RUNNING or not members:
+            # The studio went away while checking or launching: nothing is watched, so clean
+            # up whatever of the run may have started and record it.
+            if members:
+                by_host = {n.host: (n, s) for n, s in members}
+                started = [Started(*by_host[p.node], pgid=p.pgid)
+                           for p in self.store.processes(attempt.id) if p.pgid and p.node in by_host]
+                await launch_ops.stop_all(self.pool, started, run.id, run.run_dir, grace_s=0,
+                                      all_nodes=[n for n, _ in members])
+            self.store.transition(run.id, lifecycle.FAILED,
+                                  Failure(None, None, "interrupted", f"the studio stopped while the run was {run.state}"))
+            return
+        by_host = {n.host: (n, s) for n, s in members}
+        started = [Started(by_host[p.node][0], by_host[p.node][1], pgid=p.pgid)
+                   for p in self.store.processes(attempt.id) if p.node in by_host]
+        if run.stop_requested:
+            self._spawn(run.id, self._stop(run.id, launch_ops.STOP_GRACE_S))
+            return
+        self._notice(run.id, "re-attached after a studio restart")
+        self._spawn(run.id, self._watch(run.id, attempt.id, started))
+
+
+def _find_node(cluster: Cluster, host: str):
+    for node in cluster.nodes:
+        if node.host == host:
+            return node
+    raise RunError(f"no node {host!r} in the cluster")
+
+
+def _validate(spec: JobSpec, cluster: Cluster) -> list:
+    from backend.validate import validate
+    return list(validate(spec, cluster))
+
+
+def _default_sink(engine) -> TelemetrySink:
+    from backend.ingest import Ingestor
+    return Ingestor(engine)
+
+
+def _yaml_load(text: str) -> dict:
+    import yaml
+    return yaml.safe_load(text)

@@ -1,0 +1,163 @@
+"""Nodes: the inventory in the database, and one reusable connection per node.
+
+A node is a `backend.cluster.Node` plus an optional setup line (shell text the node's owner
+writes, e.g. `source ~/venv/bin/activate`) that runs before every command on that node. The
+local machine is reached with local subprocesses, every other node over SSH.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from backend import remote, ssh
+from backend.cluster import Cluster, Node, cluster_from_dicts
+from backend.models import HostKeyTrust, NodeRecord
+
+Setups = Mapping[str, str]   # host -> setup line
+
+RECONNECT_BASE_S = 0.5
+RECONNECT_MAX_S = 8.0
+
+
+def address_of(node: Node) -> ssh.Address:
+    return ssh.Address(host=node.host, port=node.ssh_port, user=node.ssh_user,
+                       key_path=node.ssh_key, local=node.local)
+
+
+# -- inventory ---------------------------------------------------------------------------------
+
+_NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "local")
+
+
+def save_nodes(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:
+    """Add or update the cluster's nodes in the inventory (keyed by host)."""
+    setups = setups or {}
+    with Session(engine) as s:
+        for node in cluster.nodes:
+            row = s.exec(select(NodeRecord).where(NodeRecord.host == node.host)).first() or NodeRecord(host=node.host)
+            for key in _NODE_FIELDS:
+                setattr(row, key, getattr(node, key))
+            if node.host in setups:
+                row.setup = setups[node.host] or None
+            s.add(row)
+        s.commit()
+
+
+def remove_node(engine: Engine, host: str) -> bool:
+    with Session(engine) as s:
+        row = s.exec(select(NodeRecord).where(NodeRecord.host == host)).first()
+        if row is None:
+            return False
+        s.delete(row)
+        s.commit()
+        return True
+
+
+def inventory(engine: Engine) -> list[NodeRecord]:
+    with Session(engine) as s:
+        return list(s.exec(select(NodeRecord).order_by(NodeRecord.id)))
+
+
+def inventory_cluster(engine: Engine, hosts: list[str] | None = None) -> tuple[Cluster, dict[str, str]]:
+    """The stored nodes (all, or the named ones in that order) as a Cluster and their setup lines."""
+    rows = {r.host: r for r in inventory(engine)}
+    chosen = [rows[h] for h in hosts] if hosts else list(rows.values())
+    dicts = [{k: getattr(r, k) for k in _NODE_FIELDS} for r in chosen]
+    return cluster_from_dicts(dicts, source="inventory"), {r.host: r.setup for r in chosen if r.setup}
+
+
+def setups_for(engine: Engine, cluster: Cluster, given: Setups | None = None) -> dict[str, str]:
+    """Setup line per host: given ones first, else the inventory's."""
+    stored = {r.host: r.setup for r in inventory(engine) if r.setup}
+    result = {}
+    for node in cluster.nodes:
+        line = (given or {}).get(node.host) or stored.get(node.host)
+        if line:
+            result[node.host] = line
+    return result
+
+
+def record_trust(engine: Engine, address: ssh.Address, fingerprint: str, known_hosts: Path) -> None:
+    with Session(engine) as s:
+        s.add(HostKeyTrust(host=address.host, port=address.port, fingerprint=fingerprint,
+                           known_hosts=str(known_hosts)))
+        s.commit()
+
+
+def node_to_dict(node: Node, setup: str | None) -> dict:
+    return {**node.to_dict(), "setup": setup}
+
+
+def node_from_dict(data: dict) -> tuple[Node, str | None]:
+    data = dict(data)
+    setup = data.pop("setup", None)
+    known = {f.name for f in fields(Node)}
+    cluster = cluster_from_dicts([{k: v for k, v in data.items() if k in known}], source="attempt")
+    return cluster.nodes[0], setup
+
+
+# -- connections -------------------------------------------------------------------------------
+
+
+class Pool:
+    """One shell per node, opened on first use and reopened (with backoff) after a drop."""
+
+    def __init__(self, known_hosts: Path | None = None):
+        self.known_hosts = known_hosts
+        self._shells: dict[ssh.Address, ssh.Shell] = {}
+        self._locks: dict[ssh.Address, asyncio.Lock] = {}
+
+    async def shell(self, node: Node) -> ssh.Shell:
+        address = address_of(node)
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            shell = self._shells.get(address)
+            if shell is None or shell.closed:
+                shell = await ssh.connect(address, self.known_hosts)
+                self._shells[address] = shell
+            return shell
+
+    async def run(self, node: Node, command: str, setup: str | None = None, input: str | None = None,
+                  timeout: float = ssh.COMMAND_TIMEOUT_S) -> ssh.Result:
+        """Run shell text on the node after its setup line; a dropped connection is reopened once."""
+        text = remote.with_setup(setup, command)
+        for attempt in (0, 1):
+            shell = await self.shell(node)
+            try:
+                return await shell.run(text, input=input, timeout=timeout)
+            except ssh.Unreachable:
+                await self.drop(node)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def run_retrying(self, node: Node, command: str, setup: str | None = None,
+                           deadline_s: float = 20.0, timeout: float = 10.0) -> ssh.Result:
+        """Like `run`, retrying unreachable nodes with exponential backoff until `deadline_s`."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        delay = RECONNECT_BASE_S
+        while True:
+            try:
+                return await self.run(node, command, setup, timeout=min(timeout, max(1.0, end - loop.time())))
+            except (ssh.Unreachable, ssh.CommandTimeout):
+                if loop.time() + delay >= end:
+                    raise
+                await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
+                delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def drop(self, node: Node) -> None:
+        shell = self._shells.pop(address_of(node), None)
+        if shell is not None:
+            await shell.close()
+
+    async def close(self) -> None:
+        shells = list(self._shells.values())
+        self._shells.clear()
+        await asyncio.gather(*(s.close() for s in shells), return_exceptions=True)

@@ -1,0 +1,346 @@
+"""Connections to nodes: asyncssh for remote hosts, local subprocesses for this machine.
+
+Both kinds give the same small `Shell` interface (`run`, `stream`, `close`) so launch, watch and
+pre-flight never care where a node is. Host keys are verified against known_hosts; an unknown or
+changed key is a `HostKeyError`, and trusting a new key is a separate, explicit call
+(`trust_host_key`). Keys are referenced by path; there is no password option at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+CONNECT_TIMEOUT_S = 5.0      # TCP connect to the node's sshd
+LOGIN_TIMEOUT_S = 10.0       # SSH handshake, host-key check and key authentication
+COMMAND_TIMEOUT_S = 60.0     # default for one remote command
+KEEPALIVE_INTERVAL_S = 5.0   # SSH-level keepalives on idle connections ...
+KEEPALIVE_COUNT_MAX = 3      # ... a connection is dead after this many go unanswered
+KNOWN_HOSTS_ENV = "SWIFT_STUDIO_KNOWN_HOSTS"
+
+
+def default_known_hosts() -> Path:
+    return Path(os.environ.get(KNOWN_HOSTS_ENV) or Path.home() / ".ssh" / "known_hosts")
+
+
+@dataclass(frozen=True)
+class Address:
+    """How to reach a node. `host` "local" (or `local=True`) means this machine, no SSH."""
+
+    host: str
+    port: int = 22
+    user: str | None = None
+    key_path: str | None = None
+    local: bool = False
+
+    @property
+    def label(self) -> str:
+        return "local" if self.local else (f"{self.host}:{self.port}" if self.port != 22 else self.host)
+
+
+class NodeError(Exception):
+    """A node could not be reached or used; the message is one line naming the node."""
+
+    kind = "error"
+
+    def __init__(self, address: Address, message: str):
+        self.address = address
+        self.reason = message
+        super().__init__(f"{address.label}: {message}")
+
+
+class Unreachable(NodeError):
+    kind = "unreachable"
+
+
+class AuthFailed(NodeError):
+    kind = "auth"
+
+
+class HostKeyError(NodeError):
+    kind = "host_key"
+
+
+class CommandTimeout(NodeError):
+    kind = "timeout"
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def first_error_line(self) -> str:
+        lines = [ln for ln in (self.stderr or self.stdout).strip().splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else f"exit code {self.rc}"
+
+
+class Stream:
+    """A long-running command whose stdout is read line by line (the node agent)."""
+
+    def __init__(self, lines: AsyncIterator[str], closer):
+        self._lines = lines
+        self._closer = closer
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._lines
+
+    async def close(self) -> None:
+        await self._closer()
+
+
+class Shell:
+    address: Address
+
+    async def run(self, command: str, input: str | None = None,
+                  timeout: float = COMMAND_TIMEOUT_S) -> Result:
+        raise NotImplementedError
+
+    async def stream(self, command: str) -> Stream:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+
+class LocalShell(Shell):
+    """This machine: commands run under bash as local subprocesses."""
+
+    def __init__(self, address: Address | None = None):
+        self.address = address or Address("localhost", local=True)
+
+    async def run(self, command: str, input: str | None = None,
+                  timeout: float = COMMAND_TIMEOUT_S) -> Result:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", command, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(input.encode() if input is not None else None), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
+        return Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    async def stream(self, command: str) -> Stream:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", command, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+
+        async def lines():
+            assert proc.stdout is not None
+            async for raw in proc.stdout:
+                yield raw.decode(errors="replace")
+
+        async def close():
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, 15)
+                except ProcessLookupError:
+                    pass
+                try:
+                    await asyncio.wait_for(proc.wait(), 5)
+                except asyncio.TimeoutError:
+                    os.killpg(proc.pid, 9)
+                    await proc.wait()
+
+        return Stream(lines(), close)
+
+
+class SshShell(Shell):
+    def __init__(self, address: Address, conn: asyncssh.SSHClientConnection):
+        self.address = address
+        self._conn = conn
+
+    async def run(self, command: str, input: str | None = None,
+                  timeout: float = COMMAND_TIMEOUT_S) -> Result:
+        try:
+            res = await self._conn.run(command, input=input, timeout=timeout, check=False)
+        except asyncssh.TimeoutError:
+            raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
+        rc = res.exit_status if res.exit_status is not None else 255
+        return Result(rc, _text(res.stdout), _text(res.stderr))
+
+    async def stream(self, command: str) -> Stream:
+        try:
+            proc = await self._conn.create_process(command, stdin=asyncssh.DEVNULL, stderr=asyncssh.DEVNULL)
+        except (asyncssh.Error, OSError) as exc:
+            raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
+
+        async def lines():
+            async for line in proc.stdout:
+                yield line
+
+        async def close():
+            # Closing the channel hangs up the remote command (it reads a closed pipe / SIGPIPE);
+            # the agent is a reader only, so nothing is lost.
+            proc.close()
+            try:
+                await asyncio.wait_for(proc.wait_closed(), 5)
+            except (asyncio.TimeoutError, asyncssh.Error, OSError):
+                pass
+
+        return Stream(lines(), close)
+
+    async def close(self) -> None:
+        self._conn.close()
+        try:
+            await asyncio.wait_for(self._conn.wait_closed(), 5)
+        except (asyncio.TimeoutError, OSError, asyncssh.Error):
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.is_closed()
+
+
+def _text(value) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _known_host_patterns(address: Address) -> list[str]:
+    return [address.host] if address.port == 22 else [f"[{address.host}]:{address.port}"]
+
+
+def _has_known_key(known_hosts: Path, address: Address) -> bool:
+    if not known_hosts.exists():
+        return False
+    try:
+        trusted, _, _, _, _, _, _ = asyncssh.read_known_hosts(str(known_hosts)).match(
+            address.host, "", address.port)
+    except (asyncssh.Error, ValueError, OSError):
+        return False
+    return bool(trusted)
+
+
+async def _tcp_connect(address: Address) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM), CONNECT_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise Unreachable(address, f"cannot resolve host name ({_reason(exc)})") from None
+    last: BaseException | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, sockaddr), CONNECT_TIMEOUT_S)
+            return sock
+        except asyncio.TimeoutError:
+            sock.close()
+            last = TimeoutError(f"no answer within {CONNECT_TIMEOUT_S:.0f} s")
+        except OSError as exc:
+            sock.close()
+            last = exc
+    if isinstance(last, OSError) and last.errno:
+        reason = os.strerror(last.errno).lower()
+    else:
+        reason = _reason(last or OSError())
+    raise Unreachable(address, f"cannot connect to port {address.port} ({reason})")
+
+
+async def connect(address: Address, known_hosts: Path | None = None) -> Shell:
+    """A shell on the node, or one of the `NodeError`s with a one-line reason."""
+    if address.local:
+        return LocalShell(address)
+    known_hosts = known_hosts or default_known_hosts()
+    if address.key_path and not Path(address.key_path).expanduser().is_file():
+        raise AuthFailed(address, f"private key file not found: {address.key_path}")
+    sock = await _tcp_connect(address)
+    options = dict(
+        username=address.user or None,
+        known_hosts=str(known_hosts) if known_hosts.exists() else asyncssh.import_known_hosts(""),
+        preferred_auth="publickey",
+        password=None,
+        kbdint_auth=False,
+        password_auth=False,
+        keepalive_interval=KEEPALIVE_INTERVAL_S,
+        keepalive_count_max=KEEPALIVE_COUNT_MAX,
+        connect_timeout=LOGIN_TIMEOUT_S,
+    )
+    if address.key_path:
+        options.update(client_keys=[str(Path(address.key_path).expanduser())], agent_path=None)
+    try:
+        conn = await asyncio.wait_for(
+            asyncssh.connect(address.host, address.port, sock=sock, **options), LOGIN_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        sock.close()
+        raise Unreachable(address, f"SSH login did not complete within {LOGIN_TIMEOUT_S:.0f} s") from None
+    except asyncssh.HostKeyNotVerifiable:
+        sock.close()
+        if _has_known_key(known_hosts, address):
+            raise HostKeyError(address, f"host key CHANGED since it was trusted in {known_hosts}; "
+                                        "if the node was reinstalled, remove its old line and trust it again") from None
+        raise HostKeyError(address, f"host key unknown (not in {known_hosts}); trust it explicitly "
+                                    "(swift-studio trust-host) after checking its fingerprint") from None
+    except asyncssh.PermissionDenied:
+        sock.close()
+        who = f"user {address.user}" if address.user else "the current user"
+        key = f"key {address.key_path}" if address.key_path else "the default keys"
+        raise AuthFailed(address, f"permission denied (publickey) for {who} with {key}") from None
+    except (asyncssh.Error, OSError) as exc:
+        sock.close()
+        raise Unreachable(address, f"SSH connection failed: {_reason(exc)}") from None
+    return SshShell(address, conn)
+
+
+async def host_key_fingerprint(address: Address) -> str:
+    """The SHA256 fingerprint the node presents now (for the user to compare before trusting)."""
+    key = await _fetch_host_key(address)
+    return key.get_fingerprint("sha256")
+
+
+async def _fetch_host_key(address: Address) -> asyncssh.SSHKey:
+    sock = await _tcp_connect(address)
+    try:
+        key = await asyncio.wait_for(
+            asyncssh.get_server_host_key(address.host, address.port, sock=sock), LOGIN_TIMEOUT_S)
+    except (asyncio.TimeoutError, asyncssh.Error, OSError) as exc:
+        raise Unreachable(address, f"could not read the host key: {_reason(exc)}") from None
+    finally:
+        sock.close()
+    if key is None:
+        raise Unreachable(address, "the server sent no host key")
+    return key
+
+
+async def trust_host_key(address: Address, known_hosts: Path | None = None,
+                         expected_fingerprint: str | None = None) -> str:
+    """Append the node's current host key to known_hosts; returns its fingerprint.
+
+    With `expected_fingerprint`, refuses when the presented key differs (the user compared it).
+    """
+    known_hosts = known_hosts or default_known_hosts()
+    key = await _fetch_host_key(address)
+    fingerprint = key.get_fingerprint("sha256")
+    if expected_fingerprint and expected_fingerprint != fingerprint:
+        raise HostKeyError(address, f"presented key {fingerprint} is not the expected {expected_fingerprint}")
+    known_hosts.parent.mkdir(parents=True, exist_ok=True)
+    line = f"{_known_host_patterns(address)[0]} {key.export_public_key('openssh').decode().strip()}\n"
+    with open(known_hosts, "a") as fh:
+        fh.write(line)
+    return fingerprint

@@ -1,0 +1,65 @@
+"""Process-group setup for a torchrun worker and the small CPU control channel.
+
+The control channel is a gloo group over CPU tensors: the per-step stop-flag agreement and the
+per-window statistics travel on it, so on GPUs none of them forces a device synchronisation.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    control: object  # gloo ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> tuple[list[float], float]:
+        """Reduce a few host floats over the control group; returns (values, seconds waited)."""
+        tensor = torch.tensor(values, dtype=torch.float64)
+        started = time.perf_counter()
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                    "min": dist.ReduceOp.MIN}[op], group=self.control)
+        return tensor.tolist(), time.perf_counter() - started
+
+    def all_gather_object(self, obj) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+
+def init(timeout_s: int) -> Dist:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return Dist(rank, world, local_rank, device, control)
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

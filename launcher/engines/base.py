@@ -1,0 +1,94 @@
+"""What every engine offers the training loop, and the parts they share."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from launcher.model import DTYPES
+
+
+class Engine:
+    """One optimizer step = `forward_backward` per micro-batch, then `step`.
+
+    `save`/`load` are collective: every rank calls them with the same directory.
+    """
+
+    name = "engine"
+    #: whether a checkpoint can be loaded with a different world size
+    reshards = True
+
+    def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> torch.Tensor | float:
+        """Apply the accumulated gradients; returns the grad norm before clipping."""
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def save(self, path: Path, is_main: bool) -> None:
+        raise NotImplementedError
+
+    def load(self, path: Path) -> None:
+        raise NotImplementedError
+
+
+def autocast(device: torch.device, dtype_name: str):
+    """Autocast for engines that keep fp32 parameters (DDP); nothing for fp32."""
+    if dtype_name == "float32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype_name])
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """Decay matrices, not biases and norms (the usual AdamW practice)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def make_optimizer(model, spec, device: torch.device):
+    return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.learning_rate, betas=(0.9, 0.999),
+                             eps=1e-8, fused=device.type == "cuda")
+
+
+def make_scheduler(optimizer, spec, total_steps: int):
+    from transformers import get_scheduler
+
+    warmup = int(round(spec.warmup_ratio * total_steps))
+    return get_scheduler(spec.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def save_pretrained(model, path: Path, state_dict: dict | None = None) -> None:
+    """LoRA: adapter_model.safetensors + adapter_config.json; full: model.safetensors + config."""
+    model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+
+
+def load_weights(model, path: Path) -> None:
+    """Inverse of `save_pretrained` into an already built (unsharded) model."""
+    from safetensors.torch import load_file
+
+    if (path / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"{path}: adapter keys not in the model: {unexpected[:5]}")
+        return
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")

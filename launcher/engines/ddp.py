@@ -1,0 +1,62 @@
+"""DistributedDataParallel: full replicas, gradients all-reduced in backward."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from launcher.engines.base import Engine, autocast, load_weights, make_optimizer, make_scheduler, save_pretrained
+
+
+class DDPEngine(Engine):
+    name = "ddp"
+    reshards = True  # every rank holds the full model and optimizer state
+
+    def __init__(self, model, spec, device: torch.device, total_steps: int):
+        self.model, self.spec, self.device = model.to(device), spec, device
+        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.model, spec, device)
+        self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
+        self.scaler = torch.amp.GradScaler(device.type) if spec.torch_dtype == "float16" else None
+        self.accumulation = spec.gradient_accumulation_steps
+
+    def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        with (nullcontext() if sync else self.ddp.no_sync()):
+            with autocast(self.device, self.spec.torch_dtype):
+                loss = self.ddp(**batch).loss
+            scaled = loss / self.accumulation
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach()
+
+    def step(self):
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm.detach()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, path: Path, is_main: bool) -> None:
+        if is_main:
+            save_pretrained(self.model, path / "model")
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "scaler": self.scaler.state_dict() if self.scaler else None}, path / "optimizer.pt")
+
+    def load(self, path: Path) -> None:
+        load_weights(self.model, path / "model")
+        state = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,90 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer and the root sharded over
+all ranks; checkpoints through torch.distributed.checkpoint, so they reshard onto any world size."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from launcher.engines.base import Engine, make_optimizer, make_scheduler, save_pretrained
+from launcher.model import DTYPES
+
+DCP_DIR = "dcp"
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks, found by the class names transformers marks as not splittable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+class FSDPEngine(Engine):
+    name = "fsdp"
+    reshards = True
+
+    def __init__(self, model, spec, dist, total_steps: int):
+        self.spec, self.dist = spec, dist
+        words = spec.fsdp.replace(",", " ").split()
+        mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+        kwargs = {"mesh": mesh, "reshard_after_forward": "shard_grad_op" not in words}
+        if spec.torch_dtype != "float32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[spec.torch_dtype], reduce_dtype=torch.float32)
+        if "offload" in words and dist.device.type == "cuda":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        elif dist.device.type == "cuda":
+            model.to(dist.device)
+        layers = decoder_layers(model)
+        if not layers:
+            raise ValueError("fsdp: cannot find the decoder layers of this model (no _no_split_modules)")
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.model = model
+        self.optimizer = make_optimizer(model, spec, dist.device if "offload_policy" not in kwargs else torch.device("cpu"))
+        self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.accumulation = spec.gradient_accumulation_steps
+
+    def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        # Reduce-scatter only on the last micro-batch; earlier ones accumulate unsharded grads.
+        self.model.set_requires_gradient_sync(sync)
+        loss = self.model(**batch).loss
+        (loss / self.accumulation).backward()
+        return loss.detach()
+
+    def step(self):
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, path: Path, is_main: bool) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / DCP_DIR))
+        if is_main:
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+        if self.spec.train_type == "lora":
+            # Adapters are small: gather them whole for export; full weights stay sharded in
+            # dcp/ and launcher.export consolidates them.
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if is_main:
+                save_pretrained(self.model, path / "model", state_dict=full)
+        elif is_main:
+            self.model.config.save_pretrained(path / "model")
+
+    def load(self, path: Path) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+

@@ -1,0 +1,81 @@
+"""DeepSpeed ZeRO 0-3 (with CPU optimizer / parameter offload) through `deepspeed.initialize`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from launcher.engines.base import Engine, make_optimizer, make_scheduler, param_groups, save_pretrained
+
+TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+    # ZeRO partitions optimizer state by data-parallel rank; loading it onto another world size
+    # needs DeepSpeed's universal-checkpoint conversion, which this worker does not run.
+    reshards = False
+
+    def __init__(self, model, spec, dist, total_steps: int, config: dict):
+        import deepspeed
+
+        self.spec, self.dist = spec, dist
+        zero = config.get("zero_optimization", {})
+        self.stage = int(zero.get("stage", 0))
+        offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+        optimizer = None
+        if "optimizer" not in config:
+            if offloaded:  # DeepSpeed's CPU Adam does the offloaded step; it needs the config section
+                config["optimizer"] = {"type": "AdamW", "params": {"lr": spec.learning_rate, "betas": [0.9, 0.999],
+                                                                    "eps": 1e-8, "weight_decay": spec.weight_decay}}
+            else:
+                optimizer = make_optimizer(model, spec, dist.device)
+        scheduler = None if "scheduler" in config else (lambda opt: make_scheduler(opt, spec, total_steps))
+        self.module = model
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=None if optimizer else param_groups(model, spec.weight_decay),
+            optimizer=optimizer, lr_scheduler=scheduler, config=config)
+
+    def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        # DeepSpeed counts micro-batches itself and steps (and syncs) at the accumulation boundary.
+        loss = self.engine(**batch).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def step(self):
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else norm
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def save(self, path: Path, is_main: bool) -> None:
+        self.engine.save_checkpoint(str(path), tag=TAG)
+        lora = self.spec.train_type == "lora"
+        if lora or self.stage < 3:
+            # Adapters are small: gather them (a no-op below ZeRO-3) and write them for export.
+            # Full weights below ZeRO-3 are whole on every rank. Full ZeRO-3 weights stay sharded
+            # in `engine/`; launcher.export consolidates them.
+            params = [p for p in self.module.parameters() if p.requires_grad] if lora else []
+            with _gathered(params, self.stage):
+                if is_main:
+                    save_pretrained(self.module, path / "model")
+        elif is_main:
+            self.module.config.save_pretrained(path / "model")
+
+    def load(self, path: Path) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise ValueError(f"{path}: no DeepSpeed state under '{TAG}/'")
+
+
+def _gathered(params, stage: int):
+    import contextlib
+
+    if stage < 3 or not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -1,0 +1,128 @@
+"""Model and tokenizer loading: transformers for the model, peft for LoRA."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from launcher.data import DEFAULT_CHAT_TEMPLATE
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ModelError(Exception):
+    """A user-fixable problem loading the model (bad path, missing files, unknown option)."""
+
+
+def attn_implementation(requested: str | None) -> str:
+    """SDPA by default; flash-attention 2 when asked for (or when installed and nothing was asked)."""
+    has_flash = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    if requested in (None, "", "auto"):
+        return "flash_attention_2" if has_flash else "sdpa"
+    if requested == "flash_attention_2" and not has_flash:
+        raise ModelError("attn_impl: flash_attention_2 needs the flash-attn package and a CUDA GPU")
+    return requested
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model: cannot load a tokenizer from '{model}' ({exc})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer of %s has no chat template; using ChatML", model)
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_model(spec, master_dtype: torch.dtype = torch.float32):
+    """The causal LM in `master_dtype` (the engines keep fp32 master weights and run the compute
+    dtype through autocast / their mixed-precision policy)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=master_dtype, attn_implementation=attn_implementation(spec.attn_impl))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec.model, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model: cannot load '{spec.model}' ({exc})") from None
+    if spec.use_liger_kernel:
+        apply_liger(model)
+    model.config.use_cache = False
+    return model
+
+
+def apply_liger(model) -> None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ModelError("use_liger_kernel: liger-kernel is not installed on this node (pip install liger-kernel)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+
+
+def add_lora(model, spec):
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
+    config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelError(f"target_modules: {exc}") from None
+
+
+def prepare(spec):
+    """Tokenizer and the (LoRA-wrapped) model, gradient checkpointing on when asked."""
+    tokenizer = load_tokenizer(spec.model)
+    model = load_model(spec)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.train_type == "lora":
+        model = add_lora(model, spec)
+    return tokenizer, model
+
+
+def matmul_params(config) -> int:
+    """Parameters in the matmuls of one token's forward (embedding lookup excluded), as in the
+    shared HF baseline, for MFU = 6·N + 12·L·h·T FLOPs per token."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads) * getattr(config, "head_dim", h // heads)
+    q = heads * getattr(config, "head_dim", h // heads)
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * config.intermediate_size
+    return layers * per_layer + h * vocab
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    return 6 * matmul_params(config) + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+# Dense bf16 peak per device, for MFU. Unknown devices (and CPUs) report MFU as null.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+               "A10": 125.0, "4090": 165.0}
+
+
+def peak_flops() -> float | None:
+    import os
+
+    if os.environ.get("PEAK_TFLOPS"):
+        return float(os.environ["PEAK_TFLOPS"]) * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def base_model_path(model) -> str | None:
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(Path(path)) if path else None

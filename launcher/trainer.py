@@ -1,0 +1,292 @@
+"""The training loop of one rank: data, engine, events, checkpoints, stop and failure handling."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from launcher import checkpoint, data
+from launcher.config import ConfigError, load_ds_config, load_job
+from launcher.dist import Dist
+from launcher.engines import build_engine
+from launcher.events import EventWriter, Window, eta_seconds, finite_or_none, format_duration, memory_gib
+from launcher.model import flops_per_token, peak_flops, prepare
+
+log = logging.getLogger("launcher")
+NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
+STOP_GRACE_S = 25.0  # torchrun escalates SIGTERM to SIGKILL after 30 s
+
+
+class Diverged(Exception):
+    """The loss was NaN/inf for NONFINITE_LIMIT consecutive steps."""
+
+
+class Stopped(Exception):
+    """SIGTERM: a checkpoint was written (when possible) and the worker should exit 143."""
+
+
+@dataclass
+class Plan:
+    steps_per_epoch: int
+    max_steps: int
+
+
+class StopSignal:
+    """Turns SIGTERM into a flag checked at the step boundary; a watchdog bounds the wait."""
+
+    def __init__(self, on_timeout):
+        self.requested = False
+        self._on_timeout = on_timeout
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            return
+        self.requested = True
+        timer = threading.Timer(STOP_GRACE_S, self._on_timeout)
+        timer.daemon = True
+        timer.start()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, run_dir: Path, dist: Dist, resume: str | None):
+        self.run_dir, self.dist = Path(run_dir), dist
+        self.events = EventWriter(self.run_dir, dist.rank)
+        self.resume_ref = resume
+        self.step = 0
+        self.stop = StopSignal(self._stop_timed_out)
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        spec = self.spec = load_job(self.run_dir)
+        if spec.torch_dtype == "float16" and self.dist.device.type == "cpu":
+            raise ConfigError("torch_dtype: float16 needs a GPU (CPUs have no fp16 autocast); use bfloat16 or float32")
+        seed_everything(spec.seed)
+        self.tokenizer, model = prepare(spec)
+        self.model_config = getattr(model, "config", None)
+        ds_config = (load_ds_config(self.run_dir, spec, self.dist.world_size, getattr(self.model_config, "hidden_size", None))
+                     if spec.deepspeed else None)
+        self.batches, self.plan = self._load_data()
+        self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
+        # Different dropout masks per rank from here on (the weights were initialised identically).
+        seed_everything(spec.seed + 1000 * self.dist.rank)
+        ckpt = self._resume_checkpoint()
+        self.resumed_from = None
+        if ckpt is not None:
+            self._load(ckpt)
+        self.flops_per_token = (flops_per_token(self.model_config, spec.max_length)
+                                if spec.train_type == "full" and self.model_config else None)
+        self.peak_flops = peak_flops()
+
+    def _load_data(self) -> tuple[data.Batches, Plan]:
+        spec, d = self.spec, self.dist
+        error, rows, dropped = None, [], 0
+        try:
+            samples, dropped = data.load_samples(spec.dataset, self.tokenizer, spec.max_length, d.rank,
+                                                 d.world_size, spec.seed)
+            rows = data.pack(samples, spec.max_length) if spec.packing else data.unpacked(samples)
+        except data.DataError as exc:
+            error = str(exc)
+        # Every rank learns about any rank's bad record, so all stop before training.
+        errors = [e for e in d.all_gather_object(error) if e]
+        if errors:
+            raise data.DataError(errors[0])
+        (min_rows,), _ = d.all_reduce([len(rows)], "min")
+        (total_rows, total_dropped), _ = d.all_reduce([len(rows), dropped], "sum")
+        per_epoch = data.steps_per_epoch(int(min_rows), spec.per_device_train_batch_size, spec.gradient_accumulation_steps)
+        if per_epoch < 1:
+            need = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * d.world_size
+            raise data.DataError(f"dataset: {int(total_rows)} training sequences are fewer than one global batch "
+                                 f"({need} = micro-batch × accumulation × {d.world_size} ranks)")
+        if d.is_main:
+            log.info("data: %d sequences over %d ranks (%d samples dropped: no response left after truncation to "
+                     "max_length=%d), %d steps per epoch", total_rows, d.world_size, total_dropped, spec.max_length,
+                     per_epoch)
+        plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
+        batches = data.Batches(rows, spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
+                               spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length)
+        return batches, plan
+
+    def _resume_checkpoint(self) -> Path | None:
+        ref = self.resume_ref or self.spec.resume_from_checkpoint
+        if ref is None:
+            return None
+        try:
+            found = checkpoint.resolve(self.run_dir, ref)
+        except ValueError as exc:
+            raise ConfigError(f"resume: {exc}") from None
+        if found is None and self.dist.is_main:
+            log.info("resume: no complete checkpoint in %s; starting from step 0", self.run_dir)
+        return found
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _save(self) -> Path:
+        d, step = self.dist, self.step
+        tmp = checkpoint.tmp_dir(self.run_dir, step)
+        if d.is_main:
+            checkpoint.prepare(self.run_dir, step)
+        d.barrier()
+        self.engine.save(tmp, d.is_main)
+        torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
+        if d.is_main:
+            self.tokenizer.save_pretrained(tmp / "tokenizer")
+            shutil.copy(self.run_dir / "job.yaml", tmp / "job.yaml")
+            state = {"step": step, "epoch": step / self.plan.steps_per_epoch, "steps_per_epoch": self.plan.steps_per_epoch,
+                     "max_steps": self.plan.max_steps, "world_size": d.world_size, "engine": self.engine.name,
+                     "train_type": self.spec.train_type, "base_model": self.spec.model}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        d.barrier()
+        final = checkpoint.final_dir(self.run_dir, step)
+        if d.is_main:
+            final = checkpoint.publish(tmp, step)
+            for gone in checkpoint.prune(self.run_dir, self.spec.save_total_limit):
+                log.info("deleted old checkpoint %s (save_total_limit=%s)", gone, self.spec.save_total_limit)
+            self.events.emit("checkpoint", step=step, path=str(final))
+            log.info("saved %s", final)
+        d.barrier()
+        return final
+
+    def _load(self, path: Path) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state["world_size"] != self.dist.world_size and not self.engine.reshards:
+            raise ConfigError(f"resume: {path} was written by {state['world_size']} ranks and {self.engine.name} "
+                              f"cannot reshard it onto {self.dist.world_size}; resume with the same number of GPUs")
+        if state["train_type"] != self.spec.train_type:
+            raise ConfigError(f"resume: {path} is a {state['train_type']} checkpoint but train_type is {self.spec.train_type}")
+        self.engine.load(path)
+        rng = path / f"rng-rank{self.dist.rank}.pt"
+        if rng.is_file():  # absent when the world size grew
+            set_rng_state(torch.load(rng, weights_only=False))
+        self.step = self.resumed_from = state["step"]
+        if self.dist.is_main:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def train(self) -> None:
+        d, spec, plan = self.dist, self.spec, self.plan
+        if d.is_main:
+            self.events.emit("start", world_size=d.world_size, max_steps=plan.max_steps, resumed_from=self.resumed_from,
+                             attempt_pid=os.getpid())
+        window, pending, nonfinite_run = Window(), [], 0
+        window_losses: list[float] = []
+        last_saved = self.step if self.resumed_from is not None else None
+        while self.step < plan.max_steps:
+            started = time.perf_counter()
+            micro = self.batches.step(self.step)
+            data_wait = time.perf_counter() - started
+            losses = []
+            for i, (batch, _, _) in enumerate(micro):
+                batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
+                losses.append(self.engine.forward_backward(batch, sync=i == len(micro) - 1))
+            grad_norm = self.engine.step()
+            pending.append((torch.stack(losses).float().mean(), grad_norm))
+            self.step += 1
+            (stop_votes,), wait = d.all_reduce([float(self.stop.requested)], "max")
+            window.add(time.perf_counter() - started, wait, data_wait, sum(m[1] for m in micro), sum(m[2] for m in micro))
+            is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps
+            if is_log or len(pending) >= NONFINITE_LIMIT:
+                step_losses, norms = self._reduce_pending(pending)
+                pending = []
+                for loss in step_losses:
+                    nonfinite_run = 0 if math.isfinite(loss) else nonfinite_run + 1
+                if nonfinite_run >= NONFINITE_LIMIT:
+                    raise Diverged(self._divergence_message(nonfinite_run))
+                window_losses += step_losses
+                self.last_grad_norm = norms[-1]
+            if is_log:
+                self._log(window, window_losses)
+                window, window_losses = Window(), []
+            due = self.step % spec.save_steps == 0 or self.step == plan.max_steps
+            if stop_votes or due:
+                self._save()
+                last_saved = self.step
+            if stop_votes:
+                raise Stopped()
+        if last_saved != self.step:
+            self._save()
+
+    def _reduce_pending(self, pending) -> tuple[list[float], list[float]]:
+        """Global mean loss per step and grad norms: one device→host copy for the whole window."""
+        values = torch.stack([torch.stack([loss, torch.as_tensor(norm, dtype=torch.float32, device=loss.device).reshape(())
+                                           if not hasattr(norm, "full_tensor") else norm.full_tensor().float()])
+                              for loss, norm in pending]).cpu()
+        summed, _ = self.dist.all_reduce(values[:, 0].tolist(), "sum")
+        return [v / self.dist.world_size for v in summed], values[:, 1].tolist()
+
+    def _divergence_message(self, run: int) -> str:
+        last = checkpoint.latest(self.run_dir)
+        return (f"loss was NaN/inf for {run} consecutive steps (up to step {self.step}); stopping. "
+                f"Last complete checkpoint: {last or 'none'}. Try a lower learning_rate, bfloat16 instead of float16, "
+                f"or check the data")
+
+    def _log(self, window: Window, losses: list[float]) -> None:
+        d, spec, plan = self.dist, self.spec, self.plan
+        means = window.means()
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        (tokens, samples), _ = d.all_reduce([window.tokens, window.samples], "sum")
+        self.events.emit("timing", rank=d.rank, step=self.step, **means)
+        if not d.is_main:
+            return
+        tokens_per_s = tokens / elapsed
+        mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * d.world_size)
+               if self.flops_per_token and self.peak_flops else None)
+        allocated, peak = memory_gib()
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        eta = eta_seconds(self.step, plan.max_steps, means["step_time_s"])
+        self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, loss=finite_or_none(loss),
+                         learning_rate=self.engine.lr(), grad_norm=finite_or_none(self.last_grad_norm),
+                         tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed, step_time_s=means["step_time_s"],
+                         mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta)
+        log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3g %.0f tok/s eta %s", self.step, plan.max_steps, loss,
+                 self.engine.lr(), self.last_grad_norm, tokens_per_s, format_duration(eta))
+
+    # ---- ending --------------------------------------------------------------------------
+
+    def end(self, status: str, error: str | None) -> None:
+        if self.dist.is_main:
+            self.events.emit("end", status=status, step=self.step, error=error)
+        self.events.close()
+
+    def _stop_timed_out(self) -> None:
+        """SIGTERM could not be honoured at a step boundary within STOP_GRACE_S (a long step or a
+        peer that is gone): record it and leave without a checkpoint."""
+        log.error("stop requested but no step boundary reached within %.0f s; exiting without a checkpoint", STOP_GRACE_S)
+        try:
+            self.end("stopped", f"terminated after {STOP_GRACE_S:.0f} s without reaching a step boundary")
+        finally:
+            os._exit(143)

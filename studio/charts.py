@@ -1,0 +1,249 @@
+"""Monitor charts as pure functions of series points (no Gradio, no database).
+
+A `SeriesBuffer` per browser session keeps what the charts show: it takes only the new points of
+each tick (`backend` series with a cursor) and thins itself so a day of data on 64 GPUs stays a
+few thousand points per series. Figures are built from the buffer on every tick.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import plotly.graph_objects as go
+
+Point = tuple[float, float | None]
+NO_INDEX = -1
+
+# The series the Monitor tab reads (names as backend.ingest stores them; units in the name).
+MONITOR_SERIES = ("train/*", "eval/*", "gpu/util_pct", "gpu/mem_used_gib", "gpu/mem_total_gib", "gpu/power_w",
+                  "host/cpu_pct", "host/ram_used_gib", "rank/collective_wait_s", "rank/data_wait_s")
+MAX_POINTS = 1500
+HEATMAP_COLUMNS = 120
+CHART_HEIGHT = 280
+
+
+def downsample(points: list[Point], target: int) -> list[Point]:
+    """Bucket means over equal index ranges, keeping the first and last points exactly.
+
+    None values (NaN/inf at the source) are skipped inside a bucket; a bucket of only Nones
+    stays None so a gap remains visible.
+    """
+    if len(points) <= target or target < 3:
+        return list(points)
+    inner = points[1:-1]
+    size = len(inner) / (target - 2)
+    out = [points[0]]
+    for i in range(target - 2):
+        bucket = inner[int(i * size): max(int((i + 1) * size), int(i * size) + 1)]
+        values = [v for _, v in bucket if v is not None]
+        t = sum(t for t, _ in bucket) / len(bucket)
+        out.append((t, sum(values) / len(values) if values else None))
+    out.append(points[-1])
+    return out
+
+
+@dataclass
+class SeriesBuffer:
+    """The points one browser session shows for one run, keyed as the backend keys them
+    (`name`, `node`, `gpu`, `rank`)."""
+
+    run_id: str | None = None
+    cursor: int | None = None
+    points: dict[tuple, list[Point]] = field(default_factory=dict)
+    max_points: int = MAX_POINTS
+
+    def apply(self, series: dict[Any, list[Point]], cursor: int, reset: bool) -> bool:
+        """Merge one read; returns True when anything changed. `reset` replaces everything."""
+        if reset:
+            self.points = {}
+        changed = reset
+        for key, pts in series.items():
+            if not pts:
+                continue
+            key = tuple(key)
+            mine = self.points.setdefault(key, [])
+            last_t = mine[-1][0] if mine else -math.inf
+            new = [p for p in pts if p[0] > last_t]
+            if new:
+                mine.extend(new)
+                changed = True
+                if len(mine) > 2 * self.max_points:
+                    self.points[key] = downsample(mine, self.max_points)
+        self.cursor = cursor
+        return changed
+
+    def named(self, name: str) -> dict[tuple, list[Point]]:
+        return {k: v for k, v in sorted(self.points.items()) if k[0] == name and v}
+
+    def last(self, name: str) -> float | None:
+        latest = max((pts[-1] for pts in self.named(name).values()), default=None, key=lambda p: p[0])
+        return latest[1] if latest else None
+
+
+def label(key: tuple) -> str:
+    _, node, gpu, rank = key
+    if gpu != NO_INDEX:
+        return f"{node}:{gpu}"
+    if rank != NO_INDEX:
+        return f"rank {rank}"
+    return node
+
+
+def ema(values: list[float | None], weight: float) -> list[float | None]:
+    """TensorBoard's debiased exponential moving average; weight 0 = raw values."""
+    out: list[float | None] = []
+    last, debias, n = 0.0, 0.0, 0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(None)
+            continue
+        last = last * weight + (1 - weight) * v
+        n += 1
+        debias = 1 - weight**n
+        out.append(last / debias if debias else v)
+    return out
+
+
+def _times(points: Iterable[Point]) -> list:
+    # Plotly draws epoch milliseconds on a 'date' axis without any timezone library in the page.
+    return [t * 1000 for t, _ in points]
+
+
+def _figure(title: str, y_title: str, empty_note: str = "waiting for data") -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), height=CHART_HEIGHT,
+                      margin=dict(l=50, r=20, t=40, b=35), legend=dict(orientation="h", y=-0.2),
+                      yaxis_title=y_title, xaxis=dict(type="date"), template="plotly_white",
+                      uirevision=title)
+    fig.add_annotation(text=empty_note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       visible=True, name="empty", font=dict(color="#888"))
+    return fig
+
+
+def _done(fig: go.Figure) -> go.Figure:
+    if fig.data:
+        fig.update_annotations(visible=False, selector=dict(name="empty"))
+    return fig
+
+
+def lines(title: str, y_title: str, series: dict[tuple, list[Point]]) -> go.Figure:
+    fig = _figure(title, y_title)
+    for key, pts in series.items():
+        fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode="lines", name=label(key))
+    return _done(fig)
+
+
+def loss_figure(buf: SeriesBuffer, smoothing: float) -> go.Figure:
+    fig = _figure("Loss", "loss")
+    for name, colour in (("train/loss", "#f97316"), ("eval/loss", "#2563eb")):
+        for key, pts in buf.named(name).items():
+            kind = name.split("/")[0]
+            ys = [v for _, v in pts]
+            xs = _times(pts)
+            if smoothing > 0:
+                fig.add_scatter(x=xs, y=ys, mode="lines", name=f"{kind} (raw)", opacity=0.3,
+                                line=dict(color=colour), showlegend=False)
+                ys = ema(ys, smoothing)
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 50 else "lines", name=kind,
+                            line=dict(color=colour), marker=dict(size=4))
+    return _done(fig)
+
+
+def throughput_figure(buf: SeriesBuffer) -> go.Figure:
+    fig = _figure("Throughput", "tokens/s")
+    for key, pts in buf.named("train/tokens_per_s").items():
+        fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode="lines", name="tokens/s")
+    for key, pts in buf.named("train/mfu").items():
+        if any(v is not None for _, v in pts):
+            fig.add_scatter(x=_times(pts), y=[None if v is None else v * 100 for _, v in pts], mode="lines",
+                            name="MFU %", yaxis="y2")
+            fig.update_layout(yaxis2=dict(title="MFU %", overlaying="y", side="right", rangemode="tozero"))
+    return _done(fig)
+
+
+def utilisation_series(buf: SeriesBuffer) -> tuple[str, dict[tuple, list[Point]]]:
+    """GPU utilisation of every node×GPU; CPU utilisation per node where no GPU reports."""
+    gpu = buf.named("gpu/util_pct")
+    if gpu:
+        return "GPU utilisation %", gpu
+    return "CPU utilisation % (no GPU)", buf.named("host/cpu_pct")
+
+
+def heatmap_grid(series: dict[tuple, list[Point]], columns: int = HEATMAP_COLUMNS
+                 ) -> tuple[list[float], list[str], list[list[float | None]]]:
+    """Resample every series onto one time grid of `columns` buckets (mean per bucket).
+
+    Returns bucket centre times (seconds), row labels and z[row][column] (None = no sample).
+    """
+    times = [t for pts in series.values() for t, _ in pts]
+    if not times:
+        return [], [], []
+    t0, t1 = min(times), max(times)
+    columns = max(1, min(columns, len({round(t) for t in times})))
+    width = (t1 - t0) / columns or 1.0
+    centres = [t0 + (i + 0.5) * width for i in range(columns)]
+    labels, z = [], []
+    for key, pts in series.items():
+        sums, counts = [0.0] * columns, [0] * columns
+        for t, v in pts:
+            if v is None:
+                continue
+            i = min(columns - 1, int((t - t0) / width))
+            sums[i] += v
+            counts[i] += 1
+        labels.append(label(key))
+        z.append([s / c if c else None for s, c in zip(sums, counts)])
+    return centres, labels, z
+
+
+def utilisation_heatmap(buf: SeriesBuffer) -> go.Figure:
+    title, series = utilisation_series(buf)
+    centres, labels, z = heatmap_grid(series)
+    fig = _figure(f"{title}: every device over time", "")
+    if z:
+        fig.add_heatmap(x=_times((t, None) for t in centres), y=labels, z=z, zmin=0, zmax=100,
+                        colorscale="YlOrRd", colorbar=dict(title="%", thickness=10))
+        fig.update_layout(height=max(CHART_HEIGHT, 22 * len(labels) + 90))
+    return _done(fig)
+
+
+def figures(buf: SeriesBuffer, smoothing: float) -> dict[str, go.Figure]:
+    """Every Monitor chart, by name."""
+    util_title, util = utilisation_series(buf)
+    mem = buf.named("gpu/mem_used_gib")
+    mem_title = "GPU memory used (GiB)"
+    if not mem:
+        mem, mem_title = buf.named("host/ram_used_gib"), "Host memory used (GiB, no GPU)"
+    return {
+        "loss": loss_figure(buf, smoothing),
+        "lr": lines("Learning rate", "lr", buf.named("train/learning_rate")),
+        "throughput": throughput_figure(buf),
+        "util_heatmap": utilisation_heatmap(buf),
+        "util_lines": lines(util_title, "%", util),
+        "memory": lines(mem_title, "GiB", mem),
+        "power": lines("GPU power (W)", "W", buf.named("gpu/power_w")),
+        "collective": lines("Collective wait per rank (s per step)", "s", buf.named("rank/collective_wait_s")),
+    }
+
+
+def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, state: str) -> str:
+    """A progress bar with step counts and ETA; plain HTML so it needs no script."""
+    if not max_steps or max_steps <= 0 or step is None:
+        return f"<div class='status-line'>{state}: waiting for the first step…</div>"
+    share = max(0.0, min(1.0, step / max_steps))
+    eta = f" · ETA {format_duration(eta_s)}" if eta_s and state == "running" else ""
+    return (f"<div class='progress-outer' role='progressbar' aria-valuenow='{step}' aria-valuemax='{max_steps}'>"
+            f"<div class='progress-inner' style='width:{share * 100:.1f}%'></div></div>"
+            f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}</div>")
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "–"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"

@@ -1,0 +1,100 @@
+"""Cluster tab: the local machine by default; add / remove SSH nodes or load a hostfile; run
+pre-flight and show its node x check table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from backend.cluster import DEVICES, Cluster, HostfileError, local_cluster, parse_hostfile_text
+from studio.cluster_view import NODE_COLUMNS, cluster_summary, node_rows, put_node, remove_node
+from studio.train_view import problems_md
+
+
+def build() -> dict[str, Any]:
+    c: dict[str, Any] = {}
+    c["summary"] = gr.Markdown(elem_id="cluster-summary")
+    c["nodes"] = gr.Dataframe(headers=NODE_COLUMNS, interactive=False, label="Nodes",
+                              elem_id="cluster-nodes", wrap=True)
+    c["message"] = gr.Markdown(elem_id="cluster-message")
+    with gr.Row():
+        c["use_local"] = gr.Button("Use this machine only", size="sm")
+        c["remove_host"] = gr.Dropdown(label="Node to remove", choices=[], scale=2, elem_id="cluster-remove-host")
+        c["remove"] = gr.Button("Remove node", size="sm")
+    with gr.Accordion("Add or change a node (SSH)", open=False):
+        with gr.Row():
+            c["host"] = gr.Textbox(label="Host · host", info="Name used in logs and the hostfile; an existing host is replaced.")
+            c["slots"] = gr.Number(label="GPUs · slots", info="Worker processes on this node (its GPUs, or CPU slots).", value=1, precision=0)
+            c["addr"] = gr.Textbox(label="Address · addr", info="Address the other nodes reach it at; empty = host.")
+            c["device"] = gr.Dropdown(label="Device · device", choices=list(DEVICES), value="cuda")
+        with gr.Row():
+            c["ssh_user"] = gr.Textbox(label="SSH user · ssh_user", info="Empty = your user name.")
+            c["ssh_port"] = gr.Number(label="SSH port · ssh_port", value=22, precision=0)
+            c["ssh_key"] = gr.Textbox(label="SSH key file · ssh_key", info="Private key path; passwords are never stored.")
+            c["python"] = gr.Textbox(label="Python · python", info="Interpreter on the node with swift-studio installed.", value="python3")
+        c["add"] = gr.Button("Add / update node", variant="secondary")
+    with gr.Accordion("Hostfile", open=False):
+        c["hostfile"] = gr.Textbox(label="Hostfile", lines=4, elem_id="cluster-hostfile",
+                                   info="DeepSpeed format: 'node1 slots=8 addr=10.0.0.1 ssh_user=ubuntu ...', one node per line.")
+        with gr.Row():
+            c["apply_hostfile"] = gr.Button("Use this hostfile", size="sm")
+            c["upload_hostfile"] = gr.UploadButton("Load hostfile…", size="sm", file_count="single")
+    with gr.Row():
+        c["preflight"] = gr.Button("Run pre-flight", variant="primary", elem_id="cluster-preflight")
+    c["preflight_summary"] = gr.Markdown(elem_id="preflight-summary")
+    c["preflight_table"] = gr.Dataframe(label="Pre-flight: node × check", interactive=False, wrap=True,
+                                        elem_id="preflight-table", visible=False)
+    return c
+
+
+def show(cluster: Cluster, message: str = "") -> tuple:
+    return (cluster, cluster_summary(cluster), node_rows(cluster), cluster.to_hostfile(),
+            gr.update(choices=[n.host for n in cluster.nodes], value=None), message)
+
+
+def wire(c: dict[str, Any], state: gr.State) -> None:
+    outputs = [state, c["summary"], c["nodes"], c["hostfile"], c["remove_host"], c["message"]]
+
+    def failed(cluster: Cluster, exc: HostfileError) -> tuple:
+        return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                "**Not applied:**\n" + problems_md(exc.problems))
+
+    def on_add(cluster: Cluster, *values) -> tuple:
+        row = dict(zip(("host", "slots", "addr", "device", "ssh_user", "ssh_port", "ssh_key", "python"), values))
+        try:
+            new = put_node(cluster, row)
+        except HostfileError as exc:
+            return failed(cluster, exc)
+        return show(new, f"Node `{row['host']}` saved.")
+
+    def on_remove(cluster: Cluster, host: str | None) -> tuple:
+        if not host:
+            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Pick the node to remove first.")
+        try:
+            return show(remove_node(cluster, host), f"Node `{host}` removed.")
+        except HostfileError:
+            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
+                    "A cluster needs at least one node; add another before removing this one, or use this machine only.")
+
+    def on_hostfile(cluster: Cluster, text: str, source: str = "hostfile") -> tuple:
+        try:
+            return show(parse_hostfile_text(text or "", source=source), f"Loaded {source}.")
+        except HostfileError as exc:
+            return failed(cluster, exc)
+
+    def on_upload(cluster: Cluster, file) -> tuple:
+        path = Path(file if isinstance(file, str) else file.name)
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"Cannot read {path.name}: {exc}")
+        return on_hostfile(cluster, text, source=path.name)
+
+    form = [c[k] for k in ("host", "slots", "addr", "device", "ssh_user", "ssh_port", "ssh_key", "python")]
+    c["add"].click(on_add, [state, *form], outputs)
+    c["remove"].click(on_remove, [state, c["remove_host"]], outputs)
+    c["apply_hostfile"].click(on_hostfile, [state, c["hostfile"]], outputs)
+    c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)
+    c["use_local"].click(lambda: show(local_cluster(), "Using this machine."), None, outputs)
+    c["show"] = show

@@ -1,0 +1,60 @@
+"""Pure helpers behind the Cluster tab: edit a node list and turn it into table rows.
+
+Every edit goes through `backend.cluster.cluster_from_dicts`, so the tab accepts exactly what a
+hostfile accepts and reports problems the same way (HostfileError naming the node and key).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from backend.cluster import Cluster, cluster_from_dicts
+
+NODE_COLUMNS = ["host", "address", "slots", "device", "GPUs", "GPU memory (GiB)", "SSH", "python"]
+NODE_FORM_KEYS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device")
+
+
+def node_rows(cluster: Cluster) -> list[list[Any]]:
+    rows = []
+    for n in cluster.nodes:
+        ssh = "local (no SSH)" if n.local else f"{n.ssh_user + '@' if n.ssh_user else ''}{n.address}:{n.ssh_port}"
+        gpus = ", ".join(n.gpu_names) if n.gpu_names else ("CPU slots" if n.device == "cpu" else "not probed")
+        mem = round(n.gpu_mem_gib, 1) if n.gpu_mem_gib else ""
+        rows.append([n.host, n.address, n.slots, n.device, gpus, mem, ssh, n.python])
+    return rows
+
+
+def put_node(cluster: Cluster, row: dict[str, Any]) -> Cluster:
+    """Add a node, or replace the node with the same host (to change its slots, key, ...).
+
+    Raises HostfileError naming the bad key. Empty form fields fall back to the node defaults.
+    """
+    clean = {k: v for k, v in row.items() if k in NODE_FORM_KEYS and v not in (None, "")}
+    if isinstance(clean.get("slots"), float):
+        clean["slots"] = int(clean["slots"]) if clean["slots"] == int(clean["slots"]) else clean["slots"]
+    if isinstance(clean.get("ssh_port"), float):
+        clean["ssh_port"] = int(clean["ssh_port"])
+    host = str(clean.get("host", "")).strip()
+    clean["host"] = host
+    rows = [n.to_dict() for n in cluster.nodes if n.host != host]
+    existing = next((n for n in cluster.nodes if n.host == host), None)
+    if existing is not None and existing.local:
+        # The studio's own machine keeps its discovered GPUs; only its slot count is editable.
+        merged = existing.to_dict() | {"slots": clean.get("slots", existing.slots)}
+    else:
+        merged = clean
+    index = next((i for i, n in enumerate(cluster.nodes) if n.host == host), len(rows))
+    rows.insert(index, merged)
+    return cluster_from_dicts(rows, source="nodes")
+
+
+def remove_node(cluster: Cluster, host: str) -> Cluster:
+    """The cluster without `host`. Raises HostfileError when that would leave no node."""
+    rows = [n.to_dict() for n in cluster.nodes if n.host != host]
+    return cluster_from_dicts(rows, source="nodes")
+
+
+def cluster_summary(cluster: Cluster) -> str:
+    slots = sum(n.slots for n in cluster.nodes)
+    kind = "GPUs" if cluster.backend == "nccl" else "CPU slots (gloo)"
+    where = "this machine" if cluster.is_local else f"{len(cluster.nodes)} node(s)"
+    return f"**{where}** · {slots} {kind} in total · backend `{cluster.backend}`"

@@ -1,0 +1,63 @@
+"""What every tab's handlers share: where presets live, the default output directory and the
+backend facade. One per studio process."""
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from backend.spec import JobSpec, Problem, parse_spec
+
+PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass
+class Studio:
+    data_dir: Path
+    output_dir: Path
+    manager_future: Future = field(default_factory=Future)
+    """Resolves to the backend.manager.RunManager; it is built while the page already answers."""
+
+    @property
+    def manager(self) -> Any:
+        return self.manager_future.result()
+
+    @property
+    def presets_dir(self) -> Path:
+        return self.data_dir / "presets"
+
+    def preset_names(self) -> list[str]:
+        saved = sorted(p.stem for p in self.presets_dir.glob("*.yaml")) if self.presets_dir.is_dir() else []
+        return ["demo", *[n for n in saved if n != "demo"]]
+
+    def load_preset(self, name: str) -> tuple[dict[str, Any] | None, list[Problem]]:
+        """A preset as a spec mapping. 'demo' is the bundled tiny model and dataset."""
+        if name == "demo":
+            from backend.demo import demo_spec
+            spec = demo_spec(output_dir=str(self.output_dir))
+            return spec.model_dump(), []
+        path = self.presets_dir / f"{name}.yaml"
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            return None, [Problem(name, f"no preset named {name!r} in {self.presets_dir}")]
+        except (OSError, yaml.YAMLError) as exc:
+            return None, [Problem(str(path), f"cannot read preset: {exc}")]
+        spec, problems = parse_spec(data, source=str(path))
+        return (spec.model_dump() if spec else None), problems
+
+    def save_preset(self, name: str, spec: JobSpec) -> Path:
+        """Writes the preset YAML; raises ValueError with a user-facing message for a bad name."""
+        name = (name or "").strip()
+        if name == "demo":
+            raise ValueError("'demo' is the bundled preset; pick another name")
+        if not PRESET_NAME.match(name):
+            raise ValueError("preset name: use letters, digits, '.', '_' or '-' (up to 64), starting with a letter or digit")
+        self.presets_dir.mkdir(parents=True, exist_ok=True)
+        path = self.presets_dir / f"{name}.yaml"
+        path.write_text(spec.to_yaml())
+        return path

@@ -1,0 +1,195 @@
+"""The Train form as data: which JobSpec field sits in which group, drawn with which widget, and
+the two conversions form values <-> spec mapping. Pure: no Gradio import, so it is unit-tested
+directly and the layout module only has to draw what this describes.
+"""
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from backend.spec import DEEPSPEED_PRESETS, FIELDS, JobSpec, Problem
+
+Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
+
+# Group title, open by default, fields. Every JobSpec field appears exactly once (tested).
+GROUPS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
+    ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype")),
+    ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
+    ("Engine and parallelism", True, (
+        "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+        "sequence_parallel_size")),
+    ("Hyper-parameters", True, (
+        "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+        "gradient_accumulation_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay",
+        "max_grad_norm")),
+    ("Checkpoints and logging", False, (
+        "output_dir", "save_steps", "save_total_limit", "logging_steps", "report_to",
+        "resume_from_checkpoint")),
+    ("Advanced", False, (
+        "gradient_checkpointing", "use_liger_kernel", "attn_impl", "seed", "ddp_timeout", "env")),
+)
+
+# Fields whose choices are open-ended (a path, a new attention kernel) get a dropdown that also
+# accepts typed values; the empty choice means "not set".
+OPEN_CHOICES: dict[str, tuple[str, ...]] = {
+    "deepspeed": ("", *DEEPSPEED_PRESETS),
+    "fsdp": ("", "full_shard", "shard_grad_op", "full_shard offload", "shard_grad_op offload"),
+    "attn_impl": ("", "sdpa", "flash_attention_2", "eager"),
+}
+
+TITLES = {
+    "model": "Model", "dataset": "Dataset", "torch_dtype": "Compute dtype",
+    "nproc_per_node": "Processes per node", "tensor_model_parallel_size": "Tensor parallel (TP)",
+    "pipeline_model_parallel_size": "Pipeline parallel (PP)", "context_parallel_size": "Context parallel (CP)",
+    "expert_model_parallel_size": "Expert parallel (EP)", "sequence_parallel_size": "Sequence parallel (Ulysses)",
+    "per_device_train_batch_size": "Micro-batch per GPU", "gradient_accumulation_steps": "Gradient accumulation",
+    "lr_scheduler_type": "LR schedule", "use_liger_kernel": "Liger kernels", "attn_impl": "Attention kernel",
+    "ddp_timeout": "Collective timeout (s)", "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",
+    "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
+}
+
+
+@dataclass(frozen=True)
+class FieldView:
+    name: str
+    widget: Widget
+    label: str
+    info: str
+    choices: tuple[str, ...] = ()
+    optional: bool = False
+
+
+def _strip_optional(annotation: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def field_view(name: str) -> FieldView:
+    """How one spec field is drawn; label and help come from the spec so they never drift."""
+    info = JobSpec.model_fields[name]
+    annotation, optional = _strip_optional(info.annotation)
+    origin = typing.get_origin(annotation)
+    label = f"{TITLES.get(name, name.replace('_', ' ').capitalize())} · {name}"
+    help_text = f"{info.description} Flag: --{name}"
+    if name in OPEN_CHOICES:
+        return FieldView(name, "choice", label, help_text, OPEN_CHOICES[name], True)
+    if origin is Literal:
+        return FieldView(name, "choice", label, help_text, tuple(typing.get_args(annotation)))
+    if annotation is bool:
+        return FieldView(name, "check", label, help_text)
+    if annotation is int:
+        if optional:
+            help_text = f"{info.description} 0 = not set. Flag: --{name}"
+        return FieldView(name, "int", label, help_text, optional=optional)
+    if annotation is float:
+        return FieldView(name, "float", label, help_text)
+    if origin is dict:
+        return FieldView(name, "env", label, f"{info.description} One NAME=value per line. Flag: --{name}")
+    if origin is list:
+        return FieldView(name, "lines", label, f"{info.description} One per line (or space separated). Flag: --{name}")
+    return FieldView(name, "text", label, help_text, optional=optional)
+
+
+VIEWS: dict[str, FieldView] = {name: field_view(name) for _, _, names in GROUPS for name in names}
+
+
+def env_from_text(text: str) -> tuple[dict[str, str], list[Problem]]:
+    env: dict[str, str] = {}
+    problems: list[Problem] = []
+    for number, line in enumerate((text or "").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep:
+            problems.append(Problem("env", f"line {number}: expected NAME=value, got {line!r}"))
+            continue
+        env[name.strip()] = value.strip()
+    return env, problems
+
+
+def form_to_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """Widget values (by field name) -> the mapping `parse_spec` takes, plus widget-level problems.
+
+    Empty optional inputs become None and are left out, so the spec's defaults apply.
+    """
+    data: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for name, value in values.items():
+        view = VIEWS.get(name)
+        if view is None:
+            continue
+        if view.widget == "env":
+            data[name], env_problems = env_from_text(value)
+            problems += env_problems
+        elif view.widget == "lines":
+            data[name] = [part for part in str(value or "").replace(",", " ").split() if part]
+        elif view.widget in ("int", "float"):
+            # Gradio shows an empty number as 0, so 0 is how an optional count is left unset.
+            if value is None or value == "" or (view.optional and value == 0):
+                if not view.optional:
+                    problems.append(Problem(name, "required"))
+                continue
+            number = float(value)
+            if view.widget == "int":
+                if number != int(number):
+                    problems.append(Problem(name, f"must be a whole number (got {value})"))
+                    continue
+                number = int(number)
+            data[name] = number
+        elif view.widget in ("text", "choice"):
+            text = "" if value is None else str(value).strip()
+            if text or not view.optional:
+                data[name] = text
+        else:
+            data[name] = bool(value)
+    return data, problems
+
+
+def spec_to_form(spec: dict[str, Any]) -> dict[str, Any]:
+    """A spec mapping (from a JobSpec, a preset or an imported command) -> widget values."""
+    values: dict[str, Any] = {}
+    for name, value in spec.items():
+        view = VIEWS.get(name)
+        if view is None:
+            continue
+        if view.widget == "env":
+            values[name] = "\n".join(f"{k}={v}" for k, v in (value or {}).items())
+        elif view.widget == "lines":
+            values[name] = "\n".join(value or []) if isinstance(value, list) else str(value or "")
+        elif value is None:
+            values[name] = 0 if view.optional and view.widget == "int" else ("" if view.widget not in ("int", "float") else None)
+        else:
+            values[name] = value
+    return values
+
+
+def default_form() -> dict[str, Any]:
+    """Widget values for a fresh form: the spec's defaults, with model and dataset empty."""
+    defaults = {name: (f.get_default(call_default_factory=True) if not f.is_required() else None)
+                for name, f in JobSpec.model_fields.items()}
+    defaults["model"], defaults["dataset"] = "", []
+    return spec_to_form(defaults)
+
+
+def problems_by_field(problems: list[Problem]) -> tuple[dict[str, list[Problem]], list[Problem]]:
+    """Split problems into those shown next to a form field and the rest (cluster, file, ...).
+
+    Locations such as `dataset.0` (pydantic) or `dataset[0]` (validate) belong to their field.
+    """
+    by_field: dict[str, list[Problem]] = {}
+    other: list[Problem] = []
+    for problem in problems:
+        head = re.split(r"[.\[]", problem.field, maxsplit=1)[0]
+        if head in FIELDS and head in VIEWS:
+            by_field.setdefault(head, []).append(problem)
+        else:
+            other.append(problem)
+    return by_field, other

@@ -1,0 +1,71 @@
+"""`swift-studio studio` (and `swift-studio` with no arguments): options and start-up.
+
+Kept free of Gradio imports so `swift-studio --help` and the other subcommands stay fast; the
+page is built only when the studio actually starts.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import platformdirs
+
+from studio.access import AccessError, check_bind, load_auth
+
+DEFAULT_PORT = 7860
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1); any other address needs --auth-file "
+                             "or $SWIFT_STUDIO_AUTH=user:password")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--db", default=None,
+                        help="SQLAlchemy database URL (default: SQLite in the user data dir, or $SWIFT_STUDIO_DB)")
+    parser.add_argument("--output-dir", default=None,
+                        help="directory for the runs of the demo preset and new forms (default: runs/ in the user data dir)")
+    parser.add_argument("--auth-file", default=None, help="file of 'user:password' lines; the page asks for one")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the studio and serve until interrupted; returns the exit code."""
+    try:
+        auth = load_auth(args.auth_file)
+        check_bind(args.host, auth)
+    except AccessError as exc:
+        print(f"swift-studio: {exc}", file=sys.stderr)
+        return 2
+    data_dir = Path(platformdirs.user_data_dir("swift-studio"))
+    output_dir = Path(args.output_dir or data_dir / "runs").expanduser().resolve()
+
+    from studio.context import Studio
+
+    studio = Studio(data_dir=data_dir, output_dir=output_dir)
+    # The control plane (database, SSH, re-attaching to running runs) starts next to the page
+    # build instead of before it, so the first HTTP answer does not wait for it.
+    threading.Thread(target=_start_manager, args=(studio, args.db), name="swift-studio-manager", daemon=True).start()
+    from studio.app import serve
+
+    print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
+    try:
+        serve(studio, host=args.host, port=args.port, auth=auth)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if studio.manager_future.done() and not studio.manager_future.exception():
+            studio.manager.close()  # runs keep going on their nodes; the next start re-attaches
+    return 0
+
+
+def _start_manager(studio, db_url: str | None) -> None:
+    try:
+        from backend.manager import RunManager
+
+        studio.manager_future.set_result(RunManager(db_url))
+    except BaseException as exc:  # every handler that needs it reports this instead of hanging
+        log.exception("the run manager did not start")
+        studio.manager_future.set_exception(exc)

@@ -1,0 +1,23 @@
+"""Look of the studio: Gradio's default theme on system fonts only (no font or CDN request
+leaves the machine), plus the few styles the layout needs."""
+from __future__ import annotations
+
+import gradio as gr
+
+THEME = gr.themes.Default(
+    primary_hue="orange",
+    font=("ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"),
+    font_mono=("ui-monospace", "SFMono-Regular", "Consolas", "monospace"),
+)
+
+CSS = """
+.field-error input, .field-error textarea, .field-error .wrap { border-color: #b91c1c !important; }
+.field-error [data-testid="block-info"], .field-error .info { color: #b91c1c !important; font-weight: 600; }
+.field-warning [data-testid="block-info"], .field-warning .info { color: #a16207 !important; }
+.status-line { font-size: 0.95em; }
+.problem-list ul { margin: 0; }
+.cmd-preview textarea, .cmd-preview pre { font-size: 0.85em; }
+.progress-outer { background: #e4e4e7; border-radius: 6px; height: 14px; width: 100%; overflow: hidden; }
+.progress-inner { background: #f97316; height: 14px; }
+footer { display: none !important; }
+"""

@@ -1,0 +1,171 @@
+"""Train tab: the job spec as a grouped form, checked live, with layout, memory, commands,
+presets, import and launch."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import yaml
+
+from backend.cluster import Cluster
+from backend.msswift import CommandError, import_command
+from backend.spec import parse_spec
+from studio.context import Studio
+from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
+from studio.train_view import TrainView, check_form, problems_md
+
+
+def _widget(view: FieldView, value: Any) -> gr.components.Component:
+    common = dict(label=view.label, info=view.info, value=value, elem_id=f"f-{view.name}")
+    if view.widget == "check":
+        return gr.Checkbox(**common)
+    if view.widget == "choice":
+        return gr.Dropdown(choices=list(view.choices), allow_custom_value=view.optional, **common)
+    if view.widget == "int":
+        return gr.Number(precision=0, **common)
+    if view.widget == "float":
+        return gr.Number(**common)
+    if view.widget in ("lines", "env"):
+        return gr.Textbox(lines=2, max_lines=8, **common)
+    return gr.Textbox(lines=1, **common)
+
+
+def build(studio: Studio) -> dict[str, Any]:
+    """Draws the tab; returns its components by name (the spec fields under `form`)."""
+    values = default_form()
+    form: dict[str, gr.components.Component] = {}
+    c: dict[str, Any] = {"form": form}
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            with gr.Row(equal_height=True):
+                c["preset"] = gr.Dropdown(label="Preset", choices=studio.preset_names(), value="demo",
+                                          allow_custom_value=False, scale=2, elem_id="preset-name",
+                                          info="'demo' trains the bundled tiny model on CPU in about a minute.")
+                c["load_preset"] = gr.Button("Load preset", size="sm", elem_id="load-preset")
+                c["save_name"] = gr.Textbox(label="Save as", placeholder="my-preset", scale=2, elem_id="save-name")
+                c["save_preset"] = gr.Button("Save preset", size="sm", elem_id="save-preset")
+                c["upload_yaml"] = gr.UploadButton("Open job YAML…", size="sm", file_types=[".yaml", ".yml"])
+            with gr.Accordion("Import ms-swift command", open=False):
+                c["import_text"] = gr.Textbox(label="swift sft command line", lines=3, elem_id="import-text",
+                                              placeholder="swift sft --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --train_type lora ...")
+                c["import"] = gr.Button("Fill the form from this command", size="sm", elem_id="import-button")
+            c["form_message"] = gr.Markdown(elem_id="form-message")
+            for title, is_open, names in GROUPS:
+                with gr.Accordion(title, open=is_open):
+                    with gr.Row():
+                        for name in names:
+                            with gr.Column(min_width=220):
+                                form[name] = _widget(VIEWS[name], values[name])
+        with gr.Column(scale=2):
+            c["problems"] = gr.Markdown(elem_classes=["problem-list"], elem_id="train-problems")
+            c["layout"] = gr.Markdown(elem_id="train-layout")
+            c["memory"] = gr.Markdown(elem_id="train-memory")
+            with gr.Row():
+                c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
+                c["launch"] = gr.Button("Pre-flight and launch", variant="primary", elem_id="launch", scale=2)
+            c["launch_status"] = gr.Markdown(elem_id="launch-status")
+            with gr.Tabs():
+                with gr.Tab("Commands"):
+                    c["commands"] = gr.Code(label="Per-node torchrun and the equivalent swift sft", language="shell",
+                                            interactive=False, elem_id="train-commands", elem_classes=["cmd-preview"])
+                with gr.Tab("YAML"):
+                    c["yaml"] = gr.Code(label="Job YAML", language="yaml", interactive=False, elem_id="train-yaml")
+                with gr.Tab("DeepSpeed JSON"):
+                    c["ds_json"] = gr.Code(label="DeepSpeed config (batch sizes filled in)", language="json",
+                                           interactive=False, elem_id="train-ds-json")
+    return c
+
+
+def form_values(form: dict[str, gr.components.Component], data: dict) -> dict[str, Any]:
+    return {name: data[component] for name, component in form.items()}
+
+
+def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
+    form: dict[str, gr.components.Component] = c["form"]
+    view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"]]
+
+    def render(view: TrainView) -> dict:
+        updates: dict = {}
+        for name, component in form.items():
+            problems = view.field_problems.get(name, [])
+            if problems:
+                text = "; ".join(("✖ " if p.severity == "error" else "⚠ ") + p.message for p in problems)
+                error = any(p.severity == "error" for p in problems)
+                updates[component] = gr.update(info=text, elem_classes=["field-error" if error else "field-warning"])
+            else:
+                updates[component] = gr.update(info=VIEWS[name].info, elem_classes=[])
+        updates[c["problems"]] = problems_md(view.other_problems)
+        updates[c["layout"]] = view.layout_md
+        updates[c["memory"]] = view.memory_md
+        updates[c["commands"]] = view.commands
+        updates[c["yaml"]] = view.yaml_text
+        updates[c["ds_json"]] = view.ds_json
+        return updates
+
+    def on_edit(data: dict) -> dict:
+        return render(check_form(form_values(form, data), data[cluster_state]))
+
+    inputs = {*form.values(), cluster_state}
+    gr.on([comp.input for comp in form.values()] + [cluster_state.change], on_edit, inputs=inputs,
+          outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
+
+    def fill(spec: dict[str, Any], message: str) -> dict:
+        values = default_form() | spec_to_form(spec)
+        updates: dict = {form[name]: gr.update(value=value) for name, value in values.items()}
+        updates[c["form_message"]] = message
+        return updates
+
+    fill_outputs = [*form.values(), c["form_message"]]
+
+    def not_filled(message: str) -> dict:
+        return {c["form_message"]: message}
+
+    def on_load_preset(name: str | None) -> dict:
+        if not name:
+            return not_filled("Pick a preset first.")
+        spec, problems = studio.load_preset(name)
+        if spec is None:
+            return not_filled(f"Preset **{name}** not loaded:\n" + problems_md(problems))
+        return fill(spec, f"Loaded preset **{name}**.")
+
+    def on_save_preset(name: str, data: dict) -> tuple:
+        view = check_form(form_values(form, data), data[cluster_state])
+        if view.spec is None:
+            return gr.skip(), "Fix the fields marked in red before saving a preset."
+        try:
+            path = studio.save_preset(name, view.spec)
+        except ValueError as exc:
+            return gr.skip(), str(exc)
+        return gr.update(choices=studio.preset_names(), value=path.stem), f"Saved preset **{path.stem}** to `{path}`."
+
+    def on_upload_yaml(file) -> dict:
+        path = Path(file if isinstance(file, str) else file.name)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            return not_filled(f"Cannot read `{path.name}`: {exc}")
+        spec, problems = parse_spec(data, source=path.name)
+        if spec is None:
+            return not_filled(f"`{path.name}` not loaded:\n" + problems_md(problems))
+        return fill(spec.model_dump(), f"Loaded `{path.name}`.")
+
+    def on_import(text: str) -> dict:
+        try:
+            result = import_command(text or "")
+        except CommandError as exc:
+            return not_filled(f"Command not imported: {exc}")
+        spec, problems = parse_spec(result.spec, source="command")
+        if spec is None:
+            return not_filled("Command not imported:\n" + problems_md(problems))
+        notes = [f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
+        return fill(spec.model_dump(), "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
+
+    refresh = dict(fn=on_edit, inputs=inputs, outputs=view_outputs, show_progress="hidden")
+    c["load_preset"].click(on_load_preset, [c["preset"]], fill_outputs).then(**refresh)
+    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"]], fill_outputs).then(**refresh)
+    c["import"].click(on_import, [c["import_text"]], fill_outputs).then(**refresh)
+    save_inputs = {c["save_name"], *inputs}
+    c["save_preset"].click(lambda data: on_save_preset(data[c["save_name"]], data), save_inputs,
+                           [c["preset"], c["form_message"]])
+    c["refresh"] = refresh

@@ -1,0 +1,109 @@
+"""What the Train tab shows for a form state: per-field problems, the derived layout, the memory
+estimate, the command preview, the YAML. Composes the backend's pure functions; no Gradio here,
+so it is unit-tested without a browser.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.cluster import Cluster
+from backend.layout import Layout, compute_layout
+from backend.memory import estimate_memory
+from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.spec import JobSpec, Problem, parse_spec
+from backend.validate import validate
+from studio.commands import preview
+from studio.form import form_to_data, problems_by_field
+
+
+@dataclass
+class TrainView:
+    spec: JobSpec | None
+    field_problems: dict[str, list[Problem]] = field(default_factory=dict)
+    other_problems: list[Problem] = field(default_factory=list)
+    layout_md: str = ""
+    memory_md: str = ""
+    commands: str = ""
+    yaml_text: str = ""
+    ds_json: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.spec is not None and not any(
+            p.severity == "error" for ps in self.field_problems.values() for p in ps
+        ) and not any(p.severity == "error" for p in self.other_problems)
+
+
+def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
+    """Everything the Train tab derives from the form and the cluster, computed afresh on every edit."""
+    data, problems = form_to_data(values)
+    spec, spec_problems = parse_spec(data, source="form")
+    problems += spec_problems
+    view = TrainView(spec=None if problems else spec)
+    if view.spec is not None:
+        problems += validate(view.spec, cluster)
+        view.yaml_text = view.spec.to_yaml()
+        layout = compute_layout(view.spec, cluster)
+        view.layout_md = layout_md(layout)
+        model, model_note = _model_config(view.spec.model)
+        view.memory_md = memory_md(view.spec, layout, cluster, model, model_note)
+        if not any(p.severity == "error" for p in problems):
+            view.commands, ds_config = preview(view.spec, cluster, model)
+            view.ds_json = json.dumps(ds_config, indent=2) if ds_config else "// DeepSpeed is not used (deepspeed is empty)"
+        else:
+            view.commands = "# fix the problems marked on the form to see the launch commands"
+    view.field_problems, view.other_problems = problems_by_field(problems)
+    return view
+
+
+def problems_md(problems: list[Problem]) -> str:
+    if not problems:
+        return ""
+    marks = {"error": "✖", "warning": "⚠"}
+    return "\n".join(f"- {marks[p.severity]} **{p.field}**: {p.message}" for p in problems)
+
+
+def layout_md(layout: Layout) -> str:
+    """The derived layout as a one-row table: what the ranks will be."""
+    head = "| nodes × procs | world | DP | TP | PP | CP | EP | SP |\n|---|---|---|---|---|---|---|---|\n"
+    row = (f"| {layout.nnodes} × {layout.nproc_per_node} | {layout.world} | {layout.dp} | {layout.tp} | "
+           f"{layout.pp} | {layout.cp} | {layout.ep} | {layout.sp} |")
+    return "**Layout**\n\n" + head + row
+
+
+def _model_config(model: str) -> tuple[ModelConfig | None, str]:
+    try:
+        found = find_model_config(model)
+    except ModelConfigError as exc:
+        return None, f"cannot read the model's config.json: {exc}"
+    if found is None:
+        return None, f"unknown; no config.json found for `{model}` (a local directory, a bundled config or the hub cache)."
+    return found, ""
+
+
+def memory_md(spec: JobSpec, layout: Layout, cluster: Cluster, model: ModelConfig | None, note: str) -> str:
+    """The per-GPU memory estimate against the smallest GPU of the nodes in use."""
+    if model is None:
+        return f"**Memory per GPU**: {note}"
+    est = estimate_memory(spec, model, layout)
+    nodes = cluster.nodes[: spec.nnodes]
+    gpu_mems = [n.gpu_mem_gib for n in nodes if n.gpu_mem_gib]
+    if all(n.device == "cpu" for n in nodes):
+        against = "CPU run: held in host memory"
+    elif gpu_mems:
+        limit = min(gpu_mems)
+        share = est.total_gib / limit
+        mark = "✖ does not fit" if share > 1 else ("⚠ tight" if share > 0.9 else "✔ fits")
+        against = f"{mark}: {share:.0%} of {limit:.1f} GiB (smallest GPU in use)"
+    else:
+        against = "GPU memory of the nodes not known yet (run pre-flight)"
+    rows = [("parameters", est.parameters_gib), ("gradients", est.gradients_gib),
+            ("optimizer", est.optimizer_gib), ("activations", est.activations_gib), ("other", est.other_gib)]
+    table = "| part | GiB |\n|---|---|\n" + "\n".join(f"| {name} | {value:.2f} |" for name, value in rows)
+    if est.offloaded_gib:
+        table += f"\n| offloaded to host | {est.offloaded_gib:.2f} |"
+    notes = "".join(f"\n- {note}" for note in est.notes)
+    return (f"**Memory per GPU: ~{est.total_gib:.2f} GiB** · {against}  \n"
+            f"{est.trainable_params:,} of {est.total_params:,} parameters trained\n\n{table}{notes}")

@@ -1,0 +1,30 @@
+"""Shared fixtures."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (str(ROOT), str(ROOT / "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+@pytest.fixture(scope="session")
+def sshd_nodes(tmp_path_factory):
+    """Two real OpenSSH servers on 127.0.0.2 and 127.0.0.3 with key auth and a known_hosts file."""
+    from sshd import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("sshd"), 2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer, 64-wide Qwen2 model with the demo tokenizer, on disk (for the worker tests)."""
+    from worker import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,129 @@
+"""Real OpenSSH servers on loopback addresses (127.0.0.2, 127.0.0.3, ...) for cluster tests.
+
+Each server has its own host key, accepts one client key, and listens only on its own address.
+A known_hosts file with every server's key is written next to them. Servers are stopped by the
+pid in their PidFile, never by name.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+
+
+@dataclass
+class SshServer:
+    host: str
+    port: int
+    pid_file: Path
+    host_pub: str
+
+    def pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass
+class SshdCluster:
+    """Servers plus what a client needs: the key, known_hosts, and a setup line for the nodes."""
+
+    root: Path
+    servers: list[SshServer] = field(default_factory=list)
+
+    @property
+    def key(self) -> Path:
+        return self.root / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    @property
+    def setup(self) -> str:
+        """The node setup line tests use: this interpreter first on PATH, the repo importable."""
+        bindir = Path(sys.executable).parent
+        return f"export PATH={bindir}:$PATH PYTHONPATH={REPO}"
+
+    def start(self, hosts: list[str]) -> None:
+        if not Path(SSHD).exists():
+            raise RuntimeError(f"{SSHD} is missing: install openssh-server (scripts/test.sh does)")
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        keygen(self.key)
+        (self.root / "authorized_keys").write_text((self.root / "id_ed25519.pub").read_text())
+        os.chmod(self.root / "authorized_keys", 0o600)
+        known = []
+        for host in hosts:
+            server = self._start_one(host)
+            self.servers.append(server)
+            known.append(f"[{host}]:{server.port} {server.host_pub}")
+        self.known_hosts.write_text("\n".join(known) + "\n")
+        for server in self.servers:
+            _wait_listening(server.host, server.port)
+
+    def _start_one(self, host: str) -> SshServer:
+        hostkey = self.root / f"hostkey_{host}"
+        keygen(hostkey)
+        port = free_port(host)
+        conf = self.root / f"sshd_{host}.conf"
+        pid_file = self.root / f"sshd_{host}.pid"
+        conf.write_text(
+            f"ListenAddress {host}\nPort {port}\nHostKey {hostkey}\n"
+            f"AuthorizedKeysFile {self.root / 'authorized_keys'}\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
+            f"PidFile {pid_file}\nMaxStartups 100:30:200\nMaxSessions 50\nLogLevel ERROR\n")
+        subprocess.run([SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{host}.log")], check=True)
+        pub = (self.root / f"hostkey_{host}.pub").read_text().split()
+        return SshServer(host, port, pid_file, f"{pub[0]} {pub[1]}")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            pid = server.pid()
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        self.servers.clear()
+
+
+def _wait_listening(host: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"sshd on {host}:{port} did not start")
+
+
+def start_cluster(root: Path, count: int, first: int = 2) -> SshdCluster:
+    cluster = SshdCluster(root)
+    try:
+        cluster.start([f"127.0.0.{first + i}" for i in range(count)])
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

@@ -1,0 +1,309 @@
+"""The node agent on this CPU machine: host samples, rank discovery, event tailing from offsets,
+switch-off of a failing metric, NVML absence, and how it ends."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from backend.agent import GpuSampler, Tailer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Stands in for torchrun: its own process group (written to pids/<node>.pid), one worker in a
+# new session with the environment torchrun gives workers, both gone after `life` seconds.
+FAKE_TORCHRUN = r"""
+import os, subprocess, sys, time
+pid_file, life = sys.argv[1], float(sys.argv[2])
+env = dict(os.environ, RANK="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="3")
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpgid(0)))
+os.replace(pid_file + ".tmp", pid_file)
+time.sleep(life)
+worker.terminate(); worker.wait()
+"""
+
+
+def make_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    for d in ("events", "logs", "pids"):
+        (run / d).mkdir(parents=True)
+    return run
+
+
+def start_torchrun(run: Path, node: str, life: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_TORCHRUN, str(run / "pids" / f"{node}.pid"), str(life)],
+                            start_new_session=True)
+    deadline = time.time() + 10
+    while not (run / "pids" / f"{node}.pid").exists():
+        assert time.time() < deadline, "fake torchrun did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Kill the fake torchrun's group and its worker (own session), by their ids."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for p in kids:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def agent_cmd(run: Path, node: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "backend.agent", "--run-id", "r1", "--run-dir", str(run), "--node", node,
+            "--interval", "0.2", "--tail-interval", "0.1", *extra]
+
+
+def lines_of(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def by_kind(recs: list[dict], kind: str) -> list[dict]:
+    return [r for r in recs if r["kind"] == kind]
+
+
+def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path):
+    run = make_run(tmp_path)
+    mine, other = run / "events/rank-1.jsonl", run / "events/rank-0.jsonl"
+    first = json.dumps({"type": "timing", "rank": 1, "step": 1, "time": 1.0, "step_time_s": 0.5}) + "\n"
+    second = json.dumps({"type": "timing", "rank": 1, "step": 2, "time": 2.0, "step_time_s": 0.5}) + "\n"
+    mine.write_text(first + second)
+    other.write_text(json.dumps({"type": "start", "time": 1.0}) + "\n")  # another node's rank
+    (run / "logs/n1.log").write_text("starting\n")
+    group = start_torchrun(run, "n1", life=3.0)
+    try:
+        agent = subprocess.Popen(agent_cmd(run, "n1", "--offsets", json.dumps({"events/rank-1.jsonl": len(first)})),
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        rss_mib = psutil.Process(agent.pid).memory_info().rss / 2**20
+        with open(mine, "a") as f:  # a line arriving in two writes is sent once, whole
+            f.write('{"type": "timing", "rank": 1, "step": 3, ')
+            f.flush()
+            time.sleep(0.5)
+            f.write('"time": 3.0, "step_time_s": 0.5}\n')
+        with open(run / "logs/n1.log", "a") as f:
+            f.write("[rank1]: RuntimeError: boom\n")
+        out, err = agent.communicate(timeout=30)
+    finally:
+        stop_group(group)
+    assert agent.returncode == 0, err
+    recs = lines_of(out)
+    hello = recs[0]
+    assert hello["kind"] == "hello" and hello["gpus"] == 0 and hello["node"] == "n1"
+    assert any("NVML unavailable" in n["message"] for n in by_kind(recs, "notice"))
+    hosts = by_kind(recs, "host")
+    assert len(hosts) >= 8  # ~3 s at 5 Hz
+    assert all(0 <= h["cpu_pct"] <= 100 * os.cpu_count() and 0 < h["ram_used_gib"] < h["ram_total_gib"] for h in hosts)
+    assert [h["t"] for h in hosts] == sorted(h["t"] for h in hosts)
+    [ranks] = by_kind(recs, "ranks")
+    assert ranks["ranks"][0]["rank"] == 1 and ranks["ranks"][0]["local_rank"] == 0 and ranks["ranks"][0]["gpu"] == 3
+    events = by_kind(recs, "event")
+    assert [e["data"]["step"] for e in events] == [2, 3]  # from the offset; only this node's rank
+    assert all(e["file"] == "events/rank-1.jsonl" and e["rank"] == 1 for e in events)
+    assert events[-1]["offset"] == mine.stat().st_size
+    assert events[0]["offset"] == len(first) + len(second)
+    assert [r["line"] for r in by_kind(recs, "log")] == ["starting", "[rank1]: RuntimeError: boom"]
+    assert by_kind(recs, "log")[-1]["offset"] == (run / "logs/n1.log").stat().st_size
+    assert by_kind(recs, "heartbeat")
+    assert recs[-1]["kind"] == "bye" and recs[-1]["reason"] == "run over"
+    assert rss_mib < 80, f"agent uses {rss_mib:.0f} MiB"
+
+
+def test_agent_never_imports_torch():
+    code = "import sys, backend.agent; print(sorted(m for m in ('torch', 'sqlalchemy', 'pydantic') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_sigterm_ends_the_agent_with_a_last_read(tmp_path):
+    run = make_run(tmp_path)
+    group = start_torchrun(run, "n1", life=60)
+    try:
+        agent = subprocess.Popen(agent_cmd(run, "n1"), cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert json.loads(agent.stdout.readline())["kind"] == "hello"
+        (run / "logs/n1.log").write_text("last words\n")
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=10)
+    finally:
+        stop_group(group)
+    recs = lines_of(out)
+    assert agent.returncode == 0
+    assert recs[-1] == {"kind": "bye", "t": recs[-1]["t"], "reason": "SIGTERM"}
+    assert [r["line"] for r in by_kind(recs, "log")] == ["last words"]
+
+
+def test_closed_stdout_ends_the_agent(tmp_path):
+    run = make_run(tmp_path)
+    group = start_torchrun(run, "n1", life=60)
+    try:
+        agent = subprocess.Popen(agent_cmd(run, "n1"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        agent.stdout.readline()
+        agent.stdout.close()  # the SSH channel is gone
+        assert agent.wait(timeout=10) == 0
+    finally:
+        stop_group(group)
+
+
+def test_no_pid_file_means_the_run_never_started_here(tmp_path):
+    run = make_run(tmp_path)
+    (run / "events/rank-0.jsonl").write_text(json.dumps({"type": "start", "time": 1.0}) + "\n")
+    out = subprocess.run(agent_cmd(run, "n1", "--start-timeout", "0.5"), cwd=REPO, capture_output=True, text=True,
+                         timeout=20).stdout
+    recs = lines_of(out)
+    assert recs[-1]["reason"] == "run never started"
+    assert any("pids/n1.pid" in n["message"] for n in by_kind(recs, "notice"))
+    # with no workers to tell which ranks are local, every rank file is read
+    assert [e["data"]["type"] for e in by_kind(recs, "event")] == ["start"]
+
+
+def test_user_errors_get_one_clear_message(tmp_path):
+    bad = subprocess.run(agent_cmd(tmp_path / "missing", "n1"), cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--run-dir" in bad.stderr and "Traceback" not in bad.stderr
+    run = make_run(tmp_path)
+    bad = subprocess.run(agent_cmd(run, "n1", "--offsets", "{oops"), cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "--offsets" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# -- GPU sampling without a GPU --------------------------------------------------------------------
+
+class FakeNvml:
+    """The subset of pynvml the sampler calls; `power_fails` makes power readings raise."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+    NVML_PCIE_UTIL_TX_BYTES = 0
+    NVML_PCIE_UTIL_RX_BYTES = 1
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+
+    class NVMLError_NotSupported(Exception):
+        pass
+
+    def __init__(self, gpus=2, power_fails_on=(1,)):
+        self.gpus, self.power_fails_on = gpus, set(power_fails_on)
+        self.calls: dict[str, int] = {}
+        self.nvlink_kib = 0
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return self.gpus
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self._count("handle")
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=70 + h, memory=30)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=40 * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self._count(f"power{h}")
+        if h in self.power_fails_on:
+            raise self.NVMLError_NotSupported("Not Supported")
+        return 350_000
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return 7_000_000
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 61
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1980
+
+    def nvmlDeviceGetPcieThroughput(self, h, kind):
+        return 2048
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        self.nvlink_kib += 1024 * 100
+        return [SimpleNamespace(nvmlReturn=0, fieldId=f, value=SimpleNamespace(ullVal=self.nvlink_kib))
+                for f, _scope in ids]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=100 + h, usedGpuMemory=2 * 2**30), SimpleNamespace(pid=999, usedGpuMemory=None)]
+
+
+def test_a_failing_metric_is_switched_off_once():
+    nv = FakeNvml(gpus=2, power_fails_on={1})
+    sampler = GpuSampler(nv)
+    assert sampler.count == 2 and nv.calls["handle"] == 2
+    first = sampler.sample(100.0, run_pids={100, 101})
+    assert first[0]["power_w"] == 350.0 and "power_w" not in first[1]
+    assert first[1]["util_pct"] == 71.0 and first[1]["mem_used_gib"] == 40.0  # the rest still works
+    assert len(sampler.notices) == 1 and "gpu 1: power_w switched off" in sampler.notices[0]
+    for k in range(5):
+        sampler.sample(101.0 + k, run_pids={100, 101})
+    assert nv.calls["power1"] == 1 and nv.calls["power0"] == 6  # never retried on GPU 1
+    assert len(sampler.notices) == 1
+    assert nv.calls["handle"] == 2  # handles opened once
+
+
+def test_gpu_sample_fields_and_units():
+    nv = FakeNvml(gpus=1, power_fails_on=())
+    sampler = GpuSampler(nv)
+    sampler.sample(10.0, run_pids={100})
+    [s] = sampler.sample(12.0, run_pids={100})
+    assert s["kind"] == "gpu" and s["gpu"] == 0 and s["t"] == 12.0
+    assert s["energy_j"] == 7000.0 and s["temp_c"] == 61.0 and s["sm_clock_mhz"] == 1980.0
+    assert s["pcie_tx_mib_s"] == 2.0 and s["mem_total_gib"] == 80.0
+    # the fake counter grows by 100 MiB per read, and reads were 2 s apart
+    assert s["nvlink_tx_mib_s"] == pytest.approx(50.0) and s["nvlink_rx_mib_s"] == pytest.approx(50.0)
+    assert s["run_pids"] == [100] and s["run_procs_count"] == 1 and s["other_procs_count"] == 1
+    assert s["run_mem_used_gib"] == 2.0
+
+
+def test_no_nvml_means_host_only():
+    class Missing:
+        def nvmlInit(self):
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    sampler = GpuSampler(Missing())
+    assert sampler.count == 0 and sampler.sample(1.0, set()) == []
+    assert "NVML unavailable" in sampler.notices[0]
+    real = GpuSampler()  # this machine's pynvml finds no driver
+    assert real.count == 0 and real.sample(1.0, set()) == []
+
+
+# -- the file reader -----------------------------------------------------------------------------
+
+def test_tailer_reads_whole_lines_and_restarts_a_replaced_file(tmp_path):
+    p = tmp_path / "f.jsonl"
+    p.write_bytes(b'{"a": 1}\n{"b":')
+    t = Tailer(tmp_path, {})
+    assert list(t.read("f.jsonl")) == [(9, b'{"a": 1}')]
+    assert list(t.read("f.jsonl")) == []
+    with open(p, "ab") as f:
+        f.write(b' 2}\r\n')
+    assert list(t.read("f.jsonl")) == [(len(p.read_bytes()), b'{"b": 2}')]
+    p.write_bytes(b"x\n")  # replaced by a shorter file: read from its start
+    assert list(t.read("f.jsonl")) == [(2, b"x")]
+    assert list(t.read("missing.jsonl")) == []

@@ -1,0 +1,191 @@
+"""Every alert rule on recorded series: one case that fires, one that stays quiet."""
+from __future__ import annotations
+
+import math
+
+from backend import alerts
+from backend.alerts import AlertConfig, Window
+
+CFG = AlertConfig()
+T0 = 1_700_000_000.0
+
+
+def util_series(values, start=T0, dt=1.0):
+    return [(start + i * dt, v) for i, v in enumerate(values)]
+
+
+def timing(rank, step, step_time, cw=0.0, dw=0.0, t=None):
+    return {"type": "timing", "rank": rank, "step": step, "time": t if t is not None else T0 + step,
+            "step_time_s": step_time, "collective_wait_s": cw, "data_wait_s": dw}
+
+
+def train(step, loss, grad_norm=1.0, t=None):
+    return {"type": "train", "step": step, "time": t if t is not None else T0 + step, "loss": loss,
+            "grad_norm": grad_norm}
+
+
+def window(now, **kw):
+    kw.setdefault("running", True)
+    kw.setdefault("started_t", T0)
+    return Window(now=now, **kw)
+
+
+# -- low utilisation -----------------------------------------------------------------------------
+
+def test_low_utilisation_fires_and_names_communication_bound():
+    w = window(T0 + 90, util={("a", 0): util_series([20.0] * 91), ("a", 1): util_series([35.0] * 91)},
+               timing={0: [timing(0, 10, 1.0, cw=0.6, dw=0.05, t=T0 + 80)],
+                       1: [timing(1, 10, 1.0, cw=0.5, dw=0.05, t=T0 + 80)]})
+    [f] = alerts.low_utilisation(w, CFG)
+    assert f.rule == "low_utilisation" and f.severity == "warning"
+    assert "communication-bound" in f.message and "55%" in f.message
+    assert "a:0" in f.message and "a:1" in f.message and "2 GPU(s)" in f.message
+
+
+def test_low_utilisation_names_input_bound():
+    w = window(T0 + 90, util={("a", 0): util_series([10.0] * 91)},
+               timing={0: [timing(0, 10, 2.0, cw=0.1, dw=1.2, t=T0 + 85)]})
+    [f] = alerts.low_utilisation(w, CFG)
+    assert "input-bound" in f.message and "60%" in f.message
+    assert (f.node, f.gpu) == ("a", 0)
+
+
+def test_low_utilisation_quiet_when_short_busy_or_not_running():
+    short = window(T0 + 40, util={("a", 0): util_series([10.0] * 41)})  # only 40 s of low samples
+    assert alerts.low_utilisation(short, CFG) == []
+    dip = [95.0] * 50 + [10.0] * 41  # high until 41 s ago
+    assert alerts.low_utilisation(window(T0 + 90, util={("a", 0): util_series(dip)}), CFG) == []
+    busy = window(T0 + 90, util={("a", 0): util_series([90.0] * 91)})
+    assert alerts.low_utilisation(busy, CFG) == []
+    stopped = window(T0 + 90, running=False, util={("a", 0): util_series([5.0] * 91)})
+    assert alerts.low_utilisation(stopped, CFG) == []
+    # low before the run started (model loading) does not count
+    loading = window(T0 + 90, started_t=T0 + 50, util={("a", 0): util_series([5.0] * 91)})
+    assert alerts.low_utilisation(loading, CFG) == []
+
+
+# -- NaN / inf -----------------------------------------------------------------------------------
+
+def test_non_finite_loss_and_grad_norm_fire_with_step_and_checkpoint():
+    w = window(T0 + 50, train=[train(1, 2.0), train(2, math.nan), train(3, 1.9, grad_norm=math.inf)],
+               checkpoint=(1, "/runs/x/checkpoint-1"))
+    found = {f.key: f for f in alerts.non_finite(w, CFG)}
+    assert set(found) == {"non_finite:loss", "non_finite:grad_norm"}
+    assert "step 2" in found["non_finite:loss"].message and "checkpoint-1" in found["non_finite:loss"].message
+    assert "step 3" in found["non_finite:grad_norm"].message
+    assert found["non_finite:loss"].severity == "error"
+
+
+def test_non_finite_quiet_on_finite_values_and_missing_grad_norm():
+    w = window(T0 + 50, train=[train(1, 2.0), train(2, 1.5, grad_norm=None), train(3, 0.0)])
+    assert alerts.non_finite(w, CFG) == []
+
+
+# -- loss spike ----------------------------------------------------------------------------------
+
+def test_loss_spike_fires_at_the_spike_step():
+    losses = [2.0, 1.9, 1.95, 1.85, 1.8, 1.82, 1.78, 1.75, 5.0, 1.7]
+    w = window(T0 + 20, train=[train(i + 1, v) for i, v in enumerate(losses)])
+    [f] = alerts.loss_spike(w, CFG)
+    assert f.key == "loss_spike:9" and "step 9" in f.message
+
+
+def test_loss_spike_quiet_on_noisy_but_steady_and_on_short_history():
+    noisy = [2.0, 1.2, 2.3, 1.1, 2.2, 1.3, 2.1, 1.2, 2.4, 1.25]  # jumps ~2x, but always did
+    assert alerts.loss_spike(window(T0 + 20, train=[train(i + 1, v) for i, v in enumerate(noisy)]), CFG) == []
+    short = [1.0, 1.0, 9.0]
+    assert alerts.loss_spike(window(T0 + 20, train=[train(i + 1, v) for i, v in enumerate(short)]), CFG) == []
+
+
+# -- hang ----------------------------------------------------------------------------------------
+
+def test_hang_fires_and_names_the_rank_behind():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    w = window(T0 + 10 + 400, train=ev,
+               timing={0: [timing(0, 10, 1.0, t=T0 + 10)], 1: [timing(1, 8, 1.0, t=T0 + 8)],
+                       2: [timing(2, 10, 1.0, t=T0 + 10)]},
+               placement={1: ("node-b", 3)})
+    [f] = alerts.hang(w, CFG)
+    assert f.rule == "hang" and f.rank == 1 and f.node == "node-b"
+    assert "400 s" in f.message and "rank 1, node node-b, GPU 3" in f.message
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in f.message
+
+
+def test_hang_names_the_collective_from_the_logs():
+    w = window(T0 + 1000, train=[train(5, 1.0, t=T0 + 5)], last_collective="ALLREDUCE (timeout 600 s) on node a")
+    [f] = alerts.hang(w, CFG)
+    assert "ALLREDUCE" in f.message
+
+
+def test_hang_quiet_while_stepping_slowly_or_loading_or_ended():
+    # logged every 100 s: 5x the usual gap (500 s) is allowed before it counts as a hang
+    slow = [train(s, 1.0, t=T0 + 100 * s) for s in range(1, 6)]
+    assert alerts.hang(window(T0 + 500 + 400, train=slow), CFG) == []
+    assert alerts.hang(window(T0 + 600), CFG) == []  # loading the model, under startup_s
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    assert alerts.hang(window(T0 + 1000, running=False, train=ev), CFG) == []
+
+
+def test_hang_before_the_first_step():
+    [f] = alerts.hang(window(T0 + CFG.startup_s + 5), CFG)
+    assert "no step logged yet" in f.message
+
+
+# -- straggler -----------------------------------------------------------------------------------
+
+def test_straggler_compares_time_outside_collectives_and_names_node_and_rank():
+    # wall step times are equal (synchronous), but rank 2 is the one the others wait for
+    tm = {0: [timing(0, 10, 2.0, cw=1.0)], 1: [timing(1, 10, 2.0, cw=1.05)],
+          2: [timing(2, 10, 2.0, cw=0.0)], 3: [timing(3, 10, 2.0, cw=0.95)]}
+    [f] = alerts.straggler(window(T0 + 20, timing=tm, placement={2: ("node-c", 1)}), CFG)
+    assert f.rank == 2 and f.node == "node-c" and f.gpu == 1 and f.key == "straggler:2"
+    assert "rank 2, node node-c, GPU 1" in f.message
+
+
+def test_straggler_quiet_when_balanced_or_tiny_or_single_rank():
+    even = {r: [timing(r, 10, 1.0, cw=0.2 + 0.02 * r)] for r in range(4)}
+    assert alerts.straggler(window(T0 + 20, timing=even), CFG) == []
+    tiny = {0: [timing(0, 10, 0.010)], 1: [timing(1, 10, 0.030)]}  # 3x but 20 ms: noise
+    assert alerts.straggler(window(T0 + 20, timing=tiny), CFG) == []
+    assert alerts.straggler(window(T0 + 20, timing={0: [timing(0, 10, 9.0)]}), CFG) == []
+
+
+# -- GPU memory ----------------------------------------------------------------------------------
+
+def test_gpu_memory_fires_above_95_percent():
+    w = window(T0 + 5, mem={("a", 0): (T0 + 5, 78.0, 80.0), ("a", 1): (T0 + 5, 40.0, 80.0)})
+    [f] = alerts.gpu_memory(w, CFG)
+    assert (f.node, f.gpu) == ("a", 0) and "97.5%" in f.message
+
+
+def test_gpu_memory_quiet_at_95_percent_or_unknown_total():
+    w = window(T0 + 5, mem={("a", 0): (T0 + 5, 76.0, 80.0), ("a", 1): (T0 + 5, 1.0, 0.0)})
+    assert alerts.gpu_memory(w, CFG) == []
+
+
+# -- log lines -----------------------------------------------------------------------------------
+
+def test_log_lines_are_classified_with_the_line():
+    oom = alerts.log_line("node-a", "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                          T0)
+    assert oom.rule == "log" and oom.rank == 1 and oom.node == "node-a" and oom.severity == "error"
+    assert oom.detail.startswith("[rank1]: torch.OutOfMemoryError") and "out of memory" in oom.message
+    nccl = alerts.log_line("node-b", "[rank0]:[E ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective "
+                           "operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+                           "Timeout(ms)=600000) ran for 600093 milliseconds before timing out.", T0)
+    assert nccl.key == "log:node-b:nccl_timeout:0" and "ALLREDUCE (timeout 600 s)" in nccl.message
+    exc = alerts.log_line("node-a", "[rank3]: ValueError: dataset row 17 has no 'messages'", T0)
+    assert exc.rank == 3 and "Python exception in rank 3" in exc.message
+
+
+def test_ordinary_log_lines_stay_quiet():
+    for line in ["[rank0]: step 10 loss 1.23", "WARNING: Setting OMP_NUM_THREADS environment variable",
+                 "  File \"/x/train.py\", line 3, in main", ""]:
+        assert alerts.log_line("a", line, T0) is None
+
+
+def test_evaluate_runs_every_rule_and_keys_are_stable():
+    w = window(T0 + 90, util={("a", 0): util_series([5.0] * 91)}, mem={("a", 0): (T0 + 90, 79.9, 80.0)})
+    first = alerts.evaluate(w, CFG)
+    assert {f.rule for f in first} == {"low_utilisation", "gpu_memory"}
+    assert [f.key for f in alerts.evaluate(w, CFG)] == [f.key for f in first]

@@ -1,0 +1,289 @@
+"""Ingest: batched writes, exactly-once events across reconnects and restarts, the live tail,
+view downsampling, compaction of old samples, alerts stored once."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.pool import StaticPool
+from sqlmodel import create_engine
+
+from backend.agent import Tailer
+from backend.ingest import Downsampling, Ingestor
+from backend.telemetry_models import Alert, IngestOffset, MetricSample, RunEvent
+from backend.telemetry_query import SeriesKey
+
+S, E, O, A = MetricSample.__table__, RunEvent.__table__, IngestOffset.__table__, Alert.__table__
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def engine(tmp_path):
+    # a file database: the flusher thread and the test read through different connections
+    return create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}", connect_args={"check_same_thread": False})
+
+
+def count(engine, table, *where) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(table).where(*where)).scalar()
+
+
+def gpu_line(t, gpu, util=50.0, used=10.0, total=80.0):
+    return json.dumps({"kind": "gpu", "t": t, "gpu": gpu, "util_pct": util, "mem_used_gib": used,
+                       "mem_total_gib": total, "power_w": 300.0, "run_pids": [1, 2]})
+
+
+def write_events(path: Path, events) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+
+
+def agent_lines(run_dir: Path, offsets: dict[str, int], files=("events/rank-0.jsonl", "events/rank-1.jsonl")):
+    """What an agent started with these offsets sends for the files (the agent's own reader)."""
+    tailer = Tailer(run_dir, offsets)
+    out = []
+    for rel in files:
+        for offset, raw in tailer.read(rel):
+            out.append(json.dumps({"kind": "event", "file": rel, "offset": offset, "rank": int(rel[-7]),
+                                   "data": json.loads(raw)}))
+    return out
+
+
+def test_samples_are_buffered_and_written_in_one_batch(engine):
+    ing = Ingestor(engine, autostart=False)
+    for i in range(50):
+        for g in range(8):
+            ing.feed("r", "node-a", gpu_line(T0 + i, g))
+    assert count(engine, S) == 0  # nothing touches the database while feeding
+    written = ing.flush()
+    assert written == 50 * 8 * 4  # util, mem used, mem total, power per GPU line
+    assert count(engine, S, S.c.name == "gpu/util_pct") == 400
+    assert count(engine, S, S.c.name == "gpu/run_pids") == 0  # not a metric
+    assert ing.stats["flushes"] == 1 and ing.flush() == 0
+
+
+def test_background_thread_writes_within_a_second(engine):
+    ing = Ingestor(engine, flush_interval_s=0.1)
+    try:
+        ing.feed("r", "a", json.dumps({"kind": "host", "t": T0, "cpu_pct": 12.5, "ram_used_gib": 3.0,
+                                       "ram_total_gib": 16.0}))
+        import time
+        deadline = time.time() + 2
+        while count(engine, S) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        assert count(engine, S, S.c.name == "host/cpu_pct", S.c.value == 12.5) == 1
+    finally:
+        ing.close()
+
+
+def test_bad_lines_are_counted_not_raised(engine):
+    ing = Ingestor(engine, autostart=False)
+    for line in ["not json", "[1, 2]", json.dumps({"kind": "gpu"}), json.dumps({"no": "kind"}), ""]:
+        ing.feed("r", "a", line)
+    assert ing.stats["bad_lines"] == 5
+    ing.flush()
+    assert count(engine, S) == 0
+
+
+def test_reconnect_neither_loses_nor_duplicates_events(engine, tmp_path):
+    run = tmp_path / "run"
+    ev0 = [{"type": "start", "time": T0, "world_size": 2, "max_steps": 40}] + [
+        {"type": "train", "time": T0 + s, "step": s, "loss": 2.0 / s, "tokens_per_s": 100.0} for s in range(1, 21)]
+    ev1 = [{"type": "timing", "time": T0 + s, "rank": 1, "step": s, "step_time_s": 1.0, "collective_wait_s": 0.2,
+            "data_wait_s": 0.01} for s in range(1, 21)]
+    write_events(run / "events/rank-0.jsonl", ev0[:11])
+    write_events(run / "events/rank-1.jsonl", ev1[:10])
+
+    ing = Ingestor(engine, autostart=False)
+    first = agent_lines(run, ing.offsets("r", "a"))
+    for line in first[:8]:
+        ing.feed("r", "a", line)
+    ing.flush()
+    for line in first[8:]:  # delivered, not yet written when the channel drops
+        ing.feed("r", "a", line)
+
+    # more lines are written while disconnected; the new agent starts from the offsets
+    write_events(run / "events/rank-0.jsonl", ev0[11:])
+    write_events(run / "events/rank-1.jsonl", ev1[10:])
+    offsets = ing.offsets("r", "a")
+    assert offsets["events/rank-0.jsonl"] == (run / "events/rank-0.jsonl").stat().st_size - sum(
+        len(json.dumps(e)) + 1 for e in ev0[11:])
+    for line in agent_lines(run, offsets):
+        ing.feed("r", "a", line)
+    # a stale agent (started from offsets read earlier) repeats lines: they are dropped
+    for line in agent_lines(run, {}):
+        ing.feed("r", "a", line)
+    ing.flush()
+
+    assert count(engine, E) == len(ev0) + len(ev1)
+    assert count(engine, S, S.c.name == "train/loss") == 20
+    assert count(engine, S, S.c.name == "rank/collective_wait_s", S.c.rank == 1) == 20
+    with engine.connect() as conn:
+        steps = sorted(conn.execute(select(S.c.step).where(S.c.name == "train/loss")).scalars())
+    assert steps == list(range(1, 21))
+    assert ing.stats["duplicates"] == len(ev0) + len(ev1)
+
+    # a backend restart: a new ingestor on the same database, the agent resends everything
+    again = Ingestor(engine, autostart=False)
+    for line in agent_lines(run, {}):
+        again.feed("r", "b", line)
+    again.flush()
+    assert count(engine, E) == len(ev0) + len(ev1)
+    assert again.offsets("r", "a") == offsets | {
+        "events/rank-0.jsonl": (run / "events/rank-0.jsonl").stat().st_size,
+        "events/rank-1.jsonl": (run / "events/rank-1.jsonl").stat().st_size}
+
+
+def test_offsets_cover_events_and_only_the_nodes_own_log(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "a", json.dumps({"kind": "log", "file": "logs/a.log", "offset": 10, "line": "hi"}))
+    ing.feed("r", "b", json.dumps({"kind": "log", "file": "logs/b.log", "offset": 7, "line": "hi"}))
+    ing.feed("r", "b", json.dumps({"kind": "event", "file": "events/rank-1.jsonl", "offset": 50, "rank": 1,
+                                   "data": None}))  # an unreadable line: the offset still moves
+    assert ing.offsets("r", "a") == {"logs/a.log": 10, "events/rank-1.jsonl": 50}
+    assert ing.offsets("r", "b") == {"logs/b.log": 7, "events/rank-1.jsonl": 50}
+    assert count(engine, E) == 0
+
+
+def test_event_node_follows_rank_placement(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "b", json.dumps({"kind": "ranks", "t": T0, "ranks": [{"rank": 1, "local_rank": 0, "pid": 9,
+                                                                         "gpu": 0}]}))
+    # node a's agent delivers rank 1's line from a shared directory: it is still node b's rank
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-1.jsonl", "offset": 20, "rank": 1,
+                                   "data": {"type": "timing", "time": T0, "rank": 1, "step": 1,
+                                            "step_time_s": 1.0}}))
+    ing.flush()
+    with engine.connect() as conn:
+        assert conn.execute(select(E.c.node)).scalar() == "b"
+        assert conn.execute(select(S.c.node).where(S.c.name == "rank/step_time_s")).scalar() == "b"
+
+
+def test_since_cursor_returns_only_new_points_from_memory(engine):
+    ing = Ingestor(engine, autostart=False)
+    for i in range(10):
+        ing.feed("r", "a", gpu_line(T0 + i, 0, util=float(i)))
+    full = ing.series("r", ["gpu/util_pct"])
+    key = SeriesKey("gpu/util_pct", "a", 0, -1)
+    assert [v for _, v in full.series[key]] == [float(i) for i in range(10)]
+    ing.feed("r", "a", gpu_line(T0 + 10, 0, util=10.0))
+    ing.feed("r", "a", gpu_line(T0 + 10, 1, util=11.0))
+    # the database must not be read for this: drop the table's rows to prove it
+    with engine.begin() as conn:
+        conn.execute(S.delete())
+    new = ing.series("r", ["gpu/util_pct"], since=full.cursor)
+    assert new.series == {key: [(T0 + 10, 10.0)], SeriesKey("gpu/util_pct", "a", 1, -1): [(T0 + 10, 11.0)]}
+    assert not new.reset
+    assert ing.series("r", ["gpu/*"], since=new.cursor).series == {}
+
+
+def test_since_too_old_for_the_tail_returns_full_history_with_reset(engine):
+    now = [T0]
+    ing = Ingestor(engine, autostart=False, tail_s=5, clock=lambda: now[0])
+    ing.feed("r", "a", gpu_line(T0, 0))
+    cursor = ing.series("r", ["gpu/util_pct"]).cursor
+    for i in range(1, 20):
+        ing.feed("r", "a", gpu_line(T0 + i, 0))
+    now[0] = T0 + 20
+    ing._tick_tail()
+    res = ing.series("r", ["gpu/util_pct"], since=cursor)
+    assert res.reset and len(res.series[SeriesKey("gpu/util_pct", "a", 0, -1)]) == 20
+
+
+def test_history_is_reduced_to_the_point_budget_with_true_means(engine):
+    ing = Ingestor(engine, autostart=False)
+    n = 64 * 600  # 64 GPUs, 10 minutes at 1 Hz
+    for i in range(600):
+        for g in range(64):
+            ing.on_agent_line("r", f"n{g // 8}", {"kind": "gpu", "t": T0 + i, "gpu": g % 8,
+                                                  "util_pct": 10.0 * (i % 2) + g})
+    ing.flush()
+    assert count(engine, S) == n
+    res = ing.series("r", ["gpu/util_pct"], max_points=60)
+    assert len(res.series) == 64
+    for key, pts in res.series.items():
+        g = int(key.node[1:]) * 8 + key.gpu
+        assert 55 <= len(pts) <= 61
+        # ~10 s buckets of a series alternating g and g+10: means near g+5, not samples
+        assert all(abs(v - (g + 5)) <= 0.6 for _, v in pts[:-1])
+        assert pts == sorted(pts) and T0 <= pts[0][0] and pts[-1][0] <= T0 + 599
+
+
+def test_compaction_keeps_recent_raw_and_averages_older(engine):
+    ds = Downsampling(raw_s=3600, mid_bucket_s=60, old_after_s=86400, old_bucket_s=600)
+    ing = Ingestor(engine, autostart=False, downsampling=ds)
+    span, t0 = 2 * 3600, 1_699_999_800.0  # t0 on a 10-minute boundary
+    for i in range(span):
+        ing.on_agent_line("r", "a", {"kind": "gpu", "t": t0 + i, "gpu": 0, "util_pct": float(i % 60)})
+    ing.on_agent_line("r", "a", {"kind": "event", "file": "events/rank-0.jsonl", "offset": 10, "rank": 0,
+                                 "data": {"type": "train", "time": T0, "step": 1, "loss": 2.0}})
+    ing.flush()
+    now = t0 + span
+    removed = ing.compact("r", now)
+    raw = count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 0)
+    mid = count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 60)
+    assert raw == 3600 and mid == 60 and removed == 3600 - 60
+    with engine.connect() as conn:
+        means = set(conn.execute(select(S.c.value).where(S.c.res_s == 60)).scalars())
+        assert min(conn.execute(select(S.c.t).where(S.c.res_s == 0, S.c.name == "gpu/util_pct")).scalars()) >= now - 3600
+    assert means == {29.5}
+    assert count(engine, S, S.c.name == "train/loss") == 1  # step series are never averaged
+    assert ing.compact("r", now) == 0  # idempotent
+    # a day later the minute means become 10-minute means
+    ing.compact("r", now + 86400 + 3600)
+    assert count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 600) == 12
+    assert count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 60) == 0
+
+
+def test_log_alerts_are_stored_once_per_condition(engine):
+    ing = Ingestor(engine, autostart=False)
+    for i, line in enumerate(["[rank1]: torch.OutOfMemoryError: CUDA out of memory.", "ordinary line",
+                              "[rank1]: torch.OutOfMemoryError: CUDA out of memory. again"]):
+        ing.feed("r", "a", json.dumps({"kind": "log", "file": "logs/a.log", "offset": 10 * (i + 1), "line": line}))
+    [alert] = ing.alerts("r")
+    assert alert.rule == "log" and alert.node == "a" and alert.rank == 1 and alert.count == 2
+    assert "OutOfMemoryError" in alert.detail
+
+
+def test_rules_run_on_ingested_series_and_nan_survives_json(engine):
+    ing = Ingestor(engine, autostart=False)
+    ev = [{"type": "start", "time": T0}, {"type": "train", "time": T0 + 1, "step": 1, "loss": 2.0},
+          {"type": "train", "time": T0 + 2, "step": 2, "loss": math.nan}]
+    for i, e in enumerate(ev):
+        ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": i + 1,
+                                       "rank": 0, "data": e}))  # json.dumps writes NaN, as the agent does
+    for i in range(5):
+        ing.feed("r", "a", gpu_line(T0 + i, 0, used=79.5, total=80.0))
+    ing.evaluate("r", now=T0 + 5)
+    ing.evaluate("r", now=T0 + 7)  # the same conditions again: no new rows
+    alerts = {a.rule: a for a in ing.alerts("r")}
+    assert set(alerts) == {"non_finite", "gpu_memory"}
+    assert alerts["gpu_memory"].count == 2 and alerts["gpu_memory"].last_t == T0 + 4
+    with engine.connect() as conn:  # NaN is stored as NULL, not as a number
+        assert conn.execute(select(S.c.value).where(S.c.name == "train/loss", S.c.step == 2)).scalar() is None
+    # a restarted backend remembers which alerts exist and that the run is running
+    again = Ingestor(engine, autostart=False)
+    again.evaluate("r", now=T0 + 9)
+    assert len(again.alerts("r")) == 2
+    assert again.window("r").running
+
+
+def test_a_failed_flush_keeps_the_batch(engine, monkeypatch):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 5, "rank": 0,
+                                   "data": {"type": "start", "time": T0}}))
+    real_begin = engine.begin
+
+    def broken():
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(engine, "begin", broken)
+    assert ing.flush() == 0 and ing.stats["flush_errors"] == 1
+    monkeypatch.setattr(engine, "begin", real_begin)
+    assert ing.flush() == 1
+    assert count(engine, E) == 1 and ing.offsets("r", "a") == {"events/rank-0.jsonl": 5}

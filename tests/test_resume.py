@@ -1,0 +1,90 @@
+"""Stop a real 2-process run with SIGTERM, resume it, and compare the losses with an
+uninterrupted run of the same seed; resume FSDP2 onto a different world size; DeepSpeed refuses
+one clearly."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from worker import ROOT, events, losses, run_worker, torchrun_argv, worker_env, write_run
+
+pytestmark = pytest.mark.e2e
+DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
+
+
+def job(model, **extra) -> dict:
+    base = dict(model=str(model), dataset=[DATA], max_length=64, per_device_train_batch_size=4, learning_rate=3e-3,
+                max_steps=16, logging_steps=1, save_steps=1000, gradient_checkpointing=False, warmup_ratio=0.1,
+                train_type="lora", lora_dropout=0.1, torch_dtype="float32")
+    return {**base, **extra}
+
+
+def stop_after(run_dir, step: int) -> int:
+    """Start the worker, SIGTERM torchrun once rank 0 logged `step`; returns torchrun's exit code."""
+    log = open(run_dir / "torchrun.log", "w")
+    proc = subprocess.Popen(torchrun_argv(run_dir), cwd=ROOT, env=worker_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not any(e["step"] >= step for e in events(run_dir, 0, "train")):
+            assert proc.poll() is None and time.time() < deadline, (run_dir / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path, tiny_model):
+    whole = write_run(tmp_path / "whole", **job(tiny_model))
+    assert run_worker(whole).returncode == 0
+    expected = losses(whole)
+
+    cut = write_run(tmp_path / "cut", **job(tiny_model))
+    stop_after(cut, 3)
+    end, = events(cut, 0, "end")
+    assert end["status"] == "stopped" and end["error"] is None
+    k = end["step"]
+    assert 3 <= k < 16, "the stop must land mid-run for this test to mean anything"
+    assert [e["step"] for e in events(cut, 0, "checkpoint")] == [k]
+    assert (cut / f"checkpoint-{k}" / "complete").is_file()
+
+    # A half-written later checkpoint must be ignored by --resume latest.
+    partial = cut / f"checkpoint-{k + 1}.tmp"
+    shutil.copytree(cut / f"checkpoint-{k}", partial)
+    (partial / "complete").unlink()
+    proc = run_worker(cut, resume="latest")
+    assert proc.returncode == 0, proc.log[-4000:]
+    starts = events(cut, 0, "start")
+    assert starts[-1]["resumed_from"] == k
+    resumed = losses(cut)
+    assert sorted(resumed) == list(range(1, 17))
+    for step in range(k + 1, 17):
+        assert math.isclose(resumed[step], expected[step], rel_tol=1e-4), (step, resumed[step], expected[step])
+
+
+def test_fsdp_resumes_on_other_world_size_deepspeed_refuses(tmp_path, tiny_model):
+    fsdp = write_run(tmp_path / "fsdp", **job(tiny_model, train_type="full", fsdp="full_shard", max_steps=6,
+                                             save_steps=3, logging_steps=3))
+    assert run_worker(fsdp).returncode == 0
+    shutil.rmtree(fsdp / "checkpoint-6")
+    proc = run_worker(fsdp, nproc=1, resume=str(fsdp / "checkpoint-3"))
+    assert proc.returncode == 0, proc.log[-4000:]
+    assert events(fsdp, 0, "start")[-1] == {**events(fsdp, 0, "start")[-1], "resumed_from": 3, "world_size": 1}
+    before, after = [e["loss"] for e in events(fsdp, 0, "train")][-2:]
+    assert after < before  # continues from the trained weights, not from scratch
+
+    zero = write_run(tmp_path / "zero", **job(tiny_model, deepspeed="zero2", max_steps=2, save_steps=2, logging_steps=2))
+    assert run_worker(zero).returncode == 0
+    proc = run_worker(zero, nproc=1, resume="latest")
+    assert proc.returncode != 0
+    assert "written by 2 ranks and deepspeed cannot reshard it onto 1" in proc.log
+    assert "Traceback" not in proc.log.split("written by 2 ranks")[0].splitlines()[-1]

@@ -1,0 +1,128 @@
+"""The studio's pure helpers: form <-> spec, field problems, cluster edits (no browser)."""
+from __future__ import annotations
+
+import pytest
+
+from backend.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
+from backend.spec import FIELDS, JobSpec, Problem
+from studio.cluster_view import node_rows, put_node, remove_node
+from studio.context import Studio
+from studio.form import GROUPS, VIEWS, default_form, form_to_data, problems_by_field, spec_to_form
+from studio.train_view import check_form
+
+
+def test_every_spec_field_is_on_the_form_once_with_its_flag():
+    names = [name for _, _, group in GROUPS for name in group]
+    assert sorted(names) == sorted(FIELDS)
+    for name in FIELDS:
+        assert name in VIEWS[name].label
+        assert f"--{name}" in VIEWS[name].info
+
+
+def test_advanced_groups_start_collapsed():
+    opened = {title: is_open for title, is_open, _ in GROUPS}
+    assert opened["Advanced"] is False
+    assert opened["Model and data"] is True
+
+
+def test_round_trip_spec_form_spec():
+    spec = JobSpec(model="m", dataset=["a.jsonl", "b.jsonl#10"], deepspeed="zero2", nproc_per_node=2,
+                   env={"NCCL_DEBUG": "INFO"}, target_modules=["q_proj", "v_proj"], save_total_limit=3)
+    values = default_form() | spec_to_form(spec.model_dump())
+    data, problems = form_to_data(values)
+    assert problems == []
+    assert JobSpec(**data) == spec
+
+
+def test_unset_optionals_fall_back_to_spec_defaults():
+    values = default_form() | {"model": "m", "dataset": "a.jsonl", "nproc_per_node": 0, "deepspeed": ""}
+    data, problems = form_to_data(values)
+    assert problems == []
+    assert "nproc_per_node" not in data and "deepspeed" not in data
+    assert JobSpec(**data).nproc_per_node is None
+
+
+def test_widget_level_problems_name_the_field():
+    values = default_form() | {"model": "m", "dataset": "a", "max_length": 10.5, "env": "NCCL_DEBUG=INFO\nbroken"}
+    _, problems = form_to_data(values)
+    assert {p.field for p in problems} == {"max_length", "env"}
+    assert any("line 2" in p.message for p in problems if p.field == "env")
+
+
+def test_problems_split_by_field():
+    by_field, other = problems_by_field([Problem("dataset.0", "bad"), Problem("cluster", "no GPUs"),
+                                         Problem("dataset[1]", "file not found"),
+                                         Problem("max_length", "too small")])
+    assert set(by_field) == {"dataset", "max_length"}
+    assert [p.field for p in other] == ["cluster"]
+
+
+def test_check_form_marks_bad_field_and_derives_layout():
+    cluster = Cluster(nodes=(Node(host="a", slots=4), Node(host="b", slots=4)))
+    values = default_form() | {"model": "m", "dataset": "a.jsonl", "nnodes": 2, "tensor_model_parallel_size": 0}
+    view = check_form(values, cluster)
+    assert view.spec is None and not view.ok
+    assert "tensor_model_parallel_size" in view.field_problems
+    values["tensor_model_parallel_size"] = 1
+    view = check_form(values, cluster)
+    assert view.spec is not None
+    assert "| 2 × 4 | 8 | 8 |" in view.layout_md
+    assert "model: m" in view.yaml_text
+
+
+def test_put_and_remove_nodes():
+    cluster = local_cluster(GpuInfo())
+    cluster = put_node(cluster, {"host": "gpu1", "slots": 8.0, "addr": "10.0.0.2", "ssh_user": "ubuntu",
+                                 "ssh_port": 22.0, "ssh_key": "", "python": "python3", "device": "cuda"})
+    assert [n.host for n in cluster.nodes] == ["localhost", "gpu1"]
+    assert cluster.nodes[1].slots == 8 and cluster.nodes[1].ssh_user == "ubuntu"
+    # Same host again replaces it in place; the local node keeps its discovered fields.
+    cluster = put_node(cluster, {"host": "localhost", "slots": 2})
+    assert cluster.nodes[0].local and cluster.nodes[0].slots == 2
+    assert node_rows(cluster)[1][:3] == ["gpu1", "10.0.0.2", 8]
+    with pytest.raises(HostfileError) as err:
+        put_node(cluster, {"host": "bad host!", "slots": 1})
+    assert "host" in str(err.value)
+    cluster = remove_node(cluster, "gpu1")
+    assert [n.host for n in cluster.nodes] == ["localhost"]
+    with pytest.raises(HostfileError):
+        remove_node(cluster, "localhost")
+
+
+def test_presets_save_and_load(tmp_path):
+    studio = Studio(data_dir=tmp_path, output_dir=tmp_path / "out")
+    spec = JobSpec(model="m", dataset=["d.jsonl"], learning_rate=3e-4)
+    studio.save_preset("mine", spec)
+    assert "mine" in studio.preset_names() and studio.preset_names()[0] == "demo"
+    data, problems = studio.load_preset("mine")
+    assert problems == [] and data["learning_rate"] == 3e-4
+    with pytest.raises(ValueError, match="preset name"):
+        studio.save_preset("../evil", spec)
+    (studio.presets_dir / "broken.yaml").write_text("model: m\nlearning_rat: 1\n")
+    data, problems = studio.load_preset("broken")
+    assert data is None and any("did you mean 'learning_rate'" in p.message for p in problems)
+
+
+def test_swift_command_round_trips_through_the_importer():
+    from backend.msswift import import_command
+    from backend.spec import parse_spec
+    from studio.commands import swift_command
+
+    spec = JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["a.jsonl", "b.jsonl#100"], deepspeed="zero3",
+                   nnodes=2, nproc_per_node=8, learning_rate=2e-5, gradient_checkpointing=False,
+                   target_modules=["q_proj", "v_proj"], env={"NCCL_SOCKET_IFNAME": "eth0"})
+    line = swift_command(spec, master_addr="10.0.0.1")
+    assert line.startswith("NCCL_SOCKET_IFNAME=eth0 NPROC_PER_NODE=8 NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1")
+    assert "--max_length" not in line  # defaults stay off the line
+    back, problems = parse_spec(import_command(line).spec)
+    assert problems == [] and back == spec
+
+
+def test_command_preview_shows_every_node_and_the_ds_config():
+    from studio.commands import preview
+
+    cluster = Cluster(nodes=(Node(host="a", slots=4), Node(host="b", slots=4, addr="10.0.0.2")))
+    spec = JobSpec(model="m", dataset=["d.jsonl"], nnodes=2, deepspeed="zero2", per_device_train_batch_size=2)
+    text, ds = preview(spec, cluster, None)
+    assert "# node 0: a" in text and "# node 1: b" in text and "--node_rank 1" in text
+    assert "swift sft" in text and ds["train_batch_size"] == 2 * 8

@@ -1,0 +1,121 @@
+"""The Train and Cluster tabs in a real browser: live field errors, layout, command preview,
+import of an ms-swift command, presets, hostfile errors, and no request leaving the machine."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("playwright")
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from studio_server import Shots, foreign_requests, launch_browser, record_requests, start_studio  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+from studio_server import REPO  # noqa: E402
+
+DEMO_MODEL, DEMO_DATA = str(REPO / "assets/demo/model"), str(REPO / "assets/demo/train.jsonl")
+IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DATA} "
+            "--train_type lora --lora_rank 4 --learning_rate 3e-4 --max_length 128 --max_steps 6 --bogus_flag 1")
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    server = start_studio(tmp_path_factory.mktemp("studio"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def page(studio):
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.requests = record_requests(page)
+        page.goto(studio.url)
+        yield page
+        browser.close()
+
+
+def field(page, name: str):
+    return page.locator(f"#f-{name}")
+
+
+def test_train_form_live_checks_import_presets(studio, page):
+    shot = Shots("train")
+    page.get_by_role("tab", name="Train").click()
+    shot(page, "opened")
+
+    # Import an ms-swift command: the form fills, the unknown flag is reported.
+    page.get_by_text("Import ms-swift command").click()
+    page.locator("#import-text textarea").fill(IMPORTED)
+    page.locator("#import-button").click()
+    expect(page.locator("#form-message")).to_contain_text("bogus_flag", timeout=15000)
+    expect(field(page, "model").locator("textarea, input")).to_have_value(DEMO_MODEL)
+    expect(field(page, "learning_rate").locator("input")).to_have_value("0.0003")
+    expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run", timeout=15000)
+    expect(page.locator("#train-commands")).to_contain_text("swift sft")
+    expect(page.locator("#train-layout")).to_contain_text("world")
+    expect(page.locator("#train-memory")).to_contain_text("Memory per GPU")
+    shot(page, "imported")
+
+    # Oversubscribing the CPU slots is legal but flagged; TP=2 on one process is impossible; TP=0 is
+    # rejected by the spec itself.
+    field(page, "nproc_per_node").locator("input").fill("4")
+    expect(field(page, "nproc_per_node")).to_have_class(re.compile("field-warning"), timeout=15000)
+    expect(field(page, "nproc_per_node")).to_contain_text("⚠")
+    field(page, "nproc_per_node").locator("input").fill("1")
+    field(page, "tensor_model_parallel_size").locator("input").fill("2")
+    expect(field(page, "tensor_model_parallel_size")).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(field(page, "tensor_model_parallel_size")).to_contain_text("✖")
+    expect(page.locator("#train-commands")).to_contain_text("fix the problems")
+    shot(page, "invalid-layout")
+    field(page, "tensor_model_parallel_size").locator("input").fill("0")
+    expect(field(page, "tensor_model_parallel_size")).to_contain_text("greater than or equal to 1", timeout=15000)
+    field(page, "tensor_model_parallel_size").locator("input").fill("1")
+    expect(field(page, "tensor_model_parallel_size")).not_to_have_class(re.compile("field-error"), timeout=15000)
+    expect(field(page, "nproc_per_node")).not_to_have_class(re.compile("field-warning"))
+    expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run")
+
+    # Save a preset, change the form, load the preset back.
+    page.locator("#save-name textarea").fill("mine")
+    page.locator("#save-preset").click()
+    expect(page.locator("#form-message")).to_contain_text("Saved preset", timeout=15000)
+    assert (studio.root / "data" / "swift-studio" / "presets" / "mine.yaml").is_file()
+    field(page, "learning_rate").locator("input").fill("0.01")
+    page.locator("#preset-name input").fill("mine")
+    page.get_by_role("option", name="mine").click()
+    page.locator("#load-preset").click()
+    expect(page.locator("#form-message")).to_contain_text("Loaded preset", timeout=15000)
+    expect(field(page, "learning_rate").locator("input")).to_have_value("0.0003")
+    shot(page, "preset-loaded")
+
+    assert "Traceback" not in page.content()
+    assert foreign_requests(page.requests, studio.url) == []
+
+
+def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
+    shot = Shots("cluster")
+    expect(page.locator("#cluster-summary")).to_contain_text("this machine", timeout=15000)
+    page.get_by_text("Hostfile", exact=True).click()
+    page.locator("#cluster-hostfile textarea").fill("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
+    page.get_by_role("button", name="Use this hostfile").click()
+    expect(page.locator("#cluster-message")).to_contain_text("hostfile:1", timeout=15000)
+    expect(page.locator("#cluster-message")).to_contain_text("unknown key 'colour'")
+    shot(page, "hostfile-errors")
+    page.locator("#cluster-hostfile textarea").fill("gpu1 slots=8 addr=10.0.0.1\ngpu2 slots=8 addr=10.0.0.2\n")
+    page.get_by_role("button", name="Use this hostfile").click()
+    expect(page.locator("#cluster-summary")).to_contain_text("2 node(s) · 16 GPUs", timeout=15000)
+    expect(page.locator("#cluster-nodes")).to_contain_text("10.0.0.2")
+    shot(page, "two-nodes")
+    # The Train tab's layout follows the cluster.
+    page.get_by_role("tab", name="Train").click()
+    field(page, "model").locator("textarea, input").fill(DEMO_MODEL)
+    field(page, "dataset").locator("textarea").fill(DEMO_DATA)
+    field(page, "nnodes").locator("input").fill("2")
+    expect(page.locator("#train-layout")).to_contain_text(re.compile(r"2 × 8\s+16\s+16\s"), timeout=15000)
+    expect(page.locator("#train-commands")).to_contain_text("--rdzv_endpoint 10.0.0.1:29500")
+    shot(page, "layout-on-two-nodes")
+    assert "Traceback" not in page.content()
+    assert foreign_requests(page.requests, studio.url) == []

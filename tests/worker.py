@@ -1,0 +1,71 @@
+"""Helpers for the worker tests: a tiny model on disk, run directories, real torchrun runs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_tiny_model(out: Path) -> Path:
+    """The demo tokenizer with a 2-layer, 64-wide Qwen2 model (random, seeded) in `out`."""
+    sys.path.insert(0, str(ROOT / "assets"))
+    from build_demo import build_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+    tokenizer.save_pretrained(out)
+    build_model(tokenizer, seed=0, **TINY).save_pretrained(out)
+    return out
+
+
+def write_run(run_dir: Path, **spec) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return run_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(run_dir: Path, nproc: int = 2, resume: str | None = None) -> list[str]:
+    """The argv of docs/architecture.md ("Worker command line") for one local node."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
+            "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+            "--rdzv_id", run_dir.name, "--max_restarts", "0", "-m", "launcher.train", "--run-dir", str(run_dir)]
+    return argv + (["--resume", resume] if resume else [])
+
+
+def worker_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout: int = 240,
+               argv: list[str] | None = None) -> subprocess.CompletedProcess:
+    log = run_dir / "logs" / "local.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        proc = subprocess.run(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env=worker_env(),
+                              stdout=out, stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True)
+    proc.log = log.read_text()
+    return proc
+
+
+def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
+    path = run_dir / "events" / f"rank-{rank}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if type is None or r["type"] == type]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(run_dir, 0, "train")}
