@@ -151,6 +151,72 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- alerts / metrics (recorded telemetry) -----------------------------------------------------
+def add_db_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", help="database URL (default: $SWIFT_STUDIO_DB or the studio's SQLite file)")
+
+
+def telemetry_engine(args: argparse.Namespace, run_id: str):
+    from backend.db import default_db_url, make_engine
+    from backend.metrics_export import has_data
+    from backend.telemetry_models import create_telemetry_tables
+
+    url = args.db or default_db_url()
+    engine = make_engine(url)
+    create_telemetry_tables(engine)
+    if not has_data(engine, run_id):
+        raise CliError([f"run: no telemetry recorded for run {run_id!r} in {url}"])
+    return engine
+
+
+def add_alerts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    parser.add_argument("--json", action="store_true", help="one JSON object per alert")
+    add_db_arg(parser)
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    import time
+
+    from backend.telemetry_query import alerts
+
+    found = alerts(telemetry_engine(args, args.run), args.run)
+    for a in found:
+        if args.json:
+            print(json.dumps(a.model_dump(exclude={"id", "key"})))
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.t))
+        again = f" (x{a.count}, last {time.strftime('%H:%M:%S', time.localtime(a.last_t))})" if a.count > 1 else ""
+        print(f"{when} {a.severity.upper():7} {a.rule}: {a.message}{again}")
+        if a.detail:
+            print(f"    {a.detail}")
+    if not found and not args.json:
+        print(f"no alerts for run {args.run}")
+    return 0
+
+
+def add_metrics(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    parser.add_argument("--format", choices=("csv", "json", "tensorboard"), default="csv",
+                        help="csv or json (stdout unless --out), or tensorboard event files (needs the tensorboard package)")
+    parser.add_argument("--out", help="output file (csv/json) or directory (tensorboard)")
+    parser.add_argument("--names", nargs="*", help="series to export, e.g. train/loss 'gpu/*' (default: all)")
+    add_db_arg(parser)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from backend.metrics_export import ExportError, export
+
+    engine = telemetry_engine(args, args.run)
+    try:
+        where, n = export(engine, args.run, args.format, Path(args.out) if args.out else None, args.names)
+    except ExportError as exc:
+        raise CliError([str(exc)]) from None
+    if where is not None:
+        print(f"wrote {n} values to {where}", file=sys.stderr)
+    return 0
+
+
 # -- studio ------------------------------------------------------------------------------------
 def add_studio(parser: argparse.ArgumentParser) -> None:
     from studio.server import add_arguments  # Gradio is imported only when the studio starts
@@ -172,11 +238,38 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+def cluster_command(name: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """add/run of a cluster-backend subcommand, which lives in backend/runcli.py."""
+    def add(parser: argparse.ArgumentParser) -> None:
+        from backend import runcli
+        getattr(runcli, f"add_{name.replace('-', '_')}")(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        from backend import runcli
+        try:
+            return getattr(runcli, f"cmd_{name.replace('-', '_')}")(args)
+        except runcli.CliError as exc:
+            raise CliError(exc.lines) from None
+
+    return add, run
+
+
 COMMANDS = [
     Command("validate", "check a job against the cluster: exit 0 and the layout, or one line per problem", add_validate, cmd_validate),
     Command("plan", "show the per-node torchrun command lines, env, DeepSpeed config and memory estimate", add_plan, cmd_plan),
     Command("import", "turn an ms-swift command line (swift sft / megatron sft / torchrun) into job YAML", add_import, cmd_import),
+    Command("alerts", "list a run's alerts (time, severity, rule, message, log line)", add_alerts, cmd_alerts),
+    Command("metrics", "export a run's recorded metrics as CSV, JSON or TensorBoard files", add_metrics, cmd_metrics),
     Command("studio", "start the web studio on 127.0.0.1:7860 (what `swift-studio` alone does)", add_studio, cmd_studio),
+    Command("preflight", "check every node before a run: SSH, clocks, versions, GPUs, shared storage, ports, bandwidth", *cluster_command("preflight")),
+    Command("run", "launch a job on this machine or the hostfile's nodes and follow it (--detach to return)", *cluster_command("run")),
+    Command("runs", "list runs with their state", *cluster_command("runs")),
+    Command("status", "a run's state, nodes, failure cause and alerts", *cluster_command("status")),
+    Command("logs", "a node's torchrun log of a run (--follow to keep printing)", *cluster_command("logs")),
+    Command("stop", "stop a run: SIGTERM (checkpoint), SIGKILL after a grace period, verify nothing is left", *cluster_command("stop")),
+    Command("resume", "resume a stopped or failed run from its latest complete checkpoint", *cluster_command("resume")),
+    Command("export", "merge and export a run's checkpoint (the worker's export), then a sample generation", *cluster_command("export")),
+    Command("trust-host", "trust a node's SSH host key after checking its fingerprint (recorded)", *cluster_command("trust-host")),
 ]
 
 

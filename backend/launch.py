@@ -174,6 +174,13 @@ async def _sweep(pool: Pool, node: Node, run_id: str, report: StopReport) -> Non
         report.unreachable.setdefault(node.host, exc.reason)
 
 
+async def log_since(pool: Pool, node: Node, run_dir: str, offset: int, max_bytes: int = 1 << 20,
+                    log_node: str | None = None) -> bytes:
+    path = remote.NodePaths(run_dir, remote.node_file_name(log_node or node.host)).log
+    res = await pool.run(node, remote.read_from(path, offset, max_bytes), None, timeout=30)
+    return res.raw
+
+
 async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40, log_node: str | None = None) -> list[str]:
     path = remote.NodePaths(run_dir, remote.node_file_name(log_node or node.host)).log
     res = await pool.run(node, remote.tail(path, lines), None, timeout=15)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import secrets
 import threading
@@ -25,9 +26,11 @@ from backend.cluster import Cluster
 from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
 from backend.lifecycle import Failure, RunStore
-from backend.models import NodeProcess, Run
+from backend.models import Attempt, NodeProcess, Run
 from backend.spec import JobSpec
 from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
+
+log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
 REATTACH_PROBE_S = 20.0
@@ -100,6 +103,7 @@ class RunManager:
         self._thread.start()
         self.pool = nodes.Pool(self.known_hosts)
         self._tasks: dict[str, Future] = {}
+        self._watchers: dict[str, AttemptWatcher] = {}
         self._notices: dict[str, list[str]] = {}
         self._closed = False
         if reattach:
@@ -110,9 +114,23 @@ class RunManager:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def _spawn(self, run_id: str, coro) -> Future:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._guarded(run_id, coro), self._loop)
         self._tasks[run_id] = fut
         return fut
+
+    async def _guarded(self, run_id: str, coro) -> None:
+        """A bug in the control code must not leave a run looking alive forever."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("run %s: control task failed", run_id)
+            run = self.store.get(run_id)
+            if run is not None and run.state not in lifecycle.FINAL:
+                failure = Failure(None, None, "internal_error", f"swift-studio error: {type(exc).__name__}: {exc}")
+                if run.state == lifecycle.CREATED or run.state in lifecycle.ACTIVE:
+                    self.store.transition(run_id, lifecycle.FAILED, failure)
 
     def close(self) -> None:
         """Stop watching (runs keep running on their nodes; a new manager re-attaches)."""
@@ -174,18 +192,47 @@ class RunManager:
                 raise TimeoutError(f"run {run_id} still {run.state} after {timeout:.0f} s")
             time.sleep(0.2)
 
-    def log_tail(self, run_id: str, node: str | None = None, lines: int = 100) -> list[str]:
-        run = self.run(run_id)
+    def settle(self, run_id: str, timeout: float = 15.0) -> Run:
+        """After a re-attach: wait until the run's nodes have been asked once (or it ended)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            run = self.run(run_id)
+            watcher = self._watchers.get(run_id)
+            if run.state not in lifecycle.ACTIVE or (watcher is not None and watcher.first_pass.is_set()):
+                return run
+            time.sleep(0.1)
+        return self.run(run_id)
+
+    def nodes_of(self, run_id: str) -> list[str]:
         attempt = self.store.current_attempt(run_id)
-        if attempt is None:
-            return []
-        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)]
+        return [d["host"] for d in json.loads(attempt.cluster_json)] if attempt else []
+
+    def _log_node(self, run_id: str, node: str | None):
+        attempt = self.store.current_attempt(run_id)
+        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
         if not members:
-            return []
-        chosen = next(((n, s) for n, s in members if n.host == node), None) if node else members[0]
+            return None
+        chosen = next((n for n, _ in members if n.host == node), None) if node else members[0][0]
         if chosen is None:
             raise RunError(f"run {run_id} has no node {node!r}; nodes: {', '.join(n.host for n, _ in members)}")
-        return self._call(launch_ops.log_tail(self.pool, chosen[0], run.run_dir, lines), timeout=60)
+        return chosen
+
+    def log_tail(self, run_id: str, node: str | None = None, lines: int = 100) -> list[str]:
+        """The last lines of a node's torchrun log (the first node when none is named)."""
+        run = self.run(run_id)
+        chosen = self._log_node(run_id, node)
+        if chosen is None:
+            return []
+        return self._call(launch_ops.log_tail(self.pool, chosen, run.run_dir, lines), timeout=60)
+
+    def log_since(self, run_id: str, node: str | None = None, offset: int = 0) -> tuple[str, int]:
+        """(text, next offset): what a node's log gained after byte `offset` (for following it)."""
+        run = self.run(run_id)
+        chosen = self._log_node(run_id, node)
+        if chosen is None:
+            return "", offset
+        raw = self._call(launch_ops.log_since(self.pool, chosen, run.run_dir, offset), timeout=60)
+        return raw.decode(errors="replace"), offset + len(raw)
 
     def series(self, run_id: str, names, since: int | None = None, max_points: int = 1000):
         """Metric series of a run (the ingestor's live tail over the stored history)."""
@@ -234,7 +281,7 @@ class RunManager:
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
         self.store.create(run)
         setups = nodes.setups_for(self.engine, cluster, setups)
-        self._spawn(run_id, self._attempt(run_id, spec, cluster, setups, resume=None))
+        self._start_attempt(run_id, spec, cluster, setups, resume=None)
         return run_id
 
     def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
@@ -250,7 +297,7 @@ class RunManager:
             setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
         else:
             setups = nodes.setups_for(self.engine, cluster, setups)
-        self._spawn(run_id, self._attempt(run_id, spec, cluster, dict(setups), resume="latest"))
+        self._start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
         return run_id
 
     def stop(self, run_id: str, wait: bool = True, grace_s: float = launch_ops.STOP_GRACE_S) -> Run:
@@ -284,14 +331,19 @@ class RunManager:
         return json.loads(lines[-1])
 
     # -- the control loop's side ---------------------------------------------------------------
-    async def _attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
+    def _start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
                        resume: str | None) -> None:
-        run = self.store.get(run_id)
+        """Record the new attempt (the run is `checking` when this returns), then start it."""
         self.store.transition(run_id, lifecycle.CHECKING)
         # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
         cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
         members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
         attempt = self.store.new_attempt(run_id, members, resume)
+        self._spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume))
+
+    async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
+                       setups: dict[str, str], resume: str | None) -> None:
+        run = self.store.get(run_id)
         try:
             failure = await self._check(spec, cluster, setups)
             if failure:
@@ -371,6 +423,7 @@ class RunManager:
         watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
                                  stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
                                  sink=self.sink, on_notice=lambda m: self._notice(run_id, m))
+        self._watchers[run_id] = watcher
         outcome: Outcome | None = await watcher.run()
         if outcome is None:
             return  # a stop was requested; `_stop` records the end

@@ -115,7 +115,7 @@ def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, list[
         elif name in TORCHRUN_CLUSTER:
             result.notes.append(f"{tokens[0]} --{name}: set by the cluster (hostfile) and planner")
         elif name and name not in ("m",):
-            result.ignored.append(f"{tokens[0]} --{name} {' '.join(values)}".rstrip())
+            result.ignored.append(f"{tokens[0]} --{name} {shlex.join(values)}".rstrip())
     kind = "megatron" if "megatron" in tokens[script] else "swift"
     return kind, tokens[script + 1:]
 
@@ -190,7 +190,7 @@ def import_command(text: str) -> ImportResult:
         if not name:
             result.ignored.append(f"stray argument {' '.join(values)}")
             continue
-        flag = f"--{name} {' '.join(values)}".rstrip()
+        flag = f"--{name} {shlex.join(values)}".rstrip()
         if kind == "megatron" and _megatron(name, values, result, pending):
             continue
         key = canonical_key(name)

@@ -167,6 +167,11 @@ def tail(path: str, lines: int) -> str:
     return f"tail -n {int(lines)} -- {shlex.quote(path)} 2>/dev/null; true"
 
 
+def read_from(path: str, offset: int, max_bytes: int) -> str:
+    """Shell text printing at most `max_bytes` of `path` starting at byte `offset` (nothing if absent)."""
+    return (f"tail -c +{int(offset) + 1} -- {shlex.quote(path)} 2>/dev/null | head -c {int(max_bytes)}; true")
+
+
 def write_file(path: str) -> str:
     """Shell text that writes stdin to `path` atomically (parent directories created)."""
     p = shlex.quote(path)

@@ -75,6 +75,7 @@ class Result:
     rc: int
     stdout: str
     stderr: str
+    raw: bytes = b""   # stdout as bytes (byte offsets into remote files)
 
     @property
     def ok(self) -> bool:
@@ -134,7 +135,7 @@ class LocalShell(Shell):
             proc.kill()
             await proc.wait()
             raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
-        return Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
+        return Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"), out)
 
     async def stream(self, command: str) -> Stream:
         proc = await asyncio.create_subprocess_exec(
@@ -169,13 +170,15 @@ class SshShell(Shell):
     async def run(self, command: str, input: str | None = None,
                   timeout: float = COMMAND_TIMEOUT_S) -> Result:
         try:
-            res = await self._conn.run(command, input=input, timeout=timeout, check=False)
+            res = await self._conn.run(command, input=input.encode() if input is not None else None,
+                                       timeout=timeout, check=False, encoding=None)
         except asyncssh.TimeoutError:
             raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
         except (asyncssh.Error, OSError) as exc:
             raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
         rc = res.exit_status if res.exit_status is not None else 255
-        return Result(rc, _text(res.stdout), _text(res.stderr))
+        raw = res.stdout if isinstance(res.stdout, bytes) else _text(res.stdout).encode()
+        return Result(rc, _text(res.stdout), _text(res.stderr), raw)
 
     async def stream(self, command: str) -> Stream:
         try:

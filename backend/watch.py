@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ class AttemptWatcher:
         self.sink = sink
         self._agents: list[asyncio.Task] = []
         self._ended = asyncio.Event()
+        # Set once every node has answered (or the attempt ended): the state shown is current.
+        self.first_pass = asyncio.Event()
 
     async def run(self) -> Outcome | None:
         """Watch until the attempt ends; None when a stop was requested (the stopper finishes it)."""
@@ -102,6 +105,7 @@ class AttemptWatcher:
         try:
             return await self._watch()
         finally:
+            self.first_pass.set()
             self._ended.set()
             if self._agents:
                 await asyncio.wait(self._agents, timeout=AGENT_DRAIN_S)
@@ -125,6 +129,8 @@ class AttemptWatcher:
                 return await self._fail(lost, failed)
             if all(n.done for n in self.nodes):
                 return Outcome("succeeded")
+            if all(n.unreachable_since is None for n in self.nodes):
+                self.first_pass.set()
             next_probe = min(n.next_probe for n in self.nodes if not n.done)
             await asyncio.sleep(max(0.05, next_probe - time.time()))
 
@@ -203,7 +209,9 @@ class AttemptWatcher:
                     "--node", name, "--offsets", json.dumps(offsets)]
             try:
                 shell = await self.pool.shell(node)
-                stream = await shell.stream(remote.with_setup(n.started.setup, remote.quote_argv(argv)))
+                errlog = f"{self.run_dir}/logs/agent-{name}.log"
+                command = f"{remote.quote_argv(argv)} 2>> {shlex.quote(errlog)}"
+                stream = await shell.stream(remote.with_setup(n.started.setup, command))
             except ssh.NodeError:
                 stream = None
             if stream is not None:

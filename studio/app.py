@@ -14,7 +14,7 @@ sys.modules.setdefault("IPython", None)
 import gradio as gr  # noqa: E402
 
 from backend.cluster import local_cluster  # noqa: E402
-from studio import cluster_tab, train_tab  # noqa: E402
+from studio import cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
 
@@ -22,19 +22,34 @@ from studio.theme import CSS, THEME  # noqa: E402
 def build_app(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="swift-studio", analytics_enabled=False) as app:
         cluster_state = gr.State(local_cluster())
-        with gr.Row():
-            gr.Markdown("## swift-studio", elem_id="title")
-        with gr.Tabs(elem_id="tabs") as tabs:
+        gr.Markdown("## swift-studio", elem_id="title")
+        with gr.Tabs(elem_id="tabs", selected="train") as tabs:
             with gr.Tab("Cluster", id="cluster"):
                 cluster = cluster_tab.build()
             with gr.Tab("Train", id="train"):
                 train = train_tab.build(studio)
+            with gr.Tab("Monitor", id="monitor"):
+                monitor = monitor_tab.build()
+            with gr.Tab("Runs", id="runs") as runs_page:
+                runs = runs_tab.build()
+            with gr.Tab("Export", id="export") as export_page:
+                export = export_tab.build()
         cluster_tab.wire(cluster, cluster_state)
+        cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
         train_tab.wire(train, studio, cluster_state)
+        monitor_tab.wire(monitor, studio, tabs, export["run"])
+        train_tab.wire_launch(train, studio, cluster_state, tabs, monitor["run"], monitor["choices"])
+        runs_tab.wire(runs, studio, runs_page)
+        export_tab.wire(export, studio, export_page)
+
+        # A page load (first visit or reload) shows the cluster, fills the form with the demo
+        # preset and re-attaches the Monitor to the latest active run; its first tick reads the
+        # whole history, so the charts are complete.
         app.load(cluster["show"], [cluster_state],
                  [cluster_state, cluster["summary"], cluster["nodes"], cluster["hostfile"],
                   cluster["remove_host"], cluster["message"]])
-        del tabs
+        app.load(train["load_demo"], None, train["fill_outputs"]).then(**train["refresh"])
+        app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     return app
 
 

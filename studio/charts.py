@@ -50,6 +50,8 @@ class SeriesBuffer:
 
     run_id: str | None = None
     cursor: int | None = None
+    state: str | None = None
+    """The run's state when last drawn."""
     points: dict[tuple, list[Point]] = field(default_factory=dict)
     max_points: int = MAX_POINTS
 
@@ -124,6 +126,9 @@ def _figure(title: str, y_title: str, empty_note: str = "waiting for data") -> g
 def _done(fig: go.Figure) -> go.Figure:
     if fig.data:
         fig.update_annotations(visible=False, selector=dict(name="empty"))
+    else:  # no made-up axes (plotly's default dates are in the year 2000)
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
     return fig
 
 
@@ -225,6 +230,17 @@ def figures(buf: SeriesBuffer, smoothing: float) -> dict[str, go.Figure]:
         "power": lines("GPU power (W)", "W", buf.named("gpu/power_w")),
         "collective": lines("Collective wait per rank (s per step)", "s", buf.named("rank/collective_wait_s")),
     }
+
+
+def overlay_figure(curves: dict[str, list[Point]]) -> go.Figure:
+    """Loss of several runs against time since each run's first logged step."""
+    fig = _figure("Loss of the selected runs", "loss", empty_note="pick runs to compare")
+    fig.update_layout(xaxis=dict(type="linear", title="minutes since the first logged step"))
+    for run_id, pts in curves.items():
+        if pts:
+            t0 = pts[0][0]
+            fig.add_scatter(x=[(t - t0) / 60 for t, _ in pts], y=[v for _, v in pts], mode="lines", name=run_id)
+    return _done(fig)
 
 
 def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, state: str) -> str:

@@ -2,14 +2,17 @@
 pre-flight and show its node x check table."""
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from backend.cluster import DEVICES, Cluster, HostfileError, local_cluster, parse_hostfile_text
-from studio.cluster_view import NODE_COLUMNS, cluster_summary, node_rows, put_node, remove_node
-from studio.train_view import problems_md
+from studio.cluster_view import NODE_COLUMNS, cluster_summary, node_rows, preflight_html, put_node, remove_node
+from studio.context import Studio
+from studio.errors import user_message
+from studio.train_view import check_form, problems_md
 
 
 def build() -> dict[str, Any]:
@@ -40,12 +43,32 @@ def build() -> dict[str, Any]:
         with gr.Row():
             c["apply_hostfile"] = gr.Button("Use this hostfile", size="sm")
             c["upload_hostfile"] = gr.UploadButton("Load hostfile…", size="sm", file_count="single")
-    with gr.Row():
-        c["preflight"] = gr.Button("Run pre-flight", variant="primary", elem_id="cluster-preflight")
-    c["preflight_summary"] = gr.Markdown(elem_id="preflight-summary")
-    c["preflight_table"] = gr.Dataframe(label="Pre-flight: node × check", interactive=False, wrap=True,
-                                        elem_id="preflight-table", visible=False)
+    with gr.Row(equal_height=True):
+        c["preflight"] = gr.Button("Run pre-flight", variant="primary", elem_id="cluster-preflight", scale=3)
+        c["bandwidth"] = gr.Checkbox(label="Measure all-reduce bandwidth", value=False, scale=1,
+                                     info="Starts a short torchrun across the nodes (a few seconds more).")
+    c["preflight_report"] = gr.HTML(elem_id="preflight-report")
     return c
+
+
+def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dict[str, gr.components.Component]) -> None:
+    """Pre-flight of the current cluster for the job on the Train tab; while that form has errors
+    the job-specific checks (GPU count, output directory, interface) use the defaults."""
+
+    def on_preflight(data: dict):
+        cluster = data[state]
+        view = check_form({name: data[comp] for name, comp in form.items()}, cluster)
+        spec = view.spec if view.ok else None
+        note = "" if spec else " The Train form has errors, so the job's own settings are not checked."
+        yield f"<p>Pre-flight on {len(cluster.nodes)} node(s)… (login, clock, packages, GPUs, disk, network).{note}</p>"
+        try:
+            report = studio.manager.preflight(cluster, spec, bandwidth=bool(data[c["bandwidth"]]))
+        except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
+            yield f"<p>{html.escape(user_message('Pre-flight', exc))}</p>"
+            return
+        yield preflight_html(report)
+
+    c["preflight"].click(on_preflight, {state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
 
 
 def show(cluster: Cluster, message: str = "") -> tuple:

@@ -5,6 +5,7 @@ hostfile accepts and reports problems the same way (HostfileError naming the nod
 """
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from backend.cluster import Cluster, cluster_from_dicts
@@ -58,3 +59,30 @@ def cluster_summary(cluster: Cluster) -> str:
     kind = "GPUs" if cluster.backend == "nccl" else "CPU slots (gloo)"
     where = "this machine" if cluster.is_local else f"{len(cluster.nodes)} node(s)"
     return f"**{where}** · {slots} {kind} in total · backend `{cluster.backend}`"
+
+
+PREFLIGHT_MARK = {"ok": "✔", "warning": "⚠", "error": "✖", "skipped": "–"}
+PREFLIGHT_COLOUR = {"ok": "#dcfce7", "warning": "#fef9c3", "error": "#fee2e2", "skipped": "#f4f4f5"}
+
+
+def preflight_html(report: Any) -> str:
+    """The node × check grid of a backend.preflight.PreflightReport: one row per check, one
+    column per node, each cell the status, the reason and (for problems) the fix."""
+    nodes, checks, cells = report.table()
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in nodes)
+    rows = []
+    for check in checks:
+        tds = []
+        for node in nodes:
+            r = cells.get((node, check))
+            if r is None:
+                tds.append("<td></td>")
+                continue
+            fix = f"<br><b>Fix:</b> {html.escape(r.fix)}" if r.fix and r.status in ("warning", "error") else ""
+            tds.append(f"<td style='background:{PREFLIGHT_COLOUR.get(r.status, '#fff')}' data-status='{r.status}'>"
+                       f"{PREFLIGHT_MARK.get(r.status, '')} {html.escape(r.reason)}{fix}</td>")
+        rows.append(f"<tr><th>{html.escape(check)}</th>{''.join(tds)}</tr>")
+    verdict = ("✔ all checks passed" if report.ok and not report.warnings()
+               else f"{len(report.errors())} error(s), {len(report.warnings())} warning(s)")
+    return (f"<div id='preflight-grid'><p><b>Pre-flight:</b> {verdict} in {report.seconds:.1f} s</p>"
+            f"<table class='preflight'><tr><th>check</th>{head}</tr>{''.join(rows)}</table></div>")

@@ -19,5 +19,7 @@ CSS = """
 .cmd-preview textarea, .cmd-preview pre { font-size: 0.85em; }
 .progress-outer { background: #e4e4e7; border-radius: 6px; height: 14px; width: 100%; overflow: hidden; }
 .progress-inner { background: #f97316; height: 14px; }
+table.preflight { border-collapse: collapse; font-size: 0.9em; }
+table.preflight th, table.preflight td { border: 1px solid #d4d4d8; padding: 4px 8px; vertical-align: top; text-align: left; }
 footer { display: none !important; }
 """

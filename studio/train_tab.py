@@ -12,6 +12,7 @@ from backend.cluster import Cluster
 from backend.msswift import CommandError, import_command
 from backend.spec import parse_spec
 from studio.context import Studio
+from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
 from studio.train_view import TrainView, check_form, problems_md
 
@@ -124,7 +125,10 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     def on_load_preset(name: str | None) -> dict:
         if not name:
             return not_filled("Pick a preset first.")
-        spec, problems = studio.load_preset(name)
+        try:
+            spec, problems = studio.load_preset(name)
+        except Exception as exc:  # noqa: BLE001 - e.g. the bundled demo is missing from this install
+            return not_filled(user_message(f"Loading preset {name}", exc))
         if spec is None:
             return not_filled(f"Preset **{name}** not loaded:\n" + problems_md(problems))
         return fill(spec, f"Loaded preset **{name}**.")
@@ -169,3 +173,45 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     c["save_preset"].click(lambda data: on_save_preset(data[c["save_name"]], data), save_inputs,
                            [c["preset"], c["form_message"]])
     c["refresh"] = refresh
+    c["fill_outputs"] = fill_outputs
+    c["load_demo"] = lambda: on_load_preset("demo")
+
+
+def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs: gr.Tabs,
+                monitor_run: gr.Dropdown, run_choices) -> None:
+    """Launch: the form must be valid, pre-flight must pass, then the run starts and the page
+    moves to the Monitor tab on it. Each stage shows while it runs."""
+    form: dict[str, gr.components.Component] = c["form"]
+
+    def on_launch(data: dict):
+        cluster = data[cluster_state]
+        view = check_form(form_values(form, data), cluster)
+        if not view.ok:
+            yield {c["launch_status"]: "✖ Not launched: fix the fields marked in red first."}
+            return
+        yield {c["launch_status"]: f"Pre-flight on {len(cluster.nodes[: view.spec.nnodes])} node(s)…"}
+        try:
+            report = studio.manager.preflight(cluster, view.spec, bandwidth=False)
+            if not report.ok:
+                yield {c["launch_status"]: "✖ Not launched: pre-flight found errors.\n\n" + _report_md(report)}
+                return
+            yield {c["launch_status"]: f"Pre-flight passed in {report.seconds:.1f} s. Launching…"}
+            run_id = studio.manager.launch(view.spec, cluster, name=(data[c["run_name"]] or "").strip() or None)
+        except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
+            yield {c["launch_status"]: user_message("Launch", exc)}
+            return
+        yield {c["launch_status"]: f"✔ Launched run `{run_id}`.", tabs: gr.update(selected="monitor"),
+               monitor_run: run_choices(run_id)}
+
+    c["launch"].click(on_launch, {*form.values(), cluster_state, c["run_name"]},
+                      [c["launch_status"], tabs, monitor_run])
+
+
+def _report_md(report) -> str:
+    """Pre-flight problems as a list: node, check, reason and fix."""
+    lines = []
+    for r in [*report.errors(), *report.warnings()]:
+        mark = "✖" if r.status == "error" else "⚠"
+        fix = f" Fix: {r.fix}" if r.fix else ""
+        lines.append(f"- {mark} **{r.node}** · {r.check}: {r.reason}.{fix}")
+    return "\n".join(lines)

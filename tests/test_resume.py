@@ -79,8 +79,9 @@ def test_fsdp_resumes_on_other_world_size_deepspeed_refuses(tmp_path, tiny_model
     proc = run_worker(fsdp, nproc=1, resume=str(fsdp / "checkpoint-3"))
     assert proc.returncode == 0, proc.log[-4000:]
     assert events(fsdp, 0, "start")[-1] == {**events(fsdp, 0, "start")[-1], "resumed_from": 3, "world_size": 1}
-    before, after = [e["loss"] for e in events(fsdp, 0, "train")][-2:]
-    assert after < before  # continues from the trained weights, not from scratch
+    first, two_ranks, one_rank = [e["loss"] for e in events(fsdp, 0, "train")]
+    # Continues from the trained weights (not from scratch); the data order differs with one rank.
+    assert one_rank < first - 0.1 and abs(one_rank - two_ranks) < 0.3, (first, two_ranks, one_rank)
 
     zero = write_run(tmp_path / "zero", **job(tiny_model, deepspeed="zero2", max_steps=2, save_steps=2, logging_steps=2))
     assert run_worker(zero).returncode == 0

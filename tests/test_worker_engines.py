@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker import ROOT, events, losses, run_worker, write_run
+from worker import ROOT, events, losses, run_planned, run_worker, write_run
 
 pytestmark = pytest.mark.e2e
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
@@ -18,14 +18,19 @@ def job(model, **extra) -> dict:
 
 
 @pytest.mark.parametrize("name,extra", [
-    ("ddp-lora", dict(train_type="lora", torch_dtype="bfloat16", gradient_checkpointing=True)),
+    ("ddp-lora-packed", dict(train_type="lora", torch_dtype="bfloat16", gradient_checkpointing=True, packing=True)),
     ("zero2-lora", dict(train_type="lora", deepspeed="zero2", torch_dtype="bfloat16")),
     ("zero3-full", dict(train_type="full", deepspeed="zero3", torch_dtype="bfloat16")),
     ("fsdp2-full", dict(train_type="full", fsdp="full_shard", torch_dtype="bfloat16")),
 ])
 def test_engine_trains(tmp_path, tiny_model, name, extra):
-    run = write_run(tmp_path / name, **job(tiny_model, **extra))
-    proc = run_worker(run)
+    run = tmp_path / name
+    if extra.get("deepspeed"):
+        # Launched exactly as the backend does: planner argv/env, its job.yaml and ds_config.json.
+        proc = run_planned(run, **job(tiny_model, nproc_per_node=2, **extra))
+        assert (run / "ds_config.json").is_file() and (run / "plan.json").is_file()
+    else:
+        proc = run_worker(write_run(run, **job(tiny_model, **extra)))
     assert proc.returncode == 0, proc.log[-4000:]
 
     curve = losses(run)

@@ -51,14 +51,30 @@ def worker_env() -> dict[str, str]:
 
 
 def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout: int = 240,
-               argv: list[str] | None = None) -> subprocess.CompletedProcess:
+               argv: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     log = run_dir / "logs" / "local.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
-        proc = subprocess.run(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env=worker_env(),
+        proc = subprocess.run(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env={**worker_env(), **(env or {})},
                               stdout=out, stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True)
     proc.log = log.read_text()
     return proc
+
+
+def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.CompletedProcess:
+    """Launch the way the backend does: backend.planner's files and argv for this machine (CPU)."""
+    from backend.cluster import GpuInfo, local_cluster
+    from backend.planner import plan
+    from backend.spec import parse_spec
+
+    job, problems = parse_spec(spec)
+    assert job is not None, problems
+    planned = plan(job, local_cluster(GpuInfo()), run_dir.name, run_dir, master_port=free_port())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in planned.files.items():
+        (run_dir / name).write_text(text)
+    node, = planned.nodes
+    return run_worker(run_dir, timeout=timeout, argv=list(node.argv), env=node.env)
 
 
 def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:

@@ -1,0 +1,310 @@
+"""CLI subcommands of the cluster backend (registered in `backend.cli.COMMANDS`):
+
+    swift-studio preflight [JOB.yaml] [--hostfile F] [--no-bandwidth]
+    swift-studio run JOB.yaml [--hostfile F] [--name N] [--detach]
+    swift-studio runs
+    swift-studio status RUN
+    swift-studio logs RUN [--node H] [--lines N] [--follow]
+    swift-studio stop RUN
+    swift-studio resume RUN [--hostfile F]
+    swift-studio export RUN [--checkpoint STEP|PATH] [--out DIR]
+    swift-studio trust-host HOST [--hostfile F] [--fingerprint SHA256:...]
+
+Node setup lines come from the node inventory in the database (the studio's Cluster tab).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime
+
+from backend import lifecycle
+from backend.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
+from backend.spec import JobSpec, load_spec
+
+
+class CliError(Exception):
+    """A user mistake, one line per problem; `backend.cli` prints them and exits 1."""
+
+    def __init__(self, lines: list):
+        self.lines = [str(x) for x in lines]
+        super().__init__("\n".join(self.lines))
+
+
+def load_job(path: str) -> JobSpec:
+    spec, problems = load_spec(path)
+    if spec is None:
+        raise CliError([p if p.field.startswith(path) else f"{path}: {p}" for p in problems])
+    return spec
+
+
+def load_cluster(hostfile: str | None) -> Cluster:
+    if not hostfile:
+        return local_cluster()
+    try:
+        return parse_hostfile(hostfile)
+    except HostfileError as exc:
+        raise CliError(exc.problems) from None
+
+
+def checked(spec: JobSpec, cluster: Cluster, source: str) -> None:
+    from backend.validate import validate
+    problems = validate(spec, cluster)
+    for p in problems:
+        if p.severity == "warning":
+            print(f"warning: {source}: {p}", file=sys.stderr)
+    errors = [f"{source}: {p}" for p in problems if p.severity == "error"]
+    if errors:
+        raise CliError(errors)
+
+
+def _manager(args: argparse.Namespace, reattach: bool = True):
+    from backend.manager import RunManager
+    return RunManager(args.db, reattach=reattach)
+
+
+def _add_db(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", help="database URL (default: $SWIFT_STUDIO_DB or the studio's SQLite file)")
+    parser.epilog = "Host keys are checked against $SWIFT_STUDIO_KNOWN_HOSTS or ~/.ssh/known_hosts."
+
+
+def _run_of(m, run_id: str):
+    from backend.manager import RunError
+    try:
+        return m.run(run_id)
+    except RunError as exc:
+        raise CliError([str(exc)]) from None
+
+
+def _when(t: float | None) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _describe(run) -> list[str]:
+    lines = [f"{run.id}: {run.state} (attempt {run.attempts}, created {_when(run.created_at)}, run dir {run.run_dir})"]
+    if run.state == lifecycle.FAILED or run.message:
+        lines.append(f"  {run.message or run.cause}")
+        if run.log_tail:
+            lines += ["  last log lines:", *("    " + ln for ln in run.log_tail.splitlines()[-10:])]
+    return lines
+
+
+# -- preflight ---------------------------------------------------------------------------------
+def add_preflight(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="job YAML (for nnodes, nproc_per_node, output_dir, env)")
+    parser.add_argument("--hostfile", help="hostfile; default: this machine")
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip the all-reduce bandwidth test")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_db(parser)
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    spec = load_job(args.job) if args.job else None
+    cluster = load_cluster(args.hostfile)
+    with _manager(args, reattach=False) as m:
+        report = m.preflight(cluster, spec, bandwidth=not args.no_bandwidth)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
+# -- run ---------------------------------------------------------------------------------------
+def add_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="job YAML")
+    parser.add_argument("--hostfile", help="hostfile; default: this machine")
+    parser.add_argument("--name", help="run name (default: a time-stamped id)")
+    parser.add_argument("--detach", action="store_true", help="return once the workers run; they keep running")
+    _add_db(parser)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = load_job(args.job)
+    cluster = load_cluster(args.hostfile)
+    checked(spec, cluster, args.job)
+    with _manager(args) as m:
+        run_id = m.launch(spec, cluster, name=args.name)
+        print(f"run {run_id}: {m.run(run_id).run_dir}", flush=True)
+        run = m.wait(run_id, states=(lifecycle.RUNNING, *lifecycle.FINAL))
+        if args.detach or run.state in lifecycle.FINAL:
+            for line in _describe(run):
+                print(line)
+            if run.state == lifecycle.RUNNING:
+                print(f"detached; follow with: swift-studio logs {run_id} --follow")
+            return 0 if run.state in (lifecycle.RUNNING, lifecycle.SUCCEEDED) else 1
+        print(f"running on {', '.join(m.nodes_of(run_id))}; Ctrl-C leaves it running", flush=True)
+        try:
+            offset = 0
+            while True:
+                text, offset = m.log_since(run_id, None, offset)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                run = m.run(run_id)
+                if run.state in lifecycle.FINAL:
+                    break
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            print(f"\nleft running; stop it with: swift-studio stop {run_id}")
+            return 130
+        for line in _describe(run):
+            print(line)
+        return 0 if run.state == lifecycle.SUCCEEDED else 1
+
+
+# -- runs / status -----------------------------------------------------------------------------
+def add_runs(parser: argparse.ArgumentParser) -> None:
+    _add_db(parser)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    with _manager(args) as m:
+        for run in m.runs():
+            if run.state in lifecycle.ACTIVE:
+                m.settle(run.id)
+        runs = m.runs()
+    if not runs:
+        print("no runs yet")
+    for run in runs:
+        print(f"{run.id:<32} {run.state:<10} attempt {run.attempts}  {_when(run.created_at)}  "
+              f"{(run.cause or '') if run.state == lifecycle.FAILED else ''}".rstrip())
+    return 0
+
+
+def add_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    _add_db(parser)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _manager(args) as m:
+        _run_of(m, args.run)
+        run = m.settle(args.run)
+        lines = _describe(run)
+        for p in m.processes(args.run):
+            lines.append(f"  node {p.node}: {p.state}, process group {p.pgid}"
+                         + (f", exit code {p.exit_code}" if p.exit_code is not None else ""))
+        for alert in m.alerts(args.run):
+            lines.append(f"  alert [{alert.severity}] {alert.message}")
+    print("\n".join(lines))
+    return 0
+
+
+# -- logs --------------------------------------------------------------------------------------
+def add_logs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    parser.add_argument("--node", help="node host (default: the first node)")
+    parser.add_argument("--lines", type=int, default=50, help="lines to show (default 50)")
+    parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the run ends")
+    _add_db(parser)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from backend.manager import RunError
+    with _manager(args, reattach=args.follow) as m:
+        _run_of(m, args.run)
+        try:
+            for line in m.log_tail(args.run, args.node, args.lines):
+                print(line)
+            if not args.follow:
+                return 0
+            _, offset = m.log_since(args.run, args.node, 0)
+            while m.run(args.run).state not in lifecycle.FINAL:
+                time.sleep(1.0)
+                text, offset = m.log_since(args.run, args.node, offset)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        except RunError as exc:
+            raise CliError([str(exc)]) from None
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+# -- stop / resume / export --------------------------------------------------------------------
+def add_stop(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    _add_db(parser)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    with _manager(args, reattach=False) as m:
+        _run_of(m, args.run)
+        run = m.stop(args.run)
+    for line in _describe(run):
+        print(line)
+    return 0 if run.state == lifecycle.STOPPED or run.state in lifecycle.FINAL else 1
+
+
+def add_resume(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    parser.add_argument("--hostfile", help="resume on these nodes instead of the previous ones")
+    parser.add_argument("--detach", action="store_true", help="return once the workers run")
+    _add_db(parser)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from backend.manager import RunError
+    cluster = load_cluster(args.hostfile) if args.hostfile else None
+    with _manager(args) as m:
+        _run_of(m, args.run)
+        try:
+            m.resume(args.run, cluster)
+        except RunError as exc:
+            raise CliError([str(exc)]) from None
+        run = m.wait(args.run, states=(lifecycle.RUNNING, *lifecycle.FINAL))
+        if not args.detach and run.state == lifecycle.RUNNING:
+            print(f"resumed {args.run} (attempt {run.attempts}); waiting for it to end (Ctrl-C leaves it running)")
+            try:
+                run = m.wait(args.run)
+            except KeyboardInterrupt:
+                return 130
+    for line in _describe(run):
+        print(line)
+    return 0 if run.state in (lifecycle.RUNNING, lifecycle.SUCCEEDED) else 1
+
+
+def add_export(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id")
+    parser.add_argument("--checkpoint", help="checkpoint step or directory (default: the latest complete one)")
+    parser.add_argument("--out", help="output directory (default: <run dir>/export)")
+    _add_db(parser)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from backend.manager import RunError
+    with _manager(args, reattach=False) as m:
+        _run_of(m, args.run)
+        try:
+            result = m.export(args.run, args.checkpoint, args.out)
+        except RunError as exc:
+            raise CliError([str(exc)]) from None
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+# -- trust-host --------------------------------------------------------------------------------
+def add_trust_host(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("host", help="host as named in the hostfile")
+    parser.add_argument("--hostfile", required=True, help="hostfile that names the host (for its port and user)")
+    parser.add_argument("--fingerprint", help="trust only if the node presents this SHA256 fingerprint")
+    parser.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    _add_db(parser)
+
+
+def cmd_trust_host(args: argparse.Namespace) -> int:
+    from backend.manager import RunError
+    from backend.ssh import NodeError
+    cluster = load_cluster(args.hostfile)
+    with _manager(args, reattach=False) as m:
+        try:
+            fingerprint = m.host_key_fingerprint(cluster, args.host)
+            if not args.fingerprint and not args.yes:
+                answer = input(f"{args.host} presents host key {fingerprint}. Trust it? [y/N] ")
+                if answer.strip().lower() not in ("y", "yes"):
+                    print("not trusted")
+                    return 1
+            trusted = m.trust_host(cluster, args.host, args.fingerprint or fingerprint)
+        except (RunError, NodeError) as exc:
+            raise CliError([str(exc)]) from None
+    print(f"trusted {args.host} ({trusted}) in {m.known_hosts}")
+    return 0

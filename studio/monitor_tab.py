@@ -1,0 +1,162 @@
+"""Monitor tab: one run live. A gr.Timer reads only the points added since the last tick (the
+backend's series cursor) into this browser session's SeriesBuffer and redraws the charts; a
+reload starts with an empty buffer, so the first tick reads the whole history."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import gradio as gr
+
+from backend.lifecycle import ACTIVE, FAILED, STOPPED
+from studio import queries
+from studio.charts import MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
+from studio.context import Studio
+from studio.errors import user_message
+from studio.run_view import alerts_md, run_choice, status_md
+
+TICK_S = 2.0
+LOG_LINES = 60
+FULL_LOG_LINES = 100_000
+CHARTS = ("loss", "lr", "throughput", "util_heatmap", "util_lines", "memory", "power", "collective")
+
+
+def build() -> dict[str, Any]:
+    c: dict[str, Any] = {}
+    with gr.Row(equal_height=True):
+        c["run"] = gr.Dropdown(label="Run", choices=[], scale=4, elem_id="monitor-run")
+        c["refresh"] = gr.Button("↻ Runs", size="sm", scale=0, min_width=80)
+        c["stop"] = gr.Button("■ Stop", size="sm", variant="stop", scale=1, elem_id="monitor-stop", interactive=False)
+        c["resume"] = gr.Button("▶ Resume from checkpoint", size="sm", scale=1, elem_id="monitor-resume", interactive=False)
+        c["export"] = gr.Button("⇩ Export…", size="sm", scale=1, elem_id="monitor-export")
+    c["status"] = gr.Markdown(elem_id="monitor-status")
+    c["progress"] = gr.HTML(elem_id="monitor-progress")
+    c["action"] = gr.Markdown(elem_id="monitor-action")
+    with gr.Row():
+        with gr.Column():
+            c["loss"] = gr.Plot(elem_id="chart-loss", show_label=False)
+            c["smoothing"] = gr.Slider(0, 0.99, value=0.6, step=0.01, label="Loss smoothing (EMA weight)",
+                                       elem_id="monitor-smoothing")
+        c["lr"] = gr.Plot(elem_id="chart-lr", show_label=False)
+    with gr.Row():
+        c["throughput"] = gr.Plot(elem_id="chart-throughput", show_label=False)
+        c["collective"] = gr.Plot(elem_id="chart-collective", show_label=False)
+    c["util_heatmap"] = gr.Plot(elem_id="chart-util-heatmap", show_label=False)
+    with gr.Row():
+        c["util_lines"] = gr.Plot(elem_id="chart-util-lines", show_label=False)
+        c["memory"] = gr.Plot(elem_id="chart-memory", show_label=False)
+        c["power"] = gr.Plot(elem_id="chart-power", show_label=False)
+    with gr.Accordion("Alerts", open=True):
+        c["alerts"] = gr.Markdown("No alerts.", elem_id="monitor-alerts")
+    with gr.Accordion("Logs", open=False):
+        with gr.Row():
+            c["log_node"] = gr.Dropdown(label="Node", choices=[], scale=3, elem_id="monitor-log-node")
+            c["full_log"] = gr.Button("Show the full log", size="sm", scale=1, elem_id="monitor-full-log")
+        c["log"] = gr.Textbox(label="Log tail (live)", lines=12, max_lines=30, interactive=False, elem_id="monitor-log",
+                              autoscroll=True)
+        c["log_full"] = gr.Textbox(label="Full log", lines=20, max_lines=60, interactive=False, visible=False,
+                                   elem_id="monitor-log-full")
+    c["buffer"] = gr.State(SeriesBuffer())
+    c["timer"] = gr.Timer(TICK_S)
+    return c
+
+
+def attempt_nodes(attempt) -> list[str]:
+    return [d.get("host") for d in json.loads(attempt.cluster_json)] if attempt is not None else []
+
+
+def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdown) -> None:
+    charts = [c[name] for name in CHARTS]
+
+    def choices(selected: str | None = None) -> dict:
+        runs = studio.manager.runs()
+        ids = [r.id for r in runs]
+        if selected not in ids:
+            active = [r for r in runs if r.state in ACTIVE]
+            selected = (active or runs)[0].id if runs else None
+        return gr.update(choices=[run_choice(r) for r in runs], value=selected)
+
+    def on_refresh(current: str | None):
+        try:
+            return choices(current)
+        except Exception as exc:  # noqa: BLE001 - shown on the page, logged on the server
+            return gr.update(label=user_message("Listing runs", exc))
+
+    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, log_node: str | None) -> dict:
+        out: dict = {}
+        if not run_id:
+            out[c["status"]] = "No run yet: launch one from the Train tab."
+            return out
+        try:
+            manager = studio.manager
+            run = manager.run(run_id)
+            if buf.run_id != run_id:
+                buf = SeriesBuffer(run_id=run_id)
+            result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor)
+            changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
+            progress = queries.progress(manager.engine, run_id)
+            out[c["status"]] = status_md(run, progress, manager.notices(run_id))
+            if run.state != buf.state:  # the picker's labels carry the state
+                buf.state = run.state
+                out[c["run"]] = choices(run_id)
+            p = progress or {}
+            out[c["progress"]] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
+            if changed:
+                figs = figures(buf, smoothing)
+                out.update({c[name]: figs[name] for name in CHARTS})
+            out[c["alerts"]] = alerts_md(manager.alerts(run_id))
+            out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
+            out[c["resume"]] = gr.update(interactive=run.state in (STOPPED, FAILED))
+            attempt = manager.store.current_attempt(run_id)
+            nodes = attempt_nodes(attempt)
+            node = log_node if log_node in nodes else (nodes[0] if nodes else None)
+            out[c["log_node"]] = gr.update(choices=nodes, value=node)
+            if node:
+                out[c["log"]] = "\n".join(manager.log_tail(run_id, node, lines=LOG_LINES))
+        except Exception as exc:  # noqa: BLE001 - the page shows one line, the server log has the rest
+            out[c["action"]] = user_message("Reading the run", exc)
+        out[c["buffer"]] = buf
+        return out
+
+    tick_inputs = [c["run"], c["buffer"], c["smoothing"], c["log_node"]]
+    tick_outputs = [c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"], c["log_node"],
+                    c["log"], c["action"], c["buffer"]]
+    c["timer"].tick(tick, tick_inputs, tick_outputs, show_progress="hidden", trigger_mode="always_last")
+    c["run"].change(lambda run_id, buf, s, n: tick(run_id, SeriesBuffer(), s, n), tick_inputs, tick_outputs,
+                    show_progress="hidden")
+    c["refresh"].click(on_refresh, [c["run"]], [c["run"]])
+    c["smoothing"].change(lambda buf, s: loss_figure(buf, s), [c["buffer"], c["smoothing"]], [c["loss"]],
+                          show_progress="hidden", trigger_mode="always_last")
+
+    def on_stop(run_id: str | None) -> str:
+        if not run_id:
+            return "Pick a run first."
+        try:
+            run = studio.manager.stop(run_id)
+        except Exception as exc:  # noqa: BLE001
+            return user_message("Stop", exc)
+        return f"Run `{run_id}` is {run.state}: its workers saved a checkpoint and exited."
+
+    def on_resume(run_id: str | None) -> str:
+        if not run_id:
+            return "Pick a run first."
+        try:
+            studio.manager.resume(run_id)
+        except Exception as exc:  # noqa: BLE001
+            return user_message("Resume", exc)
+        return f"Resuming `{run_id}` from its latest complete checkpoint…"
+
+    def on_full_log(run_id: str | None, node: str | None) -> dict:
+        if not run_id or not node:
+            return gr.update(visible=True, value="Pick a run and a node first.")
+        try:
+            text = "\n".join(studio.manager.log_tail(run_id, node, lines=FULL_LOG_LINES))
+        except Exception as exc:  # noqa: BLE001
+            text = user_message("Reading the log", exc)
+        return gr.update(visible=True, value=text, label=f"Full log of {node}")
+
+    c["stop"].click(on_stop, [c["run"]], [c["action"]])
+    c["resume"].click(on_resume, [c["run"]], [c["action"]])
+    c["full_log"].click(on_full_log, [c["run"], c["log_node"]], [c["log_full"]])
+    c["export"].click(lambda run_id: (gr.update(selected="export"), choices(run_id)), [c["run"]], [tabs, export_run])
+    c["choices"] = choices

@@ -1,0 +1,102 @@
+"""Pure text and table builders for runs: status and failure panel, the runs table, the config
+difference of two runs, the alert list. Inputs are the backend's records (Run, Alert, progress)."""
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+import yaml
+
+from backend.logclass import HELP
+from studio.charts import format_duration
+
+STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running": "▶", "succeeded": "✔",
+              "failed": "✖", "stopped": "■"}
+RUN_COLUMNS = ["run", "name", "status", "attempts", "started", "duration", "final loss", "tokens/s", "output"]
+
+
+def run_choice(run: Any) -> tuple[str, str]:
+    """(label, value) for a run picker."""
+    name = f"{run.name} · " if run.name and run.name != run.id else ""
+    return f"{STATE_MARK.get(run.state, '')} {name}{run.id} ({run.state})", run.id
+
+
+def duration_s(run: Any, now: float | None = None) -> float:
+    end = run.ended_at or (now if now is not None else time.time())
+    return max(0.0, end - run.created_at)
+
+
+def status_md(run: Any, progress: dict | None, notices: list[str]) -> str:
+    """The Monitor's head: state, attempt, elapsed time, and for a failure the classified cause,
+    the node and the last log lines (never a traceback from the studio itself)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
+    lines = [f"**{STATE_MARK.get(run.state, '')} {run.state}** · run `{run.id}` · attempt {run.attempts} · "
+             f"started {started} · {format_duration(duration_s(run))}"]
+    if progress and progress.get("resumed_from") is not None:
+        lines.append(f"Resumed from the checkpoint of step {progress['resumed_from']}.")
+    if run.cause or run.message:
+        where = ", ".join(x for x in (f"node {run.failed_node}" if run.failed_node else "",
+                                       f"exit code {run.exit_code}" if run.exit_code is not None else "") if x)
+        cause = (run.cause or "unknown").replace("_", " ")
+        lines.append(f"\n**Cause: {cause}**{f' ({where})' if where else ''}: {run.message or ''}")
+        if run.cause in HELP:
+            lines.append(f"\nWhat to do: {HELP[run.cause]}")
+        if run.log_tail:
+            lines.append("\nLast log lines:\n```\n" + run.log_tail.strip()[-3000:] + "\n```")
+    for notice in notices[-3:]:
+        lines.append(f"\n_{notice}_")
+    return "\n".join(lines)
+
+
+def run_rows(runs: list[Any], summaries: dict[str, dict]) -> list[list[Any]]:
+    rows = []
+    for run in runs:
+        s = summaries.get(run.id, {})
+        loss = s.get("loss")
+        tps = s.get("tokens_per_s")
+        rows.append([run.id, run.name, run.state, run.attempts,
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(run.created_at)),
+                     format_duration(duration_s(run)),
+                     "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1), run.run_dir])
+    return rows
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}." if isinstance(value, dict) and value else f"{prefix}{key}"))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def config_diff(yaml_a: str, yaml_b: str) -> list[list[str]]:
+    """[field, value in A, value in B] for every field that differs (nested keys dotted)."""
+    a, b = _flatten(yaml.safe_load(yaml_a) or {}), _flatten(yaml.safe_load(yaml_b) or {})
+    rows = []
+    for key in list(dict.fromkeys([*a, *b])):
+        if a.get(key) != b.get(key):
+            rows.append([key, _show(a.get(key, "—")), _show(b.get(key, "—"))])
+    return rows
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def alerts_md(alerts: list[Any]) -> str:
+    if not alerts:
+        return "No alerts."
+    marks = {"error": "✖", "warning": "⚠"}
+    out = []
+    for a in reversed(alerts[-50:]):
+        when = time.strftime("%H:%M:%S", time.localtime(a.last_t))
+        where = ", ".join(x for x in (a.node and f"node {a.node}", a.rank is not None and a.rank >= 0 and f"rank {a.rank}",
+                                      a.gpu is not None and a.gpu >= 0 and f"GPU {a.gpu}") if x)
+        count = f" ×{a.count}" if a.count > 1 else ""
+        out.append(f"- {marks.get(a.severity, '•')} {when} **{a.rule.replace('_', ' ')}**"
+                   f"{f' ({where})' if where else ''}{count}: {html.escape(a.message)}")
+    return "\n".join(out)

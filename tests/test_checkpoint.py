@@ -1,0 +1,73 @@
+"""Checkpoint directories: atomic publication, discovery, pruning; and the NaN stop."""
+from __future__ import annotations
+
+import pytest
+
+from launcher import checkpoint
+from worker import ROOT, events, run_worker, write_run
+
+
+def make(run_dir, step, complete=True):
+    tmp = checkpoint.prepare(run_dir, step)
+    (tmp / "weights.bin").write_bytes(b"x" * 10)
+    return checkpoint.publish(tmp, step) if complete else tmp
+
+
+def test_publish_is_rename_with_marker_last(tmp_path):
+    tmp = checkpoint.prepare(tmp_path, 5)
+    assert tmp.name == "checkpoint-5.tmp" and checkpoint.latest(tmp_path) is None
+    (tmp / "weights.bin").write_bytes(b"123")
+    final = checkpoint.publish(tmp, 5)
+    assert final == tmp_path / "checkpoint-5" and not tmp.exists()
+    assert (final / "complete").read_text() == "5\n" and (final / "weights.bin").read_bytes() == b"123"
+    assert checkpoint.latest(tmp_path) == final
+
+
+def test_half_written_checkpoints_are_never_picked(tmp_path):
+    make(tmp_path, 10)
+    make(tmp_path, 20, complete=False)  # crashed while writing: still .tmp
+    no_marker = tmp_path / "checkpoint-30"
+    no_marker.mkdir()  # a directory of the right name without the marker
+    assert checkpoint.latest(tmp_path) == tmp_path / "checkpoint-10"
+    assert checkpoint.resolve(tmp_path, "latest") == tmp_path / "checkpoint-10"
+    with pytest.raises(ValueError, match="incomplete"):
+        checkpoint.resolve(tmp_path, "30")
+    with pytest.raises(ValueError, match="does not exist"):
+        checkpoint.resolve(tmp_path, str(tmp_path / "checkpoint-40"))
+    assert checkpoint.resolve(tmp_path, "10") == tmp_path / "checkpoint-10"
+    # A new save of step 20 replaces the leftover temporary directory.
+    make(tmp_path, 20)
+    assert checkpoint.latest(tmp_path) == tmp_path / "checkpoint-20"
+
+
+def test_prune_deletes_oldest_complete_only(tmp_path):
+    for step in (5, 10, 15, 20):
+        make(tmp_path, step)
+    make(tmp_path, 25, complete=False)
+    deleted = checkpoint.prune(tmp_path, keep=2)
+    assert [p.name for p in deleted] == ["checkpoint-5", "checkpoint-10"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-15", "checkpoint-20", "checkpoint-25.tmp"]
+    assert checkpoint.prune(tmp_path, keep=None) == []
+
+
+@pytest.mark.e2e
+def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(broken / "model.safetensors")
+    key = next(k for k in weights if "layers.1.mlp.down_proj" in k)
+    weights[key] = torch.full_like(weights[key], float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    run = write_run(tmp_path / "run", model=str(broken), dataset=[str(ROOT / "assets/demo/train.jsonl#64")],
+                    max_length=32, max_steps=20, logging_steps=10, train_type="full", torch_dtype="float32")
+    proc = run_worker(run, nproc=1, timeout=180)
+    assert proc.returncode == 1
+    assert "loss was NaN/inf for 3 consecutive steps (up to step 3); stopping" in proc.log
+    end, = events(run, 0, "end")
+    assert end["status"] == "failed" and end["step"] == 3 and "NaN/inf" in end["error"]
+    assert not list(run.glob("checkpoint-*"))  # a diverged state is not saved

@@ -1,0 +1,133 @@
+"""The `swift-studio` CLI: validate, plan, import; every user mistake is one line and exit 1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from backend.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": ["swift/self-cognition#500"], "deepspeed": "zero2",
+       "nnodes": 2, "nproc_per_node": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
+    (tmp_path / "hosts").write_text("node-a slots=4 addr=10.1.0.1\nnode-b slots=4 ssh_user=ubuntu\n")
+    return tmp_path
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_validate_ok(files, capsys):
+    code, out, err = run(capsys, "validate", files / "job.yaml", "--hostfile", files / "hosts")
+    assert code == 0 and err == ""
+    assert out == "ok: 2 node(s) x 4 proc = world 8: DP=8 TP=1 PP=1 CP=1 EP=1 SP=1\n"
+
+
+def test_validate_reports_each_problem(files, capsys):
+    bad = {**JOB, "nproc_per_node": 8, "context_parallel_size": 3, "max_length": 1000}
+    (files / "bad.yaml").write_text(yaml.safe_dump(bad))
+    code, out, err = run(capsys, "validate", files / "bad.yaml", "--hostfile", files / "hosts")
+    lines = err.splitlines()
+    assert code == 1 and out == ""
+    assert f"{files / 'bad.yaml'}: nproc_per_node: 8 processes per node, but node-a has 4 slot(s) (GPUs)" in lines
+    assert f"{files / 'bad.yaml'}: max_length: 1000 is not divisible by CP=3" in lines
+    assert all(line.startswith(str(files / "bad.yaml")) or line.startswith("warning: ") for line in lines)
+
+
+@pytest.mark.parametrize("write,expected", [
+    (None, "{f}: file not found"),
+    ("model: m\ndataset: [d]\nlora_rnak: 8\n", "{f}: lora_rnak: unknown field (did you mean 'lora_rank'?)"),
+    ("model: m\ndataset: [d]\nnnodes: two\n", "{f}: nnodes: input should be a valid integer, unable to parse string as an integer (got 'two')"),
+    ("model: m\n  dataset: [d\n", "{f}:2: invalid YAML"),
+    ("model: m\ndataset: [d]\ndeepspeed: /nonexistent/ds.json\n", "{f}: deepspeed: /nonexistent/ds.json: DeepSpeed config not found"),
+])
+def test_bad_job_files(files, capsys, write, expected):
+    path = files / "case.yaml"
+    if write is not None:
+        path.write_text(write)
+    code, out, err = run(capsys, "validate", path, "--hostfile", files / "hosts")
+    assert code == 1 and out == ""
+    assert err.splitlines()[0].startswith(expected.format(f=path))
+    assert "Traceback" not in err
+
+
+def test_unreadable_deepspeed_json(files, capsys):
+    (files / "ds.json").write_text('{"zero_optimization": {"stage": 2}\n,,}')
+    (files / "job.yaml").write_text(yaml.safe_dump({**JOB, "deepspeed": str(files / "ds.json")}))
+    code, _, err = run(capsys, "validate", files / "job.yaml", "--hostfile", files / "hosts")
+    assert code == 1 and err == f"{files / 'job.yaml'}: deepspeed: {files / 'ds.json'}:2: DeepSpeed config is not valid JSON: Expecting property name enclosed in double quotes\n"
+
+
+def test_malformed_hostfile(files, capsys):
+    (files / "hosts").write_text("node-a slots=4\nnode-b slots=four\nnode-a slots=4\n")
+    code, _, err = run(capsys, "validate", files / "job.yaml", "--hostfile", files / "hosts")
+    assert code == 1
+    assert err.splitlines() == [f"{files / 'hosts'}:2: expected 'hostname slots=N [key=value ...]', got 'node-b slots=four'",
+                                f"{files / 'hosts'}:3: duplicate host 'node-a' (first on line 1)"]
+
+
+def test_usage_mistake_is_one_line(capsys):
+    code, _, err = run(capsys, "validate", "--hostfil", "x")
+    assert code == 1 and err.startswith("swift-studio validate: ") and len(err.splitlines()) == 1
+
+
+def test_plan_json(files, capsys):
+    code, out, _ = run(capsys, "plan", files / "job.yaml", "--hostfile", files / "hosts", "--json", "--run-id", "r1",
+                       "--run-dir", files / "runs" / "r1", "--master-port", "29777")
+    assert code == 0
+    data = json.loads(out)
+    assert data["layout"]["world"] == 8 and data["ds_config"]["train_batch_size"] == 2 * 2 * 8
+    assert [n["host"] for n in data["nodes"]] == ["node-a", "node-b"]
+    assert "--rdzv_endpoint" in data["nodes"][1]["argv"] and "10.1.0.1:29777" in data["nodes"][1]["argv"]
+    assert data["nodes"][0]["env"]["SWIFT_STUDIO_RUN_ID"] == "r1"
+    memory = data["memory"]
+    assert memory["total_gib"] > memory["parameters_gib"] > 0 and memory["total_params"] == 494032768
+    assert data["run_dir"] == str(files / "runs" / "r1")
+
+
+def test_plan_text(files, capsys):
+    code, out, _ = run(capsys, "plan", files / "job.yaml", "--hostfile", files / "hosts")
+    assert code == 0 and "# node 1: node-b" in out and "-m torch.distributed.run" in out and "train_batch_size 32" in out
+
+
+def test_import_then_validate(files, capsys):
+    command = ("NPROC_PER_NODE=4 NNODES=2 swift sft --model Qwen/Qwen2.5-7B-Instruct --train_type lora "
+               "--dataset 'swift/self-cognition#500' --deepspeed zero2 --system 'You are a helpful assistant.'")
+    code, out, err = run(capsys, "import", command, "-o", files / "imported.yaml")
+    assert code == 0 and "warning: --system 'You are a helpful assistant.'" in err
+    text = (files / "imported.yaml").read_text()
+    assert text.startswith("# ignored: --system")
+    code, out, _ = run(capsys, "validate", files / "imported.yaml", "--hostfile", files / "hosts")
+    assert code == 0 and out.startswith("ok: 2 node(s) x 4 proc")
+
+
+def test_import_bad_command(capsys):
+    code, out, err = run(capsys, "import", "python train.py --lr 1")
+    assert code == 1 and err.startswith("command: no 'swift sft'")
+    code, _, err = run(capsys, "import", "swift sft --model m --lora_rank eight")
+    assert code == 1 and "dataset: required" in err and "lora_rank:" in err
+
+
+def test_console_script_in_a_real_process(files):
+    """`python -m backend.cli` from another directory: exit codes and output as a user sees them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, "-m", "backend.cli", "validate", "job.yaml", "--hostfile", "hosts"],
+                        cwd=files, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: 2 node(s) x 4 proc"), ok.stderr
+    (files / "typo.yaml").write_text("model: m\ndataset: [d]\nmax_lenght: 10\n")
+    bad = subprocess.run([sys.executable, "-m", "backend.cli", "validate", "typo.yaml"],
+                         cwd=files, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr == "typo.yaml: max_lenght: unknown field (did you mean 'max_length'?)\n"

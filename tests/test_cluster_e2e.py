@@ -1,0 +1,175 @@
+"""Two-node training over real OpenSSH servers on 127.0.0.2 / 127.0.0.3, through the RunManager.
+
+One run goes through: launch → studio restart (re-attach) → stop (checkpoint, no process left)
+→ resume → studio restart → completion with every step recorded. Another loses one node's
+workers to SIGKILL and must fail within 30 s naming that node, leaving nothing behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlmodel import Session, select
+
+from backend import remote
+from backend.cluster import Cluster, Node
+from backend.manager import RunManager
+from backend.spec import JobSpec
+from backend.telemetry_models import RunEvent
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from worker import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def env(sshd_nodes, tiny_model, tmp_path):
+    nodes = tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_user="root", ssh_key=str(sshd_nodes.key),
+                       python=sys.executable, device="cpu") for s in sshd_nodes.servers)
+    setups = {n.host: sshd_nodes.setup for n in nodes}
+
+    def spec(max_steps: int, save_steps: int) -> JobSpec:
+        return JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                       output_dir=str(tmp_path / "out"), nnodes=2, nproc_per_node=1, max_steps=max_steps,
+                       save_steps=save_steps, logging_steps=1, torch_dtype="float32", max_length=64,
+                       gradient_checkpointing=False, env={"OMP_NUM_THREADS": "1"})
+
+    managers: list[RunManager] = []
+
+    def manager() -> RunManager:
+        m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}", known_hosts=sshd_nodes.known_hosts)
+        managers.append(m)
+        return m
+
+    yield Cluster(nodes), setups, spec, manager
+    for m in managers:
+        m.close()
+
+
+def tagged(run_id: str) -> list[int]:
+    """Pids on this machine (every loopback node is this machine) carrying the run's tag."""
+    out = subprocess.run(["bash", "-c", remote.tagged_pids(run_id)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def agents(run_id: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "backend.agent" in cmd and run_id in cmd:
+            found.append(p.pid)
+    return found
+
+
+def train_steps(m: RunManager, run_id: str) -> list[int]:
+    with Session(m.engine) as s:
+        rows = s.exec(select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.type == "train")).all()
+    return sorted(json.loads(r.data)["step"] for r in rows)
+
+
+def wait_step(m: RunManager, run_id: str, step: int, timeout: float = 120) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m.sink.flush()
+        steps = train_steps(m, run_id)
+        if steps and steps[-1] >= step:
+            return steps[-1]
+        run = m.run(run_id)
+        assert run.state in ("created", "checking", "launching", "running"), (run.state, run.message, run.log_tail)
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*")
+                  if p.name.split("-")[1].isdigit() and (p / "complete").exists())
+
+
+def wait_gone(pred, timeout=15.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and pred():
+        time.sleep(0.2)
+    return pred()
+
+
+def test_run_restart_stop_resume_complete(env):
+    cluster, setups, spec_of, manager = env
+    m = manager()
+    max_steps = 240
+    run_id = m.launch(spec_of(max_steps, save_steps=1000), cluster, name="e2e main", setups=setups)
+    wait_step(m, run_id, 3, timeout=150)
+    assert m.run(run_id).state == "running"
+    procs = m.processes(run_id)
+    assert [p.node for p in procs] == ["127.0.0.2", "127.0.0.3"] and all(p.pgid for p in procs)
+
+    # The studio goes away mid-run; a new one re-attaches.
+    m.close()
+    m = manager()
+    assert m.run(run_id).state == "running"
+    assert any("re-attached" in n for n in m.notices(run_id))
+    reached = wait_step(m, run_id, 8)
+
+    # Stop: SIGTERM → the worker checkpoints → nothing of the run is left on either node.
+    run = m.stop(run_id)
+    assert run.state == "stopped", (run.message, run.log_tail)
+    run_dir = Path(run.run_dir)
+    checkpoints = complete_checkpoints(run_dir)
+    assert checkpoints and checkpoints[-1] >= reached, checkpoints
+    assert tagged(run_id) == []
+    assert not wait_gone(lambda: agents(run_id)), agents(run_id)
+    stopped_at = checkpoints[-1]
+    assert stopped_at < max_steps
+
+    # Resume from that checkpoint; restart the studio again mid-run; the run completes.
+    m.resume(run_id)
+    wait_step(m, run_id, stopped_at + 2)
+    m.close()
+    m = manager()
+    run = m.wait(run_id, timeout=150)
+    assert run.state == "succeeded", (run.message, run.log_tail)
+    assert run.attempts == 2 and [a.state for a in m.attempts(run_id)] == ["stopped", "succeeded"]
+    m.sink.flush()
+    assert set(train_steps(m, run_id)) == set(range(1, max_steps + 1))
+    with Session(m.engine) as s:
+        starts = [json.loads(r.data) for r in s.exec(select(RunEvent).where(
+            RunEvent.run_id == run_id, RunEvent.type == "start")).all()]
+    assert sorted((st["resumed_from"] or 0) for st in starts) == [0, stopped_at]
+    assert tagged(run_id) == []
+    assert not wait_gone(lambda: agents(run_id)), agents(run_id)
+    assert any(line.strip() for line in m.log_tail(run_id, node="127.0.0.3", lines=5))
+
+
+def test_sigkill_of_one_node_fails_the_run_naming_it(env):
+    cluster, setups, spec_of, manager = env
+    m = manager()
+    run_id = m.launch(spec_of(100_000, save_steps=100_000), cluster, name="e2e kill", setups=setups)
+    wait_step(m, run_id, 2, timeout=150)
+    victim = next(p for p in m.processes(run_id) if p.node == "127.0.0.3")
+    # torchrun starts each worker in a session of its own: find them as its children
+    workers = [p for p in psutil.Process(victim.pgid).children(recursive=True)
+               if "launcher.train" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    assert workers
+    killed_at = time.monotonic()
+    for p in workers:
+        os.kill(p.pid, signal.SIGKILL)
+    run = m.wait(run_id, timeout=30)
+    took = time.monotonic() - killed_at
+    assert run.state == "failed" and took <= 30, (run.state, took)
+    assert run.failed_node == "127.0.0.3", (run.failed_node, run.message)
+    assert run.cause == "killed", run.message
+    assert "127.0.0.3" in run.message and run.log_tail
+    # nothing of the run remains on either node
+    assert tagged(run_id) == []
+    assert not wait_gone(lambda: agents(run_id)), agents(run_id)

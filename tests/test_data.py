@@ -1,0 +1,117 @@
+"""Data loading: formats, sharding, response-only labels, truncation and bad records."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from launcher.data import (IGNORE, DataError, Record, encode, load_samples, parse_source, read_records, to_messages)
+from worker import ROOT, events, run_worker, write_run
+
+CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+                     {"role": "assistant", "content": "2 + 3 = 5"}, {"role": "user", "content": "And 2 * 3?"},
+                     {"role": "assistant", "content": "2 * 3 = 6"}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_formats_become_messages():
+    alpaca = to_messages(Record("f:1", {"instruction": "Add", "input": "2 3", "output": "5", "system": "S"}))[0]
+    assert alpaca == [{"role": "system", "content": "S"}, {"role": "user", "content": "Add\n2 3"},
+                      {"role": "assistant", "content": "5"}]
+    assert to_messages(Record("f:1", {"query": "q", "response": "r"}))[0][1] == {"role": "assistant", "content": "r"}
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    assert to_messages(Record("f:1", sharegpt))[0][1] == {"role": "assistant", "content": "yo"}
+    assert to_messages(Record("f:1", {"text": "plain"})) == (None, "plain")
+
+
+def test_loss_only_on_assistant_tokens(tokenizer):
+    sample = encode(Record("f:1", CHAT), tokenizer, max_length=512)
+    learned = tokenizer.decode([t for t, l in zip(sample.input_ids, sample.labels) if l != IGNORE])
+    assert learned == "2 + 3 = 5<|im_end|>\n2 * 3 = 6<|im_end|>\n"
+    assert len(sample.input_ids) == len(sample.labels)
+    text = encode(Record("f:1", {"text": "1 + 1 = 2"}), tokenizer, max_length=512)
+    assert text.labels == text.input_ids and text.input_ids[-1] == tokenizer.eos_token_id
+
+
+def test_truncation_and_samples_without_response_left(tokenizer):
+    full = encode(Record("f:1", CHAT), tokenizer, max_length=512)
+    first_answer = next(i for i, label in enumerate(full.labels) if label != IGNORE)
+    cut = encode(Record("f:1", CHAT), tokenizer, max_length=first_answer + 3)
+    assert cut.input_ids == full.input_ids[:first_answer + 3] and cut.labels == full.labels[:first_answer + 3]
+    # Truncated before the first answer: nothing to learn, dropped (not an error).
+    assert encode(Record("f:1", CHAT), tokenizer, max_length=first_answer) is None
+
+
+def test_every_file_type_and_rank_shards(tmp_path, tokenizer):
+    rows = [{"query": f"q{i}", "response": f"r{i}"} for i in range(10)]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["query", "response"])
+        writer.writeheader()
+        writer.writerows(rows)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.json", "d.csv", "d.parquet"):
+        shards = [[r.data["query"] for r in read_records(parse_source(str(tmp_path / name)), rank, 3, 0)]
+                  for rank in range(3)]
+        assert sorted(sum(shards, [])) == sorted(r["query"] for r in rows), name
+        assert [len(s) for s in shards] == [4, 3, 3] and not set(shards[0]) & set(shards[1])
+    limited = list(read_records(parse_source(f"{jsonl}#4"), 0, 1, seed=7))
+    assert len(limited) == 4 and limited == list(read_records(parse_source(f"{jsonl}#4"), 0, 1, seed=7))
+    samples, dropped = load_samples([str(jsonl)], tokenizer, 64, rank=1, world=2, seed=0)
+    assert len(samples) == 5 and dropped == 0
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"messages": [{"role": "user", "content": "hi"}', "invalid JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant message"),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "message 1 needs a 'role'"),
+    ('{"prompt": "a", "completion": "b"}', "unknown record format with fields ['completion', 'prompt']"),
+    ('[1, 2]', "expected an object with fields"),
+    ('{"text": ""}', "'text' must be a non-empty string"),
+])
+def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, message):
+    good = {"query": "q", "response": "r"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, line, good])
+    with pytest.raises(DataError) as err:
+        for rank in (0, 1):
+            load_samples([str(path)], tokenizer, 64, rank=rank, world=2, seed=0)
+    assert str(err.value).startswith(f"{path}:3: ") and message in str(err.value)
+
+
+def test_bad_sources(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="not found"):
+        load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0)
+    with pytest.raises(DataError, match="positive sample count"):
+        parse_source("org/name#many")
+
+
+@pytest.mark.e2e
+def test_bad_record_in_other_rank_shard_stops_all_ranks_before_training(tmp_path, tiny_model):
+    rows = [json.dumps({"query": f"q{i}", "response": f"r{i}"}) for i in range(40)]
+    rows[13] = '{"query": "q13", "response": '  # line 14, record 13 → rank 1's shard
+    data = tmp_path / "train.jsonl"
+    write_jsonl(data, rows)
+    run = write_run(tmp_path / "run", model=str(tiny_model), dataset=[str(data)], max_length=32, max_steps=5)
+    proc = run_worker(run, timeout=180)
+    assert proc.returncode != 0
+    assert f"{data}:14: invalid JSON" in proc.log
+    assert "Traceback" not in proc.log.split(f"{data}:14")[0].splitlines()[-1]
+    end, = events(run, 0, "end")
+    assert end["status"] == "failed" and end["step"] == 0 and f"{data}:14" in end["error"]
+    assert not events(run, 0, "train") and not list(run.glob("checkpoint-*"))

@@ -1,0 +1,85 @@
+"""launcher.export: LoRA merged into the base, sharded full checkpoints consolidated; the result
+loads with AutoModelForCausalLM and generates."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worker import ROOT, run_worker, worker_env, write_run
+
+pytestmark = pytest.mark.e2e
+DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
+
+
+def job(model, **extra) -> dict:
+    base = dict(model=str(model), dataset=[DATA], max_length=64, per_device_train_batch_size=4, learning_rate=1e-2,
+                max_steps=3, logging_steps=3, save_steps=3, gradient_checkpointing=False, torch_dtype="float32",
+                lora_dropout=0.0)
+    return {**base, **extra}
+
+
+def export(run_dir, *args) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "launcher.export", "--run-dir", str(run_dir), *args], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0])
+
+
+def test_lora_merge_matches_peft_and_generates(tmp_path, tiny_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = write_run(tmp_path / "lora", **job(tiny_model, train_type="lora"))
+    assert run_worker(run).returncode == 0
+    result = export(run, "--checkpoint", "3")
+    out = run / "export"
+    assert result["out"] == str(out) and result["checkpoint"] == str(run / "checkpoint-3")
+    assert isinstance(result["sample"], str)
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), run / "checkpoint-3" / "model").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged_logits, peft_logits, base_logits = merged(ids).logits, peft(ids).logits, base(ids).logits
+    assert torch.allclose(merged_logits, peft_logits, atol=1e-4)
+    assert not torch.allclose(merged_logits, base_logits, atol=1e-3)  # the adapter did change the model
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("What is 2 + 3?", return_tensors="pt")
+    generated = merged.generate(**prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_fsdp_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model):
+    ddp = write_run(tmp_path / "ddp", **job(tiny_model, train_type="full"))
+    fsdp = write_run(tmp_path / "fsdp", **job(tiny_model, train_type="full", fsdp="full_shard"))
+    assert run_worker(ddp).returncode == 0
+    assert run_worker(fsdp).returncode == 0
+    assert not list((fsdp / "checkpoint-3" / "model").glob("*.safetensors"))  # really sharded (dcp/)
+    export(fsdp, "--out", str(tmp_path / "fsdp-export"))
+    consolidated = load_file(tmp_path / "fsdp-export" / "model.safetensors")
+    reference = load_file(ddp / "checkpoint-3" / "model" / "model.safetensors")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert set(consolidated) == set(reference)
+    for key, value in reference.items():
+        assert torch.allclose(consolidated[key], value, atol=1e-5), key
+    assert any(not torch.equal(reference[k], initial[k]) for k in reference)
+
+
+def test_export_without_checkpoint_is_a_clear_error(tmp_path, tiny_model, capsys):
+    from launcher.export import main
+
+    run = write_run(tmp_path / "empty", **job(tiny_model))
+    assert main(["--run-dir", str(run)]) == 1
+    assert f"{run}: no complete checkpoint to export" in capsys.readouterr().err
+    assert main(["--run-dir", str(run), "--checkpoint", "7"]) == 1
+    assert f"checkpoint {run / 'checkpoint-7'} does not exist" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""The whole studio flow in a real browser, on this machine, with the real worker:
+
+open → invalid layout shows its field error → demo preset (shortened) → pre-flight and launch →
+loss and utilisation charts gain points → reload mid-run, charts complete → stop → resume from
+the checkpoint → export, with the exported path and a generated reply. Screenshots of every step
+go to test-artifacts/ui/flow/. Along the way: no request leaves the studio's own address, no
+traceback reaches the page, and the studio process never loads torch and stays small.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("playwright")
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from studio_server import REPO, Shots, foreign_requests, launch_browser, record_requests, start_studio  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+RUN_TIMEOUT_MS = 150_000
+# A short demo run: enough steps for a stop between two checkpoints and a visible resume.
+SHORT = {"max_steps": "24", "save_steps": "4", "logging_steps": "1"}
+WORKER_LIBS = ("libtorch", "torch/_C", "transformers", "deepspeed")
+
+POINTS_JS = """(id) => {
+  const el = document.querySelector(`#${id} .js-plotly-plot`);
+  if (!el || !el.data) return 0;
+  return el.data.reduce((n, t) => n + (t.x ? t.x.length : 0), 0);
+}"""
+
+
+def points(page, chart: str) -> int:
+    return page.evaluate(POINTS_JS, chart)
+
+
+def wait_points(page, chart: str, more_than: int, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = points(page, chart)
+        if n > more_than:
+            return n
+        time.sleep(0.5)
+    raise AssertionError(f"{chart} stayed at {points(page, chart)} points (wanted > {more_than})")
+
+
+def step_shown(page) -> int:
+    match = re.search(r"step (\d+) / (\d+)", page.locator("#monitor-progress").inner_text())
+    return int(match.group(1)) if match else -1
+
+
+def wait_step(page, at_least: int, timeout_s: float = 150) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if step_shown(page) >= at_least:
+            return step_shown(page)
+        time.sleep(0.5)
+    raise AssertionError(f"progress stayed at step {step_shown(page)} (wanted >= {at_least})")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def loaded_worker_libs(pid: int) -> list[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [lib for lib in WORKER_LIBS if lib in maps]
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    server = start_studio(tmp_path_factory.mktemp("flow"))
+    yield server
+    server.stop()
+
+
+def test_full_flow(studio):
+    shot = Shots("flow")
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        requests = record_requests(page)
+        page.goto(studio.url)
+
+        # 1. Opened on the Train tab with the demo preset loaded.
+        expect(page.locator("#form-message")).to_contain_text("Loaded preset demo", timeout=30000)
+        expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run", timeout=15000)
+        shot(page, "opened-demo-preset")
+
+        # 2. An invalid layout shows its error next to the field, and clears when fixed.
+        tp = page.locator("#f-tensor_model_parallel_size")
+        tp.locator("input").fill("2")
+        expect(tp).to_have_class(re.compile("field-error"), timeout=15000)
+        shot(page, "invalid-layout")
+        tp.locator("input").fill("1")
+        expect(tp).not_to_have_class(re.compile("field-error"), timeout=15000)
+
+        # 3. Shorten the demo run, then pre-flight and launch on this machine.
+        page.get_by_text("Checkpoints and logging").click()
+        for name, value in SHORT.items():
+            page.locator(f"#f-{name} input").fill(value)
+        expect(page.locator("#train-commands")).to_contain_text("--max_steps 24", timeout=15000)
+        page.locator("#launch").click()
+        expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
+        run_id = re.search(r"Launched run (\S+?)\.", page.locator("#launch-status").inner_text()).group(1)
+        expect(page.get_by_role("tab", name="Monitor")).to_have_attribute("aria-selected", "true")
+        shot(page, "launched")
+
+        # 4. The loss and utilisation charts gain points while the run trains.
+        first = wait_points(page, "chart-loss", 0, timeout_s=RUN_TIMEOUT_MS / 1000)
+        util = wait_points(page, "chart-util-lines", 0)
+        wait_points(page, "chart-loss", first + 2)
+        wait_points(page, "chart-util-lines", util)
+        assert points(page, "chart-util-heatmap") > 0
+        shot(page, "charts-live")
+        rss_watching = rss_mib(studio.proc.pid)
+
+        # 5. Reload mid-run: the Monitor re-attaches with the charts complete.
+        before = points(page, "chart-loss")
+        page.reload()
+        page.get_by_role("tab", name="Monitor").click()
+        expect(page.locator("#monitor-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=30000)
+        assert wait_points(page, "chart-loss", before - 1, timeout_s=30) >= before
+        shot(page, "reloaded")
+
+        # 6. Stop: the workers save a checkpoint and exit.
+        step_before_stop = wait_step(page, 6)
+        page.locator("#monitor-stop").click()
+        expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=60000)
+        expect(page.locator("#monitor-resume")).to_be_enabled(timeout=15000)
+        checkpoints = sorted(int(p.name.split("-")[1]) for p in (studio.output_dir / run_id).glob("checkpoint-*")
+                             if (p / "complete").exists())
+        assert checkpoints and checkpoints[-1] >= 4, checkpoints
+        stopped_at = step_shown(page)
+        assert stopped_at >= step_before_stop
+        shot(page, "stopped")
+
+        # 7. Resume continues from the latest complete checkpoint, not from step 0.
+        page.locator("#monitor-resume").click()
+        expect(page.locator("#monitor-status")).to_contain_text(
+            f"Resumed from the checkpoint of step {checkpoints[-1]}", timeout=RUN_TIMEOUT_MS)
+        wait_step(page, max(stopped_at, checkpoints[-1]) + 1, timeout_s=RUN_TIMEOUT_MS / 1000)
+        shot(page, "resumed")
+        expect(page.locator("#monitor-status")).to_contain_text("succeeded", timeout=RUN_TIMEOUT_MS)
+        assert step_shown(page) == 24
+        shot(page, "finished")
+
+        # 8. Export from the Monitor: the merged model's path and a generation from it.
+        page.locator("#monitor-export").click()
+        expect(page.locator("#export-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=15000)
+        page.locator("#export-go").click()
+        expect(page.locator("#export-result")).to_contain_text("Exported checkpoint", timeout=RUN_TIMEOUT_MS)
+        expect(page.locator("#export-result")).to_contain_text(str(studio.output_dir / run_id / "export"))
+        assert (studio.output_dir / run_id / "export" / "config.json").is_file()
+        assert page.locator("#export-sample textarea").input_value() != ""
+        shot(page, "exported")
+
+        content = page.content()
+        browser.close()
+
+    assert "Traceback" not in content
+    assert foreign_requests(requests, studio.url) == []
+    assert loaded_worker_libs(studio.proc.pid) == []
+    assert rss_watching < 350, f"studio resident {rss_watching:.0f} MiB while watching a run"
+    print(f"studio: first HTTP answer {studio.startup_s:.1f} s, {rss_watching:.0f} MiB while watching a run")

@@ -1,0 +1,224 @@
+"""Every validation rule: one case that breaks it, one that passes it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.cluster import GpuInfo, local_cluster, parse_hostfile_text
+from backend.modelcfg import find_model_config
+from backend.spec import JobSpec, Problem
+from backend.validate import errors, validate
+
+GPU_NODES = "n0 slots=8\nn1 slots=8\n"
+QWEN7B = find_model_config("qwen2.5-7b")      # 28 heads, 4 KV heads, 28 layers
+LLAMA8B = find_model_config("llama3.1-8b")    # 32 heads, 8 KV heads, 32 layers
+QWEN3_MOE = find_model_config("qwen3-30b-a3b")  # 128 experts
+
+
+def job(**kw) -> JobSpec:
+    return JobSpec(**{"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": ["swift/self-cognition#500"], **kw})
+
+
+def check(spec, cluster=None, model=LLAMA8B, layout_only=True) -> list[Problem]:
+    """Problems of `spec`; `layout_only` drops what the worker itself refuses (capabilities)."""
+    from backend import capabilities
+
+    cluster = cluster or parse_hostfile_text(GPU_NODES)
+    found = validate(spec, cluster, model)
+    if layout_only:
+        worker = {(p.field, p.message) for p in capabilities.unsupported(spec)}
+        found = [p for p in found if (p.field, p.message) not in worker]
+    return found
+
+
+def fields(problems, severity="error") -> list[str]:
+    return sorted({p.field for p in problems if p.severity == severity})
+
+
+# (name, failing spec kwargs, field named, passing spec kwargs)
+RULES = [
+    ("nnodes more than nodes", dict(nnodes=3, nproc_per_node=8), "nnodes", dict(nnodes=2, nproc_per_node=8)),
+    ("nproc over slots", dict(nnodes=2, nproc_per_node=16), "nproc_per_node", dict(nnodes=2, nproc_per_node=8)),
+    ("TPxPPxCP divides world", dict(nnodes=2, nproc_per_node=6, tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
+     "tensor_model_parallel_size", dict(nnodes=2, nproc_per_node=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)),
+    ("TPxPPxEP divides world", dict(nnodes=1, nproc_per_node=6, expert_model_parallel_size=4), "expert_model_parallel_size",
+     dict(nnodes=1, nproc_per_node=8, expert_model_parallel_size=4)),
+    ("SP divides world", dict(nnodes=1, nproc_per_node=6, sequence_parallel_size=4, max_length=4096), "sequence_parallel_size",
+     dict(nnodes=1, nproc_per_node=8, sequence_parallel_size=4, max_length=4096)),
+    ("max_length divisible by CP", dict(nnodes=1, nproc_per_node=8, context_parallel_size=4, max_length=4098), "max_length",
+     dict(nnodes=1, nproc_per_node=8, context_parallel_size=4, max_length=4096)),
+    ("max_length divisible by 2 CP", dict(nnodes=1, nproc_per_node=8, context_parallel_size=4, max_length=4100), "max_length",
+     dict(nnodes=1, nproc_per_node=8, context_parallel_size=4, max_length=4104)),
+    ("max_length divisible by SP", dict(nnodes=1, nproc_per_node=8, sequence_parallel_size=8, max_length=4100), "max_length",
+     dict(nnodes=1, nproc_per_node=8, sequence_parallel_size=8, max_length=4104)),
+    ("TP inside one node", dict(nnodes=2, nproc_per_node=4, tensor_model_parallel_size=8), "tensor_model_parallel_size",
+     dict(nnodes=2, nproc_per_node=8, tensor_model_parallel_size=8)),
+    ("TP divides the node", dict(nnodes=1, nproc_per_node=6, tensor_model_parallel_size=4, pipeline_model_parallel_size=3),
+     "tensor_model_parallel_size", dict(nnodes=1, nproc_per_node=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=2)),
+    ("ZeRO-3 with PP", dict(nproc_per_node=8, deepspeed="zero3", pipeline_model_parallel_size=2), "deepspeed",
+     dict(nproc_per_node=8, deepspeed="zero1", pipeline_model_parallel_size=2)),
+    ("FSDP and DeepSpeed", dict(nproc_per_node=8, deepspeed="zero2", fsdp="full_shard"), "fsdp",
+     dict(nproc_per_node=8, fsdp="full_shard")),
+    ("FSDP with PP", dict(nproc_per_node=8, fsdp="full_shard", pipeline_model_parallel_size=2), "fsdp",
+     dict(nproc_per_node=8, pipeline_model_parallel_size=2)),
+    ("max_steps not 0", dict(max_steps=0), "max_steps", dict(max_steps=10)),
+]
+
+
+@pytest.mark.parametrize("name,bad,field,good", RULES, ids=[r[0] for r in RULES])
+def test_rule(name, bad, field, good):
+    model = QWEN3_MOE if "expert_model_parallel_size" in bad else LLAMA8B  # EP needs an MoE model
+    assert field in fields(check(job(**bad), model=model)), name
+    assert fields(check(job(**good), model=model)) == [], name
+
+
+MODEL_RULES = [
+    ("heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN7B, "tensor_model_parallel_size",
+     dict(tensor_model_parallel_size=4)),   # 28 heads, 4 KV heads
+    ("KV heads divisible by TP", dict(tensor_model_parallel_size=8, nproc_per_node=8), find_model_config("qwen2.5-0.5b"),
+     "tensor_model_parallel_size", dict(tensor_model_parallel_size=2, nproc_per_node=8)),  # 14 heads, 2 KV heads
+    ("heads divisible by TPxSP", dict(sequence_parallel_size=8), QWEN7B, "sequence_parallel_size", dict(sequence_parallel_size=4)),
+    ("layers divisible by PP", dict(pipeline_model_parallel_size=8), QWEN7B, "pipeline_model_parallel_size",
+     dict(pipeline_model_parallel_size=4)),
+    ("experts divisible by EP", dict(expert_model_parallel_size=8, nnodes=2), find_model_config("mixtral-8x7b"),
+     None, dict(expert_model_parallel_size=8)),
+    ("EP only for MoE", dict(expert_model_parallel_size=2), LLAMA8B, "expert_model_parallel_size", dict(expert_model_parallel_size=1)),
+    ("EP on a MoE", dict(expert_model_parallel_size=16, nnodes=2), find_model_config("mixtral-8x7b"), "expert_model_parallel_size",
+     dict(expert_model_parallel_size=16, nnodes=2)),
+]
+
+
+@pytest.mark.parametrize("name,bad,model,field,good", MODEL_RULES, ids=[r[0] for r in MODEL_RULES])
+def test_model_rule(name, bad, model, field, good):
+    base = dict(nproc_per_node=8)
+    if field is None:
+        # Mixtral's 8 experts split over EP=8: legal; the EP=16 case below is the failing one.
+        assert fields(check(job(**{**base, **bad}), model=model)) == []
+        return
+    if name == "EP on a MoE":
+        assert field in fields(check(job(**{**base, **bad}), model=model))  # 8 experts, EP=16
+        assert fields(check(job(**{**base, **bad}), model=QWEN3_MOE)) == []  # 128 experts, EP=16
+        return
+    assert field in fields(check(job(**{**base, **bad}), model=model)), name
+    assert fields(check(job(**{**base, **good}), model=model)) == [], name
+
+
+def write_ds(tmp_path, config) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config) if not isinstance(config, str) else config)
+    return str(path)
+
+
+def test_parameter_offload_needs_zero3(tmp_path):
+    bad = write_ds(tmp_path, {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert any("parameter offload needs ZeRO-3" in p.message for p in check(job(deepspeed=bad, nproc_per_node=8)))
+    assert errors(check(job(deepspeed="zero3_offload", nproc_per_node=8))) == []
+
+
+def test_nvme_offload_needs_zero3_and_bf16(tmp_path):
+    nvme2 = write_ds(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}})
+    assert any("NVMe offload needs ZeRO-3" in p.message for p in check(job(deepspeed=nvme2, nproc_per_node=8)))
+    nvme3 = write_ds(tmp_path, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})
+    assert fields(check(job(deepspeed=nvme3, nproc_per_node=8, torch_dtype="float16"))) == ["torch_dtype"]
+    assert fields(check(job(deepspeed=nvme3, nproc_per_node=8))) == []
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "DeepSpeed config not found"),
+    ('{"zero_optimization": {"stage": 2,}}', "ds.json:1: DeepSpeed config is not valid JSON"),
+    ('{"bf16": {"enabled": true}}', "needs zero_optimization.stage"),
+    ('[1, 2]', "must be a JSON object"),
+])
+def test_user_deepspeed_json_must_parse_and_name_a_stage(tmp_path, content, message):
+    path = write_ds(tmp_path, content) if content else str(tmp_path / "absent.json")
+    problems = check(job(deepspeed=path, nproc_per_node=8))
+    assert [p.field for p in errors(problems)] == ["deepspeed"] and message in errors(problems)[0].message
+
+
+def test_user_deepspeed_json_that_works(tmp_path):
+    path = write_ds(tmp_path, {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"})
+    assert check(job(deepspeed=path, nproc_per_node=8, nnodes=2)) == []
+
+
+def test_user_deepspeed_json_batch_conflict_is_a_warning(tmp_path):
+    path = write_ds(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 64})
+    problems = check(job(deepspeed=path, nproc_per_node=8, nnodes=2))
+    assert errors(problems) == []
+    assert any("train_batch_size=64 (the job gives 16)" in p.message for p in problems)
+
+
+WARNINGS = [
+    ("ZeRO-3 across nodes", dict(deepspeed="zero3"), dict(deepspeed="zero2"), "deepspeed", "ZeRO-3 across nodes"),
+    ("no checkpointing with long sequences", dict(gradient_checkpointing=False, max_length=8192),
+     dict(gradient_checkpointing=False, max_length=2048), "gradient_checkpointing", "off with max_length"),
+    ("both offloads", dict(deepspeed="zero3_offload"), dict(deepspeed="zero3"), "deepspeed", "host RAM"),
+    ("fp16", dict(torch_dtype="float16"), dict(torch_dtype="bfloat16"), "torch_dtype", "loss scaling"),
+    ("unused hostfile nodes", dict(nnodes=1), dict(nnodes=2), "nnodes", "not used: n1"),
+    ("save_steps past the end", dict(max_steps=10, save_steps=100), dict(max_steps=10, save_steps=5), "save_steps", "final checkpoint"),
+]
+
+
+def has_warning(problems, field, fragment) -> bool:
+    return any(p.severity == "warning" and p.field == field and fragment in p.message for p in problems)
+
+
+@pytest.mark.parametrize("name,risky,fine,field,fragment", WARNINGS, ids=[w[0] for w in WARNINGS])
+def test_warning(name, risky, fine, field, fragment):
+    risky_problems = check(job(**{"nproc_per_node": 8, "nnodes": 2, **risky}))
+    assert errors(risky_problems) == [] and has_warning(risky_problems, field, fragment), name
+    assert not has_warning(check(job(**{"nproc_per_node": 8, "nnodes": 2, **fine})), field, fragment), name
+
+
+def test_cpu_node_oversubscription_is_a_warning_gpu_node_an_error():
+    cpu = local_cluster(GpuInfo())
+    problems = check(job(nproc_per_node=2, train_type="lora"), cluster=cpu, model=find_model_config("assets/demo/model"))
+    assert errors(problems) == [] and "nproc_per_node" in fields(problems, "warning")
+    gpu = local_cluster(GpuInfo(("A100",), 80.0))
+    assert "nproc_per_node" in fields(check(job(nproc_per_node=2), cluster=gpu))
+
+
+def test_multi_node_needs_a_cluster():
+    assert "nnodes" in fields(check(job(nnodes=2, nproc_per_node=1), cluster=local_cluster(GpuInfo(("A100",), 80.0))))
+
+
+def test_memory_warning_when_the_estimate_exceeds_the_gpu():
+    small = local_cluster(GpuInfo(("RTX 4090",), 24.0))
+    big = local_cluster(GpuInfo(("H200",), 139.8))
+    spec = job(train_type="full", max_length=4096, gradient_checkpointing=True)
+    assert "per_device_train_batch_size" in fields(check(spec, cluster=small, model=QWEN7B), "warning")
+    lora = job(train_type="lora", max_length=2048)
+    assert "per_device_train_batch_size" not in fields(check(lora, cluster=big, model=QWEN7B), "warning")
+
+
+def test_local_files_must_exist(tmp_path):
+    cluster = local_cluster(GpuInfo(("A100",), 80.0))
+    missing = job(model=str(tmp_path / "no-model"), dataset=[str(tmp_path / "train.jsonl")])
+    assert fields(check(missing, cluster=cluster)) == ["dataset[0]", "model"]
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "no-model").mkdir()
+    assert fields(check(missing, cluster=cluster)) == []
+
+
+def test_broken_model_config_names_the_model_field(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    problems = validate(job(model=str(tmp_path)), parse_hostfile_text(GPU_NODES))
+    assert [p.field for p in errors(problems)] == ["model"] and "config.json:1: not valid JSON" in errors(problems)[0].message
+
+
+def test_model_config_found_from_the_spec():
+    """No model_config argument: the bundled Qwen2.5-7B shape is found from the hub id."""
+    problems = validate(job(tensor_model_parallel_size=8, nproc_per_node=8), parse_hostfile_text(GPU_NODES))
+    assert any("28 attention heads" in p.message for p in problems)
+
+
+def test_every_problem_at_once():
+    spec = job(nnodes=3, nproc_per_node=16, tensor_model_parallel_size=3, deepspeed="zero3", pipeline_model_parallel_size=2,
+               context_parallel_size=2, max_length=1001)
+    assert fields(check(spec)) == ["deepspeed", "max_length", "nnodes", "nproc_per_node", "tensor_model_parallel_size"]
+
+
+def test_worker_capabilities_are_included():
+    """TP>1 is legal for the layout but the worker refuses it; validate passes that on."""
+    problems = validate(job(nproc_per_node=8, tensor_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
+    assert any(p.field == "tensor_model_parallel_size" and "not supported by this worker" in p.message for p in problems)
