@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import signal
 import sys
@@ -29,6 +30,7 @@ PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are loo
 HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass
 NVLINK_ALL_LINKS = 0xFFFFFFFF
+FLIGHT_PREFIX = "/tmp/nccl_trace_rank_"  # PyTorch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +182,7 @@ class RunProcs:
     pid_file: Path
     pids: set[int] = field(default_factory=set)
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    flight_files: dict[int, Path] = field(default_factory=dict)  # rank -> where its flight recorder dumps
     environ_denied: bool = False
 
     def pgid(self) -> int | None:
@@ -225,6 +228,8 @@ class RunProcs:
             except ValueError:
                 continue
             self.ranks[rank] = {"rank": rank, "local_rank": local, "pid": pid, "gpu": _gpu_of(env, local)}
+            # PyTorch's flight recorder writes `<prefix><rank>` on a collective timeout
+            self.flight_files[rank] = Path(env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_PREFIX) + str(rank))
 
     def alive(self) -> bool:
         """True while a process of the group (as of the last scan) or a worker seen so far still
@@ -236,6 +241,26 @@ class RunProcs:
             except psutil.Error:
                 continue
         return False
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Flight recorder dumps are dicts, lists, strings and numbers; nothing else is loaded."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight recorder dump")
+
+
+def flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
+    """The collective a rank was in when PyTorch's flight recorder dumped (the oldest entry not
+    completed, else the newest), as a `flight` line."""
+    with open(path, "rb") as f:
+        dump = _PlainUnpickler(f).load()
+    entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
+    stuck = next((e for e in entries if e.get("state") != "completed"), entries[-1] if entries else {})
+    pg = stuck.get("process_group")
+    return {"kind": "flight", "t": t, "rank": rank, "file": str(path), "entries": len(entries),
+            "collective": stuck.get("profiling_name"), "seq": stuck.get("collective_seq_id"),
+            "state": stuck.get("state"), "process_group": list(pg) if isinstance(pg, (list, tuple)) else pg}
 
 
 def _gpu_of(env: dict[str, str], local_rank: int) -> int | None:
@@ -317,6 +342,8 @@ class Agent:
         self.log_file = f"logs/{node}.log"
         self.stop_reason: str | None = None
         self._sent_ranks: dict[int, dict[str, Any]] = {}
+        self._flights: dict[int, float] = {}  # rank -> mtime of the dump already sent
+        self.started = clock()
         psutil.cpu_percent(interval=None)
 
     # -- output
@@ -367,6 +394,23 @@ class Agent:
             return set(files)
         return set()
 
+    def flight_records(self, now: float) -> list[dict[str, Any]]:
+        """A `flight` line for each flight recorder dump of a local rank written since we started."""
+        recs = []
+        for rank, path in self.procs.flight_files.items():
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            if mtime < self.started or self._flights.get(rank) == mtime:
+                continue
+            self._flights[rank] = mtime
+            try:
+                recs.append(flight_record(path, rank, now))
+            except Exception as exc:  # a partial or foreign file: say so once, keep going
+                recs.append({"kind": "notice", "t": now, "message": f"flight recorder dump {path} unreadable: {exc}"})
+        return recs
+
     def rank_records(self, now: float) -> list[dict[str, Any]]:
         if self.procs.ranks == self._sent_ranks:
             return []
@@ -387,7 +431,7 @@ class Agent:
                 run_over = False
                 if now >= next_scan:
                     self.procs.scan()
-                    recs += self.rank_records(now)
+                    recs += self.rank_records(now) + self.flight_records(now)
                     if self.procs.pgid() is not None:
                         seen_group = True
                         run_over = not self.procs.alive()

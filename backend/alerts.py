@@ -77,7 +77,7 @@ class Window:
     checkpoint: tuple[int, str] | None = None
     """(step, path) of the last checkpoint event."""
     last_collective: str | None = None
-    """The collective named by the last NCCL/gloo timeout line, when one was logged."""
+    """The collective last reported stuck: by a NCCL watchdog line in a log, or a flight recorder dump."""
 
 
 def _where(w: Window, rank: int) -> str:
@@ -205,7 +205,7 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
         rank, behind, ahead = stuck
         what += f"; {_where(w, rank)} last reported step {behind} while other ranks reached {ahead}: likely stuck"
     if w.last_collective:
-        what += f"; last timed-out collective in the logs: {w.last_collective}"
+        what += f"; last collective reported stuck: {w.last_collective}"
     else:
         what += ("; set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the job's env "
                  "to record which collective hangs")
@@ -272,6 +272,18 @@ RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory)
 def evaluate(w: Window, cfg: AlertConfig = AlertConfig()) -> list[Finding]:
     """Every rule's findings for one run's window."""
     return [f for rule in RULES for f in rule(w, cfg)]
+
+
+def flight_dump(rec: dict[str, Any], node: str, placement: dict[int, tuple[str, int | None]]) -> Finding:
+    """A finding for an agent `flight` line: the collective a rank was in when PyTorch's flight
+    recorder dumped (on a collective timeout)."""
+    rank = int(rec["rank"])
+    where_node, gpu = placement.get(rank, (node, None))
+    w = Window(now=0.0, running=False, placement={rank: (where_node, gpu)})
+    what = f"{rec.get('collective') or 'unknown collective'} #{rec.get('seq')} ({rec.get('state') or 'unknown state'})"
+    return Finding("collective_stuck", f"flight:{rank}:{rec.get('seq')}", "error", _num(rec.get("t")) or 0.0,
+                   f"flight recorder of {_where(w, rank)}: {what}", node=where_node, rank=rank, gpu=gpu,
+                   detail=str(rec.get("file")))
 
 
 _OP = re.compile(r"OpType=(\w+)")

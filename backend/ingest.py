@@ -41,6 +41,7 @@ _NOT_METRIC = {"kind", "t", "gpu", "run_pids"}
 TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "samples_per_s", "step_time_s", "mfu",
                 "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
+AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
 # Series that are sampled on a clock (and so are downsampled); train/ and rank/ follow steps.
 SAMPLED_PREFIXES = ("gpu/", "host/")
 
@@ -76,6 +77,15 @@ class _RunState:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> agent status
     dirty: bool = False
     last_compact: float = 0.0
+    keys: dict[tuple, SeriesKey] = field(default_factory=dict)
+
+    def key(self, name: str, node: str, gpu: int, rank: int) -> SeriesKey:
+        """One shared SeriesKey per series: the tail holds hundreds of thousands of points."""
+        k = (name, node, gpu, rank)
+        found = self.keys.get(k)
+        if found is None:
+            found = self.keys[k] = SeriesKey(*k)
+        return found
 
 
 @dataclass
@@ -99,7 +109,7 @@ def _value(x: Any) -> float | None:
 
 class Ingestor:
     def __init__(self, engine: Engine, *, flush_interval_s: float = 0.25, tail_s: float = 60.0,
-                 tail_max_points: int = 400_000, eval_interval_s: float = 2.0, compact_interval_s: float = 300.0,
+                 tail_max_points: int = 200_000, eval_interval_s: float = 2.0, compact_interval_s: float = 300.0,
                  alert_config: rules.AlertConfig = rules.AlertConfig(),
                  downsampling: Downsampling = Downsampling(), clock=time.time, autostart: bool = True):
         self.engine, self.autostart = engine, autostart
@@ -190,7 +200,7 @@ class Ingestor:
         t, gpu = float(rec["t"]), int(rec["gpu"])
         for name, value in rec.items():
             if name not in _NOT_METRIC and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._add_point(run_id, st, SeriesKey(f"gpu/{name}", node, gpu, NO_INDEX), t, value)
+                self._add_point(run_id, st, st.key(f"gpu/{name}", node, gpu, NO_INDEX), t, value)
         if "util_pct" in rec:
             pts = st.util.setdefault((node, gpu), deque())
             pts.append((t, float(rec["util_pct"])))
@@ -205,7 +215,7 @@ class Ingestor:
         t = float(rec["t"])
         for name, value in rec.items():
             if name not in _NOT_METRIC and isinstance(value, (int, float)):
-                self._add_point(run_id, st, SeriesKey(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value)
+                self._add_point(run_id, st, st.key(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value)
 
     def _take_offset(self, run_id: str, node: str, st: _RunState, rec: dict) -> bool:
         """Record a file line's offset; False when that line was taken before (a duplicate)."""
@@ -236,11 +246,11 @@ class Ingestor:
         if etype == "train":
             for f in TRAIN_FIELDS:
                 if f in data and data[f] is not None:
-                    self._add_point(run_id, st, SeriesKey(f"train/{f}", where, NO_INDEX, rank), t, data[f], step)
+                    self._add_point(run_id, st, st.key(f"train/{f}", where, NO_INDEX, rank), t, data[f], step)
         elif etype == "timing":
             for f in TIMING_FIELDS:
                 if f in data and data[f] is not None:
-                    self._add_point(run_id, st, SeriesKey(f"rank/{f}", where, NO_INDEX, rank), t, data[f], step)
+                    self._add_point(run_id, st, st.key(f"rank/{f}", where, NO_INDEX, rank), t, data[f], step)
         self._track_event(st, etype, rank, data)
 
     @staticmethod
@@ -270,6 +280,11 @@ class Ingestor:
             if op:
                 st.last_collective = f"{op} on node {node}"
             self._add_finding(run_id, st, finding)
+
+    def _on_flight(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+        finding = rules.flight_dump(rec, node, st.placement)
+        st.last_collective = finding.message.removeprefix("flight recorder of ")
+        self._add_finding(run_id, st, finding)
 
     def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
         for r in rec["ranks"]:
@@ -398,10 +413,16 @@ class Ingestor:
 
     # ---------------------------------------------------------------------- alerts, compaction
     def window(self, run_id: str, now: float | None = None) -> rules.Window:
+        """What the rules see. `running` needs a start event without an end event *and* an agent
+        heard from within AGENT_SILENT_S: agents exit when the run's processes are gone, so a run
+        that died without an end event (killed, node lost) is not mistaken for a hang."""
+        now = self.clock() if now is None else now
         with self._lock:
             st = self._run(run_id)
+            agents = any(not s.get("ended") and now - s.get("last_seen", -math.inf) <= AGENT_SILENT_S
+                         for s in st.nodes.values())
             return rules.Window(
-                now=self.clock() if now is None else now, running=st.running, started_t=st.started_t,
+                now=now, running=st.running and agents, started_t=st.started_t,
                 util={k: list(v) for k, v in st.util.items()}, mem=dict(st.mem), train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
                 checkpoint=st.checkpoint, last_collective=st.last_collective)
@@ -492,7 +513,7 @@ class Ingestor:
 
 _HANDLERS = {
     "gpu": Ingestor._on_gpu, "host": Ingestor._on_host, "event": Ingestor._on_event, "log": Ingestor._on_log,
-    "ranks": Ingestor._on_ranks, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
+    "ranks": Ingestor._on_ranks, "flight": Ingestor._on_flight, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
     "bye": Ingestor._on_status, "heartbeat": None,
 }
 

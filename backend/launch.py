@@ -10,6 +10,7 @@ ever killed by a name pattern.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,14 +67,28 @@ async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
     return int(res.stdout.strip())
 
 
+# Writes {relative path: text} from stdin into the run directory, each file atomically.
+WRITE_FILES_PY = (
+    "import json, os, sys\n"
+    "root = sys.argv[1]\n"
+    "for rel, text in json.load(sys.stdin).items():\n"
+    "    path = os.path.join(root, rel)\n"
+    "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+    "    with open(path + '.tmp', 'w') as f:\n"
+    "        f.write(text)\n"
+    "    os.replace(path + '.tmp', path)\n"
+)
+
+
 async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str]) -> None:
-    """Write the run directory's files (relative path → text) through one node."""
-    for rel, text in files.items():
+    """Write the run directory's files (relative path → text) through one node, in one command."""
+    for rel in files:
         if rel.startswith("/") or ".." in rel.split("/"):
             raise ValueError(f"plan file path must stay inside the run directory: {rel!r}")
-        res = await pool.run(node, remote.write_file(f"{run_dir}/{rel}"), None, input=text)
-        if not res.ok:
-            raise ssh.NodeError(address_of(node), f"cannot write {run_dir}/{rel}: {res.first_error_line()}")
+    res = await pool.run(node, remote.quote_argv([node.python, "-c", WRITE_FILES_PY, run_dir]), setup,
+                         input=json.dumps(dict(files)))
+    if not res.ok:
+        raise ssh.NodeError(address_of(node), f"cannot write the run directory {run_dir}: {res.first_error_line()}")
 
 
 _PGID = re.compile(r"^\s*(\d+)\s*$")

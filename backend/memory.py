@@ -5,13 +5,17 @@ Public API:
     estimate_memory(spec, model, layout=None) -> MemoryEstimate
     trainable_params(spec, model) -> int
 
-Accounting (bytes per parameter, mixed precision with bf16/fp16 compute, AdamW):
-    parameters   2 (16-bit weights)              ZeRO-3 / FSDP: sharded, plus the gathered working set
-    gradients    2 (16-bit) + 4 (fp32)            ZeRO-1 shards the fp32 part, ZeRO-2/3 both
-    optimizer    4 (fp32 master) + 8 (Adam m, v)  sharded from ZeRO-1 on
-These are the multipliers DeepSpeed's own estimators use (2 + 18/N for ZeRO-2; 4 x largest layer
-+ 18/N for ZeRO-3). Offloaded states count in `offloaded_gib` (host memory per GPU), not on the GPU.
-Sharding is over the ranks that hold the same model slice: world / (TP x PP).
+Model states follow what the worker's engines do (launcher/engines), in bytes per parameter with
+bf16/fp16 compute and AdamW:
+    DeepSpeed  weights 2, gradients 2 (16-bit) + 4 (fp32), optimizer 4 (fp32 master) + 8 (Adam):
+               ZeRO-1 shards the fp32 gradients and the optimizer, ZeRO-2 all gradients, ZeRO-3
+               the weights too (plus 4 x the largest layer gathered). These are the multipliers of
+               DeepSpeed's own estimators (2 + 18/N for ZeRO-2, 4 x largest layer + 18/N for ZeRO-3).
+    FSDP2      fp32 weights 4, gradients 4, Adam 8, all sharded; two blocks gathered in 16-bit.
+    DDP        fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 + DDP bucket 4, Adam 8.
+LoRA: only the adapters have gradients and optimizer states. Offloaded states count in
+`offloaded_gib` (host memory per GPU), not on the GPU. Sharding is over the ranks that hold the
+same model slice: world / (TP x PP).
 """
 from __future__ import annotations
 
@@ -112,6 +116,71 @@ def _fsdp_mode(spec: JobSpec) -> tuple[bool, bool]:
     return "shard_grad_op" not in words, "offload" in words
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """Parameter counts on one GPU (after TP/PP/EP) and the sharding degree."""
+
+    local: float
+    trainable: float
+    shard: int
+    width: int
+    """Bytes of one value in the compute dtype."""
+    tp: int
+
+
+States = tuple[float, float, float, float, float, str]
+"""Bytes on one GPU: parameters, gradients, optimizer, offloaded to host, buffers; and a note."""
+
+
+def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSettings) -> States:
+    """DeepSpeed casts the module to the compute dtype and keeps fp32 master weights (of the
+    trainable parameters) in its optimizer: DeepSpeed's estimator multipliers."""
+    stage, n = zero.stage, s.shard
+    n1, n2, n3 = (n if stage >= 1 else 1), (n if stage >= 2 else 1), (n if stage >= 3 else 1)
+    mixed = s.width == 2
+    params = s.width * s.local / n3
+    if stage == 3:
+        params += 4 * model.largest_layer_params() / s.tp  # DeepSpeed: 4 bytes x largest layer
+    # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
+    grads = 2 * s.trainable / n2 + 4 * s.trainable / n1 if mixed else 4 * s.trainable / n2
+    optim = (4 * mixed + 8) * s.trainable / n1
+    offloaded = 0.0
+    if zero.offload_optimizer:
+        offloaded, grads, optim = grads + optim, 0.0, 0.0
+    if zero.offload_param and stage == 3:
+        offloaded += params - 4 * model.largest_layer_params() / s.tp
+        params = 4 * model.largest_layer_params() / s.tp
+    if stage in (1, 2):
+        buffers = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, s.trainable)
+    else:
+        buffers = 2 * (model.hidden_size**2) * (2 + 4) if stage == 3 else 0.0  # prefetch + reduce buckets
+    where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
+    return params, grads, optim, offloaded, buffers, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
+
+
+def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
+    """The worker's FSDP2: fp32 storage sharded, compute-dtype copies of one block (plus the
+    prefetched one) gathered at a time; fp32 gradients reduce-scattered."""
+    reshard, offload = _fsdp_mode(spec)
+    gathered = 2 * s.width * model.layer_params(model.is_moe) / s.tp
+    params, grads, optim = 4 * s.local / s.shard, 4 * s.trainable / s.shard, 8 * s.trainable / s.shard
+    offloaded = 0.0
+    if offload:
+        offloaded, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
+    params += gathered + (0 if reshard else s.width * s.local)
+    if spec.gradient_accumulation_steps > 1:
+        grads += 4 * s.trainable  # micro-batches before the last accumulate unsharded gradients
+    return params, grads, optim, offloaded, 0.0, f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
+
+
+def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
+    """The worker's DDP: fp32 weights with autocast (which caches compute-dtype copies of the
+    weights through forward and backward), fp32 gradients plus DDP's bucket copy, AdamW."""
+    params = 4 * s.local + (s.width * s.local if s.width == 2 else 0)
+    grads = 4 * s.trainable * (2 if world > 1 else 1)
+    return params, grads, 8 * s.trainable, 0.0, 0.0, "DDP: every rank holds the full model states"
+
+
 def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None) -> MemoryEstimate:
     """Estimated peak memory per GPU (GiB) with its parts; `layout` defaults to the spec alone."""
     layout = layout or compute_layout(spec)
@@ -120,51 +189,17 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     expert_params = model.num_experts * model.moe_layers * sum(i * o for i, o in model.mlp_linears(model.moe_intermediate_size).values()) if model.is_moe else 0
     model_parallel = layout.tp * layout.pp
     local = (total - expert_params) / model_parallel + expert_params / (model_parallel * layout.ep)
-    share = local / total
-    frozen_local, train_local = (total - trainable) * share, trainable * share
     shard = max(1, layout.world // model_parallel)
-    width = 4 if spec.torch_dtype == "float32" else 2
-    master = 0 if spec.torch_dtype == "float32" else 4  # fp32 compute needs no separate master copy
-    notes: list[str] = []
-
-    zero = zero_settings(spec) if spec.deepspeed else None
-    buckets = 0.0
-    offloaded = 0.0
-    if spec.fsdp:
-        # FSDP2 keeps trainable weights sharded in fp32 and gathers 16-bit copies one block at a time.
-        reshard, offload = _fsdp_mode(spec)
-        gathered = 2 * width * model.layer_params(model.is_moe) / layout.tp  # current + prefetched block
-        params = (width * frozen_local + 4 * train_local) / shard
-        grads = 4 * train_local / shard
-        optim = 8 * train_local / shard
-        if offload:
-            offloaded, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
-        params += gathered + (0 if reshard else width * local)
-        notes.append("FSDP2: states sharded over %d ranks%s" % (shard, ", offloaded to CPU" if offload else ""))
+    sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
+                   width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
+    if spec.deepspeed:
+        states = _deepspeed_states(spec, model, sizes, zero_settings(spec))
+    elif spec.fsdp:
+        states = _fsdp_states(spec, model, sizes)
     else:
-        zero = zero or ZeroSettings(stage=0)
-        stage = zero.stage
-        n1, n2, n3 = (shard if stage >= 1 else 1), (shard if stage >= 2 else 1), (shard if stage >= 3 else 1)
-        params = width * local / n3
-        if stage == 3:
-            params += 4 * model.largest_layer_params() / layout.tp  # DeepSpeed: 4 bytes x largest layer
-        # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
-        grads = 2 * train_local / n2 + 4 * train_local / n1 if master else 4 * train_local / n2
-        optim = (master + 8) * train_local / n1
-        if zero.offload_optimizer:
-            offloaded += grads + optim
-            grads = optim = 0.0
-        if zero.offload_param and stage == 3:
-            offloaded += width * local / n3
-            params = 4 * model.largest_layer_params() / layout.tp
-        if stage in (1, 2) and spec.deepspeed:
-            buckets = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, train_local)
-        elif stage == 3:
-            buckets = 2 * (model.hidden_size**2) * (2 + 4)  # prefetch (0.9 h^2, 16-bit) + reduce (h^2)
-        if spec.deepspeed:
-            notes.append(f"DeepSpeed ZeRO-{stage}, sharded over {shard} ranks" + (f", optimizer on {zero.offload_optimizer}" if zero.offload_optimizer else "") + (f", parameters on {zero.offload_param}" if zero.offload_param else ""))
-        else:
-            notes.append("DDP: every rank holds full model states")
+        states = _ddp_states(spec, sizes, layout.world)
+    params, grads, optim, offloaded, buckets, note = states
+    notes = [note]
     if spec.train_type == "lora":
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
     activations = _activation_bytes(spec, model, layout)

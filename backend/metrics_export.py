@@ -136,13 +136,15 @@ def export(engine: Engine, run_id: str, fmt: str, out: Path | None = None,
         return out, write(engine, run_id, fh, names)
 
 
-def report_sinks(engine: Engine, run_id: str, report_to: Iterable[str], run_dir: Path) -> list[str]:
-    """What the run's `report_to` asks for, done after the run: TensorBoard files in
-    `<run_dir>/tensorboard`. Returns one line per sink (written, or why not), never raises."""
+def report_sinks(engine: Engine, run_id: str, report_to: Iterable[str], logdir: Path) -> list[str]:
+    """What the run's `report_to` asks for, done from the recorded metrics (typically when the run
+    ends): TensorBoard event files in `logdir`, a directory on the machine running the backend
+    (the run directory itself may sit on a remote node). Returns one line per sink (written, or
+    why not); never raises."""
     lines = []
     if "tensorboard" in report_to:
         try:
-            where, n = export(engine, run_id, "tensorboard", Path(run_dir) / "tensorboard")
+            where, n = export(engine, run_id, "tensorboard", Path(logdir))
             lines.append(f"tensorboard: wrote {n} scalars to {where}")
         except (ExportError, OSError) as exc:
             lines.append(f"tensorboard: {exc}")

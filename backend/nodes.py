@@ -126,11 +126,15 @@ class Pool:
     async def run(self, node: Node, command: str, setup: str | None = None, input: str | None = None,
                   timeout: float = ssh.COMMAND_TIMEOUT_S) -> ssh.Result:
         """Run shell text on the node after its setup line; a dropped connection is reopened once."""
-        text = remote.with_setup(setup, command)
         for attempt in (0, 1):
             shell = await self.shell(node)
             try:
-                return await shell.run(text, input=input, timeout=timeout)
+                if isinstance(shell, ssh.SshShell):
+                    helper = await shell.helper(node.python, remote.with_setup(
+                        setup, remote.quote_argv([node.python, "-u", "-c", ssh.HELPER_PY])), reuse_any=not setup)
+                    if helper is not None:
+                        return await helper.run(command, input=input, timeout=timeout)
+                return await shell.run(remote.with_setup(setup, command), input=input, timeout=timeout)
             except ssh.Unreachable:
                 await self.drop(node)
                 if attempt:

@@ -172,14 +172,6 @@ def read_from(path: str, offset: int, max_bytes: int) -> str:
     return (f"tail -c +{int(offset) + 1} -- {shlex.quote(path)} 2>/dev/null | head -c {int(max_bytes)}; true")
 
 
-def write_file(path: str) -> str:
-    """Shell text that writes stdin to `path` atomically (parent directories created)."""
-    p = shlex.quote(path)
-    tmp = shlex.quote(path + ".tmp")
-    parent = shlex.quote(path.rsplit("/", 1)[0] or "/")
-    return f"mkdir -p {parent} && cat > {tmp} && mv {tmp} {p}"
-
-
 def run_in(setup: str | None, cwd: str | None, argv: Sequence[str],
            env: Mapping[str, str] | None = None) -> str:
     """A foreground command (after the setup line, in `cwd`), e.g. export or a check."""

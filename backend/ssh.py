@@ -8,6 +8,8 @@ changed key is a `HostKeyError`, and trusting a new key is a separate, explicit 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -162,10 +164,134 @@ class LocalShell(Shell):
         return Stream(lines(), close)
 
 
+# The node side of `Helper`: runs commands sent as JSON lines on stdin, replies with JSON lines.
+# One per connection and setup line, so a command costs a fork of bash instead of an SSH session
+# plus the user's shell start-up files (which can take longer than the command itself).
+HELPER_PY = r"""
+import base64, json, os, subprocess, sys, threading
+lock = threading.Lock()
+shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+def reply(obj):
+    with lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+def serve(req):
+    data = req.get("in")
+    try:
+        p = subprocess.run([shell, "-c", req["cmd"]], input=None if data is None else base64.b64decode(data),
+                           stdin=subprocess.DEVNULL if data is None else None,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=req["timeout"])
+        reply({"id": req["id"], "rc": p.returncode, "out": base64.b64encode(p.stdout).decode(),
+               "err": base64.b64encode(p.stderr).decode()})
+    except subprocess.TimeoutExpired:
+        reply({"id": req["id"], "timeout": True})
+    except Exception as exc:
+        reply({"id": req["id"], "rc": 127, "out": "", "err": base64.b64encode(repr(exc).encode()).decode()})
+reply({"ready": os.getpid()})
+for line in sys.stdin:
+    threading.Thread(target=serve, args=(json.loads(line),), daemon=True).start()
+"""
+HELPER_START_S = 30.0
+
+
+class Helper:
+    """Client side of HELPER_PY over one SSH channel; requests run concurrently."""
+
+    def __init__(self, address: Address, proc: asyncssh.SSHClientProcess):
+        self.address = address
+        self._proc = proc
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next = 0
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, conn: asyncssh.SSHClientConnection, address: Address, command: str) -> "Helper":
+        proc = await conn.create_process(command, encoding="utf-8", stderr=asyncssh.DEVNULL)
+        helper = cls(address, proc)
+        line = await asyncio.wait_for(proc.stdout.readline(), HELPER_START_S)
+        if not line.startswith('{"ready"'):
+            proc.close()
+            raise NodeError(address, "could not start the command helper")
+        helper._reader = asyncio.create_task(helper._read())
+        return helper
+
+    async def _read(self) -> None:
+        try:
+            async for line in self._proc.stdout:
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue
+                fut = self._pending.pop(reply.get("id"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+        except (asyncssh.Error, OSError):
+            pass
+        finally:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(Unreachable(self.address, "connection lost"))
+            self._pending.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._reader is None or self._reader.done()
+
+    async def run(self, command: str, input: str | None = None, timeout: float = COMMAND_TIMEOUT_S) -> Result:
+        if self.closed:
+            raise Unreachable(self.address, "connection lost")
+        self._next += 1
+        rid = self._next
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        req = {"id": rid, "cmd": command, "timeout": timeout,
+               "in": None if input is None else base64.b64encode(input.encode()).decode()}
+        try:
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            reply = await asyncio.wait_for(fut, timeout + 5)
+        except asyncio.TimeoutError:
+            self._pending.pop(rid, None)
+            raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
+        except (asyncssh.Error, OSError, BrokenPipeError) as exc:
+            self._pending.pop(rid, None)
+            raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
+        if reply.get("timeout"):
+            raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s")
+        out, err = base64.b64decode(reply["out"]), base64.b64decode(reply["err"])
+        return Result(reply["rc"], out.decode(errors="replace"), err.decode(errors="replace"), out)
+
+    def close(self) -> None:
+        self._proc.close()
+
+
 class SshShell(Shell):
     def __init__(self, address: Address, conn: asyncssh.SSHClientConnection):
         self.address = address
         self._conn = conn
+        self._helpers: dict[tuple[str, str | None], Helper | None] = {}
+        self._helper_lock = asyncio.Lock()
+
+    async def helper(self, python: str, setup_command: str, reuse_any: bool = False) -> Helper | None:
+        """A command helper started with `setup_command` (None when it cannot start: callers fall
+        back to one SSH session per command). `reuse_any`: any live helper of this connection will
+        do (commands that need no setup line)."""
+        key = (python, setup_command)
+        async with self._helper_lock:
+            if reuse_any:
+                live = [h for h in self._helpers.values() if h is not None and not h.closed]
+                if live:
+                    return live[0]
+            if key in self._helpers:
+                cached = self._helpers[key]
+                if cached is None or not cached.closed:
+                    return cached
+            try:
+                helper = await Helper.start(self._conn, self.address, setup_command)
+            except (NodeError, asyncio.TimeoutError, asyncssh.Error, OSError, AssertionError):
+                # (asyncssh asserts when the connection closes while a channel opens)
+                helper = None
+            self._helpers[key] = helper
+            return helper
 
     async def run(self, command: str, input: str | None = None,
                   timeout: float = COMMAND_TIMEOUT_S) -> Result:
@@ -174,7 +300,7 @@ class SshShell(Shell):
                                        timeout=timeout, check=False, encoding=None)
         except asyncssh.TimeoutError:
             raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
-        except (asyncssh.Error, OSError) as exc:
+        except (asyncssh.Error, OSError, AssertionError) as exc:
             raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
         rc = res.exit_status if res.exit_status is not None else 255
         raw = res.stdout if isinstance(res.stdout, bytes) else _text(res.stdout).encode()
@@ -202,6 +328,9 @@ class SshShell(Shell):
         return Stream(lines(), close)
 
     async def close(self) -> None:
+        for helper in self._helpers.values():
+            if helper is not None:
+                helper.close()
         self._conn.close()
         try:
             await asyncio.wait_for(self._conn.wait_closed(), 5)

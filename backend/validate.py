@@ -38,7 +38,9 @@ def _warn(field: str, message: str) -> Problem:
 def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Problem]:
     out: list[Problem] = []
     nodes = cluster.nodes[: spec.nnodes]
-    if spec.nnodes > len(cluster.nodes):
+    if spec.nnodes > 1 and cluster.is_local:
+        out.append(Problem("nnodes", f"{spec.nnodes} nodes asked for, but no cluster was given: use a hostfile (--hostfile) or a node list"))
+    elif spec.nnodes > len(cluster.nodes):
         out.append(Problem("nnodes", f"{spec.nnodes} nodes asked for, the cluster ({cluster.source}) has {len(cluster.nodes)}"))
     elif spec.nnodes < len(cluster.nodes):
         unused = ", ".join(n.host for n in cluster.nodes[spec.nnodes:])
@@ -56,8 +58,6 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
         out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
     if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
         out.append(Problem(TP, f"TP={spec.tensor_model_parallel_size} must divide the {layout.nproc_per_node} processes of one node (a TP group must not cross nodes)"))
-    if spec.nnodes > 1 and cluster.is_local:
-        out.append(Problem("nnodes", "more than one node needs a hostfile (--hostfile) or a node list"))
     return out
 
 

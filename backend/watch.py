@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 2.0
 NODE_SILENT_S = 20.0         # + one interval and a probe timeout stays within the 30 s promise
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 10.0
 SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
 FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
 TAIL_LINES = 40
@@ -140,7 +140,9 @@ class AttemptWatcher:
                 launch.probe(self.pool, n.started.node, n.started.setup, n.started.pgid, self.run_dir),
                 PROBE_TIMEOUT_S)
         except (ssh.NodeError, asyncio.TimeoutError) as exc:
-            await self.pool.drop(n.started.node)
+            if isinstance(exc, ssh.Unreachable):
+                # A slow answer keeps the connection (keepalives find dead ones); a lost one is reopened.
+                await self.pool.drop(n.started.node)
             if n.unreachable_since is None:
                 n.unreachable_since = time.time()
                 self.on_notice(f"node {n.host} is not answering ({_why(exc)}); retrying")

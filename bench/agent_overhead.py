@@ -102,7 +102,7 @@ def main() -> int:
             global_step += 1
             if global_step % 5 == 0:  # the worker's own event lines, for the agent to tail
                 events.write(json.dumps({"type": "train", "time": time.time(), "step": global_step,
-                                         "loss": float(loss)}) + "\n")
+                                         "loss": loss.item()}) + "\n")
         sync()
         dt = time.perf_counter() - t0
         tps = args.steps * args.batch * args.seq / dt
@@ -116,7 +116,8 @@ def main() -> int:
 
     off, on = statistics.fmean(rates["off"]), statistics.fmean(rates["on"])
     cost = (off - on) / off * 100
-    print(json.dumps({"summary": True, "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device, "tokens_per_s_off": round(off, 1),
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
+    print(json.dumps({"summary": True, "device": device, "tokens_per_s_off": round(off, 1),
                       "tokens_per_s_on": round(on, 1), "cost_pct": round(cost, 3),
                       "phase_spread_pct": round((max(rates["off"]) - min(rates["off"])) / off * 100, 3),
                       "ok": cost <= 1.0}))

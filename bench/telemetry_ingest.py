@@ -94,6 +94,7 @@ def main() -> int:
         "latency_s_p50": round(q[49], 3), "latency_s_p95": round(q[94], 3), "latency_s_max": round(lat[-1], 3),
         "flushes": ing.stats["flushes"], "flush_errors": ing.stats["flush_errors"],
         "db_mib": round(os.path.getsize(args.db) / 2**20, 1),
+        "load_avg_1m_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
     }))
     if tmp:
         tmp.cleanup()

@@ -163,7 +163,7 @@ def to_messages(record: Record) -> tuple[list[dict[str, str]] | None, str | None
             raise DataError(f"{record.where}: 'text' must be a non-empty string")
         return None, data["text"]
     raise DataError(f"{record.where}: unknown record format with fields {sorted(data)}; expected 'messages', "
-                    "'instruction'+'output', 'query'+'response' or 'text'")
+                    "'instruction'+'output', 'query'+'response', 'text' or 'input_ids'")
 
 
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -202,6 +202,8 @@ class Sample:
 def encode(record: Record, tokenizer, max_length: int) -> Sample | None:
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
     None when truncation left no token to learn from."""
+    if isinstance(record.data, dict) and "input_ids" in record.data:
+        return _pretokenized(record, max_length)
     messages, text = to_messages(record)
     if messages is None:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -223,6 +225,16 @@ def encode(record: Record, tokenizer, max_length: int) -> Sample | None:
                             "cannot locate the response tokens")
         labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt):]
         ids = full
+    ids, labels = ids[:max_length], labels[:max_length]
+    return Sample(ids, labels) if any(label != IGNORE for label in labels[1:]) else None
+
+
+def _pretokenized(record: Record, max_length: int) -> Sample | None:
+    """Records that already hold token ids (`input_ids`, optional `labels`, -100 = no loss)."""
+    ids, labels = record.data["input_ids"], record.data.get("labels", record.data["input_ids"])
+    if not (isinstance(ids, list) and isinstance(labels, list) and len(ids) == len(labels) and ids
+            and all(isinstance(t, int) for t in ids + labels)):
+        raise DataError(f"{record.where}: 'input_ids' (and 'labels') must be equally long, non-empty lists of integers")
     ids, labels = ids[:max_length], labels[:max_length]
     return Sample(ids, labels) if any(label != IGNORE for label in labels[1:]) else None
 

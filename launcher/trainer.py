@@ -235,6 +235,8 @@ class Trainer:
             if stop_votes or due:
                 self._save()
                 last_saved = self.step
+                if window.steps == 0:  # keep the save out of the next window's throughput
+                    window = Window()
             if stop_votes:
                 raise Stopped()
         if last_saved != self.step:

@@ -34,7 +34,7 @@ def build_app(studio: Studio) -> gr.Blocks:
                 runs = runs_tab.build()
             with gr.Tab("Export", id="export") as export_page:
                 export = export_tab.build()
-        cluster_tab.wire(cluster, cluster_state)
+        cluster_tab.wire(cluster, studio, cluster_state)
         cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
         train_tab.wire(train, studio, cluster_state)
         monitor_tab.wire(monitor, studio, tabs, export["run"])
@@ -45,9 +45,7 @@ def build_app(studio: Studio) -> gr.Blocks:
         # A page load (first visit or reload) shows the cluster, fills the form with the demo
         # preset and re-attaches the Monitor to the latest active run; its first tick reads the
         # whole history, so the charts are complete.
-        app.load(cluster["show"], [cluster_state],
-                 [cluster_state, cluster["summary"], cluster["nodes"], cluster["hostfile"],
-                  cluster["remove_host"], cluster["message"]])
+        app.load(cluster["on_load"], None, cluster["outputs"])
         app.load(train["load_demo"], None, train["fill_outputs"]).then(**train["refresh"])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     return app

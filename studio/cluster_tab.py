@@ -71,13 +71,21 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dic
     c["preflight"].click(on_preflight, {state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
 
 
-def show(cluster: Cluster, message: str = "") -> tuple:
+def show_cluster(cluster: Cluster, message: str = "") -> tuple:
+    """Every view of the cluster, from the cluster (also the state itself)."""
     return (cluster, cluster_summary(cluster), node_rows(cluster), cluster.to_hostfile(),
             gr.update(choices=[n.host for n in cluster.nodes], value=None), message)
 
 
-def wire(c: dict[str, Any], state: gr.State) -> None:
+def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     outputs = [state, c["summary"], c["nodes"], c["hostfile"], c["remove_host"], c["message"]]
+
+    def show(cluster: Cluster, message: str = "") -> tuple:
+        try:
+            studio.save_cluster(cluster)
+        except OSError as exc:
+            message += f" (not saved for the next start: {exc})"
+        return show_cluster(cluster, message)
 
     def failed(cluster: Cluster, exc: HostfileError) -> tuple:
         return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
@@ -120,4 +128,5 @@ def wire(c: dict[str, Any], state: gr.State) -> None:
     c["apply_hostfile"].click(on_hostfile, [state, c["hostfile"]], outputs)
     c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)
     c["use_local"].click(lambda: show(local_cluster(), "Using this machine."), None, outputs)
-    c["show"] = show
+    c["on_load"] = lambda: show_cluster(studio.load_cluster())
+    c["outputs"] = outputs

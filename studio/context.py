@@ -2,16 +2,20 @@
 backend facade. One per studio process."""
 from __future__ import annotations
 
+import json
+import logging
 import re
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from backend.cluster import Cluster, HostfileError, cluster_from_dicts, local_cluster
 from backend.spec import JobSpec, Problem, parse_spec
 
+log = logging.getLogger(__name__)
 PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -29,6 +33,32 @@ class Studio:
     @property
     def presets_dir(self) -> Path:
         return self.data_dir / "presets"
+
+    @property
+    def cluster_file(self) -> Path:
+        return self.data_dir / "cluster.json"
+
+    def load_cluster(self) -> Cluster:
+        """The cluster last used in the studio (so a restart keeps it), else this machine. The
+        local node's GPUs are probed again; its slot count is kept."""
+        local = local_cluster()
+        try:
+            rows = json.loads(self.cluster_file.read_text())
+            stored = cluster_from_dicts(rows, source=str(self.cluster_file))
+        except FileNotFoundError:
+            return local
+        except (OSError, ValueError, HostfileError) as exc:
+            log.warning("ignoring %s: %s", self.cluster_file, exc)
+            return local
+        here = local.nodes[0]
+        nodes = tuple(replace(here, slots=n.slots) if n.local else n for n in stored.nodes)
+        return Cluster(nodes=nodes, source=stored.source)
+
+    def save_cluster(self, cluster: Cluster) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.cluster_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cluster.to_dicts(), indent=1))
+        tmp.replace(self.cluster_file)
 
     def preset_names(self) -> list[str]:
         saved = sorted(p.stem for p in self.presets_dir.glob("*.yaml")) if self.presets_dir.is_dir() else []

@@ -16,6 +16,7 @@ from studio.errors import user_message
 from studio.run_view import alerts_md, run_choice, status_md
 
 TICK_S = 2.0
+LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "util_heatmap", "util_lines", "memory", "power", "collective")
@@ -29,7 +30,10 @@ def build() -> dict[str, Any]:
         c["stop"] = gr.Button("■ Stop", size="sm", variant="stop", scale=1, elem_id="monitor-stop", interactive=False)
         c["resume"] = gr.Button("▶ Resume from checkpoint", size="sm", scale=1, elem_id="monitor-resume", interactive=False)
         c["export"] = gr.Button("⇩ Export…", size="sm", scale=1, elem_id="monitor-export")
+        c["full_log"] = gr.Button("Full log", size="sm", scale=1, elem_id="monitor-full-log")
     c["status"] = gr.Markdown(elem_id="monitor-status")
+    c["log_full"] = gr.Textbox(label="Full log", lines=20, max_lines=60, interactive=False, visible=False,
+                               elem_id="monitor-log-full")
     c["progress"] = gr.HTML(elem_id="monitor-progress")
     c["action"] = gr.Markdown(elem_id="monitor-action")
     with gr.Row():
@@ -48,21 +52,21 @@ def build() -> dict[str, Any]:
         c["power"] = gr.Plot(elem_id="chart-power", show_label=False)
     with gr.Accordion("Alerts", open=True):
         c["alerts"] = gr.Markdown("No alerts.", elem_id="monitor-alerts")
-    with gr.Accordion("Logs", open=False):
-        with gr.Row():
-            c["log_node"] = gr.Dropdown(label="Node", choices=[], scale=3, elem_id="monitor-log-node")
-            c["full_log"] = gr.Button("Show the full log", size="sm", scale=1, elem_id="monitor-full-log")
+    with gr.Accordion("Logs", open=False) as c["logs"]:
+        c["log_node"] = gr.Dropdown(label="Node", choices=[], elem_id="monitor-log-node")
         c["log"] = gr.Textbox(label="Log tail (live)", lines=12, max_lines=30, interactive=False, elem_id="monitor-log",
                               autoscroll=True)
-        c["log_full"] = gr.Textbox(label="Full log", lines=20, max_lines=60, interactive=False, visible=False,
-                                   elem_id="monitor-log-full")
     c["buffer"] = gr.State(SeriesBuffer())
     c["timer"] = gr.Timer(TICK_S)
+    c["log_timer"] = gr.Timer(LOG_TICK_S, active=False)
     return c
 
 
-def attempt_nodes(attempt) -> list[str]:
-    return [d.get("host") for d in json.loads(attempt.cluster_json)] if attempt is not None else []
+def run_nodes(manager, run_id: str) -> list[str]:
+    """Hosts of the run's latest attempt, in node-rank order."""
+    attempts = manager.attempts(run_id)
+    latest = max(attempts, key=lambda a: a.number) if attempts else None
+    return [d.get("host") for d in json.loads(latest.cluster_json)] if latest is not None else []
 
 
 def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdown) -> None:
@@ -107,26 +111,40 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
             out[c["alerts"]] = alerts_md(manager.alerts(run_id))
             out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
             out[c["resume"]] = gr.update(interactive=run.state in (STOPPED, FAILED))
-            attempt = manager.store.current_attempt(run_id)
-            nodes = attempt_nodes(attempt)
-            node = log_node if log_node in nodes else (nodes[0] if nodes else None)
-            out[c["log_node"]] = gr.update(choices=nodes, value=node)
-            if node:
-                out[c["log"]] = "\n".join(manager.log_tail(run_id, node, lines=LOG_LINES))
         except Exception as exc:  # noqa: BLE001 - the page shows one line, the server log has the rest
             out[c["action"]] = user_message("Reading the run", exc)
         out[c["buffer"]] = buf
         return out
 
     tick_inputs = [c["run"], c["buffer"], c["smoothing"], c["log_node"]]
-    tick_outputs = [c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"], c["log_node"],
-                    c["log"], c["action"], c["buffer"]]
+    tick_outputs = [c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
+                    c["action"], c["buffer"]]
     c["timer"].tick(tick, tick_inputs, tick_outputs, show_progress="hidden", trigger_mode="always_last")
     c["run"].change(lambda run_id, buf, s, n: tick(run_id, SeriesBuffer(), s, n), tick_inputs, tick_outputs,
                     show_progress="hidden")
     c["refresh"].click(on_refresh, [c["run"]], [c["run"]])
     c["smoothing"].change(lambda buf, s: loss_figure(buf, s), [c["buffer"], c["smoothing"]], [c["loss"]],
                           show_progress="hidden", trigger_mode="always_last")
+
+    def log_tick(run_id: str | None, log_node: str | None) -> tuple:
+        if not run_id:
+            return gr.skip(), gr.skip()
+        try:
+            manager = studio.manager
+            nodes = run_nodes(manager, run_id)
+            node = log_node if log_node in nodes else (nodes[0] if nodes else None)
+            text = "\n".join(manager.log_tail(run_id, node, lines=LOG_LINES)) if node else ""
+        except Exception as exc:  # noqa: BLE001
+            return gr.skip(), user_message("Reading the log", exc)
+        return gr.update(choices=nodes, value=node), text
+
+    # Logs come over each node's shell: a slower timer, and only while the Logs section is open.
+    log_io = dict(fn=log_tick, inputs=[c["run"], c["log_node"]], outputs=[c["log_node"], c["log"]],
+                  show_progress="hidden")
+    c["log_timer"].tick(trigger_mode="always_last", **log_io)
+    c["logs"].expand(lambda: gr.Timer(active=True), None, [c["log_timer"]]).then(**log_io)
+    c["logs"].collapse(lambda: gr.Timer(active=False), None, [c["log_timer"]])
+    c["log_node"].input(**log_io)
 
     def on_stop(run_id: str | None) -> str:
         if not run_id:
@@ -147,12 +165,19 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
         return f"Resuming `{run_id}` from its latest complete checkpoint…"
 
     def on_full_log(run_id: str | None, node: str | None) -> dict:
-        if not run_id or not node:
-            return gr.update(visible=True, value="Pick a run and a node first.")
+        """The whole torchrun log of a node: the one picked under Logs, else the failed one, else the first."""
+        if not run_id:
+            return gr.update(visible=True, value="Pick a run first.")
         try:
-            text = "\n".join(studio.manager.log_tail(run_id, node, lines=FULL_LOG_LINES))
+            manager = studio.manager
+            run = manager.run(run_id)
+            nodes = run_nodes(manager, run_id)
+            node = node if node in nodes else (run.failed_node if run.failed_node in nodes else (nodes or [None])[0])
+            if node is None:
+                return gr.update(visible=True, value="This run has not started on any node yet.")
+            text = "\n".join(manager.log_tail(run_id, node, lines=FULL_LOG_LINES))
         except Exception as exc:  # noqa: BLE001
-            text = user_message("Reading the log", exc)
+            return gr.update(visible=True, value=user_message("Reading the log", exc))
         return gr.update(visible=True, value=text, label=f"Full log of {node}")
 
     c["stop"].click(on_stop, [c["run"]], [c["action"]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from backend.agent import GpuSampler, Tailer
+from backend.agent import GpuSampler, Tailer, flight_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 FAKE_TORCHRUN = r"""
 import os, subprocess, sys, time
 pid_file, life = sys.argv[1], float(sys.argv[2])
-env = dict(os.environ, RANK="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="3")
+env = dict(os.environ, RANK="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="3",
+           TORCH_NCCL_DEBUG_INFO_TEMP_FILE=os.path.join(os.path.dirname(os.path.dirname(pid_file)), "fr_rank_"))
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
 with open(pid_file + ".tmp", "w") as f:
     f.write(str(os.getpgid(0)))
@@ -31,6 +33,14 @@ os.replace(pid_file + ".tmp", pid_file)
 time.sleep(life)
 worker.terminate(); worker.wait()
 """
+
+
+# What PyTorch's flight recorder pickles on a collective timeout (the fields the agent reads).
+FLIGHT_DUMP = {"version": "2.10", "pg_config": {}, "entries": [
+    {"collective_seq_id": 40, "profiling_name": "nccl:all_reduce", "state": "completed", "process_group": ("0", "default_pg")},
+    {"collective_seq_id": 41, "profiling_name": "nccl:all_reduce", "state": "started", "process_group": ("0", "default_pg")},
+    {"collective_seq_id": 42, "profiling_name": "nccl:broadcast", "state": "scheduled", "process_group": ("0", "default_pg")},
+]}
 
 
 def make_run(tmp_path: Path) -> Path:
@@ -102,6 +112,7 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
             f.write('"time": 3.0, "step_time_s": 0.5}\n')
         with open(run / "logs/n1.log", "a") as f:
             f.write("[rank1]: RuntimeError: boom\n")
+        (run / "fr_rank_1").write_bytes(pickle.dumps(FLIGHT_DUMP))  # the rank's flight recorder dumps
         out, err = agent.communicate(timeout=30)
     finally:
         stop_group(group)
@@ -124,6 +135,8 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
     assert [r["line"] for r in by_kind(recs, "log")] == ["starting", "[rank1]: RuntimeError: boom"]
     assert by_kind(recs, "log")[-1]["offset"] == (run / "logs/n1.log").stat().st_size
     assert by_kind(recs, "heartbeat")
+    [flight] = by_kind(recs, "flight")
+    assert (flight["rank"], flight["collective"], flight["seq"], flight["state"]) == (1, "nccl:all_reduce", 41, "started")
     assert recs[-1]["kind"] == "bye" and recs[-1]["reason"] == "run over"
     assert rss_mib < 80, f"agent uses {rss_mib:.0f} MiB"
 
@@ -307,3 +320,25 @@ def test_tailer_reads_whole_lines_and_restarts_a_replaced_file(tmp_path):
     p.write_bytes(b"x\n")  # replaced by a shorter file: read from its start
     assert list(t.read("f.jsonl")) == [(2, b"x")]
     assert list(t.read("missing.jsonl")) == []
+
+
+# -- flight recorder dumps ---------------------------------------------------------------------------
+
+def test_flight_record_names_the_collective_not_completed(tmp_path):
+    path = tmp_path / "nccl_trace_rank_3"
+    path.write_bytes(pickle.dumps(FLIGHT_DUMP))
+    rec = flight_record(path, 3, 5.0)
+    assert rec == {"kind": "flight", "t": 5.0, "rank": 3, "file": str(path), "entries": 3,
+                   "collective": "nccl:all_reduce", "seq": 41, "state": "started", "process_group": ["0", "default_pg"]}
+    done = {**FLIGHT_DUMP, "entries": FLIGHT_DUMP["entries"][:1]}
+    path.write_bytes(pickle.dumps(done))
+    assert flight_record(path, 3, 5.0)["seq"] == 40  # all completed: the newest
+
+
+def test_flight_record_loads_nothing_but_plain_data(tmp_path):
+    from collections import OrderedDict
+
+    path = tmp_path / "nccl_trace_rank_0"
+    path.write_bytes(pickle.dumps(OrderedDict(entries=[])))  # needs a class lookup: refused
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        flight_record(path, 0, 1.0)

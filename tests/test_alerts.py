@@ -189,3 +189,16 @@ def test_evaluate_runs_every_rule_and_keys_are_stable():
     first = alerts.evaluate(w, CFG)
     assert {f.rule for f in first} == {"low_utilisation", "gpu_memory"}
     assert [f.key for f in alerts.evaluate(w, CFG)] == [f.key for f in first]
+
+
+# -- flight recorder -----------------------------------------------------------------------------
+
+def test_flight_dump_names_rank_node_gpu_and_collective():
+    rec = {"kind": "flight", "t": T0, "rank": 5, "file": "/tmp/nccl_trace_rank_5", "collective": "nccl:all_reduce",
+           "seq": 41, "state": "started"}
+    f = alerts.flight_dump(rec, "node-x", {5: ("node-b", 1)})
+    assert (f.rule, f.key, f.node, f.rank, f.gpu) == ("collective_stuck", "flight:5:41", "node-b", 5, 1)
+    assert f.message == "flight recorder of rank 5, node node-b, GPU 1: nccl:all_reduce #41 (started)"
+    assert f.detail == "/tmp/nccl_trace_rank_5"
+    # unknown placement: the delivering node
+    assert alerts.flight_dump(rec, "node-x", {}).node == "node-x"

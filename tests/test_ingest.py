@@ -12,7 +12,7 @@ from sqlalchemy.pool import StaticPool
 from sqlmodel import create_engine
 
 from backend.agent import Tailer
-from backend.ingest import Downsampling, Ingestor
+from backend.ingest import AGENT_SILENT_S, Downsampling, Ingestor
 from backend.telemetry_models import Alert, IngestOffset, MetricSample, RunEvent
 from backend.telemetry_query import SeriesKey
 
@@ -266,11 +266,32 @@ def test_rules_run_on_ingested_series_and_nan_survives_json(engine):
     assert alerts["gpu_memory"].count == 2 and alerts["gpu_memory"].last_t == T0 + 4
     with engine.connect() as conn:  # NaN is stored as NULL, not as a number
         assert conn.execute(select(S.c.value).where(S.c.name == "train/loss", S.c.step == 2)).scalar() is None
-    # a restarted backend remembers which alerts exist and that the run is running
+    # a restarted backend remembers which alerts exist and that the run started; it counts as
+    # running again once an agent reconnects
     again = Ingestor(engine, autostart=False)
     again.evaluate("r", now=T0 + 9)
     assert len(again.alerts("r")) == 2
+    assert not again.window("r").running
+    again.feed("r", "a", json.dumps({"kind": "heartbeat", "t": T0 + 10}))
     assert again.window("r").running
+
+
+def test_a_run_whose_agents_are_gone_is_not_a_hang(engine):
+    now = [T0]
+    ing = Ingestor(engine, autostart=False, clock=lambda: now[0])
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 1, "rank": 0,
+                                   "data": {"type": "start", "time": T0}}))
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 2, "rank": 0,
+                                   "data": {"type": "train", "time": T0 + 1, "step": 1, "loss": 1.0}}))
+    now[0] = T0 + 1000
+    ing.feed("r", "a", json.dumps({"kind": "heartbeat", "t": now[0]}))  # processes alive, no step: a hang
+    assert [f.rule for f in ing.evaluate("r")] == ["hang"]
+    ing.feed("r", "a", json.dumps({"kind": "bye", "t": now[0], "reason": "run over"}))  # killed, no end event
+    assert ing.evaluate("r") == []
+    now[0] += 10
+    ing.feed("r", "a", json.dumps({"kind": "hello", "t": now[0], "gpus": 0}))  # e.g. a re-attach
+    now[0] += AGENT_SILENT_S + 1  # ... but nothing heard since
+    assert ing.evaluate("r") == []
 
 
 def test_a_failed_flush_keeps_the_batch(engine, monkeypatch):
@@ -287,3 +308,17 @@ def test_a_failed_flush_keeps_the_batch(engine, monkeypatch):
     monkeypatch.setattr(engine, "begin", real_begin)
     assert ing.flush() == 1
     assert count(engine, E) == 1 and ing.offsets("r", "a") == {"events/rank-0.jsonl": 5}
+
+
+def test_flight_dump_is_stored_and_named_by_the_hang_alert(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 1, "rank": 0,
+                                   "data": {"type": "start", "time": T0}}))
+    ing.feed("r", "b", json.dumps({"kind": "ranks", "t": T0, "ranks": [{"rank": 1, "local_rank": 0, "pid": 5,
+                                                                         "gpu": 2}]}))
+    ing.feed("r", "b", json.dumps({"kind": "flight", "t": T0 + 50, "rank": 1, "file": "/tmp/nccl_trace_rank_1",
+                                   "collective": "nccl:all_reduce", "seq": 7, "state": "started"}))
+    ing.evaluate("r", now=T0 + 2000)
+    alerts = {a.rule: a for a in ing.alerts("r")}
+    assert alerts["collective_stuck"].node == "b" and alerts["collective_stuck"].gpu == 2
+    assert "last collective reported stuck: rank 1, node b, GPU 2: nccl:all_reduce #7 (started)" in alerts["hang"].message

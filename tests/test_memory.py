@@ -94,15 +94,18 @@ def test_breakdown_follows_the_settings():
         spec = job(**{"nproc_per_node": 8, **kw})
         return estimate_memory(spec, model, compute_layout(spec))
 
-    ddp, z1, z2, z3 = est(), est(deepspeed="zero1"), est(deepspeed="zero2"), est(deepspeed="zero3")
-    assert ddp.optimizer_gib == pytest.approx(8 * z1.optimizer_gib)       # ZeRO-1 shards optimizer states
+    ddp, z0, z1, z2, z3 = est(), est(deepspeed="zero0"), est(deepspeed="zero1"), est(deepspeed="zero2"), est(deepspeed="zero3")
+    assert z0.optimizer_gib == pytest.approx(8 * z1.optimizer_gib)       # ZeRO-1 shards optimizer states over 8 ranks
     assert z2.gradients_gib < z1.gradients_gib and z2.parameters_gib == z1.parameters_gib
     assert z3.parameters_gib < z2.parameters_gib
-    # bf16 weights 2 + gradients 2 (bf16) + 4 (fp32) + master 4 + Adam 8 = 20 bytes per parameter
-    assert ddp.model_states_gib == pytest.approx(20 * model.param_count() / GIB, rel=1e-6)
+    # DeepSpeed ZeRO-0: bf16 weights 2 + gradients 2 (bf16) + 4 (fp32) + master 4 + Adam 8 = 20 bytes
+    assert z0.model_states_gib == pytest.approx(20 * model.param_count() / GIB, rel=1e-6)
+    # The worker's DDP: fp32 weights 4 + autocast copy 2 + gradients 4 + DDP bucket 4 + Adam 8 = 22 bytes
+    assert ddp.model_states_gib == pytest.approx(22 * model.param_count() / GIB, rel=1e-6)
     lora = est(train_type="lora")
     assert lora.trainable_params == trainable_params(job(train_type="lora"), model) < model.param_count() / 100
     assert lora.optimizer_gib < 0.01 * ddp.optimizer_gib
+    assert lora.parameters_gib == pytest.approx(ddp.parameters_gib)  # DDP keeps the frozen base in fp32 too
     assert est(gradient_checkpointing=False).activations_gib > 3 * est().activations_gib
     assert est(per_device_train_batch_size=4).activations_gib == pytest.approx(4 * est().activations_gib)
     assert est(max_length=8192).activations_gib > est().activations_gib
@@ -111,6 +114,7 @@ def test_breakdown_follows_the_settings():
     assert offload.optimizer_gib == 0 and offload.offloaded_gib > 0
     fsdp, fsdp_offload = est(fsdp="full_shard"), est(fsdp="full_shard offload")
     assert fsdp.model_states_gib == pytest.approx(z3.model_states_gib, rel=0.25)
+    assert est(fsdp="full_shard", gradient_accumulation_steps=4).gradients_gib > fsdp.gradients_gib
     assert fsdp_offload.model_states_gib < fsdp.model_states_gib and fsdp_offload.offloaded_gib > 0
     assert est(fsdp="shard_grad_op").parameters_gib > fsdp.parameters_gib
 

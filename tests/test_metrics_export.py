@@ -78,7 +78,7 @@ def test_tensorboard_without_the_package_says_how_to_get_it(recorded, tmp_path, 
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ExportError, match="pip install tensorboard"):
         write_tensorboard(engine, "r1", tmp_path / "tb")
-    lines = report_sinks(engine, "r1", ["tensorboard"], tmp_path)
+    lines = report_sinks(engine, "r1", ["tensorboard"], tmp_path / "tb")
     assert len(lines) == 1 and "pip install tensorboard" in lines[0]
     assert report_sinks(engine, "r1", [], tmp_path) == []
 
@@ -115,3 +115,11 @@ def test_cli_alerts_and_metrics(recorded, tmp_path, capsys):
     assert cli.main(["metrics", "missing-run", "--db", url]) == 1
     err = capsys.readouterr().err
     assert "no telemetry recorded for run 'missing-run'" in err and "Traceback" not in err
+
+
+def test_report_sinks_writes_tensorboard_when_asked(recorded, tmp_path):
+    pytest.importorskip("tensorboard")
+    engine, _ = recorded
+    [line] = report_sinks(engine, "r1", ["tensorboard"], tmp_path / "tb")
+    assert line == f"tensorboard: wrote 8 scalars to {tmp_path / 'tb'}"
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from worker import ROOT, events, losses, run_worker, torchrun_argv, worker_env, write_run
+from worker import ROOT, events, kill_tree, losses, run_worker, torchrun_argv, worker_env, write_run
 
 pytestmark = pytest.mark.e2e
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
@@ -38,8 +38,7 @@ def stop_after(run_dir, step: int) -> int:
         os.kill(proc.pid, signal.SIGTERM)
         return proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         log.close()
 
 

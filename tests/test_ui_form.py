@@ -126,3 +126,16 @@ def test_command_preview_shows_every_node_and_the_ds_config():
     text, ds = preview(spec, cluster, None)
     assert "# node 0: a" in text and "# node 1: b" in text and "--node_rank 1" in text
     assert "swift sft" in text and ds["train_batch_size"] == 2 * 8
+
+
+def test_cluster_survives_a_restart(tmp_path):
+    studio = Studio(data_dir=tmp_path, output_dir=tmp_path / "out")
+    assert studio.load_cluster().is_local
+    cluster = put_node(put_node(local_cluster(), {"host": "localhost", "slots": 2}),
+                       {"host": "gpu1", "slots": 8, "addr": "10.0.0.2", "ssh_key": "~/.ssh/id"})
+    studio.save_cluster(cluster)
+    again = Studio(data_dir=tmp_path, output_dir=tmp_path / "out").load_cluster()
+    assert [(n.host, n.slots, n.local) for n in again.nodes] == [("localhost", 2, True), ("gpu1", 8, False)]
+    assert again.nodes[1].ssh_key == "~/.ssh/id"
+    studio.cluster_file.write_text("not json")
+    assert studio.load_cluster().is_local

@@ -73,35 +73,29 @@ def test_rule(name, bad, field, good):
     assert fields(check(job(**good), model=model)) == [], name
 
 
+# (name, failing kwargs, model, field, message fragment, passing kwargs, model for the passing case)
+MIXTRAL = find_model_config("mixtral-8x7b")  # 8 experts
 MODEL_RULES = [
-    ("heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN7B, "tensor_model_parallel_size",
-     dict(tensor_model_parallel_size=4)),   # 28 heads, 4 KV heads
-    ("KV heads divisible by TP", dict(tensor_model_parallel_size=8, nproc_per_node=8), find_model_config("qwen2.5-0.5b"),
-     "tensor_model_parallel_size", dict(tensor_model_parallel_size=2, nproc_per_node=8)),  # 14 heads, 2 KV heads
-    ("heads divisible by TPxSP", dict(sequence_parallel_size=8), QWEN7B, "sequence_parallel_size", dict(sequence_parallel_size=4)),
-    ("layers divisible by PP", dict(pipeline_model_parallel_size=8), QWEN7B, "pipeline_model_parallel_size",
-     dict(pipeline_model_parallel_size=4)),
-    ("experts divisible by EP", dict(expert_model_parallel_size=8, nnodes=2), find_model_config("mixtral-8x7b"),
-     None, dict(expert_model_parallel_size=8)),
-    ("EP only for MoE", dict(expert_model_parallel_size=2), LLAMA8B, "expert_model_parallel_size", dict(expert_model_parallel_size=1)),
-    ("EP on a MoE", dict(expert_model_parallel_size=16, nnodes=2), find_model_config("mixtral-8x7b"), "expert_model_parallel_size",
-     dict(expert_model_parallel_size=16, nnodes=2)),
+    ("heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN7B, "tensor_model_parallel_size", "28 attention heads",
+     dict(tensor_model_parallel_size=4), QWEN7B),
+    ("KV heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN3_MOE, "tensor_model_parallel_size", "4 key/value heads",
+     dict(tensor_model_parallel_size=4), QWEN3_MOE),  # 32 heads divide by 8, its 4 KV heads do not
+    ("heads divisible by TP x SP", dict(sequence_parallel_size=8), QWEN7B, "sequence_parallel_size", "TP x SP = 8",
+     dict(sequence_parallel_size=4), QWEN7B),
+    ("layers divisible by PP", dict(pipeline_model_parallel_size=8), QWEN7B, "pipeline_model_parallel_size", "28 layers",
+     dict(pipeline_model_parallel_size=4), QWEN7B),
+    ("experts divisible by EP", dict(expert_model_parallel_size=16, nnodes=2), MIXTRAL, "expert_model_parallel_size",
+     "8 experts are not divisible by EP=16", dict(expert_model_parallel_size=16, nnodes=2), QWEN3_MOE),
+    ("EP only for MoE", dict(expert_model_parallel_size=8), LLAMA8B, "expert_model_parallel_size", "needs a mixture-of-experts",
+     dict(expert_model_parallel_size=8), MIXTRAL),
 ]
 
 
-@pytest.mark.parametrize("name,bad,model,field,good", MODEL_RULES, ids=[r[0] for r in MODEL_RULES])
-def test_model_rule(name, bad, model, field, good):
-    base = dict(nproc_per_node=8)
-    if field is None:
-        # Mixtral's 8 experts split over EP=8: legal; the EP=16 case below is the failing one.
-        assert fields(check(job(**{**base, **bad}), model=model)) == []
-        return
-    if name == "EP on a MoE":
-        assert field in fields(check(job(**{**base, **bad}), model=model))  # 8 experts, EP=16
-        assert fields(check(job(**{**base, **bad}), model=QWEN3_MOE)) == []  # 128 experts, EP=16
-        return
-    assert field in fields(check(job(**{**base, **bad}), model=model)), name
-    assert fields(check(job(**{**base, **good}), model=model)) == [], name
+@pytest.mark.parametrize("name,bad,model,field,fragment,good,good_model", MODEL_RULES, ids=[r[0] for r in MODEL_RULES])
+def test_model_rule(name, bad, model, field, fragment, good, good_model):
+    found = errors(check(job(**{"nproc_per_node": 8, **bad}), model=model))
+    assert {p.field for p in found} == {field} and any(fragment in p.message for p in found), name
+    assert fields(check(job(**{"nproc_per_node": 8, **good}), model=good_model)) == [], name
 
 
 def write_ds(tmp_path, config) -> str:

@@ -55,10 +55,32 @@ def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout
     log = run_dir / "logs" / "local.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
-        proc = subprocess.run(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env={**worker_env(), **(env or {})},
-                              stdout=out, stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True)
+        proc = subprocess.Popen(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env={**worker_env(), **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            kill_tree(proc)
     proc.log = log.read_text()
     return proc
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill torchrun and its workers by pid (torchrun puts each worker in its own session)."""
+    import psutil
+
+    if proc.poll() is not None:
+        return
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.CompletedProcess:

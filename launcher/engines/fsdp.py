@@ -73,9 +73,10 @@ class FSDPEngine(Engine):
         if is_main:
             torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
         if self.spec.train_type == "lora":
-            # Adapters are small: gather them whole for export; full weights stay sharded in
+            # Adapters are small: gather only them (not the frozen base) for export; full weights stay sharded in
             # dcp/ and launcher.export consolidates them.
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
             if is_main:
                 save_pretrained(self.model, path / "model", state_dict=full)
         elif is_main:

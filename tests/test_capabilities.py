@@ -1,0 +1,77 @@
+"""What the worker refuses, shown before launch (backend.capabilities) and the bundled demo."""
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import pytest
+import yaml
+
+from backend.capabilities import unsupported
+from backend.demo import DEMO_DIR, demo_spec
+from backend.spec import JobSpec, parse_spec
+from worker import ROOT
+
+
+def spec(**fields) -> JobSpec:
+    return JobSpec(model="m", dataset=["d.jsonl"], **fields)
+
+
+def fields_of(problems, severity="error"):
+    return [p.field for p in problems if p.severity == severity]
+
+
+def test_supported_jobs_pass():
+    for job in (spec(), spec(deepspeed="zero3_offload", train_type="full"), spec(fsdp="full_shard offload"),
+                spec(fsdp="shard_grad_op", torch_dtype="float32"), spec(deepspeed="/x/ds.json", torch_dtype="float16")):
+        assert fields_of(unsupported(job)) == [], job
+
+
+@pytest.mark.parametrize("fields,field,text", [
+    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size", "not supported by this worker"),
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
+    (dict(context_parallel_size=2), "context_parallel_size", "not supported"),
+    (dict(expert_model_parallel_size=2), "expert_model_parallel_size", "not supported"),
+    (dict(sequence_parallel_size=2), "sequence_parallel_size", "not supported"),
+    (dict(deepspeed="zero2", fsdp="full_shard"), "fsdp", "either DeepSpeed or FSDP"),
+    (dict(fsdp="hybrid"), "fsdp", "unknown FSDP option"),
+    (dict(fsdp="full_shard shard_grad_op"), "fsdp", "exclude each other"),
+    (dict(fsdp="full_shard", torch_dtype="float16"), "torch_dtype", "float16 with FSDP"),
+    (dict(attn_impl="flex"), "attn_impl", "must be one of"),
+])
+def test_refused_combinations_name_their_field(fields, field, text):
+    problems = unsupported(spec(**fields))
+    assert field in fields_of(problems)
+    assert text in next(p.message for p in problems if p.field == field)
+
+
+def test_backend_stays_torch_free():
+    code = "import sys, backend.capabilities, backend.demo; print('torch' in sys.modules)"
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_demo_spec_and_job_yaml():
+    job = demo_spec(output_dir="out")
+    assert job.model == str(DEMO_DIR / "model") and job.dataset == [str(DEMO_DIR / "train.jsonl")]
+    assert (DEMO_DIR / "model" / "model.safetensors").is_file() and (DEMO_DIR / "train.jsonl").is_file()
+    assert unsupported(job) == []
+    shipped, problems = parse_spec(yaml.safe_load((DEMO_DIR / "job.yaml").read_text()))
+    assert problems == []
+    assert shipped.model_dump(exclude={"model", "dataset", "output_dir"}) == job.model_dump(
+        exclude={"model", "dataset", "output_dir"})
+    size = sum(p.stat().st_size for p in DEMO_DIR.rglob("*") if p.is_file())
+    assert size < 5 * 2**20
+
+
+def test_demo_assets_are_what_the_script_builds(tmp_path):
+    sys.path.insert(0, str(ROOT / "assets"))
+    from build_demo import build
+
+    build(tmp_path / "demo")
+    for rel in ("train.jsonl", "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json",
+                "model/config.json"):
+        digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "demo" / rel, DEMO_DIR / rel)]
+        assert digest[0] == digest[1], rel

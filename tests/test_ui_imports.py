@@ -1,0 +1,37 @@
+"""The studio process stays small: building the whole page (every tab, the manager, a check of
+the demo job) imports none of the worker's libraries."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from studio_server import REPO
+
+PROBE = r"""
+import json, sys
+from pathlib import Path
+from concurrent.futures import Future
+from backend.cluster import local_cluster
+from backend.demo import demo_spec
+from backend.manager import RunManager
+from studio.app import build_app
+from studio.context import Studio
+from studio.form import spec_to_form, default_form
+from studio.train_view import check_form
+
+studio = Studio(Path(sys.argv[1]), Path(sys.argv[1]) / "runs")
+studio.manager_future.set_result(RunManager("sqlite://", reattach=False))
+build_app(studio)
+view = check_form(default_form() | spec_to_form(demo_spec().model_dump()), local_cluster())
+assert view.spec is not None and "torch.distributed.run" in view.commands, view.other_problems
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "deepspeed", "peft"))
+print(json.dumps(heavy))
+"""
+
+
+def test_studio_never_imports_the_worker_stack(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
