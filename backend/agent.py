@@ -184,6 +184,7 @@ class RunProcs:
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     flight_files: dict[int, Path] = field(default_factory=dict)  # rank -> where its flight recorder dumps
     environ_denied: bool = False
+    _examined: set[int] = field(default_factory=set)  # pids whose environment was read already
 
     def pgid(self) -> int | None:
         try:
@@ -204,16 +205,20 @@ class RunProcs:
             except (ProcessLookupError, PermissionError, psutil.Error):
                 continue
         pids: set[int] = set()
-        for root in roots:
+        candidates = []  # the group and its direct children: torchrun and its workers, not their
+        for root in roots:  # dataloader workers (which inherit RANK too)
             pids.add(root.pid)
+            candidates.append(root.pid)
             try:
+                candidates += [c.pid for c in root.children()]
                 pids.update(c.pid for c in root.children(recursive=True))
             except psutil.Error:
                 continue
         self.pids = pids
-        for pid in pids:
-            if any(r.get("pid") == pid for r in self.ranks.values()):
+        for pid in candidates:
+            if pid in self._examined:
                 continue
+            self._examined.add(pid)
             try:
                 env = psutil.Process(pid).environ()
             except psutil.AccessDenied:

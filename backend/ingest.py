@@ -42,6 +42,7 @@ TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "samples_p
                 "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
+SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s")
 # Series that are sampled on a clock (and so are downsampled); train/ and rank/ follow steps.
 SAMPLED_PREFIXES = ("gpu/", "host/")
 
@@ -90,7 +91,7 @@ class _RunState:
 
 @dataclass
 class _Pending:
-    samples: list[dict] = field(default_factory=list)
+    samples: list[tuple] = field(default_factory=list)  # in SAMPLE_COLUMNS order
     events: list[dict] = field(default_factory=list)
     offsets: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
     placements: dict[tuple[str, int], dict] = field(default_factory=dict)
@@ -121,7 +122,9 @@ class Ingestor:
         self._flush_lock = threading.Lock()  # one writer at a time
         self._runs: dict[str, _RunState] = {}
         self._pending = _Pending()
-        self._seq = 0
+        # Cursors start at this process's start time in microseconds, so a cursor kept by a
+        # browser across a backend restart is always recognised as foreign.
+        self._seq0 = self._seq = time.time_ns() // 1000
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"lines": 0, "bad_lines": 0, "duplicates": 0, "samples": 0, "events": 0, "flushes": 0,
@@ -191,9 +194,7 @@ class Ingestor:
         self._seq += 1
         v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         st.tail.append((self._seq, key, t, v))
-        self._pending.samples.append({"run_id": run_id, "node": key.node, "gpu": key.gpu, "rank": key.rank,
-                                      "name": key.name, "t": t, "value": _value(value), "step": step,
-                                      "res_s": 0.0})
+        self._pending.samples.append((run_id, key.node, key.gpu, key.rank, key.name, t, _value(value), step, 0.0))
         self.stats["samples"] += 1
 
     def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
@@ -323,7 +324,7 @@ class Ingestor:
         try:
             with self.engine.begin() as conn:
                 if batch.samples:
-                    conn.execute(insert(S), batch.samples)
+                    _insert_samples(conn, batch.samples)
                 if batch.events:
                     conn.execute(insert(E), batch.events)
                 for (run_id, file), (offset, node) in batch.offsets.items():
@@ -342,7 +343,7 @@ class Ingestor:
                 self._pending = _merge(batch, self._pending)
             return 0
         done = self.clock()
-        self.latencies.extend(done - row["t"] for row in batch.samples)
+        self.latencies.extend(done - row[5] for row in batch.samples)
         self.stats["flushes"] += 1
         return len(batch.samples) + len(batch.events)
 
@@ -380,7 +381,8 @@ class Ingestor:
         if since is not None:
             with self._lock:
                 st = self._run(run_id)
-                reset = since < st.evicted_seq
+                # too old for the tail, or not from this ingestor (one before a backend restart)
+                reset = since < max(st.evicted_seq, self._seq0) or since > self._seq
                 if not reset:
                     out: dict[SeriesKey, list] = {}
                     for seq, key, t, v in reversed(st.tail):
@@ -516,6 +518,19 @@ _HANDLERS = {
     "ranks": Ingestor._on_ranks, "flight": Ingestor._on_flight, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
     "bye": Ingestor._on_status, "heartbeat": None,
 }
+
+
+def _insert_samples(conn, rows: list[tuple]) -> None:
+    """The hot path (thousands of rows a second): SQLite's executemany on plain tuples is about
+    3x faster than SQLAlchemy's per-row parameter handling; other databases go through Core."""
+    if conn.dialect.paramstyle == "qmark":
+        conn.exec_driver_sql(_QMARK_INSERT, rows)
+    else:
+        conn.execute(insert(S), [dict(zip(SAMPLE_COLUMNS, r)) for r in rows])
+
+
+_QMARK_INSERT = (f"INSERT INTO {S.name} ({', '.join(SAMPLE_COLUMNS)}) "
+                 f"VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})")
 
 
 def _merge(old: _Pending, new: _Pending) -> _Pending:

@@ -425,11 +425,10 @@ class RunManager:
                                  sink=self.sink, on_notice=lambda m: self._notice(run_id, m))
         self._watchers[run_id] = watcher
         outcome: Outcome | None = await watcher.run()
-        if outcome is None:
-            return  # a stop was requested; `_stop` records the end
-        current = self.store.get(run_id)
-        if current.state == lifecycle.RUNNING:
+        # None: a stop was requested, and `_stop` records the end.
+        if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
             self.store.transition(run_id, outcome.state, outcome.failure)
+        await watcher.drain()
 
     async def _stop(self, run_id: str, grace_s: float) -> None:
         run = self.store.get(run_id)

@@ -42,6 +42,8 @@ class MemoryEstimate:
     other_gib: float
     offloaded_gib: float
     """Host (CPU/NVMe) memory per GPU for offloaded states."""
+    overlap_gib: float
+    """Gradients allocated in backward while activations are freed: counted once in the total."""
     total_params: int
     trainable_params: int
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -52,7 +54,8 @@ class MemoryEstimate:
 
     @property
     def total_gib(self) -> float:
-        return self.model_states_gib + self.activations_gib + self.other_gib
+        """The estimated peak: the parts, less what gradients and activations share in time."""
+        return self.model_states_gib + self.activations_gib + self.other_gib - self.overlap_gib
 
     def to_dict(self) -> dict:
         data = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -66,25 +69,29 @@ class MemoryEstimate:
                 f"optimizer {self.optimizer_gib:.1f}, activations {self.activations_gib:.1f}, other {self.other_gib:.1f})")
 
 
+def _adapted_linears(spec: JobSpec, model: ModelConfig) -> list[tuple[int, int, int]]:
+    """(fan_in, fan_out, how many) of the linear layers LoRA adapts."""
+    wanted = set(ALL_LINEAR) if "all-linear" in spec.target_modules else set(spec.target_modules)
+    out = [(i, o, model.num_layers) for name, (i, o) in model.attention_linears().items() if name in wanted]
+    # Dense MLPs (and MoE shared experts) are nn.Linear; fused expert weights are not adapted by peft.
+    mlps = [(model.num_layers - model.moe_layers, model.intermediate_size)]
+    if model.shared_expert_intermediate_size:
+        mlps.append((model.moe_layers, model.shared_expert_intermediate_size))
+    for layers, intermediate in mlps:
+        out += [(i, o, layers) for name, (i, o) in model.mlp_linears(intermediate).items() if name in wanted]
+    return out
+
+
 def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
     """Full fine-tuning: every parameter. LoRA: r x (in + out) per adapted linear layer."""
     if spec.train_type == "full":
         return model.param_count()
-    wanted = set(ALL_LINEAR) if "all-linear" in spec.target_modules else set(spec.target_modules)
-    total = 0
-    dense_layers = model.num_layers - model.moe_layers
-    for name, (fan_in, fan_out) in model.attention_linears().items():
-        if name in wanted:
-            total += model.num_layers * spec.lora_rank * (fan_in + fan_out)
-    # Dense MLPs (and MoE shared experts) are nn.Linear; fused expert weights are not adapted by peft.
-    mlps = [(dense_layers, model.intermediate_size)]
-    if model.shared_expert_intermediate_size:
-        mlps.append((model.moe_layers, model.shared_expert_intermediate_size))
-    for layers, intermediate in mlps:
-        for name, (fan_in, fan_out) in model.mlp_linears(intermediate).items():
-            if name in wanted:
-                total += layers * spec.lora_rank * (fan_in + fan_out)
-    return total
+    return sum(count * spec.lora_rank * (fan_in + fan_out) for fan_in, fan_out, count in _adapted_linears(spec, model))
+
+
+# Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
+# gradient. Measured on an H200 with transformers' loss (bench/memory_estimate.py): ~12 bytes.
+LOGIT_BYTES = 12
 
 
 def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> float:
@@ -98,15 +105,18 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> floa
     width = 2 if spec.torch_dtype != "float32" else 4
     # Per token and layer: norms, residual, q/attn-out/o inputs (~6h), k and v, and the SwiGLU
     # gate/up/activation/product (4 x intermediate). SDPA/flash attention keep no s x s matrix.
-    per_layer = width * (6 * h + 2 * kv + 4 * mlp_width) / layout.tp
+    per_layer = width * (6 * h + 2 * kv + 4 * mlp_width)
+    if spec.train_type == "lora" and spec.lora_dropout > 0:
+        # peft applies dropout to each adapted layer's input separately and keeps the copy.
+        per_layer += width * sum(fan_in * count for fan_in, _, count in _adapted_linears(spec, model)) / model.num_layers
+    per_layer /= layout.tp
     layers_here = model.num_layers / layout.pp
     if spec.gradient_checkpointing:
         kept = tokens * (layers_here * width * h + per_layer)  # layer inputs + one layer recomputed
     else:
         kept = tokens * layers_here * per_layer
-    # Logits in compute dtype, their fp32 copy for the loss, and its gradient. Liger's fused
-    # linear-cross-entropy never materialises them.
-    logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * (width + 4 + width) / layout.tp
+    # Liger's fused linear-cross-entropy never materialises the logits.
+    logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES / layout.tp
     return kept + logits
 
 
@@ -128,8 +138,9 @@ class _Sizes:
     tp: int
 
 
-States = tuple[float, float, float, float, float, str]
-"""Bytes on one GPU: parameters, gradients, optimizer, offloaded to host, buffers; and a note."""
+States = tuple[float, float, float, float, float, float, str]
+"""Bytes on one GPU: parameters, gradients, optimizer, offloaded to host, buffers, the part of the
+gradients first allocated in backward (while activations are being freed); and a note."""
 
 
 def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSettings) -> States:
@@ -155,7 +166,8 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
     else:
         buffers = 2 * (model.hidden_size**2) * (2 + 4) if stage == 3 else 0.0  # prefetch + reduce buckets
     where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
-    return params, grads, optim, offloaded, buffers, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
+    # DeepSpeed allocates its gradient partitions and buckets up front: no overlap with activations.
+    return params, grads, optim, offloaded, buffers, 0.0, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
 
 
 def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
@@ -168,17 +180,19 @@ def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
     if offload:
         offloaded, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
     params += gathered + (0 if reshard else s.width * s.local)
+    transient = grads
     if spec.gradient_accumulation_steps > 1:
         grads += 4 * s.trainable  # micro-batches before the last accumulate unsharded gradients
-    return params, grads, optim, offloaded, 0.0, f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
+    return params, grads, optim, offloaded, 0.0, transient, f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
 
 
 def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
-    """The worker's DDP: fp32 weights with autocast (which caches compute-dtype copies of the
-    weights through forward and backward), fp32 gradients plus DDP's bucket copy, AdamW."""
-    params = 4 * s.local + (s.width * s.local if s.width == 2 else 0)
+    """The worker's DDP: fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW. Autocast
+    caches 16-bit copies of trainable weights; without checkpointing backward keeps them."""
+    cached = s.width * s.trainable if s.width == 2 and not spec.gradient_checkpointing else 0.0
     grads = 4 * s.trainable * (2 if world > 1 else 1)
-    return params, grads, 8 * s.trainable, 0.0, 0.0, "DDP: every rank holds the full model states"
+    # param.grad is allocated in backward; DDP's buckets (world > 1) exist from the start.
+    return 4 * s.local + cached, grads, 8 * s.trainable, 0.0, 0.0, 4 * s.trainable, "DDP: every rank holds the full model states"
 
 
 def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None) -> MemoryEstimate:
@@ -198,12 +212,13 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         states = _fsdp_states(spec, model, sizes)
     else:
         states = _ddp_states(spec, sizes, layout.world)
-    params, grads, optim, offloaded, buckets, note = states
+    params, grads, optim, offloaded, buckets, transient, note = states
     notes = [note]
     if spec.train_type == "lora":
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
     activations = _activation_bytes(spec, model, layout)
     return MemoryEstimate(
+        overlap_gib=min(activations, transient) / GIB,
         parameters_gib=params / GIB,
         gradients_gib=grads / GIB,
         optimizer_gib=optim / GIB,

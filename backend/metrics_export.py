@@ -16,9 +16,9 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from backend import telemetry_query as query
-from backend.telemetry_models import NO_INDEX, Alert, MetricSample, RunEvent
+from backend.telemetry_models import NO_INDEX, MetricSample, RunEvent
 
-S, E, A = MetricSample.__table__, RunEvent.__table__, Alert.__table__
+S, E = MetricSample.__table__, RunEvent.__table__
 FORMATS = ("csv", "json", "tensorboard")
 CSV_COLUMNS = ("name", "node", "gpu", "rank", "t", "step", "value", "res_s")
 ALERT_COLUMNS = ("t", "last_t", "count", "rule", "severity", "node", "rank", "gpu", "message", "detail")

@@ -309,7 +309,7 @@ class SshShell(Shell):
     async def stream(self, command: str) -> Stream:
         try:
             proc = await self._conn.create_process(command, stdin=asyncssh.DEVNULL, stderr=asyncssh.DEVNULL)
-        except (asyncssh.Error, OSError) as exc:
+        except (asyncssh.Error, OSError, AssertionError) as exc:
             raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
 
         async def lines():

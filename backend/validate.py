@@ -14,7 +14,7 @@ from pathlib import Path
 
 from backend import capabilities
 from backend.cluster import Cluster, local_cluster
-from backend.dsconfig import DsConfigError, ZeroSettings, user_batch_conflicts, zero_settings
+from backend.dsconfig import DsConfigError, user_batch_conflicts, zero_settings
 from backend.layout import Layout, compute_layout
 from backend.memory import estimate_memory
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
@@ -99,7 +99,7 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     return out
 
 
-def _engine_rules(spec: JobSpec, layout: Layout) -> tuple[list[Problem], ZeroSettings | None]:
+def _engine_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
     out: list[Problem] = []
     if spec.fsdp and spec.deepspeed:
         out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
@@ -108,9 +108,9 @@ def _engine_rules(spec: JobSpec, layout: Layout) -> tuple[list[Problem], ZeroSet
     try:
         zero = zero_settings(spec)
     except DsConfigError as exc:
-        return out + [Problem("deepspeed", str(exc))], None
+        return out + [Problem("deepspeed", str(exc))]
     if zero is None:
-        return out, None
+        return out
     if layout.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
         out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
@@ -126,7 +126,7 @@ def _engine_rules(spec: JobSpec, layout: Layout) -> tuple[list[Problem], ZeroSet
         out.append(_warn("deepspeed", "ZeRO-3 across nodes gathers every layer over the network each step; on slower than ~100 Gb/s links prefer ZeRO-2"))
     for conflict in user_batch_conflicts(spec, layout.dp):
         out.append(_warn("deepspeed", f"the DeepSpeed JSON sets {conflict}; the job's value is used"))
-    return out, zero
+    return out
 
 
 def _spec_rules(spec: JobSpec) -> list[Problem]:
@@ -167,8 +167,7 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     problems = _spec_rules(spec)
     problems += _cluster_rules(spec, cluster, layout)
     problems += _layout_rules(spec, layout)
-    engine_problems, _ = _engine_rules(spec, layout)
-    problems += engine_problems
+    problems += _engine_rules(spec, layout)
     if cluster.is_local:
         problems += _local_path_rules(spec)
     model = model_config

@@ -28,8 +28,8 @@ from backend.nodes import Pool
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 2.0
-NODE_SILENT_S = 20.0         # + one interval and a probe timeout stays within the 30 s promise
-PROBE_TIMEOUT_S = 10.0
+NODE_SILENT_S = 15.0         # + one interval and a probe timeout stays within the 30 s promise
+PROBE_TIMEOUT_S = 8.0
 SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
 FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
 TAIL_LINES = 40
@@ -107,11 +107,14 @@ class AttemptWatcher:
         finally:
             self.first_pass.set()
             self._ended.set()
-            if self._agents:
-                await asyncio.wait(self._agents, timeout=AGENT_DRAIN_S)
-                for task in self._agents:
-                    task.cancel()
-                await asyncio.gather(*self._agents, return_exceptions=True)
+
+    async def drain(self) -> None:
+        """After the outcome is recorded: let the agents send their last lines, then end them."""
+        if self._agents:
+            await asyncio.wait(self._agents, timeout=AGENT_DRAIN_S)
+            for task in self._agents:
+                task.cancel()
+            await asyncio.gather(*self._agents, return_exceptions=True)
 
     async def _watch(self) -> Outcome | None:
         while True:
@@ -122,6 +125,7 @@ class AttemptWatcher:
             await asyncio.gather(*(self._probe(n) for n in due))
             if self.stop_requested():
                 return None
+            now = time.time()
             lost = [n for n in self.nodes if n.unreachable_since is not None
                     and now - n.unreachable_since >= NODE_SILENT_S]
             failed = [n for n in self.nodes if n.done and n.exit_code != 0]
@@ -135,6 +139,7 @@ class AttemptWatcher:
             await asyncio.sleep(max(0.05, next_probe - time.time()))
 
     async def _probe(self, n: NodeWatch) -> None:
+        asked = time.time()
         try:
             alive, code = await asyncio.wait_for(
                 launch.probe(self.pool, n.started.node, n.started.setup, n.started.pgid, self.run_dir),
@@ -144,7 +149,7 @@ class AttemptWatcher:
                 # A slow answer keeps the connection (keepalives find dead ones); a lost one is reopened.
                 await self.pool.drop(n.started.node)
             if n.unreachable_since is None:
-                n.unreachable_since = time.time()
+                n.unreachable_since = asked
                 self.on_notice(f"node {n.host} is not answering ({_why(exc)}); retrying")
             n.backoff = min(n.backoff * 2, 8.0)
             # Never back off past the moment the node must be declared lost.
@@ -205,6 +210,7 @@ class AttemptWatcher:
         """Keep one agent streaming from the node for as long as the attempt runs."""
         node, name = n.started.node, remote.node_file_name(n.host)
         delay = 0.5
+        last_try = False
         while True:
             offsets = self.sink.offsets(self.run_id, name)
             argv = [node.python, "-m", "backend.agent", "--run-id", self.run_id, "--run-dir", self.run_dir,
@@ -232,8 +238,12 @@ class AttemptWatcher:
                     log.info("agent stream from %s ended: %s", n.host, exc)
                 finally:
                     await stream.close()
-            if self._ended.is_set() and n.done:
-                return
+            if self._ended.is_set():
+                if last_try or n.unreachable_since is not None:
+                    return
+                # The attempt is over but this stream ended without its final lines: one more
+                # agent reads what is left (it exits at once, the workers being gone).
+                last_try = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, AGENT_RETRY_MAX_S)
 

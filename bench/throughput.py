@@ -86,20 +86,29 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", "-m", "launcher.train",
             "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     result = dict(source="swift-studio", model=shape, seq=seq, bsz=bsz, lora=lora, liger=liger, nproc=nproc, **engine)
     events = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()] \
         if (run_dir / "events" / "rank-0.jsonl").exists() else []
     train = [e for e in events if e["type"] == "train" and e["step"] > warm]
     if proc.returncode != 0 or not train:
-        return {**result, "error": (proc.stdout + proc.stderr)[-600:]}
+        ended = [e for e in events if e["type"] == "end"]
+        reason = ended[-1]["error"] if ended and ended[-1].get("error") else _first_error(proc.stdout + proc.stderr)
+        return {**result, "error": reason}
     step_s = sum(e["step_time_s"] for e in train) / len(train)
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
     # The last checkpoint save (end of run) is outside the timed steps: step_time_s excludes it.
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
             "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
             "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2)}
+
+
+def _first_error(output: str) -> str:
+    """The worker's own error line (torchrun's summary at the end says only that a rank failed)."""
+    lines = output.splitlines()
+    hits = [i for i, line in enumerate(lines) if "error" in line.lower() or "Traceback" in line]
+    return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:] if hits else output[-2000:]
 
 
 def run_baseline(script: Path) -> None:

@@ -52,10 +52,17 @@ def build_app(studio: Studio) -> gr.Blocks:
 
 
 def serve(studio: Studio, host: str = "127.0.0.1", port: int = 7860,
-          auth: list[tuple[str, str]] | None = None, block: bool = True) -> gr.Blocks:
+          auth: list[tuple[str, str]] | None = None, after_start=None) -> None:
+    """Build the page, listen, call `after_start()` (the page already answers), serve until
+    interrupted."""
     app = build_app(studio)
     app.queue(default_concurrency_limit=4)
     app.launch(server_name=host, server_port=port, auth=auth, share=False, theme=THEME, css=CSS,
                footer_links=[], ssr_mode=False, pwa=False, mcp_server=False, show_error=False,
-               prevent_thread_lock=not block, quiet=True, enable_monitoring=False)
-    return app
+               prevent_thread_lock=True, quiet=True, enable_monitoring=False)
+    if after_start is not None:
+        after_start()
+    try:
+        app.block_thread()
+    finally:
+        app.close()

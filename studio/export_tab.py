@@ -7,12 +7,12 @@ from typing import Any
 
 import gradio as gr
 
-from studio import queries
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import run_choice
 
 LATEST = "latest complete checkpoint"
+
 
 
 def build() -> dict[str, Any]:
@@ -43,7 +43,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                          value=current if current in ids else (ids[0] if ids else None)), ""
 
     def on_run(run_id: str | None):
-        steps = queries.checkpoints(studio.manager.engine, run_id) if run_id else []
+        steps = studio.checkpoints(run_id) if run_id else []
         return gr.update(choices=[LATEST, *[(f"step {s} · {path}", str(s)) for s, path in steps]], value=LATEST)
 
     def on_export(run_id: str | None, checkpoint: str | None, out: str | None):

@@ -8,8 +8,6 @@ from typing import Any
 
 import gradio as gr
 
-from backend.lifecycle import ACTIVE, FAILED, STOPPED
-from studio import queries
 from studio.charts import MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
 from studio.context import Studio
 from studio.errors import user_message
@@ -20,6 +18,7 @@ LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "util_heatmap", "util_lines", "memory", "power", "collective")
+
 
 
 def build() -> dict[str, Any]:
@@ -73,6 +72,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
     charts = [c[name] for name in CHARTS]
 
     def choices(selected: str | None = None) -> dict:
+        from backend.lifecycle import ACTIVE
         runs = studio.manager.runs()
         ids = [r.id for r in runs]
         if selected not in ids:
@@ -87,6 +87,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
             return gr.update(label=user_message("Listing runs", exc))
 
     def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, log_node: str | None) -> dict:
+        from backend.lifecycle import ACTIVE, FAILED, STOPPED
         out: dict = {}
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
@@ -98,7 +99,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
                 buf = SeriesBuffer(run_id=run_id)
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
-            progress = queries.progress(manager.engine, run_id)
+            progress = studio.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id))
             if run.state != buf.state:  # the picker's labels carry the state
                 buf.state = run.state

@@ -6,13 +6,13 @@ from typing import Any
 
 import gradio as gr
 
-from studio import queries
 from studio.charts import overlay_figure
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import RUN_COLUMNS, config_diff, run_choice, run_rows
 
 OVERLAY_POINTS = 500
+
 
 
 def build() -> dict[str, Any]:
@@ -36,7 +36,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         try:
             manager = studio.manager
             runs = manager.runs()
-            summaries = {r.id: queries.progress(manager.engine, r.id) or {} for r in runs}
+            summaries = {r.id: studio.progress(r.id) or {} for r in runs}
         except Exception as exc:  # noqa: BLE001
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Listing runs", exc)
         options = [run_choice(r) for r in runs]

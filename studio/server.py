@@ -45,14 +45,17 @@ def run(args: argparse.Namespace) -> int:
     from studio.context import Studio
 
     studio = Studio(data_dir=data_dir, output_dir=output_dir)
-    # The control plane (database, SSH, re-attaching to running runs) starts next to the page
-    # build instead of before it, so the first HTTP answer does not wait for it.
-    threading.Thread(target=_start_manager, args=(studio, args.db), name="swift-studio-manager", daemon=True).start()
     from studio.app import serve
 
-    print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
+    def start_manager() -> None:
+        # The control plane (database, SSH, re-attaching to running runs) starts once the page
+        # answers; handlers that need it wait for it.
+        threading.Thread(target=_start_manager, args=(studio, args.db), name="swift-studio-manager",
+                         daemon=True).start()
+        print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
+
     try:
-        serve(studio, host=args.host, port=args.port, auth=auth)
+        serve(studio, host=args.host, port=args.port, auth=auth, after_start=start_manager)
     except KeyboardInterrupt:
         pass
     finally:

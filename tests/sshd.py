@@ -49,6 +49,7 @@ class SshdCluster:
 
     root: Path
     servers: list[SshServer] = field(default_factory=list)
+    extra_config: str = ""
 
     @property
     def key(self) -> Path:
@@ -92,7 +93,7 @@ class SshdCluster:
             f"AuthorizedKeysFile {self.root / 'authorized_keys'}\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
-            f"PidFile {pid_file}\nMaxStartups 100:30:200\nMaxSessions 50\nLogLevel ERROR\n")
+            f"PidFile {pid_file}\nMaxStartups 100:30:200\nMaxSessions 50\nLogLevel ERROR\n{self.extra_config}")
         subprocess.run([SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{host}.log")], check=True)
         pub = (self.root / f"hostkey_{host}.pub").read_text().split()
         return SshServer(host, port, pid_file, f"{pub[0]} {pub[1]}")
@@ -119,8 +120,8 @@ def _wait_listening(host: str, port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"sshd on {host}:{port} did not start")
 
 
-def start_cluster(root: Path, count: int, first: int = 2) -> SshdCluster:
-    cluster = SshdCluster(root)
+def start_cluster(root: Path, count: int, first: int = 2, extra_config: str = "") -> SshdCluster:
+    cluster = SshdCluster(root, extra_config=extra_config)
     try:
         cluster.start([f"127.0.0.{first + i}" for i in range(count)])
     except BaseException:

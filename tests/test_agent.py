@@ -26,7 +26,12 @@ import os, subprocess, sys, time
 pid_file, life = sys.argv[1], float(sys.argv[2])
 env = dict(os.environ, RANK="1", LOCAL_RANK="0", CUDA_VISIBLE_DEVICES="3",
            TORCH_NCCL_DEBUG_INFO_TEMP_FILE=os.path.join(os.path.dirname(os.path.dirname(pid_file)), "fr_rank_"))
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
+# the worker starts a dataloader-like child that inherits RANK: it must not be taken for the rank
+child = ("import signal, subprocess, sys, time\n"
+         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+         "signal.signal(signal.SIGTERM, lambda *a: (c.kill(), c.wait(), sys.exit(0)))\n"
+         "time.sleep(120)")
+worker = subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True)
 with open(pid_file + ".tmp", "w") as f:
     f.write(str(os.getpgid(0)))
 os.replace(pid_file + ".tmp", pid_file)
@@ -105,6 +110,7 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)
         rss_mib = psutil.Process(agent.pid).memory_info().rss / 2**20
+        [worker_pid] = [c.pid for c in psutil.Process(group.pid).children()]
         with open(mine, "a") as f:  # a line arriving in two writes is sent once, whole
             f.write('{"type": "timing", "rank": 1, "step": 3, ')
             f.flush()
@@ -126,6 +132,7 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
     assert all(0 <= h["cpu_pct"] <= 100 * os.cpu_count() and 0 < h["ram_used_gib"] < h["ram_total_gib"] for h in hosts)
     assert [h["t"] for h in hosts] == sorted(h["t"] for h in hosts)
     [ranks] = by_kind(recs, "ranks")
+    assert [r["pid"] for r in ranks["ranks"]] == [worker_pid]
     assert ranks["ranks"][0]["rank"] == 1 and ranks["ranks"][0]["local_rank"] == 0 and ranks["ranks"][0]["gpu"] == 3
     events = by_kind(recs, "event")
     assert [e["data"]["step"] for e in events] == [2, 3]  # from the offset; only this node's rank

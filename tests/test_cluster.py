@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from backend.cluster import (Cluster, GpuInfo, HostfileError, Node, cluster_from_dicts, local_cluster, parse_hostfile,
+from backend.cluster import (GpuInfo, HostfileError, cluster_from_dicts, local_cluster, parse_hostfile,
                              parse_hostfile_text)
 
 GOOD_FILES = {

@@ -18,11 +18,12 @@ import psutil
 import pytest
 from sqlmodel import Session, select
 
-from backend import remote
+from backend import cli, remote
 from backend.cluster import Cluster, Node
-from backend.manager import RunManager
+from backend.manager import LaunchPlan, RunManager
 from backend.spec import JobSpec
 from backend.telemetry_models import RunEvent
+from sshd import start_cluster
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +105,7 @@ def wait_gone(pred, timeout=15.0):
     return pred()
 
 
-def test_run_restart_stop_resume_complete(env):
+def test_run_restart_stop_resume_complete(env, sshd_nodes, capsys, monkeypatch):
     cluster, setups, spec_of, manager = env
     m = manager()
     max_steps = 240
@@ -150,6 +151,19 @@ def test_run_restart_stop_resume_complete(env):
     assert not wait_gone(lambda: agents(run_id)), agents(run_id)
     assert any(line.strip() for line in m.log_tail(run_id, node="127.0.0.3", lines=5))
 
+    exported = m.export(run_id)
+    assert Path(exported["out"]).is_dir() and isinstance(exported["sample"], str)
+
+    # the CLI reads the same database
+    db = str(m.engine.url)
+    assert cli.main(["status", run_id, "--db", db]) == 0
+    assert "succeeded (attempt 2" in capsys.readouterr().out
+    monkeypatch.setenv("SWIFT_STUDIO_KNOWN_HOSTS", str(sshd_nodes.known_hosts))
+    assert cli.main(["logs", run_id, "--node", "127.0.0.3", "--lines", "3", "--db", db]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli.main(["logs", run_id, "--node", "nope", "--db", db]) == 1
+    assert "has no node 'nope'" in capsys.readouterr().err
+
 
 def test_sigkill_of_one_node_fails_the_run_naming_it(env):
     cluster, setups, spec_of, manager = env
@@ -173,3 +187,51 @@ def test_sigkill_of_one_node_fails_the_run_naming_it(env):
     # nothing of the run remains on either node
     assert tagged(run_id) == []
     assert not wait_gone(lambda: agents(run_id)), agents(run_id)
+
+
+STANDIN = "import time\ntime.sleep(120)\n"
+
+
+def test_unreachable_node_is_reported_within_30_s(sshd_nodes, tmp_path):
+    """A node whose SSH goes away (its workers still running) fails the run as unreachable."""
+    lonely = start_cluster(tmp_path / "ssh4", 1, first=4)
+    try:
+        nodes = (Node(host=sshd_nodes.servers[0].host, slots=1, ssh_port=sshd_nodes.servers[0].port, ssh_user="root",
+                      ssh_key=str(sshd_nodes.key), python=sys.executable, device="cpu"),
+                 Node(host="127.0.0.4", slots=1, ssh_port=lonely.servers[0].port, ssh_user="root",
+                      ssh_key=str(lonely.key), python=sys.executable, device="cpu"))
+        (tmp_path / "known_hosts").write_text(sshd_nodes.known_hosts.read_text() + lonely.known_hosts.read_text())
+
+        def planner(spec, cluster, req):  # a stand-in worker: the watch is what is tested
+            return LaunchPlan({"standin.py": STANDIN},
+                              [([sys.executable, f"{req.run_dir}/standin.py"], {}) for _ in cluster.nodes])
+
+        m = RunManager(f"sqlite:///{tmp_path / 'db.sqlite'}", known_hosts=tmp_path / "known_hosts", planner=planner)
+        try:
+            spec = JobSpec(model=str(ROOT / "assets" / "demo" / "model"), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                           output_dir=str(tmp_path / "out"), nnodes=2, nproc_per_node=1)
+            run_id = m.launch(spec, Cluster(nodes), setups={n.host: sshd_nodes.setup for n in nodes})
+            m.wait(run_id, timeout=60, states=("running", "failed"))
+            assert m.run(run_id).state == "running", m.run(run_id).message
+            # The node's SSH goes away: the server and its per-connection sshd processes (only
+            # those: the shells under them see the connection close); the workers live on.
+            master = psutil.Process(lonely.servers[0].pid())
+            connections = [p for p in master.children() if p.name() == "sshd"]
+            cut = time.monotonic()
+            lonely.stop()
+            for p in connections:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            run = m.wait(run_id, timeout=40)
+            took = time.monotonic() - cut
+            assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.message)
+            assert run.failed_node == "127.0.0.4" and took <= 30, (run.failed_node, took)
+            assert "could not verify" in run.message  # the orphaned workers there are named, not hidden
+        finally:
+            m.close()
+            for pid in tagged(run_id):  # what the unreachable "node" left behind (it is this machine)
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        lonely.stop()

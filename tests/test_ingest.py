@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
-from sqlalchemy.pool import StaticPool
 from sqlmodel import create_engine
 
 from backend.agent import Tailer
 from backend.ingest import AGENT_SILENT_S, Downsampling, Ingestor
-from backend.telemetry_models import Alert, IngestOffset, MetricSample, RunEvent
+from backend.telemetry_models import MetricSample, RunEvent
 from backend.telemetry_query import SeriesKey
 
-S, E, O, A = MetricSample.__table__, RunEvent.__table__, IngestOffset.__table__, Alert.__table__
+S, E = MetricSample.__table__, RunEvent.__table__
 T0 = 1_700_000_000.0
 
 
@@ -54,7 +53,9 @@ def agent_lines(run_dir: Path, offsets: dict[str, int], files=("events/rank-0.js
     return out
 
 
-def test_samples_are_buffered_and_written_in_one_batch(engine):
+@pytest.mark.parametrize("paramstyle", ["qmark", "named"])  # SQLite's fast path, and the Core path others use
+def test_samples_are_buffered_and_written_in_one_batch(tmp_path, paramstyle):
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}", paramstyle=paramstyle)
     ing = Ingestor(engine, autostart=False)
     for i in range(50):
         for g in range(8):
@@ -192,6 +193,11 @@ def test_since_too_old_for_the_tail_returns_full_history_with_reset(engine):
     now[0] = T0 + 20
     ing._tick_tail()
     res = ing.series("r", ["gpu/util_pct"], since=cursor)
+    assert res.reset and len(res.series[SeriesKey("gpu/util_pct", "a", 0, -1)]) == 20
+    # a cursor from before a backend restart (a browser tab that stayed open) also resets
+    restarted = Ingestor(engine, autostart=False)
+    assert restarted.series("r", ["gpu/util_pct"], since=res.cursor).reset
+    res = restarted.series("r", ["gpu/util_pct"], since=res.cursor)
     assert res.reset and len(res.series[SeriesKey("gpu/util_pct", "a", 0, -1)]) == 20
 
 

@@ -97,6 +97,7 @@ def test_train_form_live_checks_import_presets(studio, page):
 
 def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     shot = Shots("cluster")
+    page.get_by_role("tab", name="Cluster").click()
     expect(page.locator("#cluster-summary")).to_contain_text("this machine", timeout=15000)
     page.get_by_text("Hostfile", exact=True).click()
     page.locator("#cluster-hostfile textarea").fill("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
@@ -114,6 +115,7 @@ def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     field(page, "model").locator("textarea, input").fill(DEMO_MODEL)
     field(page, "dataset").locator("textarea").fill(DEMO_DATA)
     field(page, "nnodes").locator("input").fill("2")
+    field(page, "nproc_per_node").locator("input").fill("0")  # not set: every slot of each node
     expect(page.locator("#train-layout")).to_contain_text(re.compile(r"2 × 8\s+16\s+16\s"), timeout=15000)
     expect(page.locator("#train-commands")).to_contain_text("--rdzv_endpoint 10.0.0.1:29500")
     shot(page, "layout-on-two-nodes")

@@ -30,6 +30,10 @@ class DeepSpeedEngine(Engine):
                                                                     "eps": 1e-8, "weight_decay": spec.weight_decay}}
             else:
                 optimizer = make_optimizer(model, spec, dist.device)
+        elif not offloaded and str(config["optimizer"].get("type", "")).lower() in ("adam", "adamw"):
+            # DeepSpeed would JIT-compile its FusedAdam op (minutes, and a build lock that a killed
+            # job leaves behind); torch's fused AdamW does the same maths. The user can opt back.
+            config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
         scheduler = None if "scheduler" in config else (lambda opt: make_scheduler(opt, spec, total_steps))
         self.module = model
         self.engine, _, _, _ = deepspeed.initialize(
