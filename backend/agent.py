@@ -391,10 +391,7 @@ class Agent:
         ranks when they cannot be known: the run is over before its workers were seen, or their
         environment is not readable. The backend keeps one copy of a line either way."""
         if self.procs.ranks:
-            local = set(self.procs.ranks)
-            # Files of ranks that finished before we saw them can only be ours if nobody else
-            # has ranks; keep to the ranks seen.
-            return local & set(files)
+            return set(self.procs.ranks) & set(files)
         if run_over or self.procs.environ_denied:
             return set(files)
         return set()

@@ -31,6 +31,9 @@ def unsupported(spec: JobSpec) -> list[Problem]:
         if spec.torch_dtype == "float16":
             problems.append(Problem("torch_dtype", "float16 with FSDP is not supported (it needs a sharded grad "
                                                    "scaler); use bfloat16"))
+    if spec.torch_compile and spec.deepspeed in ("zero3", "zero3_offload"):
+        problems.append(Problem("torch_compile", "not with ZeRO-3 (its parameter hooks break graph capture); "
+                                                 "use FSDP with torch_compile, or turn it off"))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
     unknown_sinks = [s for s in spec.report_to if s not in ("none",)]

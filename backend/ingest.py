@@ -21,9 +21,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import case, delete, func, insert, literal, or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Engine
 
 from backend import alerts as rules
@@ -65,7 +67,6 @@ class _RunState:
     high: dict[str, int] = field(default_factory=dict)  # file -> highest offset taken
     tail: deque = field(default_factory=deque)  # (seq, SeriesKey, t, value)
     evicted_seq: int = 0
-    alert_keys: set[str] = field(default_factory=set)
     running: bool = False
     started_t: float | None = None
     util: dict[tuple[str, int], deque] = field(default_factory=dict)
@@ -92,7 +93,7 @@ class _RunState:
 @dataclass
 class _Pending:
     samples: list[tuple] = field(default_factory=list)  # in SAMPLE_COLUMNS order
-    events: list[dict] = field(default_factory=list)
+    events: list[tuple[dict, list[tuple]]] = field(default_factory=list)  # (event row, its series rows)
     offsets: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
     placements: dict[tuple[str, int], dict] = field(default_factory=dict)
     findings: list[tuple[str, rules.Finding]] = field(default_factory=list)
@@ -179,7 +180,6 @@ class Ingestor:
         st = _RunState()
         with self.engine.connect() as conn:
             st.high = {f: o for f, o in conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id))}
-            st.alert_keys = set(conn.execute(select(A.c.key).where(A.c.run_id == run_id)).scalars())
             st.placement = {r: (n, g) for r, n, g in conn.execute(
                 select(P.c.rank, P.c.node, P.c.gpu).where(P.c.run_id == run_id))}
             rows = conn.execute(select(E.c.type, E.c.rank, E.c.data).where(
@@ -190,11 +190,12 @@ class Ingestor:
         return st
 
     def _add_point(self, run_id: str, st: _RunState, key: SeriesKey, t: float, value: Any,
-                   step: int | None = None) -> None:
+                   step: int | None = None, into: list[tuple] | None = None) -> None:
         self._seq += 1
         v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         st.tail.append((self._seq, key, t, v))
-        self._pending.samples.append((run_id, key.node, key.gpu, key.rank, key.name, t, _value(value), step, 0.0))
+        row = (run_id, key.node, key.gpu, key.rank, key.name, t, _value(value), step, 0.0)
+        (self._pending.samples if into is None else into).append(row)
         self.stats["samples"] += 1
 
     def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
@@ -239,19 +240,16 @@ class Ingestor:
         rank = rank if isinstance(rank, int) else NO_INDEX
         t = _value(data.get("time")) or self.clock()
         where = st.placement.get(rank, (node, None))[0]
-        self._pending.events.append({"run_id": run_id, "node": where, "rank": rank, "file": rec["file"],
-                                     "offset": int(rec["offset"]), "type": etype, "t": t,
-                                     "data": json.dumps(data, allow_nan=True)})
+        derived: list[tuple] = []  # written only if the event row is
+        self._pending.events.append(({"run_id": run_id, "node": where, "rank": rank, "file": rec["file"],
+                                      "offset": int(rec["offset"]), "type": etype, "t": t,
+                                      "data": json.dumps(data, allow_nan=True)}, derived))
         self.stats["events"] += 1
         step = data.get("step") if isinstance(data.get("step"), int) else None
-        if etype == "train":
-            for f in TRAIN_FIELDS:
-                if f in data and data[f] is not None:
-                    self._add_point(run_id, st, st.key(f"train/{f}", where, NO_INDEX, rank), t, data[f], step)
-        elif etype == "timing":
-            for f in TIMING_FIELDS:
-                if f in data and data[f] is not None:
-                    self._add_point(run_id, st, st.key(f"rank/{f}", where, NO_INDEX, rank), t, data[f], step)
+        prefix, fields = {"train": ("train", TRAIN_FIELDS), "timing": ("rank", TIMING_FIELDS)}.get(etype, ("", ()))
+        for f in fields:
+            if data.get(f) is not None:
+                self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data[f], step, derived)
         self._track_event(st, etype, rank, data)
 
     @staticmethod
@@ -323,18 +321,21 @@ class Ingestor:
             return 0
         try:
             with self.engine.begin() as conn:
-                if batch.samples:
-                    _insert_samples(conn, batch.samples)
-                if batch.events:
-                    conn.execute(insert(E), batch.events)
-                for (run_id, file), (offset, node) in batch.offsets.items():
-                    if conn.execute(update(O).where(O.c.run_id == run_id, O.c.file == file)
-                                    .values(offset=offset, node=node)).rowcount == 0:
-                        conn.execute(insert(O).values(run_id=run_id, file=file, offset=offset, node=node))
-                for (run_id, rank), row in batch.placements.items():
-                    conn.execute(delete(P).where(P.c.run_id == run_id, P.c.rank == rank))
-                    conn.execute(insert(P).values(**row))
-                self._write_findings(conn, batch.findings)
+                # The database has the last word on "exactly once": another process writing the
+                # same run (a second studio, the CLI re-attaching) may have stored a line first;
+                # then neither the event nor its series rows are written again.
+                stored = _insert_events(conn, [row for row, _ in batch.events]) if batch.events else set()
+                samples = batch.samples + [p for row, derived in batch.events
+                                           if (row["run_id"], row["file"], row["offset"]) in stored for p in derived]
+                if samples:
+                    _insert_samples(conn, samples)
+                _upsert(conn, O, [{"run_id": r, "file": f, "offset": o, "node": n}
+                                  for (r, f), (o, n) in batch.offsets.items()],
+                        ("run_id", "file"), lambda ex: {"offset": _greatest(O.c.offset, ex.offset), "node": ex.node})
+                _upsert(conn, P, list(batch.placements.values()), ("run_id", "rank"),
+                        lambda ex: {"node": ex.node, "local_rank": ex.local_rank, "gpu": ex.gpu, "pid": ex.pid})
+                _upsert(conn, A, [_alert_row(run_id, f) for run_id, f in batch.findings], ("run_id", "key"),
+                        lambda ex: {"last_t": ex.last_t, "count": A.c.count + 1})
         except Exception:
             self.stats["flush_errors"] += 1
             log.exception("telemetry flush failed; %d samples and %d events kept for the next try",
@@ -343,23 +344,10 @@ class Ingestor:
                 self._pending = _merge(batch, self._pending)
             return 0
         done = self.clock()
-        self.latencies.extend(done - row[5] for row in batch.samples)
+        self.latencies.extend(done - row[5] for row in samples)
         self.stats["flushes"] += 1
-        return len(batch.samples) + len(batch.events)
-
-    def _write_findings(self, conn, findings: list[tuple[str, rules.Finding]]) -> None:
-        for run_id, f in findings:
-            with self._lock:
-                keys = self._runs[run_id].alert_keys  # the run's state exists: the finding came from it
-                new = f.key not in keys
-                keys.add(f.key)
-            if new:
-                conn.execute(insert(A).values(run_id=run_id, key=f.key, rule=f.rule, severity=f.severity, t=f.t,
-                                              last_t=f.t, count=1, message=f.message, node=f.node, rank=f.rank,
-                                              gpu=f.gpu, detail=f.detail))
-            else:
-                conn.execute(update(A).where(A.c.run_id == run_id, A.c.key == f.key)
-                             .values(last_t=f.t, count=A.c.count + 1))
+        self.stats["duplicates"] += len(batch.events) - len(stored)
+        return len(samples) + len(stored)
 
     # ----------------------------------------------------------------------------- reading
     def offsets(self, run_id: str, node: str) -> dict[str, int]:
@@ -450,18 +438,20 @@ class Ingestor:
                 cutoff = math.floor((now - older_than) / bucket_s) * bucket_s
                 cond = [S.c.run_id == run_id, S.c.res_s < bucket_s, S.c.t < cutoff,
                         or_(*(S.c.name.like(p + "%") for p in SAMPLED_PREFIXES))]
-                weight = func.max(S.c.res_s, 1.0) if conn.dialect.name == "sqlite" else func.greatest(S.c.res_s, 1.0)
+                # a mean weighted by the time each row stands for (1 s for a raw sample); rows
+                # without a value (NaN) carry no weight
+                weight = case((S.c.value.is_(None), 0.0), else_=_greatest(S.c.res_s, 1.0))
                 bucket = query.bucket_of(conn, S.c.t, 0.0, bucket_s)
                 keys = (S.c.node, S.c.gpu, S.c.rank, S.c.name)
-                agg = select(*keys, func.sum(S.c.value * weight) / func.sum(weight),
-                             func.min(S.c.t), bucket).where(*cond).group_by(*keys, bucket)
+                agg = select(*keys, func.sum(S.c.value * weight) / func.nullif(func.sum(weight), 0.0),
+                             bucket).where(*cond).group_by(*keys, bucket)
                 rows = conn.execute(agg).all()
                 if not rows:
                     continue
                 conn.execute(insert(S), [
                     {"run_id": run_id, "node": node, "gpu": gpu, "rank": rank, "name": name,
                      "t": (int(b) + 0.5) * bucket_s, "value": v, "step": None, "res_s": bucket_s}
-                    for node, gpu, rank, name, v, _t, b in rows])
+                    for node, gpu, rank, name, v, b in rows])
                 # the new rows have res_s == bucket_s, so `cond` leaves them alone
                 removed += conn.execute(delete(S).where(*cond)).rowcount - len(rows)
         return removed
@@ -518,6 +508,60 @@ _HANDLERS = {
     "ranks": Ingestor._on_ranks, "flight": Ingestor._on_flight, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
     "bye": Ingestor._on_status, "heartbeat": None,
 }
+
+
+def _dialect_insert(conn, table):
+    """INSERT with ON CONFLICT support, on the databases that have it (None elsewhere)."""
+    if conn.dialect.name == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    elif conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        return None
+    return dialect_insert(table)
+
+
+def _greatest(a, b):
+    return case((a < b, b), else_=a)
+
+
+def _upsert(conn, table, rows: list[dict], keys: tuple[str, ...], new_values) -> None:
+    """Insert rows, or update the row with the same `keys` to `new_values(excluded)` (a mapping
+    of column -> SQL expression, where `excluded.<column>` is the value offered)."""
+    if not rows:
+        return
+    ins = _dialect_insert(conn, table)
+    if ins is not None:
+        conn.execute(ins.on_conflict_do_update(index_elements=[table.c[k] for k in keys],
+                                               set_=new_values(ins.excluded)), rows)
+        return
+    for row in rows:
+        offered = SimpleNamespace(**{c: literal(v, table.c[c].type) for c, v in row.items()})
+        if conn.execute(update(table).where(*(table.c[k] == row[k] for k in keys))
+                        .values(new_values(offered))).rowcount == 0:
+            conn.execute(insert(table).values(**row))
+
+
+def _insert_events(conn, rows: list[dict]) -> set[tuple[str, str, int]]:
+    """Insert event rows, skipping lines already stored; returns (run, file, offset) of those written."""
+    ins = _dialect_insert(conn, E)
+    if ins is not None:
+        return {tuple(r) for r in conn.execute(
+            ins.on_conflict_do_nothing().returning(E.c.run_id, E.c.file, E.c.offset), rows)}
+    stored = set()
+    for row in rows:
+        try:
+            with conn.begin_nested():
+                conn.execute(insert(E).values(**row))
+            stored.add((row["run_id"], row["file"], row["offset"]))
+        except IntegrityError:
+            continue
+    return stored
+
+
+def _alert_row(run_id: str, f: rules.Finding) -> dict:
+    return {"run_id": run_id, "key": f.key, "rule": f.rule, "severity": f.severity, "t": f.t, "last_t": f.t,
+            "count": 1, "message": f.message, "node": f.node, "rank": f.rank, "gpu": f.gpu, "detail": f.detail}
 
 
 def _insert_samples(conn, rows: list[tuple]) -> None:

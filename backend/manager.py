@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlmodel import Session, select
+
 from backend import launch as launch_ops
 from backend import lifecycle, logclass, nodes, remote, ssh
 from backend.cluster import Cluster
@@ -241,6 +243,40 @@ class RunManager:
     def alerts(self, run_id: str):
         return self.sink.alerts(run_id)
 
+    def progress(self, run_id: str) -> dict | None:
+        """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
+        resumed_from of the latest `start` event (all attempts); None before the first event."""
+        train, start = self._latest_event(run_id, "train"), self._latest_event(run_id, "start")
+        if train is None and start is None:
+            return None
+        out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps")}
+        if train:
+            out.update({k: train.get(k) for k in ("step", "eta_s", "loss", "tokens_per_s", "epoch")})
+            out["t"] = train.get("time")
+        return out
+
+    def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
+        """(step, path) of every checkpoint the workers reported, newest first (all attempts)."""
+        from backend.telemetry_models import RunEvent
+        self.sink.flush()
+        with Session(self.engine) as s:
+            rows = s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == "checkpoint")
+                          .order_by(RunEvent.t.desc())).all()
+        seen: dict[int, str] = {}
+        for data in rows:
+            event = json.loads(data)
+            if isinstance(event.get("step"), int):
+                seen.setdefault(event["step"], str(event.get("path")))
+        return sorted(seen.items(), reverse=True)
+
+    def _latest_event(self, run_id: str, etype: str) -> dict | None:
+        from backend.telemetry_models import RunEvent
+        self.sink.flush()
+        with Session(self.engine) as s:
+            data = s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == etype)
+                          .order_by(RunEvent.t.desc(), RunEvent.id.desc()).limit(1)).first()
+        return json.loads(data) if data else None
+
     # -- node inventory ------------------------------------------------------------------------
     def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
         nodes.save_nodes(self.engine, cluster, setups)
@@ -275,7 +311,8 @@ class RunManager:
                setups: Mapping[str, str] | None = None) -> str:
         """Create the run and start it in the background; returns the run id at once."""
         run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
-        output_dir = str(Path(spec.output_dir).expanduser().absolute()) if not spec.output_dir.startswith("/") else spec.output_dir
+        # Relative to where the studio runs; the workers get the absolute path.
+        output_dir = str(Path(spec.output_dir).expanduser().absolute())
         spec = spec.model_copy(update={"output_dir": output_dir})
         run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
@@ -376,8 +413,11 @@ class RunManager:
                                   Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"))
             return
         if self._stop_requested(run_id):
-            # A stop arrived while starting: the stopper may have missed these groups.
-            await self._stop(run_id, launch_ops.STOP_GRACE_S)
+            # A stop arrived while starting: the stopper may have run before these groups existed.
+            await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=launch_ops.STOP_GRACE_S,
+                                      all_nodes=cluster.nodes)
+            if self.store.get(run_id).state not in lifecycle.FINAL:
+                self.store.transition(run_id, lifecycle.STOPPED)
             return
         self.store.transition(run_id, lifecycle.RUNNING)
         await self._watch(run_id, attempt.id, started)
@@ -391,8 +431,7 @@ class RunManager:
 
         async def login(node):
             try:
-                res = await self.pool.run(node, remote.quote_argv([node.python, "-c", "import sys"]),
-                                          setups.get(node.host), timeout=30)
+                res = await self.pool.check_python(node, setups.get(node.host))
             except ssh.NodeError as exc:
                 return Failure(node.host, None, exc.kind, str(exc))
             if not res.ok:

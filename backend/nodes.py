@@ -105,6 +105,10 @@ def node_from_dict(data: dict) -> tuple[Node, str | None]:
 # -- connections -------------------------------------------------------------------------------
 
 
+def _helper_command(node: Node, setup: str | None) -> str:
+    return remote.with_setup(setup, remote.quote_argv([node.python, "-u", "-c", ssh.HELPER_PY]))
+
+
 class Pool:
     """One shell per node, opened on first use and reopened (with backoff) after a drop."""
 
@@ -130,8 +134,7 @@ class Pool:
             shell = await self.shell(node)
             try:
                 if isinstance(shell, ssh.SshShell):
-                    helper = await shell.helper(node.python, remote.with_setup(
-                        setup, remote.quote_argv([node.python, "-u", "-c", ssh.HELPER_PY])), reuse_any=not setup)
+                    helper = await shell.helper(node.python, _helper_command(node, setup), reuse_any=not setup)
                     if helper is not None:
                         return await helper.run(command, input=input, timeout=timeout)
                 return await shell.run(remote.with_setup(setup, command), input=input, timeout=timeout)
@@ -140,6 +143,19 @@ class Pool:
                 if attempt:
                     raise
         raise AssertionError("unreachable")
+
+    async def check_python(self, node: Node, setup: str | None, timeout: float = 30.0) -> ssh.Result:
+        """Whether the node's python runs after its setup line. Over SSH a started command helper
+        (itself that python) is the proof, and later commands reuse it."""
+        shell = await self.shell(node)
+        if isinstance(shell, ssh.SshShell):
+            helper = await shell.helper(node.python, _helper_command(node, setup))
+            if helper is not None:
+                return ssh.Result(0, "", "")
+            return await shell.run(remote.with_setup(setup, remote.quote_argv([node.python, "-c", "import sys"])),
+                                   timeout=timeout)
+        return await shell.run(remote.with_setup(setup, remote.quote_argv([node.python, "-c", "import sys"])),
+                               timeout=timeout)
 
     async def run_retrying(self, node: Node, command: str, setup: str | None = None,
                            deadline_s: float = 20.0, timeout: float = 10.0) -> ssh.Result:

@@ -269,10 +269,9 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, cluster: Clu
             continue
         d = p.data
         rows.append(CheckResult(host, "ssh", "ok", f"logged in ({d.get('hostname')})"))
-        sent, received = p.rtt
-        skew = d["time"] - (sent + received) / 2
+        skew = clock_skew(d["time"], *p.rtt)
         status: Status = "error" if abs(skew) > CLOCK_SKEW_ERROR_S else "warning" if abs(skew) > CLOCK_SKEW_WARN_S else "ok"
-        rows.append(CheckResult(host, "clock", status, f"{skew:+.2f} s against the studio",
+        rows.append(CheckResult(host, "clock", status, f"{skew:+.2f} s against the studio (±{(p.rtt[1] - p.rtt[0]) / 2:.2f} s)",
                                 "" if status == "ok" else "enable NTP (chrony/systemd-timesyncd) on every node"))
         rows.append(_same(host, "python", d["python"], ref.data["python"] if ref else None, ref.node.host if ref else "",
                           f"python {d['python']} ({d['executable']})", "use the same Python version on every node (node python= / setup line)"))
@@ -315,6 +314,17 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, cluster: Clu
                                     f"rendezvous port {d.get('port')} " + ("is free" if d["port_free"] else f"is in use ({d.get('port_error')})"),
                                     "" if d["port_free"] else "choose another master port or stop what holds it"))
     return rows
+
+
+def clock_skew(node_time: float, sent: float, received: float) -> float:
+    """The smallest offset of the node's clock consistent with the round trip: a node reading its
+    clock between `sent` and `received` (studio time) may be exactly in sync, however slow the
+    answer."""
+    if node_time < sent:
+        return node_time - sent
+    if node_time > received:
+        return node_time - received
+    return 0.0
 
 
 def _same(host: str, check: str, value, ref_value, ref_host: str, text: str, fix: str) -> CheckResult:

@@ -111,6 +111,7 @@ class JobSpec(BaseModel):
     torch_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute dtype.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward to save memory.")
     use_liger_kernel: bool = Field(False, description="Liger fused kernels (when liger-kernel is installed).")
+    torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (faster steps after a one-off compile).")
     attn_impl: str | None = Field(None, description="Attention implementation: sdpa (default), flash_attention_2, eager.")
     seed: int = Field(42, description="Random seed.")
 
@@ -122,6 +123,7 @@ class JobSpec(BaseModel):
 
     # Checkpoints and logging
     output_dir: str = Field("output", description="Directory that holds the run directories.")
+    save_strategy: Literal["steps", "no"] = Field("steps", description="'steps': checkpoint every save_steps and at the end; 'no': never (benchmarks).")
     save_steps: int = Field(500, ge=1, description="Save a checkpoint every N steps (and at the end).")
     save_total_limit: int | None = Field(None, ge=1, description="Keep at most N complete checkpoints.")
     logging_steps: int = Field(5, ge=1, description="Log loss and speed every N steps.")

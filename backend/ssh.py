@@ -188,8 +188,13 @@ def serve(req):
     except Exception as exc:
         reply({"id": req["id"], "rc": 127, "out": "", "err": base64.b64encode(repr(exc).encode()).decode()})
 reply({"ready": os.getpid()})
+workers = []
 for line in sys.stdin:
-    threading.Thread(target=serve, args=(json.loads(line),), daemon=True).start()
+    workers.append(threading.Thread(target=serve, args=(json.loads(line),), daemon=True))
+    workers[-1].start()
+    workers = [w for w in workers if w.is_alive()]
+for w in workers:
+    w.join()
 """
 HELPER_START_S = 30.0
 

@@ -6,7 +6,11 @@
   warm (right after the pre-flight, as the studio's Launch button does) and cold (a fresh
   manager); each run is stopped right after (its workers never get far).
 
-    python bench/launch_fanout.py [--nodes 16] [--repeat 3] [--plain-shell]
+    python bench/launch_fanout.py [--nodes 16] [--repeat 3] [--plain-shell] [--standin]
+
+`--standin` replaces the planner's torchrun by `sleep` (the same detached start, pid files, run
+directory files): the figure is then the control plane alone, without 16 torchruns importing
+torch on the same 2 cores while the remaining nodes are being started.
 
 `--plain-shell` sets `SetEnv SHLVL=1` on the test servers so bash does not source the login
 user's ~/.bashrc for SSH commands (here root's pyenv init costs ~0.45 s of CPU per SSH command):
@@ -27,9 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from backend.cluster import Cluster, Node  # noqa: E402
-from backend.manager import RunManager  # noqa: E402
+from backend.manager import LaunchPlan, RunManager, default_planner  # noqa: E402
 from backend.spec import JobSpec  # noqa: E402
 from sshd import start_cluster  # noqa: E402
+
+
+def standin_planner(spec, cluster, req) -> LaunchPlan:
+    plan = default_planner(spec, cluster, req)
+    return LaunchPlan(plan.files, [(["sleep", "60"], env) for _, env in plan.commands], plan.summary)
 
 
 def timed_launch(m: RunManager, spec: JobSpec, cluster: Cluster, setups: dict) -> float:
@@ -48,6 +57,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--plain-shell", action="store_true", help="SetEnv SHLVL=1 on the servers (no ~/.bashrc per command)")
+    ap.add_argument("--standin", action="store_true", help="start `sleep` instead of torchrun")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -62,9 +72,10 @@ def main() -> int:
                            output_dir=str(root / "out"), nnodes=args.nodes, nproc_per_node=1, max_steps=5,
                            torch_dtype="float32", env={"OMP_NUM_THREADS": "1"})
             db = f"sqlite:///{root / 'bench.db'}"
+            planner = standin_planner if args.standin else None
             pre, warm, cold = [], [], []
             for _ in range(args.repeat):
-                with RunManager(db, known_hosts=servers.known_hosts) as m:
+                with RunManager(db, known_hosts=servers.known_hosts, planner=planner) as m:
                     t = time.perf_counter()
                     report = m.preflight(cluster, spec, setups=setups, bandwidth=False)
                     pre.append(time.perf_counter() - t)
@@ -73,12 +84,13 @@ def main() -> int:
                         return 1
                     warm.append(timed_launch(m, spec, cluster, setups))
                 time.sleep(3)  # the stopped workers' processes exit
-                with RunManager(db, known_hosts=servers.known_hosts) as m:
+                with RunManager(db, known_hosts=servers.known_hosts, planner=planner) as m:
                     cold.append(timed_launch(m, spec, cluster, setups))
                 time.sleep(3)
             with open("/proc/loadavg") as f:
                 load = f.read().split()[:3]
-            print(f"nodes: {args.nodes} loopback OpenSSH servers{' (SetEnv SHLVL=1)' if args.plain_shell else ''}, "
+            print(f"nodes: {args.nodes} loopback OpenSSH servers{' (SetEnv SHLVL=1)' if args.plain_shell else ''}"
+                  f"{', stand-in worker (sleep)' if args.standin else ', real torchrun'}, "
                   f"{len(report.results)} pre-flight checks; load average after: {' '.join(load)}")
             for label, values, target in (("pre-flight (no bandwidth test), cold connections", pre, 5),
                                           ("launch until running, after pre-flight (warm)", warm, 2),

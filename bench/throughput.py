@@ -50,19 +50,22 @@ def build_model_dir(shape: str, out: Path, dtype: str) -> Path:
 
     config = AutoConfig.for_model(**SHAPES[shape])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model").save_pretrained(out)
     return out
 
 
-def write_tokens(path: Path, n: int, seq: int, vocab: int) -> None:
+def write_tokens(path: Path, n: int, seq: int, vocab: int, min_len: int | None = None) -> None:
+    """n random-token samples of length seq, or uniformly min_len..seq long (mixed lengths)."""
     import random
 
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(seq)]}) + "\n")
+            length = rng.randint(min_len, seq) if min_len else seq
+            f.write(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(length)]}) + "\n")
 
 
 def free_port() -> int:
@@ -72,23 +75,38 @@ def free_port() -> int:
 
 
 def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora: bool, liger: bool, nproc: int,
-               steps: int, warm: int, engine: dict, dtype: str) -> dict:
-    run_dir = work / f"{shape}-{seq}x{bsz}-{'lora' if lora else 'full'}{'-liger' if liger else ''}"
+               steps: int, warm: int, engine: dict, dtype: str, extra: dict | None = None,
+               min_len: int | None = None, agent: bool = False) -> dict:
+    """One worker run. `extra` adds spec fields (torch_compile, packing); `min_len` makes the data
+    mixed-length; `agent` runs the node agent at 1 Hz beside the workers."""
+    extra = extra or {}
+    tag = "-".join(f"{k}" for k, v in extra.items() if v) + ("-mixed" if min_len else "") + ("-agent" if agent else "")
+    run_dir = work / f"{shape}-{seq}x{bsz}-{'lora' if lora else 'full'}{'-liger' if liger else ''}{'-' + tag if tag else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     data = run_dir / "tokens.jsonl"
-    write_tokens(data, bsz * nproc * (steps + 1), seq, SHAPES[shape]["vocab_size"])
+    samples = bsz * nproc * (steps + 1) * (seq // min_len if min_len else 1)
+    write_tokens(data, samples, seq, SHAPES[shape]["vocab_size"], min_len)
     spec = dict(model=str(model_dir), dataset=[str(data)], train_type="lora" if lora else "full", max_length=seq,
-                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_steps=10**9,
+                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no",
                 learning_rate=1e-5, torch_dtype=dtype, gradient_checkpointing=False, use_liger_kernel=liger,
-                lora_rank=16, lora_alpha=32, lora_dropout=0.0, **engine)
+                lora_rank=16, lora_alpha=32, lora_dropout=0.0, **engine, **extra)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", "-m", "launcher.train",
             "--run-dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    result = dict(source="swift-studio", model=shape, seq=seq, bsz=bsz, lora=lora, liger=liger, nproc=nproc, **engine)
+    watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
+                                 "--node", "localhost", "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) if agent else None)
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        if watcher:
+            watcher.terminate()
+            watcher.wait()
+    result = dict(source="swift-studio", model=shape, seq=seq, bsz=bsz, lora=lora, liger=liger, nproc=nproc,
+                  mixed_lengths=bool(min_len), agent=agent, **engine, **extra)
     events = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()] \
         if (run_dir / "events" / "rank-0.jsonl").exists() else []
     train = [e for e in events if e["type"] == "train" and e["step"] > warm]
@@ -96,10 +114,14 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
         ended = [e for e in events if e["type"] == "end"]
         reason = ended[-1]["error"] if ended and ended[-1].get("error") else _first_error(proc.stdout + proc.stderr)
         return {**result, "error": reason}
-    step_s = sum(e["step_time_s"] for e in train) / len(train)
+    # Wall clock between the first and last timed train events (each logging step ends with a
+    # device→host copy, so these times are synchronised); the events' own step_time_s is not.
+    step_s = (train[-1]["time"] - train[0]["time"]) / max(train[-1]["step"] - train[0]["step"], 1)
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
     # The last checkpoint save (end of run) is outside the timed steps: step_time_s excludes it.
+    useful = sum(e["tokens_per_s"] for e in train[1:]) / max(len(train) - 1, 1)  # non-padding tokens
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
+            "useful_tokens_per_s": round(useful),
             "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
             "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2)}
 
@@ -121,6 +143,69 @@ def run_baseline(script: Path) -> None:
         print(json.dumps({"source": "hf_trainer", "error": proc.stderr[-600:]}), flush=True)
 
 
+def run_baseline_config(script: Path, config: tuple) -> dict:
+    """One configuration of the HF Trainer baseline, in its own process (its own GPU memory)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem} as h; "
+            f"print(json.dumps(h.run(*{config!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
+        {"source": "hf_trainer", "config": config, "error": _first_error(proc.stderr)}
+
+
+def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
+    if "error" in ours or "error" in theirs:
+        return None
+    return round(ours[key] / theirs[key], 3)
+
+
+def suite(work: Path, baseline: Path, steps: int, warm: int, out) -> None:
+    """Every single-GPU target of docs/benchmarks.md, ours and the stock HF Trainer in the same call."""
+    def emit(row: dict) -> dict:
+        line = json.dumps(row)
+        print(line, flush=True)
+        out.write(line + "\n")
+        out.flush()
+        return row
+
+    hf = {name: emit(run_baseline_config(baseline, config)) for name, config in (
+        ("qwen_full_liger", ("qwen2.5-1.5b", 2048, 8, False, True, False)),
+        ("qwen_lora", ("qwen2.5-1.5b", 2048, 8, True, False, False)),
+        ("llama_full_liger", ("llama3.2-1b", 4096, 4, False, True, False)))}
+    models = {shape: build_model_dir(shape, work / f"model-{shape}", "bfloat16") for shape in ("qwen2.5-1.5b", "llama3.2-1b")}
+
+    def ours(shape, seq, bsz, lora, **kw):
+        return emit(run_worker(work, models[shape], shape, seq, bsz, lora, True, 1, steps, warm, {}, "bfloat16", **kw))
+
+    targets = []
+
+    def target(name, value, goal, extra=None):
+        targets.append(emit({"target": name, "ratio": value, "goal": goal,
+                             "met": value is not None and value >= goal, **(extra or {})}))
+
+    q_full = ours("qwen2.5-1.5b", 2048, 8, False)
+    target("full qwen2.5-1.5b 2048x8 vs HF+Liger", ratio(q_full, hf["qwen_full_liger"]), 1.10,
+           {"peak_gib": q_full.get("peak_mem_gib"), "hf_peak_gib": hf["qwen_full_liger"].get("peak_mem_gib")})
+    q_lora = ours("qwen2.5-1.5b", 2048, 8, True)
+    target("LoRA r16 qwen2.5-1.5b 2048x8 vs HF LoRA", ratio(q_lora, hf["qwen_lora"]), 1.35)
+    l_full = ours("llama3.2-1b", 4096, 4, False)
+    target("full llama3.2-1b 4096x4 vs HF+Liger", ratio(l_full, hf["llama_full_liger"]), 1.10,
+           {"peak_gib": l_full.get("peak_mem_gib"), "hf_peak_gib": hf["llama_full_liger"].get("peak_mem_gib")})
+    padded = ours("qwen2.5-1.5b", 2048, 8, False, min_len=50)
+    packed = ours("qwen2.5-1.5b", 2048, 8, False, min_len=50, extra={"packing": True})
+    target("packing, mixed lengths 50-2048: useful tokens/s packed vs padded",
+           ratio(packed, padded, "useful_tokens_per_s"), 2.0)
+    with_agent = ours("qwen2.5-1.5b", 2048, 8, False, agent=True)
+    cost = ratio(with_agent, q_full)
+    target("telemetry agent at 1 Hz: tokens/s with / without", cost, 0.99)
+    q_lora_c = ours("qwen2.5-1.5b", 2048, 8, True, extra={"torch_compile": True})
+    target("LoRA r16 qwen2.5-1.5b + torch_compile vs HF LoRA", ratio(q_lora_c, hf["qwen_lora"]), 1.35)
+    l_full_c = ours("llama3.2-1b", 4096, 4, False, extra={"torch_compile": True})
+    target("full llama3.2-1b + torch_compile vs HF+Liger", ratio(l_full_c, hf["llama_full_liger"]), 1.10,
+           {"peak_gib": l_full_c.get("peak_mem_gib"), "hf_peak_gib": hf["llama_full_liger"].get("peak_mem_gib")})
+    print("\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['ratio']}x (goal {t['goal']}x) {t['target']}" for t in targets))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few steps")
@@ -133,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, nargs="?", const=DEFAULT_BASELINE, default=None,
                         help=f"also run the HF Trainer baseline (default script {DEFAULT_BASELINE})")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--suite", type=Path, default=None, metavar="RESULTS.jsonl",
+                        help="GPU: run every single-GPU target against the HF baseline, lines also to this file")
     args = parser.parse_args(argv)
 
     plan = SMOKE_PLAN if args.smoke else PLAN
@@ -147,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                           "torch": torch.__version__}), flush=True)
+        if args.suite:
+            with open(args.suite, "w") as out:
+                suite(work, args.baseline or DEFAULT_BASELINE, args.steps, args.warm, out)
+            return 0
         models: dict[str, Path] = {}
         for shape, seq, bsz, lora, liger in plan:
             if shape not in models:

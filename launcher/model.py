@@ -53,17 +53,20 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32):
     except (OSError, ValueError) as exc:
         raise ModelError(f"model: cannot load '{spec.model}' ({exc})") from None
     if spec.use_liger_kernel:
-        apply_liger(model)
+        apply_liger(model, compiled=spec.torch_compile)
     model.config.use_cache = False
     return model
 
 
-def apply_liger(model) -> None:
+def apply_liger(model, compiled: bool = False) -> None:
+    """Liger's kernels; under torch.compile only its fused linear cross-entropy: inductor fuses the
+    norms, rotary and SwiGLU itself, and Liger's versions of those break graph capture."""
     if importlib.util.find_spec("liger_kernel") is None:
         raise ModelError("use_liger_kernel: liger-kernel is not installed on this node (pip install liger-kernel)")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=model)
+    only_loss = dict(rope=False, rms_norm=False, swiglu=False, layer_norm=False, geglu=False) if compiled else {}
+    _apply_liger_kernel_to_instance(model=model, **only_loss)
 
 
 def add_lora(model, spec):
@@ -78,14 +81,38 @@ def add_lora(model, spec):
         raise ModelError(f"target_modules: {exc}") from None
 
 
+def master_dtype(spec) -> torch.dtype:
+    """fp32 master weights where the optimizer updates them; a LoRA base under DDP is frozen, so it
+    is kept in the compute dtype (as ms-swift does): half the memory and no per-step weight casts.
+    DeepSpeed and FSDP get fp32 and apply their own mixed-precision policy."""
+    if spec.train_type == "lora" and not spec.deepspeed and not spec.fsdp:
+        return DTYPES[spec.torch_dtype]
+    return torch.float32
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks, found by the class names transformers marks as not splittable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def prepare(spec):
-    """Tokenizer and the (LoRA-wrapped) model, gradient checkpointing on when asked."""
+    """Tokenizer and the (LoRA-wrapped) model in training mode, gradient checkpointing and
+    per-layer compilation when asked."""
     tokenizer = load_tokenizer(spec.model)
-    model = load_model(spec)
+    model = load_model(spec, master_dtype(spec))
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.train_type == "lora":
         model = add_lora(model, spec)
+    # from_pretrained returns eval mode: dropout (LoRA's too) would be off, and Liger's fused
+    # cross-entropy would materialise the logits it exists to avoid.
+    model.train()
+    if spec.torch_compile:
+        # One compiled graph serves every layer (same code, parameters passed as inputs).
+        for layer in decoder_layers(model):
+            layer.compile()
     return tokenizer, model
 
 

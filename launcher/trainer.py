@@ -231,7 +231,7 @@ class Trainer:
             if is_log:
                 self._log(window, window_losses)
                 window, window_losses = Window(), []
-            due = self.step % spec.save_steps == 0 or self.step == plan.max_steps
+            due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
             if stop_votes or due:
                 self._save()
                 last_saved = self.step
@@ -239,7 +239,7 @@ class Trainer:
                     window = Window()
             if stop_votes:
                 raise Stopped()
-        if last_saved != self.step:
+        if last_saved != self.step and spec.save_strategy == "steps":
             self._save()
 
     def _reduce_pending(self, pending) -> tuple[list[float], list[float]]:

@@ -18,7 +18,7 @@ NO_INDEX = -1
 # The series the Monitor tab reads (names as backend.ingest stores them; units in the name).
 MONITOR_SERIES = ("train/*", "eval/*", "gpu/util_pct", "gpu/mem_used_gib", "gpu/mem_total_gib", "gpu/power_w",
                   "host/cpu_pct", "host/ram_used_gib", "rank/collective_wait_s", "rank/data_wait_s")
-MAX_POINTS = 1500
+MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
 
@@ -132,8 +132,8 @@ def _done(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def lines(title: str, y_title: str, series: dict[tuple, list[Point]]) -> go.Figure:
-    fig = _figure(title, y_title)
+def lines(title: str, y_title: str, series: dict[tuple, list[Point]], empty_note: str = "waiting for data") -> go.Figure:
+    fig = _figure(title, y_title, empty_note)
     for key, pts in series.items():
         fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode="lines", name=label(key))
     return _done(fig)
@@ -227,7 +227,9 @@ def figures(buf: SeriesBuffer, smoothing: float) -> dict[str, go.Figure]:
         "util_heatmap": utilisation_heatmap(buf),
         "util_lines": lines(util_title, "%", util),
         "memory": lines(mem_title, "GiB", mem),
-        "power": lines("GPU power (W)", "W", buf.named("gpu/power_w")),
+        "power": lines("GPU power (W)", "W", buf.named("gpu/power_w"),
+                       "no GPU reports power" if buf.named("host/cpu_pct") and not buf.named("gpu/util_pct")
+                       else "waiting for data"),
         "collective": lines("Collective wait per rank (s per step)", "s", buf.named("rank/collective_wait_s")),
     }
 

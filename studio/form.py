@@ -14,8 +14,9 @@ from backend.spec import DEEPSPEED_PRESETS, FIELDS, JobSpec, Problem
 
 Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 
-# Group title, open by default, fields. Every JobSpec field appears exactly once (tested).
-GROUPS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
+# Group title, open by default, fields. Every JobSpec field appears exactly once (tested); a
+# field added to the spec later and not placed here lands in "Advanced" (see below).
+_PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
@@ -27,11 +28,15 @@ GROUPS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
         "gradient_accumulation_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay",
         "max_grad_norm")),
     ("Checkpoints and logging", False, (
-        "output_dir", "save_steps", "save_total_limit", "logging_steps", "report_to",
+        "output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "report_to",
         "resume_from_checkpoint")),
     ("Advanced", False, (
-        "gradient_checkpointing", "use_liger_kernel", "attn_impl", "seed", "ddp_timeout", "env")),
+        "gradient_checkpointing", "use_liger_kernel", "torch_compile", "attn_impl", "seed", "ddp_timeout", "env")),
 )
+
+_UNPLACED = tuple(f for f in FIELDS if f not in {n for _, _, names in _PLACED for n in names})
+GROUPS = tuple((title, is_open, names + _UNPLACED if title == "Advanced" else names)
+               for title, is_open, names in _PLACED)
 
 # Fields whose choices are open-ended (a path, a new attention kernel) get a dropdown that also
 # accepts typed values; the empty choice means "not set".

@@ -8,7 +8,7 @@ from typing import Any
 
 import gradio as gr
 
-from studio.charts import MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
+from studio.charts import MAX_POINTS, MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import alerts_md, run_choice, status_md
@@ -97,7 +97,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
             run = manager.run(run_id)
             if buf.run_id != run_id:
                 buf = SeriesBuffer(run_id=run_id)
-            result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor)
+            result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = studio.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id))

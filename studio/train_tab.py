@@ -8,7 +8,6 @@ from typing import Any
 import gradio as gr
 import yaml
 
-from backend.cluster import Cluster
 from backend.msswift import CommandError, import_command
 from backend.spec import parse_spec
 from studio.context import Studio

@@ -110,6 +110,20 @@ def launch_browser(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
+def open_studio(browser, url: str):
+    """A page on the studio, after its load events (demo preset, cluster, runs) have landed, so
+    later typing is not overwritten by them. Timeouts allow for a 2-core machine under load."""
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    page.requests = record_requests(page)
+    page.goto(url)
+    expect(page.locator("#form-message")).to_contain_text("Loaded preset demo", timeout=60_000)
+    expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run", timeout=60_000)
+    return page
+
+
 def record_requests(page) -> list[str]:
     urls: list[str] = []
     page.on("request", lambda request: urls.append(request.url))

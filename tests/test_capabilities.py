@@ -75,3 +75,21 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
                 "model/config.json"):
         digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "demo" / rel, DEMO_DIR / rel)]
         assert digest[0] == digest[1], rel
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size: not supported by this worker"),
+    (dict(torch_dtype="float16"), "torch_dtype: float16 needs a GPU"),
+])
+def test_worker_refuses_at_start_with_the_field(tmp_path, tiny_model, fields, message):
+    import subprocess
+
+    from worker import free_port, worker_env, write_run
+
+    run = write_run(tmp_path / "run", model=str(tiny_model), dataset=[str(DEMO_DIR / "train.jsonl")], **fields)
+    env = {**worker_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-m", "launcher.train", "--run-dir", str(run)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -147,6 +147,8 @@ def test_run_restart_stop_resume_complete(env, sshd_nodes, capsys, monkeypatch):
         starts = [json.loads(r.data) for r in s.exec(select(RunEvent).where(
             RunEvent.run_id == run_id, RunEvent.type == "start")).all()]
     assert sorted((st["resumed_from"] or 0) for st in starts) == [0, stopped_at]
+    assert m.progress(run_id)["step"] == max_steps and m.progress(run_id)["resumed_from"] == stopped_at
+    assert [step for step, _ in m.checkpoints(run_id)][-1] == stopped_at
     assert tagged(run_id) == []
     assert not wait_gone(lambda: agents(run_id)), agents(run_id)
     assert any(line.strip() for line in m.log_tail(run_id, node="127.0.0.3", lines=5))

@@ -59,15 +59,24 @@ def test_lora_merge_matches_peft_and_generates(tmp_path, tiny_model):
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
 
-def test_fsdp_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model):
-    ddp = write_run(tmp_path / "ddp", **job(tiny_model, train_type="full"))
-    fsdp = write_run(tmp_path / "fsdp", **job(tiny_model, train_type="full", fsdp="full_shard"))
-    assert run_worker(ddp).returncode == 0
-    assert run_worker(fsdp).returncode == 0
-    assert not list((fsdp / "checkpoint-3" / "model").glob("*.safetensors"))  # really sharded (dcp/)
-    export(fsdp, "--out", str(tmp_path / "fsdp-export"))
-    consolidated = load_file(tmp_path / "fsdp-export" / "model.safetensors")
-    reference = load_file(ddp / "checkpoint-3" / "model" / "model.safetensors")
+@pytest.fixture(scope="module")
+def ddp_full_run(tmp_path_factory, tiny_model):
+    """Full fine-tuning with DDP: its checkpoint holds the whole model, the reference below."""
+    run = write_run(tmp_path_factory.mktemp("ddp") / "run", **job(tiny_model, train_type="full"))
+    assert run_worker(run).returncode == 0
+    return run
+
+
+@pytest.mark.parametrize("engine,marker", [(dict(fsdp="full_shard"), "dcp"), (dict(deepspeed="zero3"), "engine")])
+def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model, ddp_full_run, engine, marker):
+    run = write_run(tmp_path / "sharded", **job(tiny_model, train_type="full", **engine))
+    assert run_worker(run).returncode == 0
+    ckpt = run / "checkpoint-3"
+    assert (ckpt / marker).is_dir() and not list((ckpt / "model").glob("*.safetensors"))  # really sharded
+    result = export(run, "--out", str(tmp_path / "export"))
+    assert result["checkpoint"] == str(ckpt)
+    consolidated = load_file(tmp_path / "export" / "model.safetensors")
+    reference = load_file(ddp_full_run / "checkpoint-3" / "model" / "model.safetensors")
     initial = load_file(tiny_model / "model.safetensors")
     assert set(consolidated) == set(reference)
     for key, value in reference.items():

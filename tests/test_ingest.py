@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 from sqlmodel import create_engine
 
 from backend.agent import Tailer
+from backend import ingest
 from backend.ingest import AGENT_SILENT_S, Downsampling, Ingestor
 from backend.telemetry_models import MetricSample, RunEvent
 from backend.telemetry_query import SeriesKey
@@ -226,6 +227,8 @@ def test_compaction_keeps_recent_raw_and_averages_older(engine):
     span, t0 = 2 * 3600, 1_699_999_800.0  # t0 on a 10-minute boundary
     for i in range(span):
         ing.on_agent_line("r", "a", {"kind": "gpu", "t": t0 + i, "gpu": 0, "util_pct": float(i % 60)})
+        # a reading that was NaN in one sample of each minute must not pull the mean down
+        ing.on_agent_line("r", "a", {"kind": "gpu", "t": t0 + i, "gpu": 1, "power_w": math.nan if i % 60 == 7 else 100.0})
     ing.on_agent_line("r", "a", {"kind": "event", "file": "events/rank-0.jsonl", "offset": 10, "rank": 0,
                                  "data": {"type": "train", "time": T0, "step": 1, "loss": 2.0}})
     ing.flush()
@@ -233,11 +236,11 @@ def test_compaction_keeps_recent_raw_and_averages_older(engine):
     removed = ing.compact("r", now)
     raw = count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 0)
     mid = count(engine, S, S.c.name == "gpu/util_pct", S.c.res_s == 60)
-    assert raw == 3600 and mid == 60 and removed == 3600 - 60
+    assert raw == 3600 and mid == 60 and removed == 2 * (3600 - 60)  # two series
     with engine.connect() as conn:
         means = set(conn.execute(select(S.c.value).where(S.c.res_s == 60)).scalars())
         assert min(conn.execute(select(S.c.t).where(S.c.res_s == 0, S.c.name == "gpu/util_pct")).scalars()) >= now - 3600
-    assert means == {29.5}
+    assert means == {29.5, 100.0}
     assert count(engine, S, S.c.name == "train/loss") == 1  # step series are never averaged
     assert ing.compact("r", now) == 0  # idempotent
     # a day later the minute means become 10-minute means
@@ -328,3 +331,31 @@ def test_flight_dump_is_stored_and_named_by_the_hang_alert(engine):
     alerts = {a.rule: a for a in ing.alerts("r")}
     assert alerts["collective_stuck"].node == "b" and alerts["collective_stuck"].gpu == 2
     assert "last collective reported stuck: rank 1, node b, GPU 2: nccl:all_reduce #7 (started)" in alerts["hang"].message
+
+
+@pytest.mark.parametrize("upsert", ["on_conflict", "portable"])
+def test_two_ingestors_on_one_database_store_each_line_once(engine, tmp_path, monkeypatch, upsert):
+    """A second process (the CLI re-attaching while the studio runs) feeds the same run: the
+    database, not one process's memory, decides what is new. `portable` is the path for
+    databases without ON CONFLICT."""
+    if upsert == "portable":
+        monkeypatch.setattr(ingest, "_dialect_insert", lambda conn, table: None)
+    run = tmp_path / "run"
+    write_events(run / "events/rank-0.jsonl", [{"type": "start", "time": T0}] + [
+        {"type": "train", "time": T0 + s, "step": s, "loss": 1.0} for s in range(1, 6)])
+    oom = json.dumps({"kind": "log", "file": "logs/a.log", "offset": 30, "line": "torch.OutOfMemoryError: CUDA out of memory"})
+    first, second = Ingestor(engine, autostart=False), Ingestor(engine, autostart=False)
+    first.window("r"), second.window("r")  # both load the run's state before either writes
+    for ing in (first, second, first):
+        for line in agent_lines(run, {}, files=("events/rank-0.jsonl",)) + [oom]:
+            ing.feed("r", "a", line)
+        ing.feed("r", "a", json.dumps({"kind": "ranks", "t": T0, "ranks": [{"rank": 0, "local_rank": 0, "pid": 1,
+                                                                             "gpu": 0}]}))
+        ing.flush()
+    assert first.stats["flush_errors"] == second.stats["flush_errors"] == 0
+    assert count(engine, E) == 6 and count(engine, S, S.c.name == "train/loss") == 5
+    [alert] = first.alerts("r")
+    assert alert.count == 2  # found by both processes, stored once
+    assert second.stats["duplicates"] == 6  # dropped by the database, not by its memory
+    assert first.offsets("r", "a") == {"events/rank-0.jsonl": (run / "events/rank-0.jsonl").stat().st_size,
+                                       "logs/a.log": 30}

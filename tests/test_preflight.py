@@ -42,9 +42,15 @@ def test_identical_nodes_pass():
     assert all(x.status == "ok" for x in r.values()), [x for x in r.values() if x.status != "ok"]
 
 
+def test_clock_skew_allows_for_the_round_trip():
+    assert pf.clock_skew(105.0, 100.0, 110.0) == 0.0  # a slow answer is no skew
+    assert pf.clock_skew(93.0, 100.0, 101.0) == -7.0
+    assert pf.clock_skew(108.5, 100.0, 101.0) == 7.5
+
+
 def test_clock_skew_over_five_seconds_is_an_error():
     r = rows([probe("a"), probe("b", skew=7.5), probe("c", skew=2.0)])
-    assert r[("b", "clock")].status == "error" and "+7.5" in r[("b", "clock")].reason
+    assert r[("b", "clock")].status == "error" and "+7.49 s" in r[("b", "clock")].reason
     assert r[("b", "clock")].fix
     assert r[("c", "clock")].status == "warning"
 

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from backend.cluster import Cluster, Node
+from backend.lifecycle import FINAL
 from backend.manager import RunManager
 from backend.spec import parse_spec
 from backend.telemetry_models import MetricSample, RunEvent, RankPlacement
@@ -65,18 +66,22 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
         # live: host samples reach the chart cursor within 1.5 s of being taken
         ages, cursor, deadline = [], None, time.time() + 120
         while len(ages) < 10 and time.time() < deadline:
+            run = mgr.run(run_id)
+            assert run.state not in FINAL, (run.state, run.message, run.log_tail)
             res = mgr.series(run_id, ["host/cpu_pct"], since=cursor)
             now = time.time()
             if cursor is not None:
                 ages += [now - t for pts in res.series.values() for t, _ in pts]
             cursor = res.cursor
             time.sleep(0.1)
-        assert len(ages) >= 10, f"no host samples arrived: {mgr.run(run_id)}"
+        assert len(ages) >= 10, f"no host samples arrived: {mgr.run(run_id)}, agents: {mgr.sink.nodes(run_id)}"
         assert statistics.quantiles(ages, n=20)[-1] < 1.5, sorted(ages)
 
         # wait for training to log, then cut every SSH connection of both nodes
         deadline = time.time() + 120
         while not mgr.series(run_id, ["train/loss"], since=0).series and time.time() < deadline:
+            run = mgr.run(run_id)
+            assert run.state not in FINAL, (run.state, run.message, run.log_tail)
             time.sleep(0.2)
         agents_before = {n: s.get("agent_pid") for n, s in mgr.sink.nodes(run_id).items()}
         assert len(agents_before) == 2

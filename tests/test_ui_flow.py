@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("playwright")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from studio_server import REPO, Shots, foreign_requests, launch_browser, record_requests, start_studio  # noqa: E402
+from studio_server import Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -84,13 +84,9 @@ def test_full_flow(studio):
     shot = Shots("flow")
     with sync_playwright() as p:
         browser = launch_browser(p)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        requests = record_requests(page)
-        page.goto(studio.url)
-
         # 1. Opened on the Train tab with the demo preset loaded.
-        expect(page.locator("#form-message")).to_contain_text("Loaded preset demo", timeout=30000)
-        expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run", timeout=15000)
+        page = open_studio(browser, studio.url)
+        requests = page.requests
         shot(page, "opened-demo-preset")
 
         # 2. An invalid layout shows its error next to the field, and clears when fixed.
@@ -163,6 +159,15 @@ def test_full_flow(studio):
         assert (studio.output_dir / run_id / "export" / "config.json").is_file()
         assert page.locator("#export-sample textarea").input_value() != ""
         shot(page, "exported")
+
+        # 9. The Runs tab lists the run with its state and overlays its loss curve.
+        page.get_by_role("tab", name="Runs").click()
+        expect(page.locator("#runs-table")).to_contain_text(run_id, timeout=30000)
+        expect(page.locator("#runs-table")).to_contain_text("stopped")
+        page.locator("#runs-overlay input").click()
+        page.get_by_role("option", name=re.compile(re.escape(run_id))).click()
+        wait_points(page, "chart-overlay", 0, timeout_s=30)
+        shot(page, "runs")
 
         content = page.content()
         browser.close()

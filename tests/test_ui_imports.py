@@ -35,3 +35,13 @@ def test_studio_never_imports_the_worker_stack(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_refuses_a_public_address_without_authentication(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "backend.cli", "studio", "--host", "0.0.0.0", "--port", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without authentication" in out.stderr
+    assert "SWIFT_STUDIO_AUTH=user:password" in out.stderr and "--auth-file" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("playwright")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from studio_server import Shots, foreign_requests, launch_browser, record_requests, start_studio  # noqa: E402
+from studio_server import Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -31,10 +31,7 @@ def studio(tmp_path_factory):
 def page(studio):
     with sync_playwright() as p:
         browser = launch_browser(p)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.requests = record_requests(page)
-        page.goto(studio.url)
-        yield page
+        yield open_studio(browser, studio.url)
         browser.close()
 
 
@@ -99,6 +96,12 @@ def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     shot = Shots("cluster")
     page.get_by_role("tab", name="Cluster").click()
     expect(page.locator("#cluster-summary")).to_contain_text("this machine", timeout=15000)
+    # Pre-flight of this machine for the demo job: a check × node grid with a verdict.
+    page.locator("#cluster-preflight").click()
+    expect(page.locator("#preflight-grid")).to_contain_text("Pre-flight:", timeout=90000)
+    expect(page.locator("#preflight-grid")).to_contain_text("localhost")
+    assert page.locator("#preflight-grid td[data-status='ok']").count() >= 3
+    shot(page, "preflight")
     page.get_by_text("Hostfile", exact=True).click()
     page.locator("#cluster-hostfile textarea").fill("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
     page.get_by_role("button", name="Use this hostfile").click()

@@ -16,7 +16,13 @@ class DDPEngine(Engine):
 
     def __init__(self, model, spec, device: torch.device, total_steps: int):
         self.model, self.spec, self.device = model.to(device), spec, device
-        self.ddp = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        # One rank has nothing to all-reduce: DDP would only add its buckets (and a second set while
+        # it rebuilds them after the first step, which sets the peak memory). With several ranks,
+        # gradients live in the buckets (no second copy) and no buffers are broadcast per forward
+        # (a causal LM's buffers, the rotary frequencies, are constants).
+        self.ddp = self.model if torch.distributed.get_world_size() == 1 else DistributedDataParallel(
+            self.model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            broadcast_buffers=False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, spec, device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
@@ -24,7 +30,7 @@ class DDPEngine(Engine):
         self.accumulation = spec.gradient_accumulation_steps
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
-        with (nullcontext() if sync else self.ddp.no_sync()):
+        with (nullcontext() if sync or self.ddp is self.model else self.ddp.no_sync()):
             with autocast(self.device, self.spec.torch_dtype):
                 loss = self.ddp(**batch).loss
             scaled = loss / self.accumulation

@@ -11,16 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from launcher.engines.base import Engine, make_optimizer, make_scheduler, save_pretrained
-from launcher.model import DTYPES
+from launcher.model import DTYPES, decoder_layers
 
 DCP_DIR = "dcp"
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The model's repeated blocks, found by the class names transformers marks as not splittable."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 class FSDPEngine(Engine):
