@@ -55,6 +55,10 @@ class Cause:
 _RANK_PREFIX = re.compile(r"^\s*\[(?:default)?rank(\d+)\]:\s?")
 _EXC = re.compile(r"^((?:[A-Za-z_][\w]*\.)*([A-Z]\w*(?:Error|Exception|Interrupt)))(?::\s*(.*))?$")
 _SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+# torchrun's own report of a signal it was sent (a stop, a scheduler's preemption): SIGTERM/SIGINT
+# are how runs are stopped, not an error in the training code.
+_TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
+_STOP_SIGNALS = (2, 15)
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
@@ -70,6 +74,10 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 def classify_line(line: str) -> Cause | None:
     """The cause one log line points at, or None for an ordinary line."""
     text = line.rstrip("\n")
+    m = _TORCHRUN_SIGNAL.search(text)
+    if m:
+        sig = int(m.group(1))
+        return None if sig in _STOP_SIGNALS else Cause(KILLED, f"torchrun received signal {sig}", line=text.strip())
     m = _SIGNAL.search(text)
     if m:
         return Cause(KILLED, f"{m.group(2)} received by PID {m.group(3)}", line=text.strip())

@@ -101,3 +101,11 @@ def test_tail_without_clues_uses_the_exit_code():
     assert lc.classify_tail(["nothing here"], 137).kind == lc.KILLED
     unknown = lc.classify_tail(["nothing here"], 3)
     assert unknown.kind == lc.UNKNOWN and "exit code 3" in unknown.summary
+
+
+def test_torchrun_stop_signal_is_not_an_error():
+    # What torchrun logs when the studio stops a run: not a Python exception in the training code.
+    line = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4242 got signal: 15"
+    assert lc.classify_line(line) is None
+    killed = lc.classify_line(line.replace("signal: 15", "signal: 9"))
+    assert killed is not None and killed.kind == lc.KILLED
