@@ -36,8 +36,9 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                                  "use FSDP with torch_compile, or turn it off"))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
-    unknown_sinks = [s for s in spec.report_to if s not in ("none",)]
+    unknown_sinks = [s for s in spec.report_to if s not in ("none", "tensorboard")]
     if unknown_sinks:
-        problems.append(Problem("report_to", f"{unknown_sinks} not supported by this worker; metrics go to the "
-                                             "run's event files and the studio", "warning"))
+        problems.append(Problem("report_to", f"{unknown_sinks} not supported (only 'tensorboard', written from the "
+                                             "recorded metrics when the run ends); metrics go to the run's event "
+                                             "files and the studio", "warning"))
     return problems

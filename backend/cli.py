@@ -246,10 +246,7 @@ def cluster_command(name: str) -> tuple[Callable[[argparse.ArgumentParser], None
 
     def run(args: argparse.Namespace) -> int:
         from backend import runcli
-        try:
-            return getattr(runcli, f"cmd_{name.replace('-', '_')}")(args)
-        except runcli.CliError as exc:
-            raise CliError(exc.lines) from None
+        return getattr(runcli, f"cmd_{name.replace('-', '_')}")(args)
 
     return add, run
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from sqlmodel import Session, select
 
 from backend import launch as launch_ops
-from backend import lifecycle, logclass, nodes, remote, ssh
+from backend import lifecycle, logclass, metrics_export, nodes, remote, ssh
 from backend.cluster import Cluster
 from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
@@ -468,6 +469,16 @@ class RunManager:
         if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
             self.store.transition(run_id, outcome.state, outcome.failure)
         await watcher.drain()
+        self._report(run_id)
+
+    def _report(self, run_id: str) -> None:
+        """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
+        written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
+        run = self.store.get(run_id)
+        report_to = (yaml.safe_load(run.spec_yaml) or {}).get("report_to") or []
+        if report_to:
+            for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
+                self._notice(run_id, line)
 
     async def _stop(self, run_id: str, grace_s: float) -> None:
         run = self.store.get(run_id)

@@ -21,43 +21,8 @@ import time
 from datetime import datetime
 
 from backend import lifecycle
-from backend.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
-from backend.spec import JobSpec, load_spec
-
-
-class CliError(Exception):
-    """A user mistake, one line per problem; `backend.cli` prints them and exits 1."""
-
-    def __init__(self, lines: list):
-        self.lines = [str(x) for x in lines]
-        super().__init__("\n".join(self.lines))
-
-
-def load_job(path: str) -> JobSpec:
-    spec, problems = load_spec(path)
-    if spec is None:
-        raise CliError([p if p.field.startswith(path) else f"{path}: {p}" for p in problems])
-    return spec
-
-
-def load_cluster(hostfile: str | None) -> Cluster:
-    if not hostfile:
-        return local_cluster()
-    try:
-        return parse_hostfile(hostfile)
-    except HostfileError as exc:
-        raise CliError(exc.problems) from None
-
-
-def checked(spec: JobSpec, cluster: Cluster, source: str) -> None:
-    from backend.validate import validate
-    problems = validate(spec, cluster)
-    for p in problems:
-        if p.severity == "warning":
-            print(f"warning: {source}: {p}", file=sys.stderr)
-    errors = [f"{source}: {p}" for p in problems if p.severity == "error"]
-    if errors:
-        raise CliError(errors)
+# backend.cli imports this module lazily, when one of these subcommands runs.
+from backend.cli import CliError, checked, load_cluster, load_job
 
 
 def _manager(args: argparse.Namespace, reattach: bool = True):

@@ -257,7 +257,7 @@ class Trainer:
                 f"or check the data")
 
     def _log(self, window: Window, losses: list[float]) -> None:
-        d, spec, plan = self.dist, self.spec, self.plan
+        d, plan = self.dist, self.plan
         means = window.means()
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         (tokens, samples), _ = d.all_reduce([window.tokens, window.samples], "sum")

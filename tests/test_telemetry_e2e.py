@@ -8,6 +8,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -56,7 +57,7 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
         model=str(ROOT / "assets/demo/model"), dataset=[str(ROOT / "assets/demo/train.jsonl") + "#64"],
         nnodes=2, nproc_per_node=1, max_length=64, per_device_train_batch_size=2, max_steps=60, logging_steps=1,
         save_steps=1000, gradient_checkpointing=False, torch_dtype="float32", output_dir=str(tmp_path / "out"),
-        env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}))
+        report_to=["tensorboard"], env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}))
     assert spec is not None, problems
     mgr = RunManager(db_url=f"sqlite:///{tmp_path / 'studio.db'}", known_hosts=sshd_nodes.known_hosts, reattach=False)
     try:
@@ -96,6 +97,11 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
         while time.time() < deadline and not all(s.get("ended") for s in mgr.sink.nodes(run_id).values()):
             time.sleep(0.2)
         status = mgr.sink.nodes(run_id)
+        # report_to: tensorboard event files written from the recorded metrics once the run ended
+        tb_dir = Path(run.run_dir) / "tensorboard"
+        while time.time() < deadline and not list(tb_dir.rglob("events.out.tfevents.*")):
+            time.sleep(0.2)
+        assert list(tb_dir.rglob("events.out.tfevents.*")), (tb_dir, mgr.notices(run_id))
         assert all(s.get("ended") == "run over" for s in status.values()), status
         assert any(status[n]["agent_pid"] != pid for n, pid in agents_before.items()), "no agent was restarted"
         mgr.sink.flush()
