@@ -18,11 +18,9 @@ class DDPEngine(Engine):
         self.model, self.spec, self.device = model.to(device), spec, device
         # One rank has nothing to all-reduce: DDP would only add its buckets (and a second set while
         # it rebuilds them after the first step, which sets the peak memory). With several ranks,
-        # gradients live in the buckets (no second copy) and no buffers are broadcast per forward
-        # (a causal LM's buffers, the rotary frequencies, are constants).
+        # gradients live in the buckets (no second copy).
         self.ddp = self.model if torch.distributed.get_world_size() == 1 else DistributedDataParallel(
-            self.model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-            broadcast_buffers=False)
+            self.model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, spec, device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
