@@ -10,7 +10,18 @@ def now() -> float:
     return time.time()
 
 
-class Run(SQLModel, table=True):
+class FailureColumns(SQLModel):
+    """Why an attempt failed (a run copies its failing attempt's): which node, exit code,
+    classified cause, message and last log lines."""
+
+    failed_node: str | None = None
+    exit_code: int | None = None
+    cause: str | None = None
+    message: str | None = None
+    log_tail: str | None = None
+
+
+class Run(FailureColumns, table=True):
     """One training job. State follows `backend.lifecycle`; a resume adds an `Attempt`."""
 
     id: str = Field(primary_key=True)
@@ -24,15 +35,9 @@ class Run(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
     updated_at: float = Field(default_factory=now)
     ended_at: float | None = None
-    # Why it failed (copied from the failing attempt): which node, exit code, cause, last log lines.
-    failed_node: str | None = None
-    exit_code: int | None = None
-    cause: str | None = None
-    message: str | None = None
-    log_tail: str | None = None
 
 
-class Attempt(SQLModel, table=True):
+class Attempt(FailureColumns, table=True):
     """One launch of a run on a set of nodes (the first launch or a resume)."""
 
     id: int | None = Field(default=None, primary_key=True)
@@ -44,11 +49,6 @@ class Attempt(SQLModel, table=True):
     plan_json: str = "{}"
     started_at: float = Field(default_factory=now)
     ended_at: float | None = None
-    failed_node: str | None = None
-    exit_code: int | None = None
-    cause: str | None = None
-    message: str | None = None
-    log_tail: str | None = None
 
 
 class NodeProcess(SQLModel, table=True):

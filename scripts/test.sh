@@ -10,6 +10,6 @@ command -v ssh >/dev/null || need+=(openssh-client)
 [ -x /usr/bin/chromium ] || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
 python3 -m pytest "$@"
