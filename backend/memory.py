@@ -195,8 +195,10 @@ def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
     return 4 * s.local + cached, grads, 8 * s.trainable, 0.0, 0.0, 4 * s.trainable, "DDP: every rank holds the full model states"
 
 
-def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None) -> MemoryEstimate:
-    """Estimated peak memory per GPU (GiB) with its parts; `layout` defaults to the spec alone."""
+def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None,
+                    device: str = "cuda") -> MemoryEstimate:
+    """Estimated peak memory per GPU (GiB) with its parts; `layout` defaults to the spec alone.
+    `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces."""
     layout = layout or compute_layout(spec)
     total = model.param_count()
     trainable = trainable_params(spec, model)
@@ -223,7 +225,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         gradients_gib=grads / GIB,
         optimizer_gib=optim / GIB,
         activations_gib=activations / GIB,
-        other_gib=(CUDA_CONTEXT_BYTES + buckets) / GIB,
+        other_gib=((CUDA_CONTEXT_BYTES if device == "cuda" else 0.0) + buckets) / GIB,
         offloaded_gib=offloaded / GIB,
         total_params=total,
         trainable_params=trainable,

@@ -21,5 +21,6 @@ CSS = """
 .progress-inner { background: #f97316; height: 14px; }
 table.preflight { border-collapse: collapse; font-size: 0.9em; }
 table.preflight th, table.preflight td { border: 1px solid #d4d4d8; padding: 4px 8px; vertical-align: top; text-align: left; }
+.prose table th, .prose table td { word-break: keep-all; overflow-wrap: normal; }
 footer { display: none !important; }
 """

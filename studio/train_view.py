@@ -87,8 +87,8 @@ def memory_md(spec: JobSpec, layout: Layout, cluster: Cluster, model: ModelConfi
     """The per-GPU memory estimate against the smallest GPU of the nodes in use."""
     if model is None:
         return f"**Memory per GPU**: {note}"
-    est = estimate_memory(spec, model, layout)
     nodes = cluster.nodes[: spec.nnodes]
+    est = estimate_memory(spec, model, layout, device="cpu" if all(n.device == "cpu" for n in nodes) else "cuda")
     gpu_mems = [n.gpu_mem_gib for n in nodes if n.gpu_mem_gib]
     if all(n.device == "cpu" for n in nodes):
         against = "CPU run: held in host memory"

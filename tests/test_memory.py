@@ -161,3 +161,10 @@ def test_single_gpu_estimate_matches_measured_peaks(name, train_type, micro, max
     est = estimate_memory(spec, find_model_config(name), compute_layout(spec))
     # max_memory_allocated excludes the CUDA context, which the estimate keeps in `other`.
     assert est.total_gib - est.other_gib == pytest.approx(measured, rel=0.10)
+
+
+def test_cpu_ranks_have_no_cuda_context():
+    model, spec = find_model_config("qwen2.5-0.5b"), job()
+    gpu, cpu = estimate_memory(spec, model), estimate_memory(spec, model, device="cpu")
+    assert gpu.other_gib - cpu.other_gib == pytest.approx(0.75)
+    assert cpu.parameters_gib == gpu.parameters_gib and cpu.activations_gib == gpu.activations_gib
