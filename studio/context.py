@@ -34,14 +34,6 @@ class Studio:
     def presets_dir(self) -> Path:
         return self.data_dir / "presets"
 
-    def progress(self, run_id: str) -> dict[str, Any] | None:
-        from studio import queries  # SQLAlchemy: loaded on first use, not before the first page answer
-        return queries.progress(self.manager.engine, run_id)
-
-    def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
-        from studio import queries
-        return queries.checkpoints(self.manager.engine, run_id)
-
     @property
     def cluster_file(self) -> Path:
         return self.data_dir / "cluster.json"

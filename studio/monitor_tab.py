@@ -99,7 +99,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
                 buf = SeriesBuffer(run_id=run_id)
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
-            progress = studio.progress(run_id)
+            progress = studio.manager.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id))
             if run.state != buf.state:  # the picker's labels carry the state
                 buf.state = run.state
