@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from sqlmodel import Session, select
 
 from backend import launch as launch_ops
@@ -475,7 +474,7 @@ class RunManager:
         """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
         written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
         run = self.store.get(run_id)
-        report_to = (yaml.safe_load(run.spec_yaml) or {}).get("report_to") or []
+        report_to = JobSpec.model_validate(_yaml_load(run.spec_yaml)).report_to
         if report_to:
             for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
                 self._notice(run_id, line)

@@ -3,11 +3,14 @@
 
     python bench/throughput.py [--shapes qwen2.5-1.5b,llama3.2-1b] [--nproc 1] [--baseline PATH]
     python bench/throughput.py --smoke          # tiny model on CPU, checks the pipeline end to end
+    python bench/throughput.py --suite results.jsonl --baseline ../shared/bench/hf_baseline.py
+                                                # GPU: every single-GPU target, with its ratio
 
 Each configuration runs the real worker (`torchrun -m launcher.train`) on a fresh run directory
 and prints one JSON line: step time, tokens/s, MFU (full fine-tuning only, as the baseline) and
 peak memory, read back from the worker's own event lines. With `--baseline`, the stock HF
-Trainer baseline script runs in the same call and its lines are printed next to ours.
+Trainer baseline runs the same configurations in the same call (one process each) and its lines
+are printed next to ours.
 """
 from __future__ import annotations
 
@@ -133,16 +136,6 @@ def _first_error(output: str) -> str:
     return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:] if hits else output[-2000:]
 
 
-def run_baseline(script: Path) -> None:
-    """The stock HF Trainer figures, in the same call (GPU only: the baseline needs CUDA)."""
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            print(json.dumps({"source": "hf_trainer", **json.loads(line)}), flush=True)
-    if proc.returncode != 0:
-        print(json.dumps({"source": "hf_trainer", "error": proc.stderr[-600:]}), flush=True)
-
-
 def run_baseline_config(script: Path, config: tuple) -> dict:
     """One configuration of the HF Trainer baseline, in its own process (its own GPU memory)."""
     code = (f"import json, sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem} as h; "
@@ -245,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run_worker(work, models[shape], shape, seq, bsz, lora, liger, args.nproc, steps, warm,
                                         engine, dtype)), flush=True)
         if args.baseline and not args.smoke:
-            run_baseline(args.baseline)
+            for shape, seq, bsz, lora, liger in plan:
+                print(json.dumps(run_baseline_config(args.baseline, (shape, seq, bsz, lora, liger, False))), flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

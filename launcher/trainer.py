@@ -244,8 +244,7 @@ class Trainer:
 
     def _reduce_pending(self, pending) -> tuple[list[float], list[float]]:
         """Global mean loss per step and grad norms: one device→host copy for the whole window."""
-        values = torch.stack([torch.stack([loss, torch.as_tensor(norm, dtype=torch.float32, device=loss.device).reshape(())
-                                           if not hasattr(norm, "full_tensor") else norm.full_tensor().float()])
+        values = torch.stack([torch.stack([loss, torch.as_tensor(norm, dtype=torch.float32, device=loss.device).reshape(())])
                               for loss, norm in pending]).cpu()
         summed, _ = self.dist.all_reduce(values[:, 0].tolist(), "sum")
         return [v / self.dist.world_size for v in summed], values[:, 1].tolist()
