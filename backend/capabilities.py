@@ -8,7 +8,7 @@ from __future__ import annotations
 from backend.spec import JobSpec, Problem
 
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
-ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
+ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
 
 
 def unsupported(spec: JobSpec) -> list[Problem]:

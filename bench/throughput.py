@@ -3,8 +3,10 @@
 
     python bench/throughput.py [--shapes qwen2.5-1.5b,llama3.2-1b] [--nproc 1] [--baseline PATH]
     python bench/throughput.py --smoke          # tiny model on CPU, checks the pipeline end to end
-    python bench/throughput.py --suite results.jsonl --baseline ../shared/bench/hf_baseline.py
-                                                # GPU: every single-GPU target, with its ratio
+    python bench/throughput.py --suite results.jsonl [--part single|multi|all] --baseline ../shared/bench/hf_baseline.py
+                                                # GPU: every target of docs/benchmarks.md, with its ratio
+    python bench/throughput.py --variants plan.jsonl --out results.jsonl --baseline ../shared/bench/hf_baseline.py
+                                                # GPU: the configurations listed in plan.jsonl (Suite.variants)
 
 Each configuration runs the real worker (`torchrun -m launcher.train`) on a fresh run directory
 and prints one JSON line: step time, tokens/s, MFU (full fine-tuning only, as the baseline) and
@@ -22,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import yaml
@@ -79,11 +82,13 @@ def free_port() -> int:
 
 def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora: bool, liger: bool, nproc: int,
                steps: int, warm: int, engine: dict, dtype: str, extra: dict | None = None,
-               min_len: int | None = None, agent: bool = False) -> dict:
+               min_len: int | None = None, agent: bool = False, devices: str | None = None) -> dict:
     """One worker run. `extra` adds spec fields (torch_compile, packing); `min_len` makes the data
-    mixed-length; `agent` runs the node agent at 1 Hz beside the workers."""
+    mixed-length; `agent` runs the node agent at 1 Hz beside the workers; `devices` sets
+    CUDA_VISIBLE_DEVICES."""
     extra = extra or {}
-    tag = "-".join(f"{k}" for k, v in extra.items() if v) + ("-mixed" if min_len else "") + ("-agent" if agent else "")
+    tag = "-".join([str(v) for v in engine.values()] + [k for k, v in extra.items() if v]) + \
+        ("-mixed" if min_len else "") + ("-agent" if agent else "")
     run_dir = work / f"{shape}-{seq}x{bsz}-{'lora' if lora else 'full'}{'-liger' if liger else ''}{'-' + tag if tag else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -98,7 +103,8 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", "-m", "launcher.train",
             "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**gpu_env(devices),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
                                  "--node", "localhost", "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL) if agent else None)
@@ -136,14 +142,28 @@ def _first_error(output: str) -> str:
     return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:] if hits else output[-2000:]
 
 
-def run_baseline_config(script: Path, config: tuple) -> dict:
+def gpu_env(devices: str | None) -> dict:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices} if devices is not None else dict(os.environ)
+
+
+def run_baseline_config(script: Path, config: tuple, devices: str | None = None) -> dict:
     """One configuration of the HF Trainer baseline, in its own process (its own GPU memory)."""
     code = (f"import json, sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem} as h; "
             f"print(json.dumps(h.run(*{config!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=gpu_env(devices), capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
         {"source": "hf_trainer", "config": config, "error": _first_error(proc.stderr)}
+
+
+def run_baseline_multi(script: Path, mode: str, nproc: int) -> dict:
+    """The HF Trainer scaling baseline (hf_baseline_multi.py) under torchrun, MODE=ddp|zero2|zero3|fsdp."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", str(script)]
+    proc = subprocess.run(argv, env={**os.environ, "MODE": mode}, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
+        {"source": "hf_trainer", "mode": mode, "nproc": nproc, "error": _first_error(proc.stderr)}
 
 
 def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
@@ -152,51 +172,138 @@ def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
     return round(ours[key] / theirs[key], 3)
 
 
-def suite(work: Path, baseline: Path, steps: int, warm: int, out) -> None:
-    """Every single-GPU target of docs/benchmarks.md, ours and the stock HF Trainer in the same call."""
-    def emit(row: dict) -> dict:
+# The fastest configuration of ours for full fine-tuning on one GPU: FSDP2 keeps fp32 master
+# weights and computes in bf16 (no per-step autocast weight casts), without re-gathering the bf16
+# weights for backward (shard_grad_op), torch_compile per decoder layer.
+FAST_FULL = dict(engine={"fsdp": "shard_grad_op"}, extra={"torch_compile": True})
+# hf_baseline_multi.py's MODE -> our engine fields for the same engine.
+MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
+                 "fsdp": {"fsdp": "full_shard"}}
+
+
+def run_on_gpus(jobs: dict, gpus: int) -> dict:
+    """Run independent single-GPU jobs (name -> fn(devices)) on `gpus` GPUs at once, one job per GPU
+    at a time; returns name -> result."""
+    import queue
+
+    pending: queue.Queue = queue.Queue()
+    for item in jobs.items():
+        pending.put(item)
+    results: dict = {}
+
+    def worker(gpu: int) -> None:
+        while True:
+            try:
+                name, fn = pending.get_nowait()
+            except queue.Empty:
+                return
+            results[name] = fn(str(gpu))
+
+    threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in range(max(gpus, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+class Suite:
+    """The targets of docs/benchmarks.md: ours and the stock HF Trainer in the same call, each
+    target printed with its ratio."""
+
+    def __init__(self, work: Path, baseline: Path, steps: int, warm: int, out):
+        self.work, self.baseline, self.steps, self.warm, self.out = work, baseline, steps, warm, out
+        self.targets: list[dict] = []
+        self.models: dict[str, Path] = {}
+        self.lock = threading.Lock()  # runs on several GPUs report from their own threads
+
+    def emit(self, row: dict) -> dict:
         line = json.dumps(row)
-        print(line, flush=True)
-        out.write(line + "\n")
-        out.flush()
+        with self.lock:
+            print(line, flush=True)
+            self.out.write(line + "\n")
+            self.out.flush()
         return row
 
-    hf = {name: emit(run_baseline_config(baseline, config)) for name, config in (
-        ("qwen_full_liger", ("qwen2.5-1.5b", 2048, 8, False, True, False)),
-        ("qwen_lora", ("qwen2.5-1.5b", 2048, 8, True, False, False)),
-        ("llama_full_liger", ("llama3.2-1b", 4096, 4, False, True, False)))}
-    models = {shape: build_model_dir(shape, work / f"model-{shape}", "bfloat16") for shape in ("qwen2.5-1.5b", "llama3.2-1b")}
+    def target(self, name: str, value, goal: float, extra: dict | None = None) -> None:
+        self.targets.append(self.emit({"target": name, "ratio": value, "goal": goal,
+                                       "met": value is not None and value >= goal, **(extra or {})}))
 
-    def ours(shape, seq, bsz, lora, **kw):
-        return emit(run_worker(work, models[shape], shape, seq, bsz, lora, True, 1, steps, warm, {}, "bfloat16", **kw))
+    def model(self, shape: str) -> Path:
+        if shape not in self.models:
+            self.models[shape] = build_model_dir(shape, self.work / f"model-{shape}", "bfloat16")
+        return self.models[shape]
 
-    targets = []
+    def ours(self, shape, seq, bsz, lora, nproc=1, engine=None, extra=None, devices=None, **kw) -> dict:
+        return self.emit(run_worker(self.work / (devices or "all"), self.model(shape), shape, seq, bsz, lora, True,
+                                    nproc, self.steps, self.warm, engine or {}, "bfloat16", extra=extra,
+                                    devices=devices, **kw))
 
-    def target(name, value, goal, extra=None):
-        targets.append(emit({"target": name, "ratio": value, "goal": goal,
-                             "met": value is not None and value >= goal, **(extra or {})}))
+    def single(self, gpus: int) -> None:
+        """Every single-GPU target; with several GPUs the runs share them, one run per GPU."""
+        qwen, llama = ("qwen2.5-1.5b", 2048, 8), ("llama3.2-1b", 4096, 4)
+        self.model(qwen[0]), self.model(llama[0])
+        hf = lambda *config: lambda dev: self.emit(run_baseline_config(self.baseline, config, devices=dev))  # noqa: E731
+        jobs = {
+            "hf_qwen_full": hf(*qwen, False, True, False),
+            "hf_llama_full": hf(*llama, False, True, False),
+            "hf_qwen_lora": hf(*qwen, True, False, False),
+            "qwen_full": lambda dev: self.ours(*qwen, False, devices=dev, **FAST_FULL),
+            "llama_full": lambda dev: self.ours(*llama, False, devices=dev, **FAST_FULL),
+            "qwen_lora": lambda dev: self.ours(*qwen, True, extra={"torch_compile": True}, devices=dev),
+            "padded": lambda dev: self.ours(*qwen, False, min_len=50, devices=dev),
+            "packed": lambda dev: self.ours(*qwen, False, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"},
+                                            devices=dev),
+            "qwen_full_agent": lambda dev: self.ours(*qwen, False, agent=True, devices=dev, **FAST_FULL),
+        }
+        r = run_on_gpus(jobs, gpus)
+        for name, ours, theirs in (("full qwen2.5-1.5b 2048x8 (FSDP2 shard_grad_op + compile) vs HF+Liger", "qwen_full", "hf_qwen_full"),
+                                   ("full llama3.2-1b 4096x4 (FSDP2 shard_grad_op + compile) vs HF+Liger", "llama_full", "hf_llama_full")):
+            self.target(name, ratio(r[ours], r[theirs]), 1.10,
+                        {"peak_gib": r[ours].get("peak_mem_gib"), "hf_peak_gib": r[theirs].get("peak_mem_gib")})
+        self.target("LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", ratio(r["qwen_lora"], r["hf_qwen_lora"]), 1.35)
+        self.target("packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded",
+                    ratio(r["packed"], r["padded"], "useful_tokens_per_s"), 2.0)
+        self.target("telemetry agent at 1 Hz: tokens/s with / without", ratio(r["qwen_full_agent"], r["qwen_full"]), 0.99)
 
-    q_full = ours("qwen2.5-1.5b", 2048, 8, False)
-    target("full qwen2.5-1.5b 2048x8 vs HF+Liger", ratio(q_full, hf["qwen_full_liger"]), 1.10,
-           {"peak_gib": q_full.get("peak_mem_gib"), "hf_peak_gib": hf["qwen_full_liger"].get("peak_mem_gib")})
-    q_lora = ours("qwen2.5-1.5b", 2048, 8, True)
-    target("LoRA r16 qwen2.5-1.5b 2048x8 vs HF LoRA", ratio(q_lora, hf["qwen_lora"]), 1.35)
-    l_full = ours("llama3.2-1b", 4096, 4, False)
-    target("full llama3.2-1b 4096x4 vs HF+Liger", ratio(l_full, hf["llama_full_liger"]), 1.10,
-           {"peak_gib": l_full.get("peak_mem_gib"), "hf_peak_gib": hf["llama_full_liger"].get("peak_mem_gib")})
-    padded = ours("qwen2.5-1.5b", 2048, 8, False, min_len=50)
-    packed = ours("qwen2.5-1.5b", 2048, 8, False, min_len=50, extra={"packing": True})
-    target("packing, mixed lengths 50-2048: useful tokens/s packed vs padded",
-           ratio(packed, padded, "useful_tokens_per_s"), 2.0)
-    with_agent = ours("qwen2.5-1.5b", 2048, 8, False, agent=True)
-    cost = ratio(with_agent, q_full)
-    target("telemetry agent at 1 Hz: tokens/s with / without", cost, 0.99)
-    q_lora_c = ours("qwen2.5-1.5b", 2048, 8, True, extra={"torch_compile": True})
-    target("LoRA r16 qwen2.5-1.5b + torch_compile vs HF LoRA", ratio(q_lora_c, hf["qwen_lora"]), 1.35)
-    l_full_c = ours("llama3.2-1b", 4096, 4, False, extra={"torch_compile": True})
-    target("full llama3.2-1b + torch_compile vs HF+Liger", ratio(l_full_c, hf["llama_full_liger"]), 1.10,
-           {"peak_gib": l_full_c.get("peak_mem_gib"), "hf_peak_gib": hf["llama_full_liger"].get("peak_mem_gib")})
-    print("\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['ratio']}x (goal {t['goal']}x) {t['target']}" for t in targets))
+    def multi(self, nproc: int, modes: list[str]) -> None:
+        """Each engine on `nproc` GPUs against hf_baseline_multi.py with the same engine and per-GPU batch."""
+        best_ours, best_hf = {}, {}
+        for mode in modes:
+            theirs = self.emit(run_baseline_multi(self.baseline.parent / "hf_baseline_multi.py", mode, nproc))
+            # ZeRO-3's parameter hooks break graph capture: that engine runs uncompiled.
+            ours = self.ours("qwen2.5-1.5b", 2048, 8, False, nproc=nproc, engine=MULTI_ENGINES[mode],
+                             extra={"torch_compile": mode != "zero3"})
+            self.target(f"{nproc} GPUs {mode}: qwen2.5-1.5b 2048x8 per GPU vs HF Trainer {mode}", ratio(ours, theirs),
+                        1.10, {"peak_gib": ours.get("peak_mem_gib"), "hf_peak_gib": theirs.get("peak_mem_gib")})
+            for best, row in ((best_ours, ours), (best_hf, theirs)):
+                if "error" not in row and row["tokens_per_s"] > best.get("tokens_per_s", 0):
+                    best.update(row, mode=mode)
+        if best_ours and best_hf:
+            self.target(f"{nproc} GPUs best: ours {best_ours['mode']} vs HF {best_hf['mode']}", ratio(best_ours, best_hf), 1.10)
+
+    def variants(self, plan: Path) -> None:
+        """Each line of `plan` is one run, printed as it ends:
+        {"hf": [shape, seq, bsz, lora, liger, gradient_checkpointing]}   hf_baseline.py's run()
+        {"hf_multi": "ddp|zero2|zero3|fsdp", "nproc": 2}                   hf_baseline_multi.py
+        {"ours": {"shape": ..., "seq": ..., "bsz": ..., "lora": false, "nproc": 1,
+                  "engine": {"deepspeed": "zero2"}, "extra": {"torch_compile": true}, "min_len": 50}}
+        """
+        for line in filter(str.strip, plan.read_text().splitlines()):
+            item = json.loads(line)
+            if "hf" in item:
+                self.emit(run_baseline_config(self.baseline, tuple(item["hf"])))
+            elif "hf_multi" in item:
+                self.emit(run_baseline_multi(self.baseline.parent / "hf_baseline_multi.py", item["hf_multi"],
+                                             item.get("nproc", 2)))
+            else:
+                run = item["ours"]
+                self.ours(run["shape"], run["seq"], run["bsz"], run.get("lora", False), nproc=run.get("nproc", 1),
+                          engine=run.get("engine"), extra=run.get("extra"), min_len=run.get("min_len"))
+
+    def summary(self) -> str:
+        return "\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['ratio']}x (goal {t['goal']}x) {t['target']}"
+                         for t in self.targets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--suite", type=Path, default=None, metavar="RESULTS.jsonl",
                         help="GPU: run every single-GPU target against the HF baseline, lines also to this file")
+    parser.add_argument("--part", choices=("single", "multi", "all"), default="all",
+                        help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both")
+    parser.add_argument("--modes", default=",".join(MULTI_ENGINES), help="suite: engines of the multi-GPU part")
+    parser.add_argument("--variants", type=Path, default=None, metavar="PLAN.jsonl",
+                        help="run the configurations listed in this file (see Suite.variants); lines also to --out")
+    parser.add_argument("--out", type=Path, default=Path(os.devnull))
     args = parser.parse_args(argv)
 
     plan = SMOKE_PLAN if args.smoke else PLAN
@@ -227,9 +340,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                           "torch": torch.__version__}), flush=True)
-        if args.suite:
-            with open(args.suite, "w") as out:
-                suite(work, args.baseline or DEFAULT_BASELINE, args.steps, args.warm, out)
+        if args.suite or args.variants:
+            gpus = torch.cuda.device_count()
+            with open(args.suite or args.out, "w") as out:
+                runs = Suite(work, args.baseline or DEFAULT_BASELINE, args.steps, args.warm, out)
+                if args.variants:
+                    runs.variants(args.variants)
+                    return 0
+                if args.part in ("single", "all"):
+                    runs.single(gpus)
+                if args.part in ("multi", "all") and gpus >= 2:
+                    runs.multi(gpus, args.modes.split(","))
+                print(runs.summary())
             return 0
         models: dict[str, Path] = {}
         for shape, seq, bsz, lora, liger in plan:

@@ -205,19 +205,23 @@ class Trainer:
         window, pending, nonfinite_run = Window(), [], 0
         window_losses: list[float] = []
         last_saved = self.step if self.resumed_from is not None else None
+        upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
         while self.step < plan.max_steps:
             started = time.perf_counter()
-            micro = self.batches.step(self.step)
-            data_wait = time.perf_counter() - started
-            losses = []
-            for i, (batch, _, _) in enumerate(micro):
-                batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
-                losses.append(self.engine.forward_backward(batch, sync=i == len(micro) - 1))
+            micro = upcoming
+            losses = [self.engine.forward_backward(batch, sync=i == len(micro) - 1)
+                      for i, (batch, _, _) in enumerate(micro)]
             grad_norm = self.engine.step()
             pending.append((torch.stack(losses).float().mean(), grad_norm))
             self.step += 1
+            # The next step's batches are collated and copied while the device still runs this
+            # one, before anything below waits for it.
+            step_data_wait = data_wait
+            if self.step < plan.max_steps:
+                upcoming, data_wait = self._fetch(self.step)
             (stop_votes,), wait = d.all_reduce([float(self.stop.requested)], "max")
-            window.add(time.perf_counter() - started, wait, data_wait, sum(m[1] for m in micro), sum(m[2] for m in micro))
+            window.add(time.perf_counter() - started, wait, step_data_wait, sum(m[1] for m in micro),
+                       sum(m[2] for m in micro))
             is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps
             if is_log or len(pending) >= NONFINITE_LIMIT:
                 step_losses, norms = self._reduce_pending(pending)
@@ -241,6 +245,17 @@ class Trainer:
                 raise Stopped()
         if last_saved != self.step and spec.save_strategy == "steps":
             self._save()
+
+    def _fetch(self, step: int) -> tuple[list[tuple[dict, int, int]], float]:
+        """Micro-batches of `step` on the device, and the host seconds it took. On GPUs the host
+        tensors are pinned so the copies are asynchronous (a pageable copy would wait for the
+        device to finish the work queued before it)."""
+        started = time.perf_counter()
+        device = self.dist.device
+        pin = device.type == "cuda"
+        micro = [({k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in batch.items()},
+                  tokens, samples) for batch, tokens, samples in self.batches.step(step)]
+        return micro, time.perf_counter() - started
 
     def _reduce_pending(self, pending) -> tuple[list[float], list[float]]:
         """Global mean loss per step and grad norms: one device→host copy for the whole window."""

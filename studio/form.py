@@ -43,7 +43,7 @@ GROUPS = tuple((title, is_open, names + _UNPLACED if title == "Advanced" else na
 OPEN_CHOICES: dict[str, tuple[str, ...]] = {
     "deepspeed": ("", *DEEPSPEED_PRESETS),
     "fsdp": ("", "full_shard", "shard_grad_op", "full_shard offload", "shard_grad_op offload"),
-    "attn_impl": ("", "sdpa", "flash_attention_2", "eager"),
+    "attn_impl": ("", "sdpa", "flex_attention", "flash_attention_2", "eager"),
 }
 
 TITLES = {

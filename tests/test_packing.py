@@ -29,7 +29,7 @@ def test_pack_layout():
     assert batch["labels"][0, -1] == IGNORE
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
 def test_packed_logits_equal_unpacked(tiny_model, attn):
     from transformers import AutoModelForCausalLM
 

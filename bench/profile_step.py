@@ -1,0 +1,80 @@
+"""Where one training step of our worker spends its GPU time: runs the worker's own Trainer in
+this process (one rank) on a benchmark shape and prints torch.profiler's kernel table for a few
+steps after warm-up.
+
+    python bench/profile_step.py --shape llama3.2-1b --seq 4096 --bsz 4 --set torch_compile=true \\
+        --set attn_impl=sdpa_cudnn [--set fsdp=full_shard] [--rows 30] [--trace trace.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.throughput import SHAPES, build_model_dir, free_port, write_tokens  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3.2-1b", choices=SHAPES)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--bsz", type=int, default=4)
+    parser.add_argument("--warm", type=int, default=4)
+    parser.add_argument("--active", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="job field, value parsed as YAML (repeatable)")
+    parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from launcher import dist
+    from launcher.trainer import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="swift-profile-"))
+    model_dir = build_model_dir(args.shape, work / "model", "bfloat16")
+    steps = args.warm + args.active
+    write_tokens(work / "tokens.jsonl", args.bsz * (steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
+    spec = dict(model=str(model_dir), dataset=[str(work / "tokens.jsonl")], train_type="full", max_length=args.seq,
+                per_device_train_batch_size=args.bsz, max_steps=steps, logging_steps=1, save_strategy="no",
+                learning_rate=1e-5, torch_dtype="bfloat16", use_liger_kernel=True, gradient_checkpointing=False)
+    spec.update({k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
+    run_dir = work / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+    trainer = Trainer(run_dir, dist.init(600), None)
+    trainer.setup()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=args.warm, active=args.active, repeat=1)) as prof:
+        engine_step = trainer.engine.step
+
+        def step_and_mark():
+            norm = engine_step()
+            prof.step()
+            return norm
+
+        trainer.engine.step = step_and_mark
+        trainer.train()
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(json.dumps({"shape": args.shape, "seq": args.seq, "bsz": args.bsz, "set": args.set}))
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90), flush=True)
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+    trainer.end("succeeded", None)
+    dist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
