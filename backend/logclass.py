@@ -59,6 +59,9 @@ _SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
 # are how runs are stopped, not an error in the training code.
 _TORCHRUN_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")
 _STOP_SIGNALS = (2, 15)
+# torchrun's warning when a node leaves after its workers ended and the node holding the
+# rendezvous store has already gone: a race at the end of a run, not a failure (exit codes decide).
+_RENDEZVOUS_SHUTDOWN = re.compile(r"has failed to shutdown the rendezvous")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
@@ -74,6 +77,8 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 def classify_line(line: str) -> Cause | None:
     """The cause one log line points at, or None for an ordinary line."""
     text = line.rstrip("\n")
+    if _RENDEZVOUS_SHUTDOWN.search(text):
+        return None
     m = _TORCHRUN_SIGNAL.search(text)
     if m:
         sig = int(m.group(1))

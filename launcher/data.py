@@ -6,6 +6,7 @@ training starts, so a bad record stops the job at once with its file and line, n
 """
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import random
@@ -274,22 +275,36 @@ class Row:
 
 
 def pack(samples: list[Sample], max_length: int) -> list[Row]:
-    """Greedy first-fit in order: fill each row up to `max_length`. Position ids restart at 0 for
-    every sample, which is how transformers' mask builders (and flash-attention's varlen path)
-    tell samples apart when no attention mask is passed, so no token attends across samples.
-    The first label of every sample is ignored: it would be predicted from the previous sample."""
-    rows: list[Row] = []
-    current = Row([], [], [], 0)
-    for sample in samples:
-        if current.input_ids and len(current.input_ids) + len(sample) > max_length:
-            rows.append(current)
-            current = Row([], [], [], 0)
-        current.input_ids += sample.input_ids
-        current.labels += [IGNORE] + sample.labels[1:]
-        current.position_ids += list(range(len(sample)))
-        current.n_samples += 1
-    if current.input_ids:
-        rows.append(current)
+    """Best-fit decreasing bin packing into rows of at most `max_length` tokens: longest sample
+    first, each into the fullest row that still has room (rows come out ~97% full on lengths
+    spread evenly up to `max_length`, where filling rows in data order leaves ~25% padding).
+    Inside a row the samples keep their data order. Position ids restart at 0 for every sample,
+    which is how transformers' mask builders (and flash-attention's varlen path) tell samples
+    apart when no attention mask is passed, so no token attends across samples. The first label
+    of every sample is ignored: it would be predicted from the previous sample."""
+    members: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the best fit is found by bisection
+    for index in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
+        size = len(samples[index])
+        at = bisect.bisect_left(room, (size, -1))
+        if at == len(room):
+            members.append([index])
+            free, row = max_length - size, len(members) - 1
+        else:
+            free, row = room.pop(at)
+            members[row].append(index)
+            free -= size
+        if free > 0:
+            bisect.insort(room, (free, row))
+    rows = []
+    for indices in members:
+        row = Row([], [], [], 0)
+        for sample in (samples[i] for i in sorted(indices)):
+            row.input_ids += sample.input_ids
+            row.labels += [IGNORE] + sample.labels[1:]
+            row.position_ids += list(range(len(sample)))
+            row.n_samples += 1
+        rows.append(row)
     return rows
 
 

@@ -67,6 +67,10 @@ def test_classify_line(line, kind):
     "  File \"/x/y.py\", line 3, in f",
     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
     "",
+    # torchrun at the end of a successful 2-node run whose store node had already left.
+    "W1130 07:01:40.512000 2941 site-packages/torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1294] "
+    "The node 'n1_2941_0' has failed to shutdown the rendezvous '20261130-070051-17ee29' due to an error of type "
+    "RendezvousConnectionError.",
 ])
 def test_ordinary_lines_are_not_causes(line):
     assert lc.classify_line(line) is None

@@ -2,6 +2,8 @@
 block-diagonal mask from restarting position ids when no attention mask is passed)."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -18,15 +20,30 @@ def samples(lengths: list[int], vocab: int, seed: int = 0) -> list[Sample]:
 
 
 def test_pack_layout():
-    rows = pack(samples([5, 4, 6, 3], 100), max_length=10)
+    parts = samples([5, 4, 6, 3], 100)
+    rows = pack(parts, max_length=10)
+    # Best fit, longest first: 6 opens a row, 5 opens another, 4 fills the first, 3 goes with 5.
     assert [r.n_samples for r in rows] == [2, 2]
-    assert rows[0].position_ids == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert rows[0].input_ids == parts[1].input_ids + parts[2].input_ids  # data order inside a row
+    assert rows[0].position_ids == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     # The first token of every sample is never a target (it would be predicted from the previous sample).
-    assert rows[0].labels[0] == IGNORE and rows[0].labels[5] == IGNORE
+    assert rows[1].labels[0] == IGNORE and rows[1].labels[5] == IGNORE
     batch = collate(rows, pad_id=0, packed=True, pad_to=10)
     assert "attention_mask" not in batch and batch["input_ids"].shape == (2, 10)
-    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]  # padding is its own block
-    assert batch["labels"][0, -1] == IGNORE
+    assert batch["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]  # padding is its own block
+    assert batch["labels"][1, -2:].tolist() == [IGNORE, IGNORE]
+
+
+def test_pack_fills_rows_with_every_sample_once():
+    rng = random.Random(0)
+    lengths = [rng.randint(50, 2048) for _ in range(2000)]
+    parts = [Sample([i] * n, [i] * n) for i, n in enumerate(lengths)]
+    rows = pack(parts, max_length=2048)
+    assert all(len(r.input_ids) <= 2048 for r in rows)
+    assert sorted(t for r in rows for t in dict.fromkeys(r.input_ids)) == list(range(len(parts)))
+    assert sum(r.n_samples for r in rows) == len(parts)
+    fill = sum(lengths) / (2048 * len(rows))
+    assert fill > 0.95, fill  # filling rows in data order gives ~0.75 here
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
