@@ -18,7 +18,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.throughput import SHAPES, build_model_dir, free_port, write_tokens  # noqa: E402
+from bench.throughput import SHAPES, build_model_dir, free_port, job_spec, write_tokens  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,10 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model_dir(args.shape, work / "model", "bfloat16")
     steps = args.warm + args.active
     write_tokens(work / "tokens.jsonl", args.bsz * (steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
-    spec = dict(model=str(model_dir), dataset=[str(work / "tokens.jsonl")], train_type="full", max_length=args.seq,
-                per_device_train_batch_size=args.bsz, max_steps=steps, logging_steps=1, save_strategy="no",
-                learning_rate=1e-5, torch_dtype="bfloat16", use_liger_kernel=True, gradient_checkpointing=False)
-    spec.update({k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
+    spec = job_spec(model_dir, work / "tokens.jsonl", args.seq, args.bsz, steps,
+                    **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     run_dir = work / "run"
     run_dir.mkdir()
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))

@@ -80,6 +80,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_spec(model_dir: Path, data: Path, seq: int, bsz: int, steps: int, lora: bool = False, liger: bool = True,
+             dtype: str = "bfloat16", **fields) -> dict:
+    """The benchmark job: every step logged (its event times the step), no checkpoints, no
+    activation recomputation (the HF baseline runs without), LoRA as the baseline's; `fields`
+    override any of it."""
+    spec = dict(model=str(model_dir), dataset=[str(data)], train_type="lora" if lora else "full", max_length=seq,
+                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no",
+                learning_rate=1e-5, torch_dtype=dtype, gradient_checkpointing=False, use_liger_kernel=liger,
+                lora_rank=16, lora_alpha=32, lora_dropout=0.0)
+    return {**spec, **fields}
+
+
+def torchrun_argv(nproc: int, *target: str) -> list[str]:
+    """torchrun on this machine with a free rendezvous port, no restarts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", *target]
+
+
 def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora: bool, liger: bool, nproc: int,
                steps: int, warm: int, engine: dict, dtype: str, extra: dict | None = None,
                min_len: int | None = None, agent: bool = False, devices: str | None = None) -> dict:
@@ -95,14 +113,9 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     data = run_dir / "tokens.jsonl"
     samples = bsz * nproc * (steps + 1) * (seq // min_len if min_len else 1)
     write_tokens(data, samples, seq, SHAPES[shape]["vocab_size"], min_len)
-    spec = dict(model=str(model_dir), dataset=[str(data)], train_type="lora" if lora else "full", max_length=seq,
-                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no",
-                learning_rate=1e-5, torch_dtype=dtype, gradient_checkpointing=False, use_liger_kernel=liger,
-                lora_rank=16, lora_alpha=32, lora_dropout=0.0, **engine, **extra)
+    spec = job_spec(model_dir, data, seq, bsz, steps, lora, liger, dtype, **engine, **extra)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", "-m", "launcher.train",
-            "--run-dir", str(run_dir)]
+    argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
     env = {**gpu_env(devices),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
@@ -127,7 +140,6 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     # device→host copy, so these times are synchronised); the events' own step_time_s is not.
     step_s = (train[-1]["time"] - train[0]["time"]) / max(train[-1]["step"] - train[0]["step"], 1)
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
-    # The last checkpoint save (end of run) is outside the timed steps: step_time_s excludes it.
     useful = sum(e["tokens_per_s"] for e in train[1:]) / max(len(train) - 1, 1)  # non-padding tokens
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
             "useful_tokens_per_s": round(useful),
@@ -151,19 +163,21 @@ def run_baseline_config(script: Path, config: tuple, devices: str | None = None)
     code = (f"import json, sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem} as h; "
             f"print(json.dumps(h.run(*{config!r})))")
     proc = subprocess.run([sys.executable, "-c", code], env=gpu_env(devices), capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
-        {"source": "hf_trainer", "config": config, "error": _first_error(proc.stderr)}
+    return _baseline_result(proc, config=config)
 
 
 def run_baseline_multi(script: Path, mode: str, nproc: int) -> dict:
     """The HF Trainer scaling baseline (hf_baseline_multi.py) under torchrun, MODE=ddp|zero2|zero3|fsdp."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--max_restarts", "0", str(script)]
-    proc = subprocess.run(argv, env={**os.environ, "MODE": mode}, capture_output=True, text=True)
+    proc = subprocess.run(torchrun_argv(nproc, str(script)), env={**os.environ, "MODE": mode}, capture_output=True,
+                          text=True)
+    return _baseline_result(proc, mode=mode, nproc=nproc)
+
+
+def _baseline_result(proc: subprocess.CompletedProcess, **context) -> dict:
+    """The baseline's last JSON line, or its error with what was run."""
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
-        {"source": "hf_trainer", "mode": mode, "nproc": nproc, "error": _first_error(proc.stderr)}
+        {"source": "hf_trainer", **context, "error": _first_error(proc.stderr)}
 
 
 def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
