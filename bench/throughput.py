@@ -118,11 +118,17 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
     env = {**gpu_env(devices),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # torchrun leads its own process group, recorded where the agent looks for the run's
+    # processes (as the launcher does), so the agent does its full work: rank discovery, per-pid GPU memory.
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    (run_dir / "pids").mkdir()
+    (run_dir / "pids" / "localhost.pid").write_text(str(proc.pid))
     watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
                                  "--node", "localhost", "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL) if agent else None)
     try:
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        stdout, stderr = proc.communicate()
     finally:
         if watcher:
             watcher.terminate()
@@ -134,7 +140,7 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     train = [e for e in events if e["type"] == "train" and e["step"] > warm]
     if proc.returncode != 0 or not train:
         ended = [e for e in events if e["type"] == "end"]
-        reason = ended[-1]["error"] if ended and ended[-1].get("error") else _first_error(proc.stdout + proc.stderr)
+        reason = ended[-1]["error"] if ended and ended[-1].get("error") else _first_error(stdout + stderr)
         return {**result, "error": reason}
     # Wall clock between the first and last timed train events (each logging step ends with a
     # device→host copy, so these times are synchronised); the events' own step_time_s is not.
