@@ -13,9 +13,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
-# name: (batch, query heads, kv heads, sequence, head dim), as in bench/throughput.py's SHAPES
-CASES = {"llama3.2-1b 4096x4": (4, 32, 8, 4096, 64), "qwen2.5-1.5b 2048x8": (8, 12, 2, 2048, 128)}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def cases() -> dict[str, tuple[int, int, int, int, int]]:
+    """name: (batch, query heads, kv heads, sequence, head dim) of the benchmark targets."""
+    from bench.throughput import SHAPES
+
+    out = {}
+    for shape, seq, bsz in (("llama3.2-1b", 4096, 4), ("qwen2.5-1.5b", 2048, 8)):
+        s = SHAPES[shape]
+        out[f"{shape} {seq}x{bsz}"] = (bsz, s["num_attention_heads"], s["num_key_value_heads"], seq,
+                                       s["hidden_size"] // s["num_attention_heads"])
+    return out
 
 
 def time_case(backend, shape, gqa: bool, repeats: int = 10) -> float:
@@ -63,7 +75,7 @@ def main() -> int:
 
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "cudnn": torch.backends.cudnn.version()}), flush=True)
-    for name, shape in CASES.items():
+    for name, shape in cases().items():
         b, hq, _, s, d = shape
         flops = 4 * b * hq * s * s * d / 2 * 3.5
         print(json.dumps({"case": name, "default_backend": default_backend(shape)}), flush=True)
