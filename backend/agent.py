@@ -37,10 +37,14 @@ FLIGHT_PREFIX = "/tmp/nccl_trace_rank_"  # PyTorch's default TORCH_NCCL_DEBUG_IN
 # GPU sampling
 
 
+# (GPU index, NVML handle, sample time, the run's pids) -> a value, or a dict of named values
+_Reader = Callable[[int, Any, float, set[int]], Any]
+
+
 @dataclass
 class _Metric:
     name: str
-    read: Callable[[Any], Any]
+    read: _Reader
 
 
 class GpuSampler:
@@ -71,6 +75,9 @@ class GpuSampler:
     def _metrics(self) -> list[_Metric]:
         nv = self._nv
 
+        def of_handle(read: Callable[[Any], Any]) -> _Reader:
+            return lambda _i, h, _now, _run_pids: read(h)
+
         def util(h):
             u = nv.nvmlDeviceGetUtilizationRates(h)
             return {"util_pct": float(u.gpu), "mem_util_pct": float(u.memory)}
@@ -87,18 +94,19 @@ class GpuSampler:
             }
 
         return [
-            _Metric("util", util),
-            _Metric("mem", mem),
-            _Metric("power_w", lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
-            _Metric("energy_j", lambda h: nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0),
-            _Metric("temp_c", lambda h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
-            _Metric("sm_clock_mhz", lambda h: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
-            _Metric("pcie", pcie),
-            _Metric("nvlink", None),  # read by _nvlink (needs the previous counter)
-            _Metric("procs", None),  # read by _procs (needs the run's pids)
+            _Metric("util", of_handle(util)),
+            _Metric("mem", of_handle(mem)),
+            _Metric("power_w", of_handle(lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)),
+            _Metric("energy_j", of_handle(lambda h: nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0)),
+            _Metric("temp_c", of_handle(lambda h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))),
+            _Metric("sm_clock_mhz", of_handle(lambda h: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))),
+            _Metric("pcie", of_handle(pcie)),
+            _Metric("nvlink", self._nvlink),
+            _Metric("procs", self._procs),
         ]
 
-    def _nvlink(self, i: int, h: Any, now: float) -> dict[str, float]:
+    def _nvlink(self, i: int, h: Any, now: float, _run_pids: set[int]) -> dict[str, float]:
+        """Throughput since the previous sample of GPU i, from NVML's cumulative counters."""
         nv = self._nv
         ids = [(nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, NVLINK_ALL_LINKS),
                (nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, NVLINK_ALL_LINKS)]
@@ -114,7 +122,7 @@ class GpuSampler:
         dt = now - prev[0]
         return {"nvlink_tx_mib_s": (tx - prev[1]) / 1024 / dt, "nvlink_rx_mib_s": (rx - prev[2]) / 1024 / dt}
 
-    def _procs(self, h: Any, run_pids: set[int]) -> dict[str, Any]:
+    def _procs(self, _i: int, h: Any, _now: float, run_pids: set[int]) -> dict[str, Any]:
         procs = self._nv.nvmlDeviceGetComputeRunningProcesses(h)
         ours = [p for p in procs if p.pid in run_pids]
         used = [p.usedGpuMemory for p in ours if isinstance(p.usedGpuMemory, int)]
@@ -133,12 +141,7 @@ class GpuSampler:
                 if (i, m.name) in self.off:
                     continue
                 try:
-                    if m.name == "nvlink":
-                        value = self._nvlink(i, h, now)
-                    elif m.name == "procs":
-                        value = self._procs(h, run_pids)
-                    else:
-                        value = m.read(h)
+                    value = m.read(i, h, now, run_pids)
                 except Exception as exc:
                     self.off.add((i, m.name))
                     self.notices.append(f"gpu {i}: {m.name} switched off after an error: {type(exc).__name__}: {exc}")
@@ -192,28 +195,32 @@ class RunProcs:
         except (OSError, ValueError, IndexError):
             return None
 
-    def scan(self) -> None:
+    def scan(self) -> int | None:
+        """Look the run's processes up again (one pass over the process table); returns the
+        group read from the pid file, None while there is none."""
         pgid = self.pgid()
         if pgid is None:
             self.pids = set()
-            return
-        roots = []
-        for p in psutil.process_iter(["pid"]):
+            return None
+        roots: list[int] = []
+        children: dict[int, list[int]] = {}
+        for p in psutil.process_iter(["ppid"]):
             try:
-                if os.getpgid(p.pid) == pgid:
-                    roots.append(p)
-            except (ProcessLookupError, PermissionError, psutil.Error):
+                group = os.getpgid(p.pid)
+            except (ProcessLookupError, PermissionError):
                 continue
-        pids: set[int] = set()
-        candidates = []  # the group and its direct children: torchrun and its workers, not their
-        for root in roots:  # dataloader workers (which inherit RANK too)
-            pids.add(root.pid)
-            candidates.append(root.pid)
-            try:
-                candidates += [c.pid for c in root.children()]
-                pids.update(c.pid for c in root.children(recursive=True))
-            except psutil.Error:
-                continue
+            if group == pgid:
+                roots.append(p.pid)
+            children.setdefault(p.info["ppid"], []).append(p.pid)
+        # the group and its direct children: torchrun and its workers, not their dataloader
+        # workers (which inherit RANK too)
+        candidates = roots + [c for r in roots for c in children.get(r, ())]
+        pids, todo = set(), list(roots)
+        while todo:
+            pid = todo.pop()
+            if pid not in pids:
+                pids.add(pid)
+                todo += children.get(pid, ())
         self.pids = pids
         for pid in candidates:
             if pid in self._examined:
@@ -235,6 +242,7 @@ class RunProcs:
             self.ranks[rank] = {"rank": rank, "local_rank": local, "pid": pid, "gpu": _gpu_of(env, local)}
             # PyTorch's flight recorder writes `<prefix><rank>` on a collective timeout
             self.flight_files[rank] = Path(env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_PREFIX) + str(rank))
+        return pgid
 
     def alive(self) -> bool:
         """True while a process of the group (as of the last scan) or a worker seen so far still
@@ -421,10 +429,9 @@ class Agent:
 
     # -- main loop
     def run(self) -> int:
-        started = self.clock()
-        self.emit([{"kind": "hello", "t": started, "run_id": self.run_id, "node": self.node, "pid": os.getpid(),
-                    "gpus": self.gpus.count, "interval_s": self.interval}] + self._notices(started))
-        next_sample = next_scan = next_beat = started
+        self.emit([{"kind": "hello", "t": self.started, "run_id": self.run_id, "node": self.node, "pid": os.getpid(),
+                    "gpus": self.gpus.count, "interval_s": self.interval}] + self._notices(self.started))
+        next_sample = next_scan = next_beat = self.started
         seen_group = False
         try:
             while self.stop_reason is None:
@@ -432,12 +439,12 @@ class Agent:
                 recs: list[dict[str, Any]] = []
                 run_over = False
                 if now >= next_scan:
-                    self.procs.scan()
+                    pgid = self.procs.scan()
                     recs += self.rank_records(now) + self.flight_records(now)
-                    if self.procs.pgid() is not None:
+                    if pgid is not None:
                         seen_group = True
                         run_over = not self.procs.alive()
-                    elif now - started > self.start_timeout:
+                    elif now - self.started > self.start_timeout:
                         run_over = True
                         recs.append({"kind": "notice", "t": now, "message":
                                      f"no {self.procs.pid_file} after {self.start_timeout:.0f} s; the run did not start on this node"})

@@ -53,6 +53,8 @@ class Finding:
     rank: int | None = None
     gpu: int | None = None
     detail: str | None = None
+    collective: str | None = None
+    """The collective this finding reports stuck, with where it ran (what `hang` then names)."""
 
 
 @dataclass
@@ -80,8 +82,7 @@ class Window:
     """The collective last reported stuck: by a NCCL watchdog line in a log, or a flight recorder dump."""
 
 
-def _where(w: Window, rank: int) -> str:
-    node, gpu = w.placement.get(rank, (None, None))
+def _where(rank: int, node: str | None, gpu: int | None) -> str:
     parts = [f"rank {rank}"]
     if node is not None:
         parts.append(f"node {node}")
@@ -90,7 +91,8 @@ def _where(w: Window, rank: int) -> str:
     return ", ".join(parts)
 
 
-def _num(x: Any) -> float | None:
+def number(x: Any) -> float | None:
+    """x as a float (NaN and inf included) when it is a JSON number, else None."""
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -99,14 +101,14 @@ def _wait_shares(w: Window, since: float) -> tuple[float, float] | None:
     events newer than `since` (the last event of each rank when none is that recent)."""
     cw = dw = st = 0.0
     for events in w.timing.values():
-        recent = [e for e in events if (_num(e.get("time")) or 0) >= since] or events[-1:]
+        recent = [e for e in events if (number(e.get("time")) or 0) >= since] or events[-1:]
         for e in recent:
-            step_t = _num(e.get("step_time_s"))
+            step_t = number(e.get("step_time_s"))
             if not step_t or step_t <= 0:
                 continue
             st += step_t
-            cw += _num(e.get("collective_wait_s")) or 0.0
-            dw += _num(e.get("data_wait_s")) or 0.0
+            cw += number(e.get("collective_wait_s")) or 0.0
+            dw += number(e.get("data_wait_s")) or 0.0
     return (cw / st, dw / st) if st > 0 else None
 
 
@@ -150,12 +152,12 @@ def non_finite(w: Window, cfg: AlertConfig) -> list[Finding]:
     out = []
     for name in ("loss", "grad_norm"):
         for e in w.train:
-            v = _num(e.get(name))
+            v = number(e.get(name))
             if v is not None and not math.isfinite(v):
                 ck = (f"last checkpoint: step {w.checkpoint[0]} ({w.checkpoint[1]})" if w.checkpoint
                       else "no checkpoint yet")
                 out.append(Finding(
-                    "non_finite", f"non_finite:{name}", "error", _num(e.get("time")) or w.now,
+                    "non_finite", f"non_finite:{name}", "error", number(e.get("time")) or w.now,
                     f"{name} is {v} at step {e.get('step')}; stop the run and lower the learning rate or "
                     f"check the data and dtype (fp16 overflow); {ck}", rank=0))
                 break
@@ -164,7 +166,7 @@ def non_finite(w: Window, cfg: AlertConfig) -> list[Finding]:
 
 def loss_spike(w: Window, cfg: AlertConfig) -> list[Finding]:
     out = []
-    losses = [(e.get("step"), _num(e.get("loss")), _num(e.get("time"))) for e in w.train]
+    losses = [(e.get("step"), number(e.get("loss")), number(e.get("time"))) for e in w.train]
     losses = [(s, v, t) for s, v, t in losses if v is not None and math.isfinite(v)]
     need = max(3, cfg.spike_history // 2)
     for i in range(need, len(losses)):
@@ -183,13 +185,13 @@ def loss_spike(w: Window, cfg: AlertConfig) -> list[Finding]:
 def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     if not w.running or w.started_t is None:
         return []
-    progress = [(_num(e.get("time")), e.get("step")) for e in w.train]
+    progress = [(number(e.get("time")), e.get("step")) for e in w.train]
     for events in w.timing.values():
-        progress += [(_num(e.get("time")), e.get("step")) for e in events]
+        progress += [(number(e.get("time")), e.get("step")) for e in events]
     progress = [(t, s) for t, s in progress if t is not None and t >= w.started_t]
     if progress:
         last_t, last_step = max(progress, key=lambda p: p[0])
-        times = sorted(_num(e.get("time")) for e in w.train if _num(e.get("time")) is not None)
+        times = sorted(number(e.get("time")) for e in w.train if number(e.get("time")) is not None)
         gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
         limit = max(cfg.hang_s, 5 * statistics.median(gaps)) if gaps else cfg.hang_s
     else:
@@ -200,16 +202,17 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     what = f"no training step for {idle:.0f} s" + (f" (last logged step {last_step})" if last_step is not None
                                                  else " since the start (no step logged yet)")
     stuck = _stuck_rank(w)
-    rank = None
+    rank = node = None
     if stuck is not None:
         rank, behind, ahead = stuck
-        what += f"; {_where(w, rank)} last reported step {behind} while other ranks reached {ahead}: likely stuck"
+        node, gpu = w.placement.get(rank, (None, None))
+        what += (f"; {_where(rank, node, gpu)} last reported step {behind} while other ranks reached {ahead}: "
+                 "likely stuck")
     if w.last_collective:
         what += f"; last collective reported stuck: {w.last_collective}"
     else:
         what += ("; set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the job's env "
                  "to record which collective hangs")
-    node = w.placement.get(rank, (None, None))[0] if rank is not None else None
     return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank)]
 
 
@@ -232,10 +235,10 @@ def straggler(w: Window, cfg: AlertConfig) -> list[Finding]:
     for rank, events in w.timing.items():
         vals = []
         for e in events[-3:]:
-            st = _num(e.get("step_time_s"))
+            st = number(e.get("step_time_s"))
             if st is None:
                 continue
-            vals.append(st - (_num(e.get("collective_wait_s")) or 0.0))
+            vals.append(st - (number(e.get("collective_wait_s")) or 0.0))
         if vals:
             busy[rank] = statistics.fmean(vals)
     if len(busy) < 2:
@@ -247,7 +250,7 @@ def straggler(w: Window, cfg: AlertConfig) -> list[Finding]:
             node, gpu = w.placement.get(rank, (None, None))
             out.append(Finding(
                 "straggler", f"straggler:{rank}", "warning", w.now,
-                f"straggler: {_where(w, rank)} takes {b:.3g} s per step outside collectives, "
+                f"straggler: {_where(rank, node, gpu)} takes {b:.3g} s per step outside collectives, "
                 f"{b / med:.2f}x the median {med:.3g} s of {len(busy)} ranks "
                 "(thermal throttling, another process on the GPU, or a slow NIC)",
                 node=node, rank=rank, gpu=gpu))
@@ -279,11 +282,11 @@ def flight_dump(rec: dict[str, Any], node: str, placement: dict[int, tuple[str, 
     recorder dumped (on a collective timeout)."""
     rank = int(rec["rank"])
     where_node, gpu = placement.get(rank, (node, None))
-    w = Window(now=0.0, running=False, placement={rank: (where_node, gpu)})
     what = f"{rec.get('collective') or 'unknown collective'} #{rec.get('seq')} ({rec.get('state') or 'unknown state'})"
-    return Finding("collective_stuck", f"flight:{rank}:{rec.get('seq')}", "error", _num(rec.get("t")) or 0.0,
-                   f"flight recorder of {_where(w, rank)}: {what}", node=where_node, rank=rank, gpu=gpu,
-                   detail=str(rec.get("file")))
+    collective = f"{_where(rank, where_node, gpu)}: {what}"
+    return Finding("collective_stuck", f"flight:{rank}:{rec.get('seq')}", "error", number(rec.get("t")) or 0.0,
+                   f"flight recorder of {collective}", node=where_node, rank=rank, gpu=gpu,
+                   detail=str(rec.get("file")), collective=collective)
 
 
 _OP = re.compile(r"OpType=(\w+)")
@@ -316,4 +319,5 @@ def log_line(node: str, line: str, t: float) -> Finding | None:
     severity = "warning" if cause.kind == logclass.PEER_LOST else "error"
     rank = "" if cause.rank is None else cause.rank
     return Finding("log", f"log:{node}:{cause.kind}:{rank}", severity, t, message,
-                   node=node, rank=cause.rank, detail=line.strip()[:2000])
+                   node=node, rank=cause.rank, detail=line.strip()[:2000],
+                   collective=f"{op} on node {node}" if op else None)

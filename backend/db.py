@@ -44,9 +44,5 @@ def make_engine(url: str | None = None) -> Engine:
 
 def create_db_and_tables(engine: Engine) -> None:
     importlib.import_module("backend.models")
-    try:
-        importlib.import_module("backend.telemetry_models")
-    except ModuleNotFoundError as exc:
-        if exc.name != "backend.telemetry_models":
-            raise
+    importlib.import_module("backend.telemetry_models")
     SQLModel.metadata.create_all(engine)

@@ -103,10 +103,10 @@ class _Pending:
 
 
 def _value(x: Any) -> float | None:
-    """A number for the database: NaN/inf and non-numbers become None."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x) if math.isfinite(x) else None
+    """A point's value, the same in the live tail and the database: NaN/inf and non-numbers
+    become None."""
+    v = rules.number(x)
+    return v if v is not None and math.isfinite(v) else None
 
 
 class Ingestor:
@@ -165,10 +165,6 @@ class Ingestor:
                 self.stats["bad_lines"] += 1
                 log.warning("agent %s/%s: malformed line (%s): %.200r", run_id, node, exc, rec)
 
-    def feed_many(self, run_id: str, node: str, lines: Iterable[str | bytes]) -> None:
-        for line in lines:
-            self.feed(run_id, node, line)
-
     def _run(self, run_id: str) -> _RunState:
         st = self._runs.get(run_id)
         if st is None:
@@ -192,16 +188,16 @@ class Ingestor:
     def _add_point(self, run_id: str, st: _RunState, key: SeriesKey, t: float, value: Any,
                    step: int | None = None, into: list[tuple] | None = None) -> None:
         self._seq += 1
-        v = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        v = _value(value)
         st.tail.append((self._seq, key, t, v))
-        row = (run_id, key.node, key.gpu, key.rank, key.name, t, _value(value), step, 0.0)
+        row = (run_id, key.node, key.gpu, key.rank, key.name, t, v, step, 0.0)
         (self._pending.samples if into is None else into).append(row)
         self.stats["samples"] += 1
 
     def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
         t, gpu = float(rec["t"]), int(rec["gpu"])
         for name, value in rec.items():
-            if name not in _NOT_METRIC and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if name not in _NOT_METRIC and rules.number(value) is not None:
                 self._add_point(run_id, st, st.key(f"gpu/{name}", node, gpu, NO_INDEX), t, value)
         if "util_pct" in rec:
             pts = st.util.setdefault((node, gpu), deque())
@@ -216,7 +212,7 @@ class Ingestor:
     def _on_host(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
         t = float(rec["t"])
         for name, value in rec.items():
-            if name not in _NOT_METRIC and isinstance(value, (int, float)):
+            if name not in _NOT_METRIC and rules.number(value) is not None:
                 self._add_point(run_id, st, st.key(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value)
 
     def _take_offset(self, run_id: str, node: str, st: _RunState, rec: dict) -> bool:
@@ -272,18 +268,12 @@ class Ingestor:
     def _on_log(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
         if not self._take_offset(run_id, node, st, rec):
             return
-        line = str(rec.get("line", ""))
-        finding = rules.log_line(node, line, self.clock())
+        finding = rules.log_line(node, str(rec.get("line", "")), self.clock())
         if finding is not None:
-            op = rules.collective_of(line)
-            if op:
-                st.last_collective = f"{op} on node {node}"
             self._add_finding(run_id, st, finding)
 
     def _on_flight(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
-        finding = rules.flight_dump(rec, node, st.placement)
-        st.last_collective = finding.message.removeprefix("flight recorder of ")
-        self._add_finding(run_id, st, finding)
+        self._add_finding(run_id, st, rules.flight_dump(rec, node, st.placement))
 
     def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
         for r in rec["ranks"]:
@@ -305,6 +295,8 @@ class Ingestor:
             status["ended"] = rec.get("reason")
 
     def _add_finding(self, run_id: str, st: _RunState, finding: rules.Finding) -> None:
+        if finding.collective:  # a later hang alert names it
+            st.last_collective = finding.collective
         self._pending.findings.append((run_id, finding))
 
     # ------------------------------------------------------------------------------ writing

@@ -45,7 +45,6 @@ class Cause:
     kind: str
     summary: str
     rank: int | None = None
-    line: str | None = None
 
     @property
     def priority(self) -> int:
@@ -82,28 +81,20 @@ def classify_line(line: str) -> Cause | None:
     m = _TORCHRUN_SIGNAL.search(text)
     if m:
         sig = int(m.group(1))
-        return None if sig in _STOP_SIGNALS else Cause(KILLED, f"torchrun received signal {sig}", line=text.strip())
+        return None if sig in _STOP_SIGNALS else Cause(KILLED, f"torchrun received signal {sig}")
     m = _SIGNAL.search(text)
     if m:
-        return Cause(KILLED, f"{m.group(2)} received by PID {m.group(3)}", line=text.strip())
+        return Cause(KILLED, f"{m.group(2)} received by PID {m.group(3)}")
+    m = _RANK_PREFIX.match(text)
+    rank = int(m.group(1)) if m else None
+    body = (text[m.end():] if m else text).strip()
     for kind, pattern in _PATTERNS:
         if pattern.search(text):
-            rank = _rank_of(text)
-            return Cause(kind, _strip_rank(text).strip()[:300], rank=rank, line=text.strip())
-    rank = _rank_of(text)
-    m = _EXC.match(_strip_rank(text).strip())
+            return Cause(kind, body[:300], rank=rank)
+    m = _EXC.match(body)
     if m and m.group(2) not in ("KeyboardInterrupt",) and not m.group(2).startswith("ChildFailed"):
-        return Cause(PYTHON_EXCEPTION, _strip_rank(text).strip()[:300], rank=rank, line=text.strip())
+        return Cause(PYTHON_EXCEPTION, body[:300], rank=rank)
     return None
-
-
-def _rank_of(text: str) -> int | None:
-    m = _RANK_PREFIX.match(text)
-    return int(m.group(1)) if m else None
-
-
-def _strip_rank(text: str) -> str:
-    return _RANK_PREFIX.sub("", text, count=1)
 
 
 def classify_tail(lines: Iterable[str], exit_code: int | None = None) -> Cause:
@@ -130,7 +121,7 @@ def classify_tail(lines: Iterable[str], exit_code: int | None = None) -> Cause:
             return Cause(KILLED, f"torchrun ended by signal {sig} (exit code {exit_code})")
         return Cause(UNKNOWN, f"exit code {exit_code}" if exit_code is not None else "no exit code recorded")
     if best.rank is None and root_rank is not None:
-        best = Cause(best.kind, best.summary, rank=root_rank, line=best.line)
+        best = Cause(best.kind, best.summary, rank=root_rank)
     return best
 
 

@@ -6,10 +6,6 @@ import time
 from sqlmodel import Field, SQLModel
 
 
-def now() -> float:
-    return time.time()
-
-
 class FailureColumns(SQLModel):
     """Why an attempt failed (a run copies its failing attempt's): which node, exit code,
     classified cause, message and last log lines."""
@@ -32,8 +28,8 @@ class Run(FailureColumns, table=True):
     run_dir: str
     attempts: int = 0
     stop_requested: bool = False
-    created_at: float = Field(default_factory=now)
-    updated_at: float = Field(default_factory=now)
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
 
 
@@ -47,7 +43,7 @@ class Attempt(FailureColumns, table=True):
     resume_from: str | None = None
     cluster_json: str = "[]"   # the nodes (address, slots, setup) this attempt ran on
     plan_json: str = "{}"
-    started_at: float = Field(default_factory=now)
+    started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
 
 
@@ -62,7 +58,7 @@ class NodeProcess(SQLModel, table=True):
     pgid: int | None = None
     state: str = "starting"    # starting / running / exited / unreachable / gone
     exit_code: int | None = None
-    started_at: float = Field(default_factory=now)
+    started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
     last_seen: float | None = None
 
@@ -83,7 +79,7 @@ class NodeRecord(SQLModel, table=True):
     device: str = "cuda"
     local: bool = False
     setup: str | None = None
-    created_at: float = Field(default_factory=now)
+    created_at: float = Field(default_factory=time.time)
 
 
 class HostKeyTrust(SQLModel, table=True):
@@ -94,4 +90,4 @@ class HostKeyTrust(SQLModel, table=True):
     port: int
     fingerprint: str
     known_hosts: str
-    trusted_at: float = Field(default_factory=now)
+    trusted_at: float = Field(default_factory=time.time)

@@ -1,5 +1,5 @@
 """Reading recorded telemetry from the database: series for charts (reduced to a point budget in
-SQL), new rows since a cursor, and alerts. Works in any process (studio, CLI) without an ingestor;
+SQL) and alerts. Works in any process (studio, CLI) without an ingestor;
 `Ingestor.series` adds the in-memory tail on top of this.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Iterable, NamedTuple
 from sqlalchemy import Integer, and_, cast, func, or_, select
 from sqlalchemy.engine import Connection, Engine
 
-from backend.telemetry_models import NO_INDEX, Alert, MetricSample
+from backend.telemetry_models import Alert, MetricSample
 
 S, A = MetricSample.__table__, Alert.__table__
 
@@ -20,15 +20,6 @@ class SeriesKey(NamedTuple):
     node: str
     gpu: int
     rank: int
-
-    @property
-    def label(self) -> str:
-        """A short legend label: node:gpu for GPU series, rank N for rank series, else the node."""
-        if self.gpu != NO_INDEX:
-            return f"{self.node}:{self.gpu}"
-        if self.rank != NO_INDEX:
-            return f"rank {self.rank}"
-        return self.node
 
 
 @dataclass
@@ -71,13 +62,14 @@ def history(conn: Connection, run_id: str, names: list[str], max_points: int = 1
     if end is not None:
         cond.append(S.c.t <= end)
     keys = S.c.node, S.c.gpu, S.c.rank
+    spans: dict[str, tuple[float, float, int, int]] = {}  # name -> (t0, t1, points, series)
+    for name, t0, t1, n in conn.execute(select(S.c.name, func.min(S.c.t), func.max(S.c.t), func.count())
+                                        .where(*cond).group_by(S.c.name, *keys)):
+        a, b, points, n_series = spans.get(name, (t0, t1, 0, 0))
+        spans[name] = (min(a, t0), max(b, t1), points + n, n_series + 1)
     out: dict[SeriesKey, list] = {}
-    spans = conn.execute(select(S.c.name, func.min(S.c.t), func.max(S.c.t), func.count())
-                         .where(*cond).group_by(S.c.name)).all()
-    for name, t0, t1, n in spans:
+    for name, (t0, t1, n, n_series) in spans.items():
         ncond = cond + [S.c.name == name]
-        n_series = conn.execute(select(func.count()).select_from(
-            select(*keys).where(*ncond).group_by(*keys).subquery())).scalar() or 1
         if n / n_series <= max_points or t1 <= t0:
             rows = conn.execute(select(*keys, S.c.t, S.c.value).where(*ncond).order_by(S.c.t)).all()
         else:
@@ -87,24 +79,6 @@ def history(conn: Connection, run_id: str, names: list[str], max_points: int = 1
         for node, gpu, rank, t, v in rows:
             out.setdefault(SeriesKey(name, node, gpu, rank), []).append((float(t), v))
     return out
-
-
-def series(engine: Engine, run_id: str, names: Iterable[str], since: int | None = None, max_points: int = 1000,
-           start: float | None = None, end: float | None = None) -> SeriesResult:
-    """From the database alone. The cursor is the highest sample row id seen, so `since` reads
-    only rows written after it (a primary-key range), never the whole run again."""
-    names = list(names)
-    with engine.connect() as conn:
-        top = conn.execute(select(func.max(S.c.id))).scalar() or 0
-        if since is None:
-            return SeriesResult(top, history(conn, run_id, names, max_points, start, end))
-        rows = conn.execute(select(S.c.name, S.c.node, S.c.gpu, S.c.rank, S.c.t, S.c.value).where(
-            S.c.id > since, S.c.id <= top, S.c.run_id == run_id, S.c.res_s == 0, name_filter(names))
-            .order_by(S.c.t)).all()
-    out: dict[SeriesKey, list] = {}
-    for name, node, gpu, rank, t, v in rows:
-        out.setdefault(SeriesKey(name, node, gpu, rank), []).append((t, v))
-    return SeriesResult(top, out)
 
 
 def alerts(engine: Engine, run_id: str) -> list[Alert]:

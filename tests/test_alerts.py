@@ -174,6 +174,7 @@ def test_log_lines_are_classified_with_the_line():
                            "operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
                            "Timeout(ms)=600000) ran for 600093 milliseconds before timing out.", T0)
     assert nccl.key == "log:node-b:nccl_timeout:0" and "ALLREDUCE (timeout 600 s)" in nccl.message
+    assert nccl.collective == "ALLREDUCE (timeout 600 s) on node node-b" and oom.collective is None
     exc = alerts.log_line("node-a", "[rank3]: ValueError: dataset row 17 has no 'messages'", T0)
     assert exc.rank == 3 and "Python exception in rank 3" in exc.message
 
@@ -199,6 +200,7 @@ def test_flight_dump_names_rank_node_gpu_and_collective():
     f = alerts.flight_dump(rec, "node-x", {5: ("node-b", 1)})
     assert (f.rule, f.key, f.node, f.rank, f.gpu) == ("collective_stuck", "flight:5:41", "node-b", 5, 1)
     assert f.message == "flight recorder of rank 5, node node-b, GPU 1: nccl:all_reduce #41 (started)"
+    assert f.collective == "rank 5, node node-b, GPU 1: nccl:all_reduce #41 (started)"
     assert f.detail == "/tmp/nccl_trace_rank_5"
     # unknown placement: the delivering node
     assert alerts.flight_dump(rec, "node-x", {}).node == "node-x"

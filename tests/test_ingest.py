@@ -261,11 +261,15 @@ def test_log_alerts_are_stored_once_per_condition(engine):
 
 def test_rules_run_on_ingested_series_and_nan_survives_json(engine):
     ing = Ingestor(engine, autostart=False)
+    cursor = ing.series("r", ["train/loss"]).cursor
     ev = [{"type": "start", "time": T0}, {"type": "train", "time": T0 + 1, "step": 1, "loss": 2.0},
           {"type": "train", "time": T0 + 2, "step": 2, "loss": math.nan}]
     for i, e in enumerate(ev):
         ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": i + 1,
                                        "rank": 0, "data": e}))  # json.dumps writes NaN, as the agent does
+    # the live tail holds NaN as the database does: as no value
+    assert ing.series("r", ["train/loss"], since=cursor).series == {
+        SeriesKey("train/loss", "a", -1, 0): [(T0 + 1, 2.0), (T0 + 2, None)]}
     for i in range(5):
         ing.feed("r", "a", gpu_line(T0 + i, 0, used=79.5, total=80.0))
     ing.evaluate("r", now=T0 + 5)
@@ -317,6 +321,17 @@ def test_a_failed_flush_keeps_the_batch(engine, monkeypatch):
     monkeypatch.setattr(engine, "begin", real_begin)
     assert ing.flush() == 1
     assert count(engine, E) == 1 and ing.offsets("r", "a") == {"events/rank-0.jsonl": 5}
+
+
+def test_a_watchdog_log_line_is_named_by_the_hang_alert(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 1, "rank": 0,
+                                   "data": {"type": "start", "time": T0}}))
+    ing.feed("r", "b", json.dumps({"kind": "log", "file": "logs/b.log", "offset": 100, "line":
+                                   "[rank1]:[E ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation "
+                                   "timeout: WorkNCCL(SeqNum=9, OpType=ALLGATHER, Timeout(ms)=1800000) ran for 1800042 ms"}))
+    [hang] = [f for f in ing.evaluate("r", now=T0 + 2000) if f.rule == "hang"]
+    assert "last collective reported stuck: ALLGATHER (timeout 1800 s) on node b" in hang.message
 
 
 def test_flight_dump_is_stored_and_named_by_the_hang_alert(engine):
