@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from backend import remote, ssh
 from backend.cluster import Node
@@ -34,10 +35,6 @@ class NodeCommand:
     env: Mapping[str, str]
     setup: str | None = None
 
-    @property
-    def name(self) -> str:
-        return remote.node_file_name(self.node.host)
-
 
 @dataclass
 class Started:
@@ -57,6 +54,16 @@ class StopReport:
     @property
     def clean(self) -> bool:
         return not any(self.leftovers.values()) and not self.unreachable
+
+    def detail(self) -> str:
+        """What kept the stop from being clean, one `host: why` per node."""
+        return "; ".join([*(f"{h}: could not verify ({why})" for h, why in self.unreachable.items()),
+                          *(f"{h}: pids {p} survived" for h, p in self.leftovers.items() if p)])
+
+
+def absolute_dir(path: str) -> str:
+    """A directory as the workers must see it: relative paths resolve where the studio runs."""
+    return str(Path(path).expanduser().absolute())
 
 
 async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
@@ -95,7 +102,7 @@ _PGID = re.compile(r"^\s*(\d+)\s*$")
 
 
 async def start_node(pool: Pool, cmd: NodeCommand, run_id: str, run_dir: str) -> Started:
-    paths = remote.NodePaths(run_dir, cmd.name)
+    paths = remote.NodePaths(run_dir, cmd.node.host)
     text = remote.detached_start(cmd.argv, cmd.env, paths, run_id)
     try:
         res = await pool.run(cmd.node, text, cmd.setup, timeout=remote.PID_WAIT_S + ssh.COMMAND_TIMEOUT_S)
@@ -116,14 +123,9 @@ async def start_all(pool: Pool, commands: Sequence[NodeCommand], run_id: str, ru
     return started
 
 
-async def probe(pool: Pool, node: Node, setup: str | None, pgid: int | None, run_dir: str,
-                deadline_s: float = 0.0) -> tuple[bool, int | None]:
+async def probe(pool: Pool, node: Node, pgid: int | None, run_dir: str) -> tuple[bool, int | None]:
     """(workers alive, torchrun's exit code or None) on one node."""
-    text = remote.probe(pgid, remote.NodePaths(run_dir, remote.node_file_name(node.host)))
-    if deadline_s:
-        res = await pool.run_retrying(node, text, None, deadline_s=deadline_s)
-    else:
-        res = await pool.run(node, text, None, timeout=10)
+    res = await pool.run(node, remote.probe(pgid, remote.NodePaths(run_dir, node.host)), None, timeout=10)
     try:
         return remote.parse_probe(res.stdout)
     except ValueError:
@@ -149,26 +151,22 @@ async def stop_all(pool: Pool, started: Sequence[Started], run_id: str, run_dir:
     report = StopReport()
     loop = asyncio.get_running_loop()
 
+    async def gone_after(s: Started, signal: str, wait_s: float, poll_s: float) -> bool:
+        await _signal(pool, s, signal)
+        end = loop.time() + wait_s
+        while loop.time() < end:
+            alive, _ = await probe(pool, s.node, s.pgid, run_dir)
+            if not alive:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
+
     async def one(s: Started) -> None:
-        label = s.node.host
         try:
-            if grace_s > 0:
-                await _signal(pool, s, "TERM")
-                end = loop.time() + grace_s
-                while loop.time() < end:
-                    alive, _ = await probe(pool, s.node, s.setup, s.pgid, run_dir)
-                    if not alive:
-                        break
-                    await asyncio.sleep(POLL_S)
-            await _signal(pool, s, "KILL")
-            end = loop.time() + KILL_WAIT_S
-            while loop.time() < end:
-                alive, _ = await probe(pool, s.node, s.setup, s.pgid, run_dir)
-                if not alive:
-                    break
-                await asyncio.sleep(POLL_S / 5)
+            if not (grace_s > 0 and await gone_after(s, "TERM", grace_s, POLL_S)):
+                await gone_after(s, "KILL", KILL_WAIT_S, POLL_S / 5)
         except ssh.NodeError as exc:
-            report.unreachable[label] = exc.reason
+            report.unreachable[s.node.host] = exc.reason
 
     await asyncio.gather(*(one(s) for s in started if s.pgid))
     nodes = {n.host: n for n in [*(s.node for s in started), *all_nodes]}
@@ -189,14 +187,13 @@ async def _sweep(pool: Pool, node: Node, run_id: str, report: StopReport) -> Non
         report.unreachable.setdefault(node.host, exc.reason)
 
 
-async def log_since(pool: Pool, node: Node, run_dir: str, offset: int, max_bytes: int = 1 << 20,
-                    log_node: str | None = None) -> bytes:
-    path = remote.NodePaths(run_dir, remote.node_file_name(log_node or node.host)).log
+async def log_since(pool: Pool, node: Node, run_dir: str, offset: int, max_bytes: int = 1 << 20) -> bytes:
+    path = remote.NodePaths(run_dir, node.host).log
     res = await pool.run(node, remote.read_from(path, offset, max_bytes), None, timeout=30)
     return res.raw
 
 
-async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40, log_node: str | None = None) -> list[str]:
-    path = remote.NodePaths(run_dir, remote.node_file_name(log_node or node.host)).log
+async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40) -> list[str]:
+    path = remote.NodePaths(run_dir, node.host).log
     res = await pool.run(node, remote.tail(path, lines), None, timeout=15)
     return res.stdout.splitlines()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
@@ -52,18 +53,31 @@ class Failure:
     log_tail: str = ""
 
 
+Row = TypeVar("Row", Run, NodeProcess)
+
+
+def _record(row: Run | Attempt, failure: Failure | None) -> None:
+    """Store the failure's fields on a run or attempt; None clears them."""
+    row.failed_node, row.exit_code, row.cause, row.message, row.log_tail = (
+        (failure.node, failure.exit_code, failure.cause, failure.message, failure.log_tail) if failure
+        else (None,) * 5)
+
+
 class RunStore:
     """Short sessions per unit of work; safe to call from the control loop's thread."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def create(self, run: Run) -> Run:
+    def _insert(self, row: Row) -> Row:
         with Session(self.engine) as s:
-            s.add(run)
+            s.add(row)
             s.commit()
-            s.refresh(run)
-            return run
+            s.refresh(row)
+            return row
+
+    def create(self, run: Run) -> Run:
+        return self._insert(run)
 
     def get(self, run_id: str) -> Run | None:
         with Session(self.engine) as s:
@@ -88,19 +102,17 @@ class RunStore:
             if new == CHECKING:
                 run.ended_at = None
                 run.stop_requested = False
-                run.failed_node = run.exit_code = run.cause = run.message = run.log_tail = None
+                _record(run, None)
             if new in FINAL:
                 run.ended_at = run.updated_at
             if failure:
-                run.failed_node, run.exit_code, run.cause = failure.node, failure.exit_code, failure.cause
-                run.message, run.log_tail = failure.message, failure.log_tail
+                _record(run, failure)
             if attempt is not None and new != CHECKING:
                 attempt.state = new
                 if new in FINAL:
                     attempt.ended_at = run.updated_at
                 if failure:
-                    attempt.failed_node, attempt.exit_code, attempt.cause = failure.node, failure.exit_code, failure.cause
-                    attempt.message, attempt.log_tail = failure.message, failure.log_tail
+                    _record(attempt, failure)
                 s.add(attempt)
             s.add(run)
             s.commit()
@@ -151,11 +163,7 @@ class RunStore:
             s.commit()
 
     def add_process(self, proc: NodeProcess) -> NodeProcess:
-        with Session(self.engine) as s:
-            s.add(proc)
-            s.commit()
-            s.refresh(proc)
-            return proc
+        return self._insert(proc)
 
     def update_process(self, proc_id: int, **fields) -> None:
         with Session(self.engine) as s:

@@ -24,7 +24,7 @@ from sqlmodel import Session, select
 
 from backend import launch as launch_ops
 from backend import lifecycle, logclass, metrics_export, nodes, remote, ssh
-from backend.cluster import Cluster
+from backend.cluster import Cluster, Node
 from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
 from backend.lifecycle import Failure, RunStore
@@ -35,7 +35,6 @@ from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
-REATTACH_PROBE_S = 20.0
 
 
 class RunError(Exception):
@@ -131,8 +130,7 @@ class RunManager:
             run = self.store.get(run_id)
             if run is not None and run.state not in lifecycle.FINAL:
                 failure = Failure(None, None, "internal_error", f"swift-studio error: {type(exc).__name__}: {exc}")
-                if run.state == lifecycle.CREATED or run.state in lifecycle.ACTIVE:
-                    self.store.transition(run_id, lifecycle.FAILED, failure)
+                self.store.transition(run_id, lifecycle.FAILED, failure)
 
     def close(self) -> None:
         """Stop watching (runs keep running on their nodes; a new manager re-attaches)."""
@@ -206,12 +204,10 @@ class RunManager:
         return self.run(run_id)
 
     def nodes_of(self, run_id: str) -> list[str]:
-        attempt = self.store.current_attempt(run_id)
-        return [d["host"] for d in json.loads(attempt.cluster_json)] if attempt else []
+        return [n.host for n, _ in _members(self.store.current_attempt(run_id))]
 
     def _log_node(self, run_id: str, node: str | None):
-        attempt = self.store.current_attempt(run_id)
-        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+        members = _members(self.store.current_attempt(run_id))
         if not members:
             return None
         chosen = next((n for n, _ in members if n.host == node), None) if node else members[0][0]
@@ -311,8 +307,7 @@ class RunManager:
                setups: Mapping[str, str] | None = None) -> str:
         """Create the run and start it in the background; returns the run id at once."""
         run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
-        # Relative to where the studio runs; the workers get the absolute path.
-        output_dir = str(Path(spec.output_dir).expanduser().absolute())
+        output_dir = launch_ops.absolute_dir(spec.output_dir)
         spec = spec.model_copy(update={"output_dir": output_dir})
         run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
@@ -328,8 +323,7 @@ class RunManager:
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
         spec = JobSpec.model_validate(_yaml_load(run.spec_yaml))
         if cluster is None:
-            attempt = self.store.current_attempt(run_id)
-            members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)]
+            members = _members(self.store.current_attempt(run_id))
             cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
             setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
         else:
@@ -354,7 +348,7 @@ class RunManager:
         attempt = self.store.current_attempt(run_id)
         if attempt is None:
             raise RunError(f"run {run_id} never started; nothing to export")
-        node, setup = nodes.node_from_dict(json.loads(attempt.cluster_json)[0])
+        node, setup = _members(attempt)[0]
         argv = [node.python, "-m", "launcher.export", "--run-dir", run.run_dir]
         if checkpoint:
             argv += ["--checkpoint", str(checkpoint)]
@@ -484,11 +478,9 @@ class RunManager:
         attempt = self.store.current_attempt(run_id)
         if attempt is None or run.state in lifecycle.FINAL:
             return
-        members = {n.host: (n, s) for n, s in (nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json))}
-        started = [Started(members[p.node][0], members[p.node][1], pgid=p.pgid)
-                   for p in self.store.processes(attempt.id) if p.node in members and p.pgid]
-        report = await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=grace_s,
-                                       all_nodes=[n for n, _ in members.values()])
+        members = _members(attempt)
+        report = await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run_id,
+                                           run.run_dir, grace_s=grace_s, all_nodes=[n for n, _ in members])
         for p in self.store.processes(attempt.id):
             self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
                                       ended_at=time.time())
@@ -497,10 +489,8 @@ class RunManager:
             return
         failure = None
         if not report.clean:
-            detail = "; ".join([*(f"{h}: {why}" for h, why in report.unreachable.items()),
-                                *(f"{h}: pids {p} survived" for h, p in report.leftovers.items() if p)])
             failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
-                              f"stopped, but not every node could be verified clean: {detail}")
+                              f"stopped, but not every node could be verified clean: {report.detail()}")
         self.store.transition(run_id, lifecycle.STOPPED, failure)
 
     async def _reattach_all(self) -> None:
@@ -509,27 +499,32 @@ class RunManager:
 
     async def _reattach(self, run: Run) -> None:
         attempt = self.store.current_attempt(run.id)
-        members = [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+        members = _members(attempt)
         if run.state != lifecycle.RUNNING or not members:
             # The studio went away while checking or launching: nothing is watched, so clean
             # up whatever of the run may have started and record it.
             if members:
-                by_host = {n.host: (n, s) for n, s in members}
-                started = [Started(*by_host[p.node], pgid=p.pgid)
-                           for p in self.store.processes(attempt.id) if p.pgid and p.node in by_host]
-                await launch_ops.stop_all(self.pool, started, run.id, run.run_dir, grace_s=0,
-                                      all_nodes=[n for n, _ in members])
+                await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run.id,
+                                          run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
             self.store.transition(run.id, lifecycle.FAILED,
                                   Failure(None, None, "interrupted", f"the studio stopped while the run was {run.state}"))
             return
-        by_host = {n.host: (n, s) for n, s in members}
-        started = [Started(by_host[p.node][0], by_host[p.node][1], pgid=p.pgid)
-                   for p in self.store.processes(attempt.id) if p.node in by_host]
         if run.stop_requested:
             self._spawn(run.id, self._stop(run.id, launch_ops.STOP_GRACE_S))
             return
         self._notice(run.id, "re-attached after a studio restart")
-        self._spawn(run.id, self._watch(run.id, attempt.id, started))
+        self._spawn(run.id, self._watch(run.id, attempt.id, _started(members, self.store.processes(attempt.id))))
+
+
+def _members(attempt: Attempt | None) -> list[tuple[Node, str | None]]:
+    """The attempt's nodes in rank order, each with its setup line."""
+    return [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+
+
+def _started(members: list[tuple[Node, str | None]], procs: list[NodeProcess]) -> list[Started]:
+    """The recorded processes of the attempt's nodes, as `launch` handles them."""
+    by_host = {n.host: (n, s) for n, s in members}
+    return [Started(*by_host[p.node], pgid=p.pgid) for p in procs if p.node in by_host]
 
 
 def _find_node(cluster: Cluster, host: str):

@@ -7,7 +7,6 @@ local machine is reached with local subprocesses, every other node over SSH.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -20,9 +19,6 @@ from backend.cluster import Cluster, Node, cluster_from_dicts
 from backend.models import HostKeyTrust, NodeRecord
 
 Setups = Mapping[str, str]   # host -> setup line
-
-RECONNECT_BASE_S = 0.5
-RECONNECT_MAX_S = 8.0
 
 
 def address_of(node: Node) -> ssh.Address:
@@ -64,14 +60,6 @@ def inventory(engine: Engine) -> list[NodeRecord]:
         return list(s.exec(select(NodeRecord).order_by(NodeRecord.id)))
 
 
-def inventory_cluster(engine: Engine, hosts: list[str] | None = None) -> tuple[Cluster, dict[str, str]]:
-    """The stored nodes (all, or the named ones in that order) as a Cluster and their setup lines."""
-    rows = {r.host: r for r in inventory(engine)}
-    chosen = [rows[h] for h in hosts] if hosts else list(rows.values())
-    dicts = [{k: getattr(r, k) for k in _NODE_FIELDS} for r in chosen]
-    return cluster_from_dicts(dicts, source="inventory"), {r.host: r.setup for r in chosen if r.setup}
-
-
 def setups_for(engine: Engine, cluster: Cluster, given: Setups | None = None) -> dict[str, str]:
     """Setup line per host: given ones first, else the inventory's."""
     stored = {r.host: r.setup for r in inventory(engine) if r.setup}
@@ -110,7 +98,7 @@ def _helper_command(node: Node, setup: str | None) -> str:
 
 
 class Pool:
-    """One shell per node, opened on first use and reopened (with backoff) after a drop."""
+    """One shell per node, opened on first use and reopened after a drop."""
 
     def __init__(self, known_hosts: Path | None = None):
         self.known_hosts = known_hosts
@@ -152,25 +140,8 @@ class Pool:
             helper = await shell.helper(node.python, _helper_command(node, setup))
             if helper is not None:
                 return ssh.Result(0, "", "")
-            return await shell.run(remote.with_setup(setup, remote.quote_argv([node.python, "-c", "import sys"])),
-                                   timeout=timeout)
         return await shell.run(remote.with_setup(setup, remote.quote_argv([node.python, "-c", "import sys"])),
                                timeout=timeout)
-
-    async def run_retrying(self, node: Node, command: str, setup: str | None = None,
-                           deadline_s: float = 20.0, timeout: float = 10.0) -> ssh.Result:
-        """Like `run`, retrying unreachable nodes with exponential backoff until `deadline_s`."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
-        delay = RECONNECT_BASE_S
-        while True:
-            try:
-                return await self.run(node, command, setup, timeout=min(timeout, max(1.0, end - loop.time())))
-            except (ssh.Unreachable, ssh.CommandTimeout):
-                if loop.time() + delay >= end:
-                    raise
-                await asyncio.sleep(delay * (0.8 + 0.4 * random.random()))
-                delay = min(delay * 2, RECONNECT_MAX_S)
 
     async def drop(self, node: Node) -> None:
         shell = self._shells.pop(address_of(node), None)

@@ -2,7 +2,7 @@
 
 Round 1 (one command per node): login, the clock, package versions (read from files, nothing is
 imported: torch alone takes seconds), GPUs through NVML, free disk, the network interface, a
-token written into the output directory, and on the master whether the rendezvous port is free.
+token written into the output directory, and on the master a free port for the rendezvous.
 Round 2: every node looks for every other node's token (shared storage) and connects to the
 master's port while the master listens (reachability). Round 3, optional: an all-reduce through
 torchrun across the nodes, reporting bus bandwidth.
@@ -16,13 +16,12 @@ import json
 import secrets
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from backend import remote, ssh
-from backend.cluster import Cluster, Node, is_loopback
-from backend.nodes import Pool
+from backend import launch, remote, ssh
+from backend.cluster import Cluster, Node
+from backend.nodes import Pool, address_of
 from backend.spec import JobSpec
 
 Status = Literal["ok", "warning", "error", "skipped"]
@@ -160,16 +159,6 @@ try:
 except OSError:
     out["disk_free_gib"] = None
 out["interfaces"] = [n for _, n in socket.if_nameindex()]
-if p.get("port") is not None:
-    s = socket.socket()
-    try:
-        s.bind(("", p["port"]))
-        out["port_free"] = True
-    except OSError as exc:
-        out["port_free"] = False
-        out["port_error"] = exc.strerror or str(exc)
-    finally:
-        s.close()
 if p.get("pick_port"):
     s = socket.socket(); s.bind(("", 0)); out["picked_port"] = s.getsockname()[1]; s.close()
 print(json.dumps(out))
@@ -249,14 +238,13 @@ class _NodeProbe:
     rtt: tuple[float, float] = (0.0, 0.0)
 
 
-def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, cluster: Cluster, token_names: list[str],
-                    ifname: str | None) -> list[CheckResult]:
+def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, ifname: str | None) -> list[CheckResult]:
     """Pure: the round-1 rows from what every node reported."""
     rows: list[CheckResult] = []
     ok_probes = [p for p in probes if p.data]
     ref = ok_probes[0] if ok_probes else None
     nproc = spec.nproc_per_node if spec and spec.nproc_per_node else None
-    for i, p in enumerate(probes):
+    for p in probes:
         host = p.node.host
         if p.error is not None:
             fix = {"unreachable": "check the host name/port and that sshd runs; firewalls",
@@ -309,10 +297,6 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, cluster: Clu
         if not d.get("token_written"):
             rows.append(CheckResult(host, "shared_dir", "error", f"cannot write the output directory: {d.get('token_error')}",
                                     "create the output directory with write permission on every node"))
-        if i == 0 and "port_free" in d:
-            rows.append(CheckResult(host, "port", "ok" if d["port_free"] else "error",
-                                    f"rendezvous port {d.get('port')} " + ("is free" if d["port_free"] else f"is in use ({d.get('port_error')})"),
-                                    "" if d["port_free"] else "choose another master port or stop what holds it"))
     return rows
 
 
@@ -354,7 +338,7 @@ def _gpus(host: str, d: dict, gpu_node: bool, needed: int | None) -> CheckResult
     return CheckResult(host, "gpus", "ok", text)
 
 
-def _ifname(spec: JobSpec | None, cluster: Cluster) -> str | None:
+def _ifname(spec: JobSpec | None) -> str | None:
     if spec and spec.env.get("NCCL_SOCKET_IFNAME"):
         return spec.env["NCCL_SOCKET_IFNAME"]
     return None
@@ -371,14 +355,12 @@ async def _round1(pool: Pool, node: Node, setup: str | None, params: dict) -> _N
         probe.error = exc
         return probe
     if not res.ok:
-        probe.error = ProbeFailed(ssh.Address(node.host, node.ssh_port),
-                                  f"{node.python} failed on the node: {res.first_error_line()}")
+        probe.error = ProbeFailed(address_of(node), f"{node.python} failed on the node: {res.first_error_line()}")
         return probe
     try:
         probe.data = json.loads(res.stdout.strip().splitlines()[-1])
-        probe.data["port"] = params.get("port")
     except (ValueError, IndexError):
-        probe.error = ProbeFailed(ssh.Address(node.host, node.ssh_port), f"unreadable probe output: {res.first_error_line()}")
+        probe.error = ProbeFailed(address_of(node), f"unreadable probe output: {res.first_error_line()}")
     probe.rtt = (sent, received)
     return probe
 
@@ -393,29 +375,27 @@ async def _reach(pool: Pool, node: Node, setup: str | None, params: dict) -> dic
 
 
 async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = None,
-                        setups: Mapping[str, str] | None = None, bandwidth: bool = True,
-                        master_port: int | None = None) -> PreflightReport:
+                        setups: Mapping[str, str] | None = None, bandwidth: bool = True) -> PreflightReport:
     started = time.perf_counter()
     setups = setups or {}
     nodes = list(cluster.nodes[: spec.nnodes] if spec else cluster.nodes)
-    output_dir = _output_dir(spec)
+    output_dir = launch.absolute_dir(spec.output_dir if spec else "output")
     run_token = secrets.token_hex(6)
     tokens = [f"{run_token}-{i}" for i in range(len(nodes))]
     probes = await asyncio.gather(*(
         _round1(pool, n, setups.get(n.host), {
             "packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": tokens[i],
-            "port": master_port if i == 0 else None, "pick_port": i == 0 and master_port is None})
+            "pick_port": i == 0})
         for i, n in enumerate(nodes)))
     report = PreflightReport()
-    report.results += evaluate_round1(probes, spec, cluster, tokens, _ifname(spec, cluster))
+    report.results += evaluate_round1(probes, spec, _ifname(spec))
     master = probes[0]
-    port = master_port or (master.data or {}).get("picked_port")
-    reachable = [p for p in probes if p.data]
-    if master.data and port and (master_port is None or master.data.get("port_free")):
-        report.results += await _round2(pool, probes, tokens, port, output_dir, master_port is None)
-    elif master.data is None:
-        for p in reachable:
-            report.results.append(CheckResult(p.node.host, "port", "skipped", "the master did not answer"))
+    if master.data:
+        report.results += await _round2(pool, probes, tokens, master.data["picked_port"], output_dir)
+    else:
+        for p in probes:
+            if p.data:
+                report.results.append(CheckResult(p.node.host, "port", "skipped", "the master did not answer"))
     if bandwidth:
         report.results += await _bandwidth(pool, probes, spec, report)
     report.seconds = time.perf_counter() - started
@@ -425,13 +405,8 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
     return report
 
 
-def _output_dir(spec: JobSpec | None) -> str:
-    out = spec.output_dir if spec else "output"
-    return str(Path(out).expanduser().absolute())
-
-
-async def _round2(pool: Pool, probes: list[_NodeProbe], tokens: list[str], port: int, output_dir: str,
-                  picked: bool) -> list[CheckResult]:
+async def _round2(pool: Pool, probes: list[_NodeProbe], tokens: list[str], port: int,
+                  output_dir: str) -> list[CheckResult]:
     master = probes[0]
     addr = master.node.address
     peers = [p for p in probes[1:] if p.data]
@@ -443,8 +418,7 @@ async def _round2(pool: Pool, probes: list[_NodeProbe], tokens: list[str], port:
     rows: list[CheckResult] = []
     written = {tokens[i]: p.node.host for i, p in enumerate(probes) if p.data and p.data.get("token_written")}
     host_port = f"{addr}:{port}"
-    if picked:
-        rows.append(CheckResult(master.node.host, "port", "ok", f"free port {port} found for the rendezvous"))
+    rows.append(CheckResult(master.node.host, "port", "ok", f"free port {port} found for the rendezvous"))
     for p, res in zip([master, *peers], results):
         host = p.node.host
         if "error" in res and "seen" not in res:
@@ -476,12 +450,10 @@ async def _bandwidth(pool: Pool, probes: list[_NodeProbe], spec: JobSpec | None,
     if report.errors() or any(p.data is None for p in probes):
         return [CheckResult(master.node.host, "bandwidth", "skipped", "skipped: fix the errors above first")]
     try:
-        port = int((await pool.run(master.node, remote.quote_argv(
-            [master.node.python, "-c", "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"]),
-            master.setup, timeout=30)).stdout.strip())
-    except (ssh.NodeError, ValueError) as exc:
+        port = await launch.free_port(pool, master.node, master.setup)
+    except ssh.NodeError as exc:
         return [CheckResult(master.node.host, "bandwidth", "error", f"could not pick a port: {exc}")]
-    loopback = all(is_loopback(p.node.address) for p in probes)
+    loopback = Cluster(tuple(p.node for p in probes)).all_loopback
     env = dict(spec.env) if spec else {}
     if loopback:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -91,8 +91,7 @@ _WRAPPER = (
 PID_WAIT_S = 10.0
 
 
-def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths, run_id: str,
-                   setup: str | None = None) -> str:
+def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths, run_id: str) -> str:
     """Shell text that starts `argv` detached in `paths.run_dir` and prints its process-group id."""
     full_env = {**env, RUN_ID_ENV: run_id}
     start = quote_argv([
@@ -100,7 +99,7 @@ def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths
         *env_argv(full_env), *argv,
     ])
     tries = int(PID_WAIT_S / 0.05)
-    body = (
+    return (
         f"cd {shlex.quote(paths.run_dir)} && mkdir -p logs pids && "
         f"rm -f {shlex.quote(paths.pid)} {shlex.quote(paths.exit)} && "
         f"{{ {start} < /dev/null > {shlex.quote(paths.log)} 2>&1 & }} && "
@@ -108,7 +107,6 @@ def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths
         f"i=0; while [ ! -s {shlex.quote(paths.pid)} ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; "
         f"cat {shlex.quote(paths.pid)}"
     )
-    return with_setup(setup, body)
 
 
 def _valid_pgid(pgid: int) -> int:
@@ -133,10 +131,9 @@ def tagged_pids(run_id: str) -> str:
 
 def signal_group(pgid: int, signal: str) -> str:
     """Signal a process group; succeeds whether or not the group still exists."""
-    if signal not in ("TERM", "KILL", "INT", "0"):
+    if signal not in ("TERM", "KILL", "INT"):
         raise UnsafeValue(f"unexpected signal {signal!r}")
-    return f"kill -s {signal} -- -{_valid_pgid(pgid)} 2>/dev/null; true" if signal != "0" else \
-        f"kill -0 -- -{_valid_pgid(pgid)} 2>/dev/null"
+    return f"kill -s {signal} -- -{_valid_pgid(pgid)} 2>/dev/null; true"
 
 
 def kill_pids(pids: Sequence[int], signal: str = "KILL") -> str:

@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 
 from backend import lifecycle
@@ -35,12 +37,19 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "Host keys are checked against $SWIFT_STUDIO_KNOWN_HOSTS or ~/.ssh/known_hosts."
 
 
-def _run_of(m, run_id: str):
+@contextmanager
+def _refused(*also: type[Exception]) -> Iterator[None]:
+    """What the manager refuses (unknown run, wrong state) is the user's to fix: a message, no traceback."""
     from backend.manager import RunError
     try:
-        return m.run(run_id)
-    except RunError as exc:
+        yield
+    except (RunError, *also) as exc:
         raise CliError([str(exc)]) from None
+
+
+def _run_of(m, run_id: str):
+    with _refused():
+        return m.run(run_id)
 
 
 def _when(t: float | None) -> str:
@@ -164,9 +173,7 @@ def add_logs(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from backend.manager import RunError
-    with _manager(args, reattach=args.follow) as m:
-        _run_of(m, args.run)
+    with _manager(args, reattach=args.follow) as m, _refused():
         try:
             for line in m.log_tail(args.run, args.node, args.lines):
                 print(line)
@@ -178,8 +185,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 text, offset = m.log_since(args.run, args.node, offset)
                 sys.stdout.write(text)
                 sys.stdout.flush()
-        except RunError as exc:
-            raise CliError([str(exc)]) from None
         except KeyboardInterrupt:
             return 130
     return 0
@@ -197,7 +202,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         run = m.stop(args.run)
     for line in _describe(run):
         print(line)
-    return 0 if run.state == lifecycle.STOPPED or run.state in lifecycle.FINAL else 1
+    return 0 if run.state in lifecycle.FINAL else 1
 
 
 def add_resume(parser: argparse.ArgumentParser) -> None:
@@ -208,14 +213,10 @@ def add_resume(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from backend.manager import RunError
     cluster = load_cluster(args.hostfile) if args.hostfile else None
     with _manager(args) as m:
-        _run_of(m, args.run)
-        try:
+        with _refused():
             m.resume(args.run, cluster)
-        except RunError as exc:
-            raise CliError([str(exc)]) from None
         run = m.wait(args.run, states=(lifecycle.RUNNING, *lifecycle.FINAL))
         if not args.detach and run.state == lifecycle.RUNNING:
             print(f"resumed {args.run} (attempt {run.attempts}); waiting for it to end (Ctrl-C leaves it running)")
@@ -236,13 +237,8 @@ def add_export(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from backend.manager import RunError
-    with _manager(args, reattach=False) as m:
-        _run_of(m, args.run)
-        try:
-            result = m.export(args.run, args.checkpoint, args.out)
-        except RunError as exc:
-            raise CliError([str(exc)]) from None
+    with _manager(args, reattach=False) as m, _refused():
+        result = m.export(args.run, args.checkpoint, args.out)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -257,19 +253,15 @@ def add_trust_host(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_trust_host(args: argparse.Namespace) -> int:
-    from backend.manager import RunError
     from backend.ssh import NodeError
     cluster = load_cluster(args.hostfile)
-    with _manager(args, reattach=False) as m:
-        try:
-            fingerprint = m.host_key_fingerprint(cluster, args.host)
-            if not args.fingerprint and not args.yes:
-                answer = input(f"{args.host} presents host key {fingerprint}. Trust it? [y/N] ")
-                if answer.strip().lower() not in ("y", "yes"):
-                    print("not trusted")
-                    return 1
-            trusted = m.trust_host(cluster, args.host, args.fingerprint or fingerprint)
-        except (RunError, NodeError) as exc:
-            raise CliError([str(exc)]) from None
+    with _manager(args, reattach=False) as m, _refused(NodeError):
+        fingerprint = m.host_key_fingerprint(cluster, args.host)
+        if not args.fingerprint and not args.yes:
+            answer = input(f"{args.host} presents host key {fingerprint}. Trust it? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("not trusted")
+                return 1
+        trusted = m.trust_host(cluster, args.host, args.fingerprint or fingerprint)
     print(f"trusted {args.host} ({trusted}) in {m.known_hosts}")
     return 0

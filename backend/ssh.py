@@ -358,8 +358,8 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _known_host_patterns(address: Address) -> list[str]:
-    return [address.host] if address.port == 22 else [f"[{address.host}]:{address.port}"]
+def _known_host_pattern(address: Address) -> str:
+    return address.host if address.port == 22 else f"[{address.host}]:{address.port}"
 
 
 def _has_known_key(known_hosts: Path, address: Address) -> bool:
@@ -477,7 +477,7 @@ async def trust_host_key(address: Address, known_hosts: Path | None = None,
     if expected_fingerprint and expected_fingerprint != fingerprint:
         raise HostKeyError(address, f"presented key {fingerprint} is not the expected {expected_fingerprint}")
     known_hosts.parent.mkdir(parents=True, exist_ok=True)
-    line = f"{_known_host_patterns(address)[0]} {key.export_public_key('openssh').decode().strip()}\n"
+    line = f"{_known_host_pattern(address)} {key.export_public_key('openssh').decode().strip()}\n"
     with open(known_hosts, "a") as fh:
         fh.write(line)
     return fingerprint

@@ -142,7 +142,7 @@ class AttemptWatcher:
         asked = time.time()
         try:
             alive, code = await asyncio.wait_for(
-                launch.probe(self.pool, n.started.node, n.started.setup, n.started.pgid, self.run_dir),
+                launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir),
                 PROBE_TIMEOUT_S)
         except (ssh.NodeError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ssh.Unreachable):
@@ -168,7 +168,7 @@ class AttemptWatcher:
             # is on storage not yet visible); give the file one more look.
             await asyncio.sleep(0.3)
             try:
-                _, n.exit_code = await launch.probe(self.pool, n.started.node, n.started.setup, n.started.pgid, self.run_dir)
+                _, n.exit_code = await launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir)
             except ssh.NodeError:
                 pass
         if changed:
@@ -201,9 +201,8 @@ class AttemptWatcher:
                 n.alive = False
                 self.on_update(n)
         if not report.clean:
-            detail = "; ".join([*(f"{h}: could not verify ({why})" for h, why in report.unreachable.items()),
-                                *(f"{h}: pids {p} survived" for h, p in report.leftovers.items() if p)])
-            root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {detail}]", root.log_tail)
+            root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {report.detail()}]",
+                           root.log_tail)
         return Outcome("failed", root)
 
     async def _agent(self, n: NodeWatch) -> None:

@@ -114,9 +114,9 @@ def _hostile_launch(tmp_path: Path, nodes: list[Node], setup: str | None, known_
         started = await start_all(pool, cmds, "run-$(touch x)", str(run_dir))
         assert all(s.pgid and not s.error for s in started), started
         await asyncio.sleep(1.5)
-        states = [await probe(pool, s.node, None, s.pgid, str(run_dir)) for s in started]
+        states = [await probe(pool, s.node, s.pgid, str(run_dir)) for s in started]
         report = await stop_all(pool, started, "run-$(touch x)", str(run_dir), grace_s=10)
-        after = [await probe(pool, s.node, None, s.pgid, str(run_dir)) for s in started]
+        after = [await probe(pool, s.node, s.pgid, str(run_dir)) for s in started]
         await pool.close()
         return started, states, report, after
 
