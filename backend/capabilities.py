@@ -9,6 +9,8 @@ from backend.spec import JobSpec, Problem
 
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
 ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
+COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
+                      "or turn it off")
 
 
 def unsupported(spec: JobSpec) -> list[Problem]:
@@ -32,8 +34,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
             problems.append(Problem("torch_dtype", "float16 with FSDP is not supported (it needs a sharded grad "
                                                    "scaler); use bfloat16"))
     if spec.torch_compile and spec.deepspeed in ("zero3", "zero3_offload"):
-        problems.append(Problem("torch_compile", "not with ZeRO-3 (its parameter hooks break graph capture); "
-                                                 "use FSDP with torch_compile, or turn it off"))
+        problems.append(Problem("torch_compile", COMPILE_WITH_ZERO3))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
     unknown_sinks = [s for s in spec.report_to if s not in ("none", "tensorboard")]

@@ -59,11 +59,12 @@ def model_config_of(spec: JobSpec) -> ModelConfig | None:
 def checked(spec: JobSpec, cluster: Cluster, source: str) -> list[Problem]:
     """Validate; raise CliError on errors, print warnings, return the warnings."""
     problems = validate(spec, cluster)
-    if errors(problems):
-        raise CliError(_in_file(source, errors(problems)) + [f"warning: {line}" for line in _in_file(source, [p for p in problems if p.severity == "warning"])])
     warnings = [p for p in problems if p.severity == "warning"]
-    for line in _in_file(source, warnings):
-        print(f"warning: {line}", file=sys.stderr)
+    warning_lines = [f"warning: {line}" for line in _in_file(source, warnings)]
+    if errors(problems):
+        raise CliError(_in_file(source, errors(problems)) + warning_lines)
+    for line in warning_lines:
+        print(line, file=sys.stderr)
     return warnings
 
 

@@ -1,22 +1,25 @@
 """DeepSpeed config builder (pure): a preset name or the user's JSON, with the batch fields filled.
 
 Public API:
-    ZeroSettings                                   stage and offload devices of a config
-    zero_settings(spec) -> ZeroSettings | None      None when the job does not use DeepSpeed;
-                                                   raises DsConfigError for an unusable user JSON
+    ZeroSettings                                   stage and offload devices; ZeroSettings.of(config)
+    base_config(spec) -> dict | None                the preset or the user's JSON, before batch sizes;
+                                                   None when the job does not use DeepSpeed
+    zero_settings(spec) -> ZeroSettings | None      None when the job does not use DeepSpeed
     load_user_config(path) -> dict                  raises DsConfigError naming the file (and line)
+    batch_fields(spec, dp_size) -> dict             train_batch_size = micro x accumulation x dp_size
     build_ds_config(spec, dp_size, hidden_size=None) -> dict
-                                                   train_batch_size = micro x accumulation x dp_size
+    user_batch_conflicts(config, spec, dp_size) -> list[str]
+Reading a user JSON (base_config, zero_settings, build_ds_config) raises DsConfigError when it is unusable.
 """
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.spec import DEEPSPEED_PRESETS, JobSpec
+from backend.jsonfile import read_json
+from backend.spec import JobSpec
 
 # ms-swift's bundled zero2.json uses 2e8-element buckets: small enough for 24 GiB cards, large
 # enough to keep NCCL busy.
@@ -24,7 +27,6 @@ STAGE12_BUCKET = 200_000_000
 # DeepSpeed's own defaults when the hidden size is unknown (ZeRO-3 sizes scale with hidden^2).
 STAGE3_DEFAULT_BUCKET = 500_000_000
 STAGE3_DEFAULT_PERSISTENCE = 100_000
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 class DsConfigError(ValueError):
@@ -41,6 +43,12 @@ class ZeroSettings:
     @property
     def uses_nvme(self) -> bool:
         return "nvme" in (self.offload_optimizer, self.offload_param)
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> ZeroSettings:
+        """The settings of a config from `base_config` (its stage already checked)."""
+        zero = config["zero_optimization"]
+        return cls(int(zero["stage"]), _device(zero.get("offload_optimizer")), _device(zero.get("offload_param")))
 
 
 def _preset(name: str) -> dict[str, Any]:
@@ -77,14 +85,8 @@ def _preset(name: str) -> dict[str, Any]:
 def load_user_config(path: str | Path) -> dict[str, Any]:
     """Read a user's DeepSpeed JSON and check it names a ZeRO stage."""
     path = Path(path).expanduser()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DsConfigError(f"{path}: DeepSpeed config not found (use zero0..zero3, zero2_offload, zero3_offload or a JSON path)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DsConfigError(f"{path}: cannot read DeepSpeed config: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise DsConfigError(f"{path}:{exc.lineno}: DeepSpeed config is not valid JSON: {exc.msg}") from None
+    data = read_json(path, "DeepSpeed config", DsConfigError,
+                     hint=" (use zero0..zero3, zero2_offload, zero3_offload or a JSON path)")
     if not isinstance(data, dict):
         raise DsConfigError(f"{path}: DeepSpeed config must be a JSON object")
     zero = data.get("zero_optimization")
@@ -98,8 +100,8 @@ def base_config(spec: JobSpec) -> dict[str, Any] | None:
     """The config before batch sizes are filled: a preset or the user's JSON; None without DeepSpeed."""
     if spec.deepspeed is None:
         return None
-    if spec.deepspeed in DEEPSPEED_PRESETS:
-        return _preset(spec.deepspeed)
+    if spec.deepspeed_preset:
+        return _preset(spec.deepspeed_preset)
     return load_user_config(spec.deepspeed)
 
 
@@ -111,14 +113,20 @@ def _device(section: Any) -> str | None:
 
 def zero_settings(spec: JobSpec) -> ZeroSettings | None:
     config = base_config(spec)
-    if config is None:
-        return None
-    zero = config["zero_optimization"]
-    return ZeroSettings(int(zero["stage"]), _device(zero.get("offload_optimizer")), _device(zero.get("offload_param")))
+    return None if config is None else ZeroSettings.of(config)
 
 
 def _auto(value: Any) -> bool:
     return value is None or value == "auto"
+
+
+def batch_fields(spec: JobSpec, dp_size: int) -> dict[str, int]:
+    """The batch fields from the spec; DeepSpeed refuses a config where they do not multiply out."""
+    return {
+        "train_micro_batch_size_per_gpu": spec.per_device_train_batch_size,
+        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
+        "train_batch_size": spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size,
+    }
 
 
 def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None) -> dict[str, Any]:
@@ -127,9 +135,7 @@ def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None)
     config = copy.deepcopy(base_config(spec))
     if config is None:
         raise ValueError("the job does not use DeepSpeed")
-    config["train_micro_batch_size_per_gpu"] = spec.per_device_train_batch_size
-    config["gradient_accumulation_steps"] = spec.gradient_accumulation_steps
-    config["train_batch_size"] = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size
+    config.update(batch_fields(spec, dp_size))
     if _auto(config.get("gradient_clipping")):
         config["gradient_clipping"] = spec.max_grad_norm
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
@@ -153,14 +159,8 @@ def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None)
     return config
 
 
-def user_batch_conflicts(spec: JobSpec, dp_size: int) -> list[str]:
-    """Batch fields a user JSON sets to numbers other than the spec implies (they are overwritten)."""
-    config = base_config(spec)
-    if config is None or spec.deepspeed in DEEPSPEED_PRESETS:
-        return []
-    want = {
-        "train_micro_batch_size_per_gpu": spec.per_device_train_batch_size,
-        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
-        "train_batch_size": spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size,
-    }
-    return [f"{key}={config[key]} (the job gives {value})" for key, value in want.items() if not _auto(config.get(key)) and config[key] != value]
+def user_batch_conflicts(config: dict[str, Any], spec: JobSpec, dp_size: int) -> list[str]:
+    """Batch fields `config` (from `base_config`) sets to numbers other than the spec implies
+    (they are overwritten). Presets set none, so only a user JSON can conflict."""
+    return [f"{key}={config[key]} (the job gives {value})" for key, value in batch_fields(spec, dp_size).items()
+            if not _auto(config.get(key)) and config[key] != value]

@@ -2,7 +2,7 @@
 
 Public API:
     MemoryEstimate                                   GiB per GPU, broken down; `.to_dict()`
-    estimate_memory(spec, model, layout=None) -> MemoryEstimate
+    estimate_memory(spec, model, layout=None, device="cuda", zero=None) -> MemoryEstimate
     trainable_params(spec, model) -> int
 
 Model states follow what the worker's engines do (launcher/engines), in bytes per parameter with
@@ -196,9 +196,10 @@ def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
 
 
 def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None,
-                    device: str = "cuda") -> MemoryEstimate:
+                    device: str = "cuda", zero: ZeroSettings | None = None) -> MemoryEstimate:
     """Estimated peak memory per GPU (GiB) with its parts; `layout` defaults to the spec alone.
-    `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces."""
+    `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces. `zero`: the job's
+    DeepSpeed settings where the caller has them, so a user JSON is not read again."""
     layout = layout or compute_layout(spec)
     total = model.param_count()
     trainable = trainable_params(spec, model)
@@ -209,7 +210,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
                    width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
     if spec.deepspeed:
-        states = _deepspeed_states(spec, model, sizes, zero_settings(spec))
+        states = _deepspeed_states(spec, model, sizes, zero or zero_settings(spec))
     elif spec.fsdp:
         states = _fsdp_states(spec, model, sizes)
     else:

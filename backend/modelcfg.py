@@ -10,12 +10,13 @@ Public API:
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from backend.jsonfile import read_json
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_DIR = ASSETS / "model_configs"
@@ -169,14 +170,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelConfigError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(f"{path}: cannot read: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    cfg = read_json(path, "model config", ModelConfigError)
     try:
         return parse_model_config(cfg, source=str(path))
     except ModelConfigError as exc:

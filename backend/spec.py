@@ -64,14 +64,6 @@ class Problem:
         return f"{self.field}: {self.message}"
 
 
-class SpecError(Exception):
-    """Raised by `load_spec`/`parse_spec` callers that want an exception; carries every problem."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(p) for p in problems))
-
-
 class JobSpec(BaseModel):
     """A fine-tuning job. Every field but `model` and `dataset` has a default a beginner can keep."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from backend import capabilities
 from backend.cluster import Cluster, local_cluster
-from backend.dsconfig import DsConfigError, user_batch_conflicts, zero_settings
+from backend.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.layout import Layout, compute_layout
 from backend.memory import estimate_memory
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
@@ -99,21 +99,22 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     return out
 
 
-def _engine_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
+def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list[Problem]:
+    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed."""
     out: list[Problem] = []
     if spec.fsdp and spec.deepspeed:
         out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
     if spec.fsdp and layout.pp > 1:
         out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; use PP with DeepSpeed ZeRO-0/1 or no engine"))
-    try:
-        zero = zero_settings(spec)
-    except DsConfigError as exc:
-        return out + [Problem("deepspeed", str(exc))]
-    if zero is None:
+    if ds_config is None:
         return out
+    zero = ZeroSettings.of(ds_config)
     if layout.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
         out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
+    if spec.torch_compile and zero.stage == 3:
+        # capabilities refuses the ZeRO-3 presets by name; a user JSON shows its stage only here.
+        out.append(Problem("torch_compile", capabilities.COMPILE_WITH_ZERO3))
     if zero.offload_param and zero.stage != 3:
         out.append(Problem("deepspeed", f"parameter offload needs ZeRO-3 (the config has stage {zero.stage})"))
     if zero.uses_nvme and zero.stage != 3:
@@ -124,7 +125,7 @@ def _engine_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
         out.append(_warn("deepspeed", "optimizer and parameter offload together need about 18 bytes per parameter of host RAM on every node"))
     if zero.stage == 3 and spec.nnodes > 1:
         out.append(_warn("deepspeed", "ZeRO-3 across nodes gathers every layer over the network each step; on slower than ~100 Gb/s links prefer ZeRO-2"))
-    for conflict in user_batch_conflicts(spec, layout.dp):
+    for conflict in user_batch_conflicts(ds_config, spec, layout.dp):
         out.append(_warn("deepspeed", f"the DeepSpeed JSON sets {conflict}; the job's value is used"))
     return out
 
@@ -167,7 +168,13 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     problems = _spec_rules(spec)
     problems += _cluster_rules(spec, cluster, layout)
     problems += _layout_rules(spec, layout)
-    problems += _engine_rules(spec, layout)
+    # A user JSON is read once here, for the engine rules and the memory estimate alike.
+    try:
+        ds_config = base_config(spec)
+    except DsConfigError as exc:
+        ds_config = None
+        problems.append(Problem("deepspeed", str(exc)))
+    problems += _engine_rules(spec, layout, ds_config)
     if cluster.is_local:
         problems += _local_path_rules(spec)
     model = model_config
@@ -178,7 +185,7 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
             problems.append(Problem("model", str(exc)))
     if model is not None:
         problems += _model_rules(spec, model)
-        problems += _memory_rules(spec, cluster, layout, model, problems)
+        problems += _memory_rules(spec, cluster, layout, model, ds_config, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
@@ -186,12 +193,13 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     return problems
 
 
-def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, found: list[Problem]) -> list[Problem]:
+def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, ds_config: dict | None,
+                  found: list[Problem]) -> list[Problem]:
     """Warn when the estimate exceeds the smallest known GPU (only where GPU memory is known)."""
     known = [n.gpu_mem_gib for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
     if not known or errors(found):
         return []
-    estimate = estimate_memory(spec, model, layout)
+    estimate = estimate_memory(spec, model, layout, zero=ZeroSettings.of(ds_config) if ds_config else None)
     if estimate.total_gib <= min(known):
         return []
     return [_warn("per_device_train_batch_size",

@@ -152,6 +152,26 @@ def test_user_json_auto_fields_are_filled(tmp_path):
     assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 900_000 and config["optimizer"] == {"type": "AdamW"}
 
 
+def test_worker_sets_the_batch_fields_of_the_run_directory_config(tmp_path):
+    from launcher.config import load_ds_config
+
+    (tmp_path / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": 64}))
+    config = load_ds_config(tmp_path, job(deepspeed="zero2", per_device_train_batch_size=2, gradient_accumulation_steps=3), 4, None)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 3, 24)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"zero_optimization":\n  {"stage": 2,}}', "ds_config.json:2: DeepSpeed config is not valid JSON"),
+    (b"\xff\xfe{}", "ds_config.json: cannot read DeepSpeed config"),
+])
+def test_worker_reports_a_broken_run_directory_config(tmp_path, content, message):
+    from launcher.config import ConfigError, load_ds_config
+
+    (tmp_path / "ds_config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_ds_config(tmp_path, job(deepspeed="zero2"), 1, None)
+
+
 def test_deepspeed_accepts_the_config():
     """DeepSpeed's own config class checks train_batch_size = micro x accumulation x world."""
     from deepspeed.runtime.config import DeepSpeedConfig

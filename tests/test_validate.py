@@ -142,6 +142,35 @@ def test_user_deepspeed_json_batch_conflict_is_a_warning(tmp_path):
     assert any("train_batch_size=64 (the job gives 16)" in p.message for p in problems)
 
 
+def test_torch_compile_refused_with_zero3_from_a_user_json(tmp_path):
+    """The worker's capabilities know the ZeRO-3 presets by name; a JSON's stage shows only here."""
+    stage3 = write_ds(tmp_path, {"zero_optimization": {"stage": 3}})
+    problems = check(job(deepspeed=stage3, nproc_per_node=8, torch_compile=True))
+    assert fields(problems) == ["torch_compile"] and "not with ZeRO-3" in errors(problems)[0].message
+    assert fields(check(job(deepspeed=stage3, nproc_per_node=8))) == []
+    stage2 = write_ds(tmp_path, {"zero_optimization": {"stage": 2}})
+    assert fields(check(job(deepspeed=stage2, nproc_per_node=8, torch_compile=True))) == []
+
+
+def test_torch_compile_with_a_zero3_preset_is_reported_once():
+    problems = validate(job(deepspeed="zero3", nproc_per_node=8, torch_compile=True), parse_hostfile_text(GPU_NODES), LLAMA8B)
+    assert [p.field for p in errors(problems)] == ["torch_compile"]
+
+
+def test_user_deepspeed_json_is_read_once(tmp_path, monkeypatch):
+    """Engine rules, batch conflicts and the memory estimate share one read of the file."""
+    from backend import dsconfig
+
+    path = write_ds(tmp_path, {"zero_optimization": {"stage": 3}, "train_batch_size": 64})
+    reads = []
+    monkeypatch.setattr(dsconfig, "load_user_config", lambda p, load=dsconfig.load_user_config: reads.append(p) or load(p))
+    spec = job(deepspeed=path, nproc_per_node=1, train_type="full", max_length=4096)
+    problems = check(spec, cluster=local_cluster(GpuInfo(("RTX 4090",), 24.0)), model=QWEN7B)
+    assert has_warning(problems, "deepspeed", "train_batch_size=64")
+    assert has_warning(problems, "per_device_train_batch_size", "exceeds")  # the estimate ran too
+    assert reads == [path]
+
+
 WARNINGS = [
     ("ZeRO-3 across nodes", dict(deepspeed="zero3"), dict(deepspeed="zero2"), "deepspeed", "ZeRO-3 across nodes"),
     ("no checkpointing with long sequences", dict(gradient_checkpointing=False, max_length=8192),
@@ -197,7 +226,7 @@ def test_local_files_must_exist(tmp_path):
 def test_broken_model_config_names_the_model_field(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     problems = validate(job(model=str(tmp_path)), parse_hostfile_text(GPU_NODES))
-    assert [p.field for p in errors(problems)] == ["model"] and "config.json:1: not valid JSON" in errors(problems)[0].message
+    assert [p.field for p in errors(problems)] == ["model"] and "config.json:1: model config is not valid JSON" in errors(problems)[0].message
 
 
 def test_model_config_found_from_the_spec():
