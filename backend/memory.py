@@ -187,12 +187,15 @@ def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
 
 
 def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
-    """The worker's DDP: fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW. Autocast
-    caches 16-bit copies of trainable weights; without checkpointing backward keeps them."""
+    """The worker's DDP: fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
+    is frozen and kept in the compute dtype (`launcher.model.master_dtype`). Autocast caches
+    16-bit copies of trainable weights; without checkpointing backward keeps them."""
+    frozen_width = s.width if spec.train_type == "lora" else 4
+    weights = 4 * s.trainable + frozen_width * (s.local - s.trainable)
     cached = s.width * s.trainable if s.width == 2 and not spec.gradient_checkpointing else 0.0
     grads = 4 * s.trainable * (2 if world > 1 else 1)
     # param.grad is allocated in backward; DDP's buckets (world > 1) exist from the start.
-    return 4 * s.local + cached, grads, 8 * s.trainable, 0.0, 0.0, 4 * s.trainable, "DDP: every rank holds the full model states"
+    return weights + cached, grads, 8 * s.trainable, 0.0, 0.0, 4 * s.trainable, "DDP: every rank holds the full model states"
 
 
 def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None,

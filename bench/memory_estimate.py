@@ -1,7 +1,7 @@
 """Measured peak GPU memory of one training step vs `backend.memory.estimate_memory`.
 
-Runs on one CUDA GPU the way the worker's single-rank path does (fp32 weights, autocast to
-bf16, AdamW fused, optional LoRA and gradient checkpointing), with a model built from a bundled
+Runs on one CUDA GPU the way the worker's single-rank path does (fp32 weights, or a bf16 LoRA
+base, autocast to bf16, AdamW fused, optional LoRA and gradient checkpointing), with a model built from a bundled
 config (random weights; no download). Prints one JSON line per case:
     python -m bench.memory_estimate [--cases all]
 `measured_gib` is torch.cuda.max_memory_allocated (no CUDA context), so it is compared with the
@@ -20,7 +20,7 @@ from backend.memory import estimate_memory
 from backend.modelcfg import BUNDLED_DIR, load_model_config
 from backend.spec import JobSpec
 from launcher.engines.base import make_optimizer
-from launcher.model import add_lora
+from launcher.model import add_lora, master_dtype
 
 CASES = [
     # model, train_type, micro-batch, max_length, gradient checkpointing
@@ -40,7 +40,7 @@ def measure(name: str, train_type: str, micro: int, max_length: int, checkpointi
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     config = AutoConfig.from_pretrained(BUNDLED_DIR / f"{name}.json")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    model = AutoModelForCausalLM.from_config(config, dtype=master_dtype(spec), attn_implementation="sdpa").cuda()
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

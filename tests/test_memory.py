@@ -110,7 +110,9 @@ def test_breakdown_follows_the_settings():
     lora = est(train_type="lora")
     assert lora.trainable_params == trainable_params(job(train_type="lora"), model) < model.param_count() / 100
     assert lora.optimizer_gib < 0.01 * ddp.optimizer_gib
-    assert lora.parameters_gib == pytest.approx(ddp.parameters_gib)  # DDP keeps the frozen base in fp32 too
+    # DDP keeps a LoRA base frozen in bf16 (2 bytes), the adapters in fp32 (4) with their bf16 autocast copies
+    frozen = lora.total_params - lora.trainable_params
+    assert lora.parameters_gib == pytest.approx((2 * frozen + 4 * lora.trainable_params) / GIB, rel=1e-6)
     assert est(gradient_checkpointing=False).activations_gib > 3 * est().activations_gib
     assert est(per_device_train_batch_size=4).activations_gib == pytest.approx(4 * est().activations_gib)
     assert est(max_length=8192).activations_gib > est().activations_gib
@@ -142,15 +144,14 @@ def test_estimate_to_dict():
 
 # Peak allocated memory of two training steps, measured with `python -m bench.memory_estimate` on
 # one H200 (torch 2.11, transformers 5.17; fp32 weights + bf16 autocast, fused AdamW, sdpa).
+# The LoRA cases of bench.memory_estimate were measured with an fp32 base, before the worker kept
+# a LoRA base in bf16 under DDP; they are left out until measured again.
 MEASURED_H200 = [
     # model, train_type, micro-batch, max_length, gradient checkpointing, GiB
     ("qwen2.5-0.5b", "full", 1, 2048, True, 9.61),
     ("qwen2.5-0.5b", "full", 4, 2048, True, 20.48),
     ("qwen2.5-0.5b", "full", 2, 2048, False, 19.61),
-    ("qwen2.5-0.5b", "lora", 4, 4096, True, 31.40),
     ("qwen2.5-1.5b", "full", 2, 4096, True, 33.29),
-    ("llama3.2-1b", "lora", 2, 4096, False, 35.51),
-    ("qwen2.5-7b", "lora", 1, 4096, True, 38.36),
 ]
 
 
