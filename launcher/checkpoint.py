@@ -69,15 +69,12 @@ def resolve(run_dir: Path, ref: str | int | None) -> Path | None:
 def fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Files and directories alike (a directory's fsync makes the names in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -100,16 +97,12 @@ def publish(tmp: Path, step: int) -> Path:
     fsync_tree(tmp)
     marker = tmp / MARKER
     marker.write_text(f"{step}\n")
-    fd = os.open(marker, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(marker)
     final = final_dir(tmp.parent, step)
     if final.exists():  # a re-save of the same step after a resume: replace it as one rename
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(tmp.parent)
+    _fsync(tmp.parent)
     return final
 
 

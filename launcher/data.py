@@ -340,11 +340,16 @@ class Batches:
         self.rows, self.micro_batch, self.accumulation = rows, micro_batch, accumulation
         self.steps_per_epoch, self.seed, self.pad_id, self.packed = steps_per_epoch, seed, pad_id, packed
         self.max_length = max_length
+        self._epoch: int | None = None
+        self._epoch_order: list[int] = []
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 100_003 + epoch).shuffle(order)
-        return order
+        # Shuffling is O(rows); steps ask for the same epoch thousands of times in a row.
+        if epoch != self._epoch:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            self._epoch, self._epoch_order = epoch, order
+        return self._epoch_order
 
     def step(self, step: int) -> list[tuple[dict, int, int]]:
         """Micro-batches of optimizer step `step` (0-based): (batch, tokens, samples) each."""

@@ -10,6 +10,7 @@ values (loss, grad norm) stay on the device and are read once per logging window
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 
 class EventWriter:
-    """Appends one JSON object per line; flushed per line so the node agent can tail the file."""
+    """Appends one JSON object per line; the file is line-buffered so the node agent can tail it."""
 
     def __init__(self, run_dir: Path, rank: int):
         path = Path(run_dir) / "events" / f"rank-{rank}.jsonl"
@@ -29,7 +30,6 @@ class EventWriter:
     def emit(self, type: str, **fields: Any) -> dict:
         event = {"type": type, "time": time.time(), **fields}
         self._file.write(json.dumps(event, allow_nan=False, default=_jsonable) + "\n")
-        self._file.flush()
         return event
 
     def close(self) -> None:
@@ -42,12 +42,13 @@ def _jsonable(value: Any) -> Any:
 
 def finite_or_none(value: float | None) -> float | None:
     """JSON has no NaN: a non-finite loss or grad norm is written as null."""
-    return value if value is not None and value == value and abs(value) != float("inf") else None
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass
 class Window:
-    """Host timings of the steps since the last logging step."""
+    """Host timings of the steps since the last logging step. The trainer moves `started` forward
+    by the time spent saving checkpoints, so throughput covers training only."""
 
     steps: int = 0
     step_time_s: float = 0.0

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from launcher import checkpoint
+from launcher.engines.base import load_full_state_dict, read_safetensors
 
 
 class ExportError(Exception):
@@ -27,13 +28,8 @@ class ExportError(Exception):
 
 def full_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """The full model weights of a full fine-tuning checkpoint, whatever engine wrote it."""
-    from safetensors.torch import load_file
-
-    files = sorted((ckpt / "model").glob("*.safetensors"))
-    if files:
-        state = {}
-        for file in files:
-            state.update(load_file(file))
+    state = read_safetensors(ckpt / "model")
+    if state:
         return state
     if (ckpt / "engine").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -61,8 +57,7 @@ def merged_model(ckpt: Path, base: str):
 
         return PeftModel.from_pretrained(model, ckpt / "model").merge_and_unload()
     state = {k: v.float() for k, v in full_state_dict(ckpt).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embedding
+    missing, unexpected = load_full_state_dict(model, state)
     if missing or unexpected:
         raise ExportError(f"{ckpt}: weights do not match {base} (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.tie_weights()

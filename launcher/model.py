@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from pathlib import Path
 
 import torch
 
@@ -148,8 +147,3 @@ def peak_flops() -> float | None:
         if key in name:
             return tflops * 1e12
     return None
-
-
-def base_model_path(model) -> str | None:
-    path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    return str(Path(path)) if path else None

@@ -204,7 +204,6 @@ class Trainer:
                              attempt_pid=os.getpid())
         window, pending, nonfinite_run = Window(), [], 0
         window_losses: list[float] = []
-        last_saved = self.step if self.resumed_from is not None else None
         upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
         while self.step < plan.max_steps:
             started = time.perf_counter()
@@ -237,14 +236,12 @@ class Trainer:
                 window, window_losses = Window(), []
             due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
             if stop_votes or due:
+                saving = time.perf_counter()
                 self._save()
-                last_saved = self.step
-                if window.steps == 0:  # keep the save out of the next window's throughput
-                    window = Window()
+                # tokens/s and MFU measure training, not checkpoint writes.
+                window.started += time.perf_counter() - saving
             if stop_votes:
                 raise Stopped()
-        if last_saved != self.step and spec.save_strategy == "steps":
-            self._save()
 
     def _fetch(self, step: int) -> tuple[list[tuple[dict, int, int]], float]:
         """Micro-batches of `step` on the device, and the host seconds it took. On GPUs the host

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from launcher.data import (IGNORE, DataError, Record, encode, load_samples, parse_source, read_records, to_messages)
+from launcher.data import (IGNORE, Batches, DataError, Record, Sample, encode, load_samples, parse_source,
+                           read_records, to_messages, unpacked)
 from worker import ROOT, events, run_worker, write_run
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
@@ -99,6 +100,24 @@ def test_bad_sources(tmp_path, tokenizer):
         load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0)
     with pytest.raises(DataError, match="positive sample count"):
         parse_source("org/name#many")
+
+
+def test_batches_of_a_step_do_not_depend_on_the_steps_asked_before():
+    """A resumed run starts a fresh Batches at its step; it must see what the uninterrupted run saw."""
+    rows = unpacked([Sample([i, i + 1], [i, i + 1]) for i in range(12)])
+
+    def batches():
+        return Batches(rows, micro_batch=2, accumulation=2, steps_per_epoch=3, seed=7, pad_id=0, packed=False,
+                       max_length=8)
+
+    def ids(b, step):
+        return [batch["input_ids"].tolist() for batch, _, _ in b.step(step)]
+
+    running = batches()
+    in_order = [ids(running, step) for step in range(9)]
+    assert [ids(batches(), step) for step in range(9)] == in_order
+    assert [ids(running, step) for step in (7, 1, 4, 0)] == [in_order[7], in_order[1], in_order[4], in_order[0]]
+    assert in_order[0] != in_order[3]  # a new epoch, a new order
 
 
 @pytest.mark.e2e

@@ -72,23 +72,35 @@ def save_pretrained(model, path: Path, state_dict: dict | None = None) -> None:
     model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
 
 
-def load_weights(model, path: Path) -> None:
-    """Inverse of `save_pretrained` into an already built (unsharded) model."""
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All `*.safetensors` files of a directory (one file or shards) as one state dict; empty when there are none."""
     from safetensors.torch import load_file
 
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load a full model's weights; returns the (missing, unexpected) keys that make it a mismatch.
+    Tied output weights may be absent: they are saved once, as the input embedding."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    return [k for k in missing if k not in tied and not k.endswith("lm_head.weight")], unexpected
+
+
+def load_weights(model, path: Path) -> None:
+    """Inverse of `save_pretrained` into an already built (unsharded) model."""
     if (path / "adapter_model.safetensors").is_file():
         from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
         result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"{path}: adapter keys not in the model: {unexpected[:5]}")
         return
-    state = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
+    missing, unexpected = load_full_state_dict(model, read_safetensors(path))
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")

@@ -21,7 +21,7 @@ class FSDPEngine(Engine):
     reshards = True
 
     def __init__(self, model, spec, dist, total_steps: int):
-        self.spec, self.dist = spec, dist
+        self.spec = spec
         words = spec.fsdp.replace(",", " ").split()
         mesh = init_device_mesh(dist.device.type, (dist.world_size,))
         kwargs = {"mesh": mesh, "reshard_after_forward": "shard_grad_op" not in words}

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.config import ConfigError
 from launcher.engines.base import Engine, make_optimizer, make_scheduler, param_groups, save_pretrained
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
@@ -17,11 +18,15 @@ class DeepSpeedEngine(Engine):
     reshards = False
 
     def __init__(self, model, spec, dist, total_steps: int, config: dict):
-        import deepspeed
-
-        self.spec, self.dist = spec, dist
+        self.spec = spec
         zero = config.get("zero_optimization", {})
         self.stage = int(zero.get("stage", 0))
+        # The backend refuses the zero3 presets by name; a user's DeepSpeed JSON is only known here.
+        if self.stage == 3 and spec.torch_compile:
+            raise ConfigError("torch_compile: not with ZeRO stage 3 (set in the DeepSpeed config; its parameter "
+                              "hooks break graph capture); use FSDP with torch_compile, or turn it off")
+        import deepspeed
+
         offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
         optimizer = None
         if "optimizer" not in config:
