@@ -152,8 +152,9 @@ def non_finite(w: Window, cfg: AlertConfig) -> list[Finding]:
     out = []
     for name in ("loss", "grad_norm"):
         for e in w.train:
-            v = number(e.get(name))
-            if v is not None and not math.isfinite(v):
+            # The worker writes JSON without NaN/inf: the value is null and `nonfinite` says what it was.
+            v = (e.get("nonfinite") or {}).get(name)
+            if v is not None:
                 ck = (f"last checkpoint: step {w.checkpoint[0]} ({w.checkpoint[1]})" if w.checkpoint
                       else "no checkpoint yet")
                 out.append(Finding(

@@ -243,8 +243,9 @@ class Ingestor:
         self.stats["events"] += 1
         step = data.get("step") if isinstance(data.get("step"), int) else None
         prefix, fields = {"train": ("train", TRAIN_FIELDS), "timing": ("rank", TIMING_FIELDS)}.get(etype, ("", ()))
+        nonfinite = data.get("nonfinite") or {}  # written as null; kept as a gap in the series
         for f in fields:
-            if data.get(f) is not None:
+            if data.get(f) is not None or f in nonfinite:
                 self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data[f], step, derived)
         self._track_event(st, etype, rank, data)
 

@@ -281,10 +281,14 @@ class Trainer:
         allocated, peak = memory_gib()
         loss = sum(losses) / len(losses) if losses else float("nan")
         eta = eta_seconds(self.step, plan.max_steps, means["step_time_s"])
+        # Events are strict JSON: a NaN/inf value is written as null and named here for the alerts.
+        nonfinite = {name: str(v) for name, v in (("loss", loss), ("grad_norm", self.last_grad_norm))
+                     if v is not None and finite_or_none(v) is None}
         self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, loss=finite_or_none(loss),
                          learning_rate=self.engine.lr(), grad_norm=finite_or_none(self.last_grad_norm),
                          tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed, step_time_s=means["step_time_s"],
-                         mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta)
+                         mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta,
+                         nonfinite=nonfinite)
         log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3g %.0f tok/s eta %s", self.step, plan.max_steps, loss,
                  self.engine.lr(), self.last_grad_norm, tokens_per_s, format_duration(eta))
 

@@ -1,8 +1,6 @@
 """Every alert rule on recorded series: one case that fires, one that stays quiet."""
 from __future__ import annotations
 
-import math
-
 from backend import alerts
 from backend.alerts import AlertConfig, Window
 
@@ -19,9 +17,9 @@ def timing(rank, step, step_time, cw=0.0, dw=0.0, t=None):
             "step_time_s": step_time, "collective_wait_s": cw, "data_wait_s": dw}
 
 
-def train(step, loss, grad_norm=1.0, t=None):
+def train(step, loss, grad_norm=1.0, t=None, nonfinite=None):
     return {"type": "train", "step": step, "time": t if t is not None else T0 + step, "loss": loss,
-            "grad_norm": grad_norm}
+            "grad_norm": grad_norm, "nonfinite": nonfinite or {}}
 
 
 def window(now, **kw):
@@ -67,7 +65,9 @@ def test_low_utilisation_quiet_when_short_busy_or_not_running():
 # -- NaN / inf -----------------------------------------------------------------------------------
 
 def test_non_finite_loss_and_grad_norm_fire_with_step_and_checkpoint():
-    w = window(T0 + 50, train=[train(1, 2.0), train(2, math.nan), train(3, 1.9, grad_norm=math.inf)],
+    # as the worker writes them: null values, named in `nonfinite`
+    w = window(T0 + 50, train=[train(1, 2.0), train(2, None, nonfinite={"loss": "nan"}),
+                               train(3, 1.9, grad_norm=None, nonfinite={"grad_norm": "inf"})],
                checkpoint=(1, "/runs/x/checkpoint-1"))
     found = {f.key: f for f in alerts.non_finite(w, CFG)}
     assert set(found) == {"non_finite:loss", "non_finite:grad_norm"}

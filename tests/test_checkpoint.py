@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend import alerts
 from launcher import checkpoint
 from worker import ROOT, events, run_worker, write_run
 
@@ -51,7 +52,8 @@ def test_prune_deletes_oldest_complete_only(tmp_path):
 
 
 @pytest.mark.e2e
-def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
+def nan_run(tmp_path, tiny_model, logging_steps: int):
+    """A run of a model whose weights make every loss NaN."""
     import shutil
 
     import torch
@@ -63,11 +65,25 @@ def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
     key = next(k for k in weights if "layers.1.mlp.down_proj" in k)
     weights[key] = torch.full_like(weights[key], float("nan"))
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
-    run = write_run(tmp_path / "run", model=str(broken), dataset=[str(ROOT / "assets/demo/train.jsonl#64")],
-                    max_length=32, max_steps=20, logging_steps=10, train_type="full", torch_dtype="float32")
+    return write_run(tmp_path / "run", model=str(broken), dataset=[str(ROOT / "assets/demo/train.jsonl#64")],
+                     max_length=32, max_steps=20, logging_steps=logging_steps, train_type="full", torch_dtype="float32")
+
+
+def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
+    run = nan_run(tmp_path, tiny_model, logging_steps=10)
     proc = run_worker(run, nproc=1, timeout=180)
     assert proc.returncode == 1
     assert "loss was NaN/inf for 3 consecutive steps (up to step 3); stopping" in proc.log
     end, = events(run, 0, "end")
     assert end["status"] == "failed" and end["step"] == 3 and "NaN/inf" in end["error"]
     assert not list(run.glob("checkpoint-*"))  # a diverged state is not saved
+
+
+def test_nan_loss_of_a_logged_step_is_named_in_its_event(tmp_path, tiny_model):
+    run = nan_run(tmp_path, tiny_model, logging_steps=1)
+    assert run_worker(run, nproc=1, timeout=180).returncode == 1
+    logged = events(run, 0, "train")  # steps 1 and 2; step 3 is the third NaN and stops the run
+    assert [e["step"] for e in logged] == [1, 2]
+    assert all(e["loss"] is None and e["nonfinite"]["loss"] == "nan" for e in logged)
+    window = alerts.Window(now=logged[-1]["time"], running=True, train=logged)
+    assert [f.key for f in alerts.non_finite(window, alerts.AlertConfig())][:1] == ["non_finite:loss"]

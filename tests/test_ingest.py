@@ -259,14 +259,14 @@ def test_log_alerts_are_stored_once_per_condition(engine):
     assert "OutOfMemoryError" in alert.detail
 
 
-def test_rules_run_on_ingested_series_and_nan_survives_json(engine):
+def test_rules_run_on_ingested_series_and_a_nonfinite_loss_alerts(engine):
     ing = Ingestor(engine, autostart=False)
     cursor = ing.series("r", ["train/loss"]).cursor
     ev = [{"type": "start", "time": T0}, {"type": "train", "time": T0 + 1, "step": 1, "loss": 2.0},
-          {"type": "train", "time": T0 + 2, "step": 2, "loss": math.nan}]
+          {"type": "train", "time": T0 + 2, "step": 2, "loss": None, "nonfinite": {"loss": "nan"}}]
     for i, e in enumerate(ev):
         ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": i + 1,
-                                       "rank": 0, "data": e}))  # json.dumps writes NaN, as the agent does
+                                       "rank": 0, "data": e}))
     # the live tail holds NaN as the database does: as no value
     assert ing.series("r", ["train/loss"], since=cursor).series == {
         SeriesKey("train/loss", "a", -1, 0): [(T0 + 1, 2.0), (T0 + 2, None)]}
