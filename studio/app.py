@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 # Set before Gradio is imported: no analytics or version checks leave the machine.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -13,7 +14,6 @@ sys.modules.setdefault("IPython", None)
 
 import gradio as gr  # noqa: E402
 
-from backend.cluster import local_cluster  # noqa: E402
 from studio import cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
@@ -21,14 +21,16 @@ from studio.theme import CSS, THEME  # noqa: E402
 
 def build_app(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="swift-studio", analytics_enabled=False) as app:
-        cluster_state = gr.State(local_cluster())
+        # The cluster last used, so that a page load that shows it again changes no state (and
+        # so does not check the Train form a second time).
+        cluster_state = gr.State(studio.load_cluster())
         gr.Markdown("## swift-studio", elem_id="title")
         with gr.Tabs(elem_id="tabs", selected="train") as tabs:
-            with gr.Tab("Cluster", id="cluster"):
+            with gr.Tab("Cluster", id="cluster") as cluster_page:
                 cluster = cluster_tab.build()
-            with gr.Tab("Train", id="train"):
+            with gr.Tab("Train", id="train") as train_page:
                 train = train_tab.build(studio)
-            with gr.Tab("Monitor", id="monitor"):
+            with gr.Tab("Monitor", id="monitor") as monitor_page:
                 monitor = monitor_tab.build()
             with gr.Tab("Runs", id="runs") as runs_page:
                 runs = runs_tab.build()
@@ -37,22 +39,23 @@ def build_app(studio: Studio) -> gr.Blocks:
         cluster_tab.wire(cluster, studio, cluster_state)
         cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
         train_tab.wire(train, studio, cluster_state)
-        monitor_tab.wire(monitor, studio, tabs, export["run"])
+        monitor_tab.wire(monitor, studio, tabs, monitor_page, [cluster_page, train_page, runs_page, export_page],
+                         export["run"])
         train_tab.wire_launch(train, studio, cluster_state, tabs, monitor["run"], monitor["choices"])
         runs_tab.wire(runs, studio, runs_page)
         export_tab.wire(export, studio, export_page)
 
-        # A page load (first visit or reload) shows the cluster, fills the form with the demo
-        # preset and re-attaches the Monitor to the latest active run; its first tick reads the
+        # A page load (first visit or reload) lists the presets, fills the form with the demo
+        # preset, then shows the cluster (a cluster changed since the build checks the filled form
+        # again), and re-attaches the Monitor to the latest active run; its first tick reads the
         # whole history, so the charts are complete.
-        app.load(cluster["on_load"], None, cluster["outputs"])
-        app.load(train["load_demo"], None, train["fill_outputs"]).then(**train["refresh"])
+        app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     return app
 
 
-def serve(studio: Studio, host: str = "127.0.0.1", port: int = 7860,
-          auth: list[tuple[str, str]] | None = None, after_start=None) -> None:
+def serve(studio: Studio, *, host: str, port: int, auth: list[tuple[str, str]] | None,
+          after_start: Callable[[], None] | None) -> None:
     """Build the page, listen, call `after_start()` (the page already answers), serve until
     interrupted."""
     app = build_app(studio)

@@ -13,11 +13,14 @@ from typing import Any, Iterable
 import plotly.graph_objects as go
 
 Point = tuple[float, float | None]
+# backend.telemetry_models.NO_INDEX, written out: that module loads SQLAlchemy, which the page
+# build leaves to the manager thread so that the page answers sooner.
 NO_INDEX = -1
 
-# The series the Monitor tab reads (names as backend.ingest stores them; units in the name).
-MONITOR_SERIES = ("train/*", "eval/*", "gpu/util_pct", "gpu/mem_used_gib", "gpu/mem_total_gib", "gpu/power_w",
-                  "host/cpu_pct", "host/ram_used_gib", "rank/collective_wait_s", "rank/data_wait_s")
+# The series the Monitor's charts draw, and only those: every tick reads them (names as
+# backend.ingest stores them; units in the name).
+MONITOR_SERIES = ("train/loss", "train/learning_rate", "train/tokens_per_s", "train/mfu", "gpu/util_pct",
+                  "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct", "host/ram_used_gib", "rank/collective_wait_s")
 MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
@@ -141,17 +144,16 @@ def lines(title: str, y_title: str, series: dict[tuple, list[Point]], empty_note
 
 def loss_figure(buf: SeriesBuffer, smoothing: float) -> go.Figure:
     fig = _figure("Loss", "loss")
-    for name, colour in (("train/loss", "#f97316"), ("eval/loss", "#2563eb")):
-        for key, pts in buf.named(name).items():
-            kind = name.split("/")[0]
-            ys = [v for _, v in pts]
-            xs = _times(pts)
-            if smoothing > 0:
-                fig.add_scatter(x=xs, y=ys, mode="lines", name=f"{kind} (raw)", opacity=0.3,
-                                line=dict(color=colour), showlegend=False)
-                ys = ema(ys, smoothing)
-            fig.add_scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 50 else "lines", name=kind,
-                            line=dict(color=colour), marker=dict(size=4))
+    colour = "#f97316"
+    for pts in buf.named("train/loss").values():
+        ys = [v for _, v in pts]
+        xs = _times(pts)
+        if smoothing > 0:
+            fig.add_scatter(x=xs, y=ys, mode="lines", name="train (raw)", opacity=0.3, line=dict(color=colour),
+                            showlegend=False)
+            ys = ema(ys, smoothing)
+        fig.add_scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 50 else "lines", name="train",
+                        line=dict(color=colour), marker=dict(size=4))
     return _done(fig)
 
 

@@ -9,10 +9,11 @@ from typing import Any
 import gradio as gr
 
 from backend.cluster import DEVICES, Cluster, HostfileError, local_cluster, parse_hostfile_text
-from studio.cluster_view import NODE_COLUMNS, cluster_summary, node_rows, preflight_html, put_node, remove_node
+from studio.cluster_view import (NODE_COLUMNS, NODE_FORM_KEYS, cluster_summary, node_rows, preflight_html, put_node,
+                                 remove_node)
 from studio.context import Studio
 from studio.errors import user_message
-from studio.train_view import check_form, problems_md
+from studio.train_view import check_form, form_values, problems_md
 
 
 def build() -> dict[str, Any]:
@@ -57,7 +58,7 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dic
 
     def on_preflight(data: dict):
         cluster = data[state]
-        view = check_form({name: data[comp] for name, comp in form.items()}, cluster)
+        view = check_form(form_values(form, data), cluster)
         spec = view.spec if view.ok else None
         note = "" if spec else " The Train form has errors, so the job's own settings are not checked."
         yield f"<p>Pre-flight on {len(cluster.nodes)} node(s)… (login, clock, packages, GPUs, disk, network).{note}</p>"
@@ -87,12 +88,14 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
             message += f" (not saved for the next start: {exc})"
         return show_cluster(cluster, message)
 
+    def refused(cluster: Cluster, message: str) -> tuple:
+        return cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), message
+
     def failed(cluster: Cluster, exc: HostfileError) -> tuple:
-        return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                "**Not applied:**\n" + problems_md(exc.problems))
+        return refused(cluster, "**Not applied:**\n" + problems_md(exc.problems))
 
     def on_add(cluster: Cluster, *values) -> tuple:
-        row = dict(zip(("host", "slots", "addr", "device", "ssh_user", "ssh_port", "ssh_key", "python"), values))
+        row = dict(zip(NODE_FORM_KEYS, values))
         try:
             new = put_node(cluster, row)
         except HostfileError as exc:
@@ -101,12 +104,12 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
 
     def on_remove(cluster: Cluster, host: str | None) -> tuple:
         if not host:
-            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Pick the node to remove first.")
+            return refused(cluster, "Pick the node to remove first.")
         try:
             return show(remove_node(cluster, host), f"Node `{host}` removed.")
         except HostfileError:
-            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(),
-                    "A cluster needs at least one node; add another before removing this one, or use this machine only.")
+            return refused(cluster, "A cluster needs at least one node; add another before removing this one, "
+                                    "or use this machine only.")
 
     def on_hostfile(cluster: Cluster, text: str, source: str = "hostfile") -> tuple:
         try:
@@ -114,16 +117,15 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
         except HostfileError as exc:
             return failed(cluster, exc)
 
-    def on_upload(cluster: Cluster, file) -> tuple:
-        path = Path(file if isinstance(file, str) else file.name)
+    def on_upload(cluster: Cluster, file: str) -> tuple:
+        path = Path(file)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            return (cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"Cannot read {path.name}: {exc}")
+            return refused(cluster, f"Cannot read {path.name}: {exc}")
         return on_hostfile(cluster, text, source=path.name)
 
-    form = [c[k] for k in ("host", "slots", "addr", "device", "ssh_user", "ssh_port", "ssh_key", "python")]
-    c["add"].click(on_add, [state, *form], outputs)
+    c["add"].click(on_add, [state, *(c[k] for k in NODE_FORM_KEYS)], outputs)
     c["remove"].click(on_remove, [state, c["remove_host"]], outputs)
     c["apply_hostfile"].click(on_hostfile, [state, c["hostfile"]], outputs)
     c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)

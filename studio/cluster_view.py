@@ -61,7 +61,8 @@ def cluster_summary(cluster: Cluster) -> str:
     return f"**{where}** · {slots} {kind} in total · backend `{cluster.backend}`"
 
 
-PREFLIGHT_MARK = {"ok": "✔", "warning": "⚠", "error": "✖", "skipped": "–"}
+STATUS_MARK = {"ok": "✔", "warning": "⚠", "error": "✖", "skipped": "–"}
+"""The mark of a check status or a problem / alert severity, wherever the studio shows one."""
 PREFLIGHT_COLOUR = {"ok": "#dcfce7", "warning": "#fef9c3", "error": "#fee2e2", "skipped": "#f4f4f5"}
 
 
@@ -80,9 +81,18 @@ def preflight_html(report: Any) -> str:
                 continue
             fix = f"<br><b>Fix:</b> {html.escape(r.fix)}" if r.fix and r.status in ("warning", "error") else ""
             tds.append(f"<td style='background:{PREFLIGHT_COLOUR.get(r.status, '#fff')}' data-status='{r.status}'>"
-                       f"{PREFLIGHT_MARK.get(r.status, '')} {html.escape(r.reason)}{fix}</td>")
+                       f"{STATUS_MARK.get(r.status, '')} {html.escape(r.reason)}{fix}</td>")
         rows.append(f"<tr><th>{html.escape(check)}</th>{''.join(tds)}</tr>")
     verdict = ("✔ all checks passed" if report.ok and not report.warnings()
                else f"{len(report.errors())} error(s), {len(report.warnings())} warning(s)")
     return (f"<div id='preflight-grid'><p><b>Pre-flight:</b> {verdict} in {report.seconds:.1f} s</p>"
             f"<table class='preflight'><tr><th>check</th>{head}</tr>{''.join(rows)}</table></div>")
+
+
+def preflight_problems_md(report: Any) -> str:
+    """The errors and warnings of a pre-flight report as a list: node, check, reason and fix."""
+    lines = []
+    for r in [*report.errors(), *report.warnings()]:
+        fix = f" Fix: {r.fix}" if r.fix else ""
+        lines.append(f"- {STATUS_MARK[r.status]} **{r.node}** · {r.check}: {r.reason}.{fix}")
+    return "\n".join(lines)

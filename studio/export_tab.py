@@ -9,7 +9,7 @@ import gradio as gr
 
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import run_choice
+from studio.run_view import run_picker
 
 LATEST = "latest complete checkpoint"
 
@@ -38,9 +38,8 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             runs = studio.manager.runs()
         except Exception as exc:  # noqa: BLE001
             return gr.skip(), user_message("Listing runs", exc)
-        ids = [r.id for r in runs]
-        return gr.update(choices=[run_choice(r) for r in runs],
-                         value=current if current in ids else (ids[0] if ids else None)), ""
+        options, value = run_picker(runs, current)
+        return gr.update(choices=options, value=value), ""
 
     def on_run(run_id: str | None):
         steps = studio.manager.checkpoints(run_id) if run_id else []

@@ -193,7 +193,7 @@ def problems_by_field(problems: list[Problem]) -> tuple[dict[str, list[Problem]]
     other: list[Problem] = []
     for problem in problems:
         head = re.split(r"[.\[]", problem.field, maxsplit=1)[0]
-        if head in FIELDS and head in VIEWS:
+        if head in VIEWS:
             by_field.setdefault(head, []).append(problem)
         else:
             other.append(problem)

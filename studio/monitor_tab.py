@@ -3,7 +3,6 @@ backend's series cursor) into this browser session's SeriesBuffer and redraws th
 reload starts with an empty buffer, so the first tick reads the whole history."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import gradio as gr
@@ -11,7 +10,7 @@ import gradio as gr
 from studio.charts import MAX_POINTS, MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import alerts_md, run_choice, status_md
+from studio.run_view import alerts_md, run_picker, status_md
 
 TICK_S = 2.0
 LOG_TICK_S = 4.0
@@ -56,29 +55,19 @@ def build() -> dict[str, Any]:
         c["log"] = gr.Textbox(label="Log tail (live)", lines=12, max_lines=30, interactive=False, elem_id="monitor-log",
                               autoscroll=True)
     c["buffer"] = gr.State(SeriesBuffer())
-    c["timer"] = gr.Timer(TICK_S)
+    c["timer"] = gr.Timer(TICK_S, active=False)
     c["log_timer"] = gr.Timer(LOG_TICK_S, active=False)
     return c
 
 
-def run_nodes(manager, run_id: str) -> list[str]:
-    """Hosts of the run's latest attempt, in node-rank order."""
-    attempts = manager.attempts(run_id)
-    latest = max(attempts, key=lambda a: a.number) if attempts else None
-    return [d.get("host") for d in json.loads(latest.cluster_json)] if latest is not None else []
-
-
-def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdown) -> None:
+def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, other_pages: list[gr.Tab],
+         export_run: gr.Dropdown) -> None:
     charts = [c[name] for name in CHARTS]
 
     def choices(selected: str | None = None) -> dict:
         from backend.lifecycle import ACTIVE
-        runs = studio.manager.runs()
-        ids = [r.id for r in runs]
-        if selected not in ids:
-            active = [r for r in runs if r.state in ACTIVE]
-            selected = (active or runs)[0].id if runs else None
-        return gr.update(choices=[run_choice(r) for r in runs], value=selected)
+        options, value = run_picker(studio.manager.runs(), selected, prefer=ACTIVE)
+        return gr.update(choices=options, value=value)
 
     def on_refresh(current: str | None):
         try:
@@ -86,7 +75,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
         except Exception as exc:  # noqa: BLE001 - shown on the page, logged on the server
             return gr.update(label=user_message("Listing runs", exc))
 
-    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, log_node: str | None) -> dict:
+    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float) -> dict:
         from backend.lifecycle import ACTIVE, FAILED, STOPPED
         out: dict = {}
         if not run_id:
@@ -101,28 +90,31 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = studio.manager.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id))
-            if run.state != buf.state:  # the picker's labels carry the state
-                buf.state = run.state
+            if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
+                out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
+                out[c["resume"]] = gr.update(interactive=run.state in (STOPPED, FAILED))
+                buf.state = run.state
             p = progress or {}
             out[c["progress"]] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
             if changed:
                 figs = figures(buf, smoothing)
                 out.update({c[name]: figs[name] for name in CHARTS})
             out[c["alerts"]] = alerts_md(manager.alerts(run_id))
-            out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
-            out[c["resume"]] = gr.update(interactive=run.state in (STOPPED, FAILED))
         except Exception as exc:  # noqa: BLE001 - the page shows one line, the server log has the rest
             out[c["action"]] = user_message("Reading the run", exc)
         out[c["buffer"]] = buf
         return out
 
-    tick_inputs = [c["run"], c["buffer"], c["smoothing"], c["log_node"]]
-    tick_outputs = [c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
-                    c["action"], c["buffer"]]
-    c["timer"].tick(tick, tick_inputs, tick_outputs, show_progress="hidden", trigger_mode="always_last")
-    c["run"].change(lambda run_id, buf, s, n: tick(run_id, SeriesBuffer(), s, n), tick_inputs, tick_outputs,
-                    show_progress="hidden")
+    tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"]],
+                   outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
+                            c["action"], c["buffer"]], show_progress="hidden")
+    c["timer"].tick(trigger_mode="always_last", **tick_io)
+    c["run"].change(**tick_io)
+    # Only a browser showing the Monitor polls the run; opening the tab catches up at once rather
+    # than a tick later. A tab's select event also fires when a handler switches tabs (the launch).
+    page.select(lambda: gr.Timer(active=True), None, [c["timer"]]).then(**tick_io)
+    gr.on([p.select for p in other_pages], lambda: gr.Timer(active=False), None, [c["timer"]])
     c["refresh"].click(on_refresh, [c["run"]], [c["run"]])
     c["smoothing"].change(lambda buf, s: loss_figure(buf, s), [c["buffer"], c["smoothing"]], [c["loss"]],
                           show_progress="hidden", trigger_mode="always_last")
@@ -132,7 +124,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
             return gr.skip(), gr.skip()
         try:
             manager = studio.manager
-            nodes = run_nodes(manager, run_id)
+            nodes = manager.nodes_of(run_id)
             node = log_node if log_node in nodes else (nodes[0] if nodes else None)
             text = "\n".join(manager.log_tail(run_id, node, lines=LOG_LINES)) if node else ""
         except Exception as exc:  # noqa: BLE001
@@ -172,7 +164,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, export_run: gr.Dropdo
         try:
             manager = studio.manager
             run = manager.run(run_id)
-            nodes = run_nodes(manager, run_id)
+            nodes = manager.nodes_of(run_id)
             node = node if node in nodes else (run.failed_node if run.failed_node in nodes else (nodes or [None])[0])
             if node is None:
                 return gr.update(visible=True, value="This run has not started on any node yet.")

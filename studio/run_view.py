@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import html
 import time
+from collections.abc import Collection
 from typing import Any
 
 import yaml
 
 from backend.logclass import HELP
-from studio.charts import format_duration
+from studio.charts import NO_INDEX, format_duration
+from studio.cluster_view import STATUS_MARK
 
 STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running": "▶", "succeeded": "✔",
               "failed": "✖", "stopped": "■"}
@@ -20,6 +22,16 @@ def run_choice(run: Any) -> tuple[str, str]:
     """(label, value) for a run picker."""
     name = f"{run.name} · " if run.name and run.name != run.id else ""
     return f"{STATE_MARK.get(run.state, '')} {name}{run.id} ({run.state})", run.id
+
+
+def run_picker(runs: list[Any], selected: str | None = None, prefer: Collection[str] = ()
+               ) -> tuple[list[tuple[str, str]], str | None]:
+    """(choices, value) of a run picker: `selected` while it is listed, else the first run in a
+    `prefer` state, else the first run."""
+    if selected not in {r.id for r in runs}:
+        preferred = [r for r in runs if r.state in prefer]
+        selected = (preferred or runs)[0].id if runs else None
+    return [run_choice(r) for r in runs], selected
 
 
 def duration_s(run: Any, now: float | None = None) -> float:
@@ -90,13 +102,13 @@ def _show(value: Any) -> str:
 def alerts_md(alerts: list[Any]) -> str:
     if not alerts:
         return "No alerts."
-    marks = {"error": "✖", "warning": "⚠"}
     out = []
     for a in reversed(alerts[-50:]):
         when = time.strftime("%H:%M:%S", time.localtime(a.last_t))
-        where = ", ".join(x for x in (a.node and f"node {a.node}", a.rank is not None and a.rank >= 0 and f"rank {a.rank}",
-                                      a.gpu is not None and a.gpu >= 0 and f"GPU {a.gpu}") if x)
+        where = ", ".join(x for x in (a.node and f"node {a.node}",
+                                      a.rank not in (None, NO_INDEX) and f"rank {a.rank}",
+                                      a.gpu not in (None, NO_INDEX) and f"GPU {a.gpu}") if x)
         count = f" ×{a.count}" if a.count > 1 else ""
-        out.append(f"- {marks.get(a.severity, '•')} {when} **{a.rule.replace('_', ' ')}**"
+        out.append(f"- {STATUS_MARK.get(a.severity, '•')} {when} **{a.rule.replace('_', ' ')}**"
                    f"{f' ({where})' if where else ''}{count}: {html.escape(a.message)}")
     return "\n".join(out)

@@ -8,12 +8,14 @@ from typing import Any
 import gradio as gr
 import yaml
 
+from backend.cluster import Cluster
 from backend.msswift import CommandError, import_command
 from backend.spec import parse_spec
+from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
-from studio.train_view import TrainView, check_form, problems_md
+from studio.train_view import TrainView, check_form, form_values, problems_md
 
 
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
@@ -77,24 +79,24 @@ def build(studio: Studio) -> dict[str, Any]:
     return c
 
 
-def form_values(form: dict[str, gr.components.Component], data: dict) -> dict[str, Any]:
-    return {name: data[component] for name, component in form.items()}
-
-
 def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
     view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"]]
 
-    def render(view: TrainView) -> dict:
+    def render(view: TrainView, values: dict[str, Any] | None = None) -> dict:
+        """The view's updates; with `values` they also set the form, so a fill is one response."""
         updates: dict = {}
         for name, component in form.items():
             problems = view.field_problems.get(name, [])
             if problems:
-                text = "; ".join(("✖ " if p.severity == "error" else "⚠ ") + p.message for p in problems)
+                text = "; ".join(f"{STATUS_MARK[p.severity]} {p.message}" for p in problems)
                 error = any(p.severity == "error" for p in problems)
-                updates[component] = gr.update(info=text, elem_classes=["field-error" if error else "field-warning"])
+                update = dict(info=text, elem_classes=["field-error" if error else "field-warning"])
             else:
-                updates[component] = gr.update(info=VIEWS[name].info, elem_classes=[])
+                update = dict(info=VIEWS[name].info, elem_classes=[])
+            if values is not None:
+                update["value"] = values[name]
+            updates[component] = gr.update(**update)
         updates[c["problems"]] = problems_md(view.other_problems)
         updates[c["layout"]] = view.layout_md
         updates[c["memory"]] = view.memory_md
@@ -110,18 +112,16 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     gr.on([comp.input for comp in form.values()] + [cluster_state.change], on_edit, inputs=inputs,
           outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
 
-    def fill(spec: dict[str, Any], message: str) -> dict:
+    def fill(spec: dict[str, Any], cluster: Cluster, message: str) -> dict:
         values = default_form() | spec_to_form(spec)
-        updates: dict = {form[name]: gr.update(value=value) for name, value in values.items()}
-        updates[c["form_message"]] = message
-        return updates
+        return render(check_form(values, cluster), values) | {c["form_message"]: message}
 
-    fill_outputs = [*form.values(), c["form_message"]]
+    fill_outputs = [*view_outputs, c["form_message"]]
 
     def not_filled(message: str) -> dict:
         return {c["form_message"]: message}
 
-    def on_load_preset(name: str | None) -> dict:
+    def on_load_preset(name: str | None, cluster: Cluster) -> dict:
         if not name:
             return not_filled("Pick a preset first.")
         try:
@@ -130,7 +130,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             return not_filled(user_message(f"Loading preset {name}", exc))
         if spec is None:
             return not_filled(f"Preset **{name}** not loaded:\n" + problems_md(problems))
-        return fill(spec, f"Loaded preset **{name}**.")
+        return fill(spec, cluster, f"Loaded preset **{name}**.")
 
     def on_save_preset(name: str, data: dict) -> tuple:
         view = check_form(form_values(form, data), data[cluster_state])
@@ -142,8 +142,8 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             return gr.skip(), str(exc)
         return gr.update(choices=studio.preset_names(), value=path.stem), f"Saved preset **{path.stem}** to `{path}`."
 
-    def on_upload_yaml(file) -> dict:
-        path = Path(file if isinstance(file, str) else file.name)
+    def on_upload_yaml(file: str, cluster: Cluster) -> dict:
+        path = Path(file)
         try:
             data = yaml.safe_load(path.read_text())
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -151,9 +151,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         spec, problems = parse_spec(data, source=path.name)
         if spec is None:
             return not_filled(f"`{path.name}` not loaded:\n" + problems_md(problems))
-        return fill(spec.model_dump(), f"Loaded `{path.name}`.")
+        return fill(spec.model_dump(), cluster, f"Loaded `{path.name}`.")
 
-    def on_import(text: str) -> dict:
+    def on_import(text: str, cluster: Cluster) -> dict:
         try:
             result = import_command(text or "")
         except CommandError as exc:
@@ -162,18 +162,21 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         if spec is None:
             return not_filled("Command not imported:\n" + problems_md(problems))
         notes = [f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
-        return fill(spec.model_dump(), "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
+        return fill(spec.model_dump(), cluster,
+                    "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
 
-    refresh = dict(fn=on_edit, inputs=inputs, outputs=view_outputs, show_progress="hidden")
-    c["load_preset"].click(on_load_preset, [c["preset"]], fill_outputs).then(**refresh)
-    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"]], fill_outputs).then(**refresh)
-    c["import"].click(on_import, [c["import_text"]], fill_outputs).then(**refresh)
+    c["load_preset"].click(on_load_preset, [c["preset"], cluster_state], fill_outputs)
+    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state], fill_outputs)
+    c["import"].click(on_import, [c["import_text"], cluster_state], fill_outputs)
     save_inputs = {c["save_name"], *inputs}
     c["save_preset"].click(lambda data: on_save_preset(data[c["save_name"]], data), save_inputs,
                            [c["preset"], c["form_message"]])
-    c["refresh"] = refresh
-    c["fill_outputs"] = fill_outputs
-    c["load_demo"] = lambda: on_load_preset("demo")
+
+    def on_page_load(cluster: Cluster) -> dict:
+        # Presets saved since the page was built (here or in another browser) are offered too.
+        return on_load_preset("demo", cluster) | {c["preset"]: gr.update(choices=studio.preset_names())}
+
+    c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state], outputs=[c["preset"], *fill_outputs])
 
 
 def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs: gr.Tabs,
@@ -192,7 +195,7 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
         try:
             report = studio.manager.preflight(cluster, view.spec, bandwidth=False)
             if not report.ok:
-                yield {c["launch_status"]: "✖ Not launched: pre-flight found errors.\n\n" + _report_md(report)}
+                yield {c["launch_status"]: "✖ Not launched: pre-flight found errors.\n\n" + preflight_problems_md(report)}
                 return
             yield {c["launch_status"]: f"Pre-flight passed in {report.seconds:.1f} s. Launching…"}
             run_id = studio.manager.launch(view.spec, cluster, name=(data[c["run_name"]] or "").strip() or None)
@@ -204,13 +207,3 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
 
     c["launch"].click(on_launch, {*form.values(), cluster_state, c["run_name"]},
                       [c["launch_status"], tabs, monitor_run])
-
-
-def _report_md(report) -> str:
-    """Pre-flight problems as a list: node, check, reason and fix."""
-    lines = []
-    for r in [*report.errors(), *report.warnings()]:
-        mark = "✖" if r.status == "error" else "⚠"
-        fix = f" Fix: {r.fix}" if r.fix else ""
-        lines.append(f"- {mark} **{r.node}** · {r.check}: {r.reason}.{fix}")
-    return "\n".join(lines)

@@ -14,6 +14,7 @@ from backend.memory import estimate_memory
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
 from backend.spec import JobSpec, Problem, parse_spec
 from backend.validate import validate
+from studio.cluster_view import STATUS_MARK
 from studio.commands import preview
 from studio.form import form_to_data, problems_by_field
 
@@ -34,6 +35,12 @@ class TrainView:
         return self.spec is not None and not any(
             p.severity == "error" for ps in self.field_problems.values() for p in ps
         ) and not any(p.severity == "error" for p in self.other_problems)
+
+
+def form_values(form: dict[str, Any], data: dict) -> dict[str, Any]:
+    """The form's values by field name, from a handler's inputs (`form` maps field names to the
+    components that are the keys of `data`)."""
+    return {name: data[component] for name, component in form.items()}
 
 
 def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
@@ -61,8 +68,7 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
 def problems_md(problems: list[Problem]) -> str:
     if not problems:
         return ""
-    marks = {"error": "✖", "warning": "⚠"}
-    return "\n".join(f"- {marks[p.severity]} **{p.field}**: {p.message}" for p in problems)
+    return "\n".join(f"- {STATUS_MARK[p.severity]} **{p.field}**: {p.message}" for p in problems)
 
 
 def layout_md(layout: Layout) -> str:
@@ -88,9 +94,10 @@ def memory_md(spec: JobSpec, layout: Layout, cluster: Cluster, model: ModelConfi
     if model is None:
         return f"**Memory per GPU**: {note}"
     nodes = cluster.nodes[: spec.nnodes]
-    est = estimate_memory(spec, model, layout, device="cpu" if all(n.device == "cpu" for n in nodes) else "cuda")
+    cpu_only = all(n.device == "cpu" for n in nodes)
+    est = estimate_memory(spec, model, layout, device="cpu" if cpu_only else "cuda")
     gpu_mems = [n.gpu_mem_gib for n in nodes if n.gpu_mem_gib]
-    if all(n.device == "cpu" for n in nodes):
+    if cpu_only:
         against = "CPU run: held in host memory"
     elif gpu_mems:
         limit = min(gpu_mems)
