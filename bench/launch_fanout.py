@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.cluster import Cluster, Node  # noqa: E402
+from backend.cluster import Cluster  # noqa: E402
 from backend.manager import LaunchPlan, RunManager, default_planner  # noqa: E402
 from backend.spec import JobSpec  # noqa: E402
 from sshd import start_cluster  # noqa: E402
@@ -63,10 +63,8 @@ def main() -> int:
         root = Path(tmp)
         servers = start_cluster(root / "ssh", args.nodes, extra_config="SetEnv SHLVL=1\n" if args.plain_shell else "")
         try:
-            nodes = tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_user="root", ssh_key=str(servers.key),
-                               python=sys.executable, device="cpu") for s in servers.servers)
+            nodes, setups = servers.nodes(), servers.setups()
             cluster = Cluster(nodes)
-            setups = {n.host: servers.setup for n in nodes}
             spec = JobSpec(model=str(ROOT / "assets" / "demo" / "model"),
                            dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                            output_dir=str(root / "out"), nnodes=args.nodes, nproc_per_node=1, max_steps=5,

@@ -19,7 +19,7 @@ SSHD = "/usr/sbin/sshd"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -64,6 +64,39 @@ class SshdCluster:
         """The node setup line tests use: this interpreter first on PATH, the repo importable."""
         bindir = Path(sys.executable).parent
         return f"export PATH={bindir}:$PATH PYTHONPATH={REPO}"
+
+    def nodes(self, user: str = "root") -> tuple:
+        """The servers as cluster nodes: one CPU slot each, this interpreter, the cluster's key."""
+        from backend.cluster import Node
+
+        return tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_user=user, ssh_key=str(self.key),
+                          python=sys.executable, device="cpu") for s in self.servers)
+
+    def setups(self) -> dict[str, str]:
+        return {s.host: self.setup for s in self.servers}
+
+    def cut_connections(self, stop_listeners: bool = False) -> int:
+        """Kill every per-connection sshd process (as a network cut ends them), after stopping the
+        listeners too when asked (the node is gone for good); returns how many were killed."""
+        import psutil
+
+        connections = []
+        for server in self.servers:
+            try:
+                connections += [p for p in psutil.Process(server.pid()).children(recursive=True)
+                                if p.name().startswith("sshd")]
+            except (psutil.NoSuchProcess, TypeError):  # TypeError: no pid file (server gone)
+                continue
+        if stop_listeners:
+            self.stop()
+        killed = 0
+        for p in connections:
+            try:
+                p.kill()
+                killed += 1
+            except psutil.NoSuchProcess:
+                continue
+        return killed
 
     def start(self, hosts: list[str]) -> None:
         if not Path(SSHD).exists():

@@ -19,27 +19,20 @@ import pytest
 from sqlmodel import Session, select
 
 from backend import cli, remote
-from backend.cluster import Cluster, Node
+from backend.cluster import Cluster
 from backend.manager import LaunchPlan, RunManager
 from backend.spec import JobSpec
 from backend.telemetry_models import RunEvent
+from launcher import checkpoint
 from sshd import start_cluster
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from worker import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
 @pytest.fixture
 def env(sshd_nodes, tiny_model, tmp_path):
-    nodes = tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_user="root", ssh_key=str(sshd_nodes.key),
-                       python=sys.executable, device="cpu") for s in sshd_nodes.servers)
-    setups = {n.host: sshd_nodes.setup for n in nodes}
+    nodes, setups = sshd_nodes.nodes(), sshd_nodes.setups()
 
     def spec(max_steps: int, save_steps: int) -> JobSpec:
         return JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
@@ -94,8 +87,7 @@ def wait_step(m: RunManager, run_id: str, step: int, timeout: float = 120) -> in
 
 
 def complete_checkpoints(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*")
-                  if p.name.split("-")[1].isdigit() and (p / "complete").exists())
+    return [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir)]
 
 
 def wait_gone(pred, timeout=15.0):
@@ -198,10 +190,7 @@ def test_unreachable_node_is_reported_within_30_s(sshd_nodes, tmp_path):
     """A node whose SSH goes away (its workers still running) fails the run as unreachable."""
     lonely = start_cluster(tmp_path / "ssh4", 1, first=4)
     try:
-        nodes = (Node(host=sshd_nodes.servers[0].host, slots=1, ssh_port=sshd_nodes.servers[0].port, ssh_user="root",
-                      ssh_key=str(sshd_nodes.key), python=sys.executable, device="cpu"),
-                 Node(host="127.0.0.4", slots=1, ssh_port=lonely.servers[0].port, ssh_user="root",
-                      ssh_key=str(lonely.key), python=sys.executable, device="cpu"))
+        nodes = (sshd_nodes.nodes()[0], *lonely.nodes())
         (tmp_path / "known_hosts").write_text(sshd_nodes.known_hosts.read_text() + lonely.known_hosts.read_text())
 
         def planner(spec, cluster, req):  # a stand-in worker: the watch is what is tested
@@ -217,15 +206,8 @@ def test_unreachable_node_is_reported_within_30_s(sshd_nodes, tmp_path):
             assert m.run(run_id).state == "running", m.run(run_id).message
             # The node's SSH goes away: the server and its per-connection sshd processes (only
             # those: the shells under them see the connection close); the workers live on.
-            master = psutil.Process(lonely.servers[0].pid())
-            connections = [p for p in master.children() if p.name() == "sshd"]
             cut = time.monotonic()
-            lonely.stop()
-            for p in connections:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            lonely.cut_connections(stop_listeners=True)
             run = m.wait(run_id, timeout=40)
             took = time.monotonic() - cut
             assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.message)

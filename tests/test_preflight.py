@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 
 import pytest
@@ -105,13 +104,12 @@ def test_low_disk():
 
 
 def ssh_nodes(sshd_nodes):
-    return [Node(host=s.host, slots=1, ssh_port=s.port, ssh_user="root", ssh_key=str(sshd_nodes.key),
-                 python=sys.executable, device="cpu") for s in sshd_nodes.servers]
+    return list(sshd_nodes.nodes())
 
 
 def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None):
     spec = JobSpec(model="m", dataset=["d"], nnodes=len(nodes), output_dir=str(tmp_path / "out"), env=spec_env or {})
-    setups = setups or {n.host: sshd_nodes.setup for n in nodes}
+    setups = setups or sshd_nodes.setups()
 
     async def go():
         pool = Pool(sshd_nodes.known_hosts)

@@ -149,8 +149,7 @@ def test_hostile_values_execute_nothing_on_the_local_machine(tmp_path):
 
 @pytest.mark.e2e
 def test_hostile_values_execute_nothing_over_ssh(tmp_path, sshd_nodes):
-    nodes = [Node(host=s.host, slots=1, ssh_port=s.port, ssh_user="root", ssh_key=str(sshd_nodes.key),
-                  python=sys.executable, device="cpu") for s in sshd_nodes.servers]
+    nodes = list(sshd_nodes.nodes())
     _check(*_hostile_launch(tmp_path, nodes, sshd_nodes.setup, sshd_nodes.known_hosts))
 
 

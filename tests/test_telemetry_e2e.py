@@ -6,15 +6,13 @@ from __future__ import annotations
 import getpass
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from sqlalchemy import func, select
 
-from backend.cluster import Cluster, Node
+from backend.cluster import Cluster
 from backend.lifecycle import FINAL
 from backend.manager import RunManager
 from backend.spec import parse_spec
@@ -34,25 +32,8 @@ def file_lines(run_dir, rel):
     return out
 
 
-def cut_ssh_connections(sshd) -> int:
-    """Kill every per-connection sshd process of the test servers (the listeners stay), as a
-    network cut would end them; returns how many were killed."""
-    killed = 0
-    for server in sshd.servers:
-        listener = psutil.Process(server.pid())
-        for p in listener.children(recursive=True):
-            try:
-                if p.name() == "sshd" or p.name().startswith("sshd"):
-                    p.kill()
-                    killed += 1
-            except psutil.NoSuchProcess:
-                continue
-    return killed
-
-
 def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_path):
-    nodes = tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_key=str(sshd_nodes.key),
-                       ssh_user=getpass.getuser(), python=sys.executable, device="cpu") for s in sshd_nodes.servers)
+    nodes = sshd_nodes.nodes(user=getpass.getuser())
     spec, problems = parse_spec(dict(
         model=str(ROOT / "assets/demo/model"), dataset=[str(ROOT / "assets/demo/train.jsonl") + "#64"],
         nnodes=2, nproc_per_node=1, max_length=64, per_device_train_batch_size=2, max_steps=60, logging_steps=1,
@@ -86,7 +67,7 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
             time.sleep(0.2)
         agents_before = {n: s.get("agent_pid") for n, s in mgr.sink.nodes(run_id).items()}
         assert len(agents_before) == 2
-        assert cut_ssh_connections(sshd_nodes) >= 2
+        assert sshd_nodes.cut_connections() >= 2
         with mgr.engine.connect() as conn:
             committed_at_cut = conn.execute(select(func.count()).where(E.c.run_id == run_id)).scalar()
 

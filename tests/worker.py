@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+
+from sshd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -31,11 +32,6 @@ def write_run(run_dir: Path, **spec) -> Path:
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return run_dir
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_argv(run_dir: Path, nproc: int = 2, resume: str | None = None) -> list[str]:
