@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 IGNORE = -100
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -58,20 +58,20 @@ class Record:
 
 
 def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
-    """This rank's records of one source. Local files are read line by line; only the lines of
-    this rank are parsed."""
+    """This rank's records of one source. JSON-lines files are streamed (twice: once to count)
+    and only this rank's lines are parsed; the other formats are read once."""
     if not source.is_local:
         yield from _hub_records(source, rank, world, seed)
         return
     path = Path(source.name)
     if not path.is_file():
         raise DataError(f"dataset file {path} not found")
-    suffix = path.suffix.lower()
-    reader = {".jsonl": _jsonl, ".json": _json, ".csv": _csv, ".parquet": _parquet}.get(suffix, _jsonl)
-    indices = _selected(sum(1 for _ in reader(path, count_only=True)), source.limit, seed)
-    for index, record in enumerate(reader(path)):
+    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower(), _jsonl)
+    entries, decode = reader(path)
+    indices = _selected(len(entries), source.limit, seed)
+    for index, (where, raw) in enumerate(entries):
         if index in indices and indices[index] % world == rank:
-            yield record
+            yield Record(where, decode(where, raw))
 
 
 def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
@@ -83,47 +83,67 @@ def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
     return {index: pos for pos, index in enumerate(order)}
 
 
-def _jsonl(path: Path, count_only: bool = False) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if count_only:
-                yield Record("", None)
-                continue
-            try:
-                yield Record(f"{path}:{lineno}", json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+Entries = Sequence[tuple[str, Any]]  # (where, raw record) with a length
+Decode = Callable[[str, Any], Any]
 
 
-def _json(path: Path, count_only: bool = False) -> Iterator[Record]:
+class _JsonLines:
+    """The non-blank lines of a JSON-lines file as (file:line, text), read from disk on each pass
+    (the file may not fit in memory)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __len__(self) -> int:
+        with open(self.path, encoding="utf-8") as f:
+            return sum(1 for line in f if line.strip())
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        with open(self.path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{self.path}:{lineno}", line
+
+
+def _json_line(where: str, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _as_read(where: str, record: Any) -> Any:
+    return record
+
+
+def _jsonl(path: Path) -> tuple[Entries, Decode]:
+    return _JsonLines(path), _json_line
+
+
+def _json(path: Path) -> tuple[Entries, Decode]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-    for index, item in enumerate(data):
-        yield Record(f"{path}: record {index + 1}", item)
+    return [(f"{path}: record {index + 1}", item) for index, item in enumerate(data)], _as_read
 
 
-def _csv(path: Path, count_only: bool = False) -> Iterator[Record]:
+def _csv(path: Path) -> tuple[Entries, Decode]:
     with open(path, encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
-        for row in reader:
-            yield Record(f"{path}:{reader.line_num}", row)
+        return [(f"{path}:{reader.line_num}", row) for row in reader], _as_read
 
 
-def _parquet(path: Path, count_only: bool = False) -> Iterator[Record]:
+def _parquet(path: Path) -> tuple[Entries, Decode]:
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read parquet ({exc})") from None
-    for index, row in enumerate(table.to_pylist()):
-        yield Record(f"{path}: row {index + 1}", row)
+    return [(f"{path}: row {index + 1}", row) for index, row in enumerate(table.to_pylist())], _as_read
 
 
 def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:

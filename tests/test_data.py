@@ -95,6 +95,15 @@ def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, message):
     assert str(err.value).startswith(f"{path}:3: ") and message in str(err.value)
 
 
+def test_a_rank_parses_only_its_own_lines(tmp_path, tokenizer):
+    good = json.dumps({"query": "q", "response": "r"})
+    path = write_jsonl(tmp_path / "data.jsonl", [good, good, "{broken", good])  # record 2: rank 0 of 2
+    with pytest.raises(DataError, match=":3: invalid JSON"):
+        load_samples([str(path)], tokenizer, 64, rank=0, world=2, seed=0)
+    samples, _ = load_samples([str(path)], tokenizer, 64, rank=1, world=2, seed=0)
+    assert len(samples) == 2
+
+
 def test_bad_sources(tmp_path, tokenizer):
     with pytest.raises(DataError, match="not found"):
         load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0)
