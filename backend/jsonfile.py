@@ -13,7 +13,7 @@ def read_json(path: str | Path, what: str, error: Callable[[str], Exception] = V
     """The parsed content of `path`. Every failure raises `error(message)`: missing (with `hint`
     appended), unreadable, or not JSON (with the line)."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{path}: {what} not found{hint}") from None
     except (OSError, UnicodeDecodeError) as exc:

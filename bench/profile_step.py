@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from launcher import dist
+    from launcher.config import load_job
     from launcher.trainer import Trainer
 
     work = Path(tempfile.mkdtemp(prefix="swift-profile-"))
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
-    trainer = Trainer(run_dir, dist.init(600), None)
+    trainer = Trainer(run_dir, load_job(run_dir), dist.init(600), None)
     trainer.setup()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  schedule=schedule(wait=0, warmup=args.warm, active=args.active, repeat=1)) as prof:

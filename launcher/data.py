@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from backend.jsonfile import read_json
+
 IGNORE = -100
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -121,10 +123,7 @@ def _jsonl(path: Path) -> tuple[Entries, Decode]:
 
 
 def _json(path: Path) -> tuple[Entries, Decode]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    data = read_json(path, "dataset", DataError)
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
     return [(f"{path}: record {index + 1}", item) for index, item in enumerate(data)], _as_read

@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.trainer import Stopped, Trainer
 
     try:
-        timeout = load_job(args.run_dir).ddp_timeout
+        spec = load_job(args.run_dir)
     except Exception as exc:  # nothing started yet: report and leave
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    ctx = dist.init(timeout)
+    ctx = dist.init(spec.ddp_timeout)
     logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
                         format=f"[rank{ctx.rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True)
-    trainer = Trainer(args.run_dir, ctx, args.resume)
+    trainer = Trainer(args.run_dir, spec, ctx, args.resume)
     code = 0
     try:
         trainer.setup()

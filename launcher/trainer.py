@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backend.spec import JobSpec
 from launcher import checkpoint, data
-from launcher.config import ConfigError, load_ds_config, load_job
+from launcher.config import ConfigError, load_ds_config
 from launcher.dist import Dist
 from launcher.engines import build_engine
 from launcher.events import EventWriter, Window, eta_seconds, finite_or_none, format_duration, memory_gib
@@ -81,8 +82,8 @@ def set_rng_state(state: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, run_dir: Path, dist: Dist, resume: str | None):
-        self.run_dir, self.dist = Path(run_dir), dist
+    def __init__(self, run_dir: Path, spec: JobSpec, dist: Dist, resume: str | None):
+        self.run_dir, self.spec, self.dist = Path(run_dir), spec, dist
         self.events = EventWriter(self.run_dir, dist.rank)
         self.resume_ref = resume
         self.step = 0
@@ -91,7 +92,7 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------
 
     def setup(self) -> None:
-        spec = self.spec = load_job(self.run_dir)
+        spec = self.spec
         if spec.torch_dtype == "float16" and self.dist.device.type == "cpu":
             raise ConfigError("torch_dtype: float16 needs a GPU (CPUs have no fp16 autocast); use bfloat16 or float32")
         seed_everything(spec.seed)

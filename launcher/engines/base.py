@@ -36,6 +36,33 @@ class Engine:
         raise NotImplementedError
 
 
+class TorchOptimizerEngine(Engine):
+    """DDP and FSDP2: torch AdamW and LR schedule over `params`, clipping, optional fp16 scaler."""
+
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    spec: object
+    scaler: torch.amp.GradScaler | None = None
+
+    def step(self):
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        # FSDP2's norm is a DTensor: the global value is its full tensor.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
 def autocast(device: torch.device, dtype_name: str):
     """Autocast for engines that keep fp32 parameters (DDP); nothing for fp32."""
     if dtype_name == "float32":

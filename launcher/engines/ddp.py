@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.engines.base import Engine, autocast, load_weights, make_optimizer, make_scheduler, save_pretrained
+from launcher.engines.base import (TorchOptimizerEngine, autocast, load_weights, make_optimizer, make_scheduler,
+                                   save_pretrained)
 
 
-class DDPEngine(Engine):
+class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
     reshards = True  # every rank holds the full model and optimizer state
 
@@ -34,22 +35,6 @@ class DDPEngine(Engine):
             scaled = loss / self.accumulation
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.detach()
-
-    def step(self):
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return norm.detach()
-
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def save(self, path: Path, is_main: bool) -> None:
         if is_main:

@@ -10,13 +10,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from launcher.engines.base import Engine, make_optimizer, make_scheduler, save_pretrained
+from launcher.engines.base import TorchOptimizerEngine, make_optimizer, make_scheduler, save_pretrained
 from launcher.model import DTYPES, decoder_layers
 
 DCP_DIR = "dcp"
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     reshards = True
 
@@ -49,16 +49,6 @@ class FSDPEngine(Engine):
         loss = self.model(**batch).loss
         (loss / self.accumulation).backward()
         return loss.detach()
-
-    def step(self):
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
 
     def save(self, path: Path, is_main: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
