@@ -27,6 +27,10 @@ import psutil
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are looked up
+# NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds, both under
+# the driver's global lock, which the trainers' CUDA calls wait on as well: read them every few
+# seconds, not every second (at 1 Hz, with them, training measured 1.7% slower; docs/benchmarks.md).
+SLOW_READ_S = 5.0
 HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass
 NVLINK_ALL_LINKS = 0xFFFFFFFF
@@ -45,6 +49,8 @@ _Reader = Callable[[int, Any, float, set[int]], Any]
 class _Metric:
     name: str
     read: _Reader
+    period_s: float = 0.0
+    """Read at most this often (0: every sample)."""
 
 
 class GpuSampler:
@@ -57,6 +63,7 @@ class GpuSampler:
         self.off: set[tuple[int, str]] = set()
         self._nv = None
         self._last_nvlink: dict[int, tuple[float, int, int]] = {}
+        self._due: dict[tuple[int, str], float] = {}  # (GPU, metric) -> next read of a slow metric
         try:
             nv = nvml
             if nv is None:
@@ -100,9 +107,9 @@ class GpuSampler:
             _Metric("energy_j", of_handle(lambda h: nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0)),
             _Metric("temp_c", of_handle(lambda h: float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))),
             _Metric("sm_clock_mhz", of_handle(lambda h: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))),
-            _Metric("pcie", of_handle(pcie)),
+            _Metric("pcie", of_handle(pcie), SLOW_READ_S),
             _Metric("nvlink", self._nvlink),
-            _Metric("procs", self._procs),
+            _Metric("procs", self._procs, SLOW_READ_S),
         ]
 
     def _nvlink(self, i: int, h: Any, now: float, _run_pids: set[int]) -> dict[str, float]:
@@ -138,8 +145,9 @@ class GpuSampler:
         for i, h in enumerate(self.handles):
             rec: dict[str, Any] = {"kind": "gpu", "t": now, "gpu": i}
             for m in self.metrics:
-                if (i, m.name) in self.off:
+                if (i, m.name) in self.off or now < self._due.get((i, m.name), now):
                     continue
+                self._due[(i, m.name)] = now + m.period_s
                 try:
                     value = m.read(i, h, now, run_pids)
                 except Exception as exc:

@@ -13,6 +13,14 @@ COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture)
                       "or turn it off")
 
 
+def ddp_on_fsdp(spec: JobSpec) -> bool:
+    """Whether the worker runs DDP's layout (full replicas, all-reduced gradients) on FSDP2's
+    machinery (launcher/engines/fsdp.py): full fine-tuning without DeepSpeed or FSDP. torch's
+    DistributedDataParallel stays for LoRA (a frozen 16-bit base needs no fp32 master copy) and
+    float16 (its gradient scaler)."""
+    return not spec.deepspeed and not spec.fsdp and spec.train_type == "full" and spec.torch_dtype != "float16"
+
+
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
     for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

@@ -12,16 +12,19 @@ bf16/fp16 compute and AdamW:
                the weights too (plus 4 x the largest layer gathered). These are the multipliers of
                DeepSpeed's own estimators (2 + 18/N for ZeRO-2, 4 x largest layer + 18/N for ZeRO-3).
     FSDP2      fp32 weights 4, gradients 4, Adam 8, all sharded; two blocks gathered in 16-bit.
-    DDP        fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 + DDP bucket 4, Adam 8.
+    DDP        full fine-tuning: FSDP2's with shards of one rank (16-bit copies kept through backward);
+               LoRA and float16: fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 +
+               DDP bucket 4, Adam 8.
 LoRA: only the adapters have gradients and optimizer states. Offloaded states count in
 `offloaded_gib` (host memory per GPU), not on the GPU. Sharding is over the ranks that hold the
 same model slice: world / (TP x PP).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from backend.dsconfig import STAGE12_BUCKET, ZeroSettings, zero_settings
+from backend.capabilities import ddp_on_fsdp
+from backend.dsconfig import STAGE12_BUCKET, ZeroSettings, stage3_sizes, zero_settings
 from backend.layout import Layout, compute_layout
 from backend.modelcfg import ModelConfig
 from backend.spec import JobSpec
@@ -164,7 +167,8 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
     if stage in (1, 2):
         buffers = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, s.trainable)
     else:
-        buffers = 2 * (model.hidden_size**2) * (2 + 4) if stage == 3 else 0.0  # prefetch + reduce buckets
+        sizes = stage3_sizes(model.hidden_size)  # prefetch (16-bit) + reduce (16-bit and fp32) buckets
+        buffers = 2 * sizes["stage3_prefetch_bucket_size"] + (2 + 4) * sizes["reduce_bucket_size"] if stage == 3 else 0.0
     where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
     # DeepSpeed allocates its gradient partitions and buckets up front: no overlap with activations.
     return params, grads, optim, offloaded, buffers, 0.0, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
@@ -172,8 +176,12 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
 
 def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
     """The worker's FSDP2: fp32 storage sharded, compute-dtype copies of one block (plus the
-    prefetched one) gathered at a time; fp32 gradients reduce-scattered."""
-    reshard, offload = _fsdp_mode(spec)
+    prefetched one) gathered at a time; fp32 gradients reduce-scattered. DDP's layout on FSDP2
+    (`ddp_on_fsdp`): shards of one rank, the compute-dtype copies kept from forward to backward."""
+    if ddp_on_fsdp(spec):
+        reshard, offload, s = False, False, replace(s, shard=1)
+    else:
+        reshard, offload = _fsdp_mode(spec)
     gathered = 2 * s.width * model.layer_params(model.is_moe) / s.tp
     params, grads, optim = 4 * s.local / s.shard, 4 * s.trainable / s.shard, 8 * s.trainable / s.shard
     offloaded = 0.0
@@ -183,11 +191,14 @@ def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
     transient = grads
     if spec.gradient_accumulation_steps > 1:
         grads += 4 * s.trainable  # micro-batches before the last accumulate unsharded gradients
-    return params, grads, optim, offloaded, 0.0, transient, f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
+    note = "DDP (on FSDP2): every rank holds the full model states" if ddp_on_fsdp(spec) else \
+        f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
+    return params, grads, optim, offloaded, 0.0, transient, note
 
 
 def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
-    """The worker's DDP: fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
+    """torch's DDP (LoRA, and full fine-tuning in float16; other full fine-tuning runs on FSDP2):
+    fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
     is frozen and kept in the compute dtype (`launcher.model.master_dtype`). Autocast caches
     16-bit copies of trainable weights; without checkpointing backward keeps them."""
     frozen_width = s.width if spec.train_type == "lora" else 4
@@ -214,7 +225,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
                    width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
     if spec.deepspeed:
         states = _deepspeed_states(spec, model, sizes, zero or zero_settings(spec))
-    elif spec.fsdp:
+    elif spec.fsdp or ddp_on_fsdp(spec):
         states = _fsdp_states(spec, model, sizes)
     else:
         states = _ddp_states(spec, sizes, layout.world)

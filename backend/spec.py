@@ -101,6 +101,7 @@ class JobSpec(BaseModel):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 = off).")
     torch_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute dtype.")
+    grad_reduce_dtype: Literal["compute", "float32"] = Field("compute", description="Dtype of the gradient all-reduce / reduce-scatter between ranks: 'compute' = the compute dtype (half the traffic of fp32; DeepSpeed's and accelerate's default), 'float32' = exact sums (many ranks, or when the loss curve is noisier than on one GPU). LoRA under DDP over gloo (CPU) reduces in fp32.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward to save memory.")
     use_liger_kernel: bool = Field(False, description="Liger fused kernels (when liger-kernel is installed).")
     torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (faster steps after a one-off compile).")

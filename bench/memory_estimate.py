@@ -1,8 +1,10 @@
 """Measured peak GPU memory of one training step vs `backend.memory.estimate_memory`.
 
-Runs on one CUDA GPU the way the worker's single-rank path does (fp32 weights, or a bf16 LoRA
-base, autocast to bf16, AdamW fused, optional LoRA and gradient checkpointing), with a model built from a bundled
-config (random weights; no download). Prints one JSON line per case:
+Runs on one CUDA GPU the way the worker's torch-DDP single-rank path does (fp32 weights, or a bf16
+LoRA base, autocast to bf16, AdamW fused, optional LoRA and gradient checkpointing), with a model
+built from a bundled config (random weights; no download). The worker takes that path for LoRA and
+for float16 full fine-tuning; bf16 full fine-tuning runs on FSDP2, whose peaks come from
+bench/throughput.py's runs (tests/test_memory.py). Prints one JSON line per case:
     python -m bench.memory_estimate [--cases all]
 `measured_gib` is torch.cuda.max_memory_allocated (no CUDA context), so it is compared with the
 estimate's total minus `other_gib`.
@@ -57,7 +59,9 @@ def measure(name: str, train_type: str, micro: int, max_length: int, checkpointi
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     measured = torch.cuda.max_memory_allocated() / 2**30
-    est = estimate_memory(spec, load_model_config(BUNDLED_DIR / f"{name}.json"), compute_layout(spec))
+    # torch DDP's estimate, the path run here: float16 selects it for full fine-tuning (same widths as bf16)
+    ddp_spec = spec if train_type == "lora" else spec.model_copy(update={"torch_dtype": "float16"})
+    est = estimate_memory(ddp_spec, load_model_config(BUNDLED_DIR / f"{name}.json"), compute_layout(ddp_spec))
     del model, optimizer, ids, loss
     predicted = est.total_gib - est.other_gib
     return {"model": name, "train_type": train_type, "micro": micro, "max_length": max_length,

@@ -1,6 +1,6 @@
 """Where one training step of our worker spends its GPU time: runs the worker's own Trainer in
 this process (one rank) on a benchmark shape and prints torch.profiler's kernel table for a few
-steps after warm-up.
+steps after warm-up. Under `torchrun --nproc_per_node N` every rank trains and rank 0 prints.
 
     python bench/profile_step.py --shape llama3.2-1b --seq 4096 --bsz 4 --set torch_compile=true \\
         --set attn_impl=sdpa_cudnn [--set fsdp=full_shard] [--rows 30] [--trace trace.json]
@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer.engine.step = step_and_mark
         trainer.train()
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(json.dumps({"shape": args.shape, "seq": args.seq, "bsz": args.bsz, "set": args.set}))
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90), flush=True)
-    if args.trace:
+    if trainer.dist.rank == 0:  # under torchrun, rank 0 speaks for all
+        print(json.dumps({"shape": args.shape, "seq": args.seq, "bsz": args.bsz, "set": args.set,
+                          "world_size": trainer.dist.world_size}))
+        print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90), flush=True)
+    if args.trace and trainer.dist.rank == 0:
         prof.export_chrome_trace(str(args.trace))
     trainer.end("succeeded", None)
     dist.close()

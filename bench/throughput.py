@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -127,6 +128,7 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
                                  "--node", "localhost", "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL) if agent else None)
+    started = time.monotonic()
     try:
         stdout, stderr = proc.communicate()
     finally:
@@ -134,7 +136,8 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
             watcher.terminate()
             watcher.wait()
     result = dict(source="swift-studio", model=shape, seq=seq, bsz=bsz, lora=lora, liger=liger, nproc=nproc,
-                  mixed_lengths=bool(min_len), agent=agent, **engine, **extra)
+                  mixed_lengths=bool(min_len), agent=agent, **engine, **extra,
+                  wall_s=round(time.monotonic() - started))
     events = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()] \
         if (run_dir / "events" / "rank-0.jsonl").exists() else []
     train = [e for e in events if e["type"] == "train" and e["step"] > warm]
@@ -168,22 +171,22 @@ def run_baseline_config(script: Path, config: tuple, devices: str | None = None)
     """One configuration of the HF Trainer baseline, in its own process (its own GPU memory)."""
     code = (f"import json, sys; sys.path.insert(0, {str(script.parent)!r}); import {script.stem} as h; "
             f"print(json.dumps(h.run(*{config!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], env=gpu_env(devices), capture_output=True, text=True)
-    return _baseline_result(proc, config=config)
+    return _baseline_result([sys.executable, "-c", code], gpu_env(devices), config=config)
 
 
 def run_baseline_multi(script: Path, mode: str, nproc: int) -> dict:
     """The HF Trainer scaling baseline (hf_baseline_multi.py) under torchrun, MODE=ddp|zero2|zero3|fsdp."""
-    proc = subprocess.run(torchrun_argv(nproc, str(script)), env={**os.environ, "MODE": mode}, capture_output=True,
-                          text=True)
-    return _baseline_result(proc, mode=mode, nproc=nproc)
+    return _baseline_result(torchrun_argv(nproc, str(script)), {**os.environ, "MODE": mode}, mode=mode, nproc=nproc)
 
 
-def _baseline_result(proc: subprocess.CompletedProcess, **context) -> dict:
-    """The baseline's last JSON line, or its error with what was run."""
+def _baseline_result(argv: list[str], env: dict, **context) -> dict:
+    """Run a baseline; its last JSON line, or its error with what was run."""
+    started = time.monotonic()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    wall = {"wall_s": round(time.monotonic() - started)}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {"source": "hf_trainer", **json.loads(lines[-1])} if lines else \
-        {"source": "hf_trainer", **context, "error": _first_error(proc.stderr)}
+    return {"source": "hf_trainer", **json.loads(lines[-1]), **wall} if lines else \
+        {"source": "hf_trainer", **context, "error": _first_error(proc.stderr), **wall}
 
 
 def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
@@ -196,6 +199,10 @@ def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
 # weights and computes in bf16 (no per-step autocast weight casts), without re-gathering the bf16
 # weights for backward (shard_grad_op), torch_compile per decoder layer.
 FAST_FULL = dict(engine={"fsdp": "shard_grad_op"}, extra={"torch_compile": True})
+# The single-GPU targets and the runs each needs (Suite.single's job names).
+SINGLE_TARGETS = {"full": ("hf_qwen_full", "hf_llama_full", "qwen_full", "llama_full"),
+                  "lora": ("hf_qwen_lora", "qwen_lora"), "packing": ("padded", "packed"),
+                  "agent": ("qwen_full", "qwen_full_agent", "qwen_full_agent_2", "qwen_full_2")}
 # hf_baseline_multi.py's MODE -> our engine fields for the same engine.
 MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
                  "fsdp": {"fsdp": "full_shard"}}
@@ -259,8 +266,9 @@ class Suite:
                                     nproc, self.steps, self.warm, engine or {}, "bfloat16", extra=extra,
                                     devices=devices, **kw))
 
-    def single(self, gpus: int) -> None:
-        """Every single-GPU target; with several GPUs the runs share them, one run per GPU."""
+    def single(self, gpus: int, only: set[str] | None = None) -> None:
+        """The single-GPU targets (all, or those named in `only`: SINGLE_TARGETS); with several
+        GPUs the runs share them, one run per GPU."""
         qwen, llama = ("qwen2.5-1.5b", 2048, 8), ("llama3.2-1b", 4096, 4)
         self.model(qwen[0]), self.model(llama[0])
         hf = lambda *config: lambda dev: self.emit(run_baseline_config(self.baseline, config, devices=dev))  # noqa: E731
@@ -275,16 +283,28 @@ class Suite:
             "packed": lambda dev: self.ours(*qwen, False, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"},
                                             devices=dev),
             "qwen_full_agent": lambda dev: self.ours(*qwen, False, agent=True, devices=dev, **FAST_FULL),
+            # a second pair in the opposite order: with two GPUs each GPU runs one of each
+            "qwen_full_agent_2": lambda dev: self.ours(*qwen, False, agent=True, devices=dev, **FAST_FULL),
+            "qwen_full_2": lambda dev: self.ours(*qwen, False, devices=dev, **FAST_FULL),
         }
-        r = run_on_gpus(jobs, gpus)
-        for name, ours, theirs in (("full qwen2.5-1.5b 2048x8 (FSDP2 shard_grad_op + compile) vs HF+Liger", "qwen_full", "hf_qwen_full"),
-                                   ("full llama3.2-1b 4096x4 (FSDP2 shard_grad_op + compile) vs HF+Liger", "llama_full", "hf_llama_full")):
-            self.target(name, ratio(r[ours], r[theirs]), 1.10,
-                        {"peak_gib": r[ours].get("peak_mem_gib"), "hf_peak_gib": r[theirs].get("peak_mem_gib")})
-        self.target("LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", ratio(r["qwen_lora"], r["hf_qwen_lora"]), 1.35)
-        self.target("packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded",
-                    ratio(r["packed"], r["padded"], "useful_tokens_per_s"), 2.0)
-        self.target("telemetry agent at 1 Hz: tokens/s with / without", ratio(r["qwen_full_agent"], r["qwen_full"]), 0.99)
+        chosen = only or set(SINGLE_TARGETS)
+        r = run_on_gpus({name: fn for name, fn in jobs.items()
+                         if any(name in SINGLE_TARGETS[target] for target in chosen)}, gpus)
+        if "full" in chosen:
+            for name, ours, theirs in (("full qwen2.5-1.5b 2048x8 (FSDP2 shard_grad_op + compile) vs HF+Liger", "qwen_full", "hf_qwen_full"),
+                                       ("full llama3.2-1b 4096x4 (FSDP2 shard_grad_op + compile) vs HF+Liger", "llama_full", "hf_llama_full")):
+                self.target(name, ratio(r[ours], r[theirs]), 1.10,
+                            {"peak_gib": r[ours].get("peak_mem_gib"), "hf_peak_gib": r[theirs].get("peak_mem_gib")})
+        if "lora" in chosen:
+            self.target("LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", ratio(r["qwen_lora"], r["hf_qwen_lora"]), 1.35)
+        if "packing" in chosen:
+            self.target("packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded",
+                        ratio(r["packed"], r["padded"], "useful_tokens_per_s"), 2.0)
+        if "agent" in chosen:
+            pairs = [(r[a], r[b]) for a, b in (("qwen_full_agent", "qwen_full"), ("qwen_full_agent_2", "qwen_full_2"))]
+            ratios = [ratio(a, b) for a, b in pairs]
+            self.target("telemetry agent at 1 Hz: tokens/s with / without (mean of two pairs)",
+                        None if None in ratios else round(sum(ratios) / len(ratios), 3), 0.99, {"pairs": ratios})
 
     def multi(self, nproc: int, modes: list[str]) -> None:
         """Each engine on `nproc` GPUs against hf_baseline_multi.py with the same engine and per-GPU batch."""
@@ -343,10 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=("single", "multi", "all"), default="all",
                         help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both")
     parser.add_argument("--modes", default=",".join(MULTI_ENGINES), help="suite: engines of the multi-GPU part")
+    parser.add_argument("--targets", default=",".join(SINGLE_TARGETS), help="suite: targets of the single-GPU part")
     parser.add_argument("--variants", type=Path, default=None, metavar="PLAN.jsonl",
                         help="run the configurations listed in this file (see Suite.variants); lines also to --out")
     parser.add_argument("--out", type=Path, default=Path(os.devnull))
     args = parser.parse_args(argv)
+    for flag, names, known in (("--targets", args.targets, SINGLE_TARGETS), ("--modes", args.modes, MULTI_ENGINES)):
+        unknown = set(names.split(",")) - set(known)
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(sorted(unknown))} (choose from {', '.join(known)})")
 
     plan = SMOKE_PLAN if args.smoke else PLAN
     if args.shapes:
@@ -368,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.variants(args.variants)
                     return 0
                 if args.part in ("single", "all"):
-                    runs.single(gpus)
+                    runs.single(gpus, set(args.targets.split(",")))
                 if args.part in ("multi", "all") and gpus >= 2:
                     runs.multi(gpus, args.modes.split(","))
                 print(runs.summary())

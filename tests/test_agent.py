@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from backend.agent import GpuSampler, Tailer, flight_record
+from backend.agent import SLOW_READ_S, GpuSampler, Tailer, flight_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -294,9 +294,11 @@ def test_gpu_sample_fields_and_units():
     [s] = sampler.sample(12.0, run_pids={100})
     assert s["kind"] == "gpu" and s["gpu"] == 0 and s["t"] == 12.0
     assert s["energy_j"] == 7000.0 and s["temp_c"] == 61.0 and s["sm_clock_mhz"] == 1980.0
-    assert s["pcie_tx_mib_s"] == 2.0 and s["mem_total_gib"] == 80.0
     # the fake counter grows by 100 MiB per read, and reads were 2 s apart
     assert s["nvlink_tx_mib_s"] == pytest.approx(50.0) and s["nvlink_rx_mib_s"] == pytest.approx(50.0)
+    assert "pcie_tx_mib_s" not in s and "run_pids" not in s  # the slow readings: every SLOW_READ_S
+    [s] = sampler.sample(10.0 + SLOW_READ_S, run_pids={100})
+    assert s["pcie_tx_mib_s"] == 2.0 and s["mem_total_gib"] == 80.0
     assert s["run_pids"] == [100] and s["run_procs_count"] == 1 and s["other_procs_count"] == 1
     assert s["run_mem_used_gib"] == 2.0
 

@@ -60,15 +60,17 @@ def test_lora_merge_matches_peft_and_generates(tmp_path, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def ddp_full_run(tmp_path_factory, tiny_model):
-    """Full fine-tuning with DDP: its checkpoint holds the whole model, the reference below."""
-    run = write_run(tmp_path_factory.mktemp("ddp") / "run", **job(tiny_model, train_type="full"))
+def ddp_full_weights(tmp_path_factory, tiny_model):
+    """Full fine-tuning with DDP's layout (every rank holds every weight), exported: the reference below."""
+    root = tmp_path_factory.mktemp("ddp")
+    run = write_run(root / "run", **job(tiny_model, train_type="full"))
     assert run_worker(run).returncode == 0
-    return run
+    assert export(run, "--out", str(root / "export"))["checkpoint"] == str(run / "checkpoint-3")
+    return load_file(root / "export" / "model.safetensors")
 
 
 @pytest.mark.parametrize("engine,marker", [(dict(fsdp="full_shard"), "dcp"), (dict(deepspeed="zero3"), "engine")])
-def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model, ddp_full_run, engine, marker):
+def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model, ddp_full_weights, engine, marker):
     run = write_run(tmp_path / "sharded", **job(tiny_model, train_type="full", **engine))
     assert run_worker(run).returncode == 0
     ckpt = run / "checkpoint-3"
@@ -76,7 +78,7 @@ def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_mode
     result = export(run, "--out", str(tmp_path / "export"))
     assert result["checkpoint"] == str(ckpt)
     consolidated = load_file(tmp_path / "export" / "model.safetensors")
-    reference = load_file(ddp_full_run / "checkpoint-3" / "model" / "model.safetensors")
+    reference = ddp_full_weights
     initial = load_file(tiny_model / "model.safetensors")
     assert set(consolidated) == set(reference)
     for key, value in reference.items():

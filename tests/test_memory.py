@@ -100,10 +100,15 @@ def test_breakdown_follows_the_settings():
     assert z3.parameters_gib < z2.parameters_gib
     # DeepSpeed ZeRO-0: bf16 weights 2 + gradients 2 (bf16) + 4 (fp32) + master 4 + Adam 8 = 20 bytes
     assert z0.model_states_gib == pytest.approx(20 * model.param_count() / GIB, rel=1e-6)
-    # The worker's DDP: fp32 weights 4 + gradients 4 + DDP bucket 4 + Adam 8 = 20 bytes, and
-    # without checkpointing autocast's bf16 weight copies (2) stay alive until backward.
-    assert ddp.model_states_gib == pytest.approx(20 * model.param_count() / GIB, rel=1e-6)
-    no_ckpt = est(gradient_checkpointing=False)
+    # DDP's layout for full fine-tuning runs on FSDP2: fp32 weights 4 + their bf16 copies 2 +
+    # gradients 4 + Adam 8 = 18 bytes, plus two bf16 layers in flight, with or without checkpointing.
+    layer = 2 * 2 * model.layer_params(False) / GIB
+    assert ddp.model_states_gib == pytest.approx(18 * model.param_count() / GIB + layer, rel=1e-6)
+    assert est(gradient_checkpointing=False).model_states_gib == ddp.model_states_gib
+    # torch's DDP (float16): fp32 weights 4 + gradients 4 + DDP bucket 4 + Adam 8 = 20 bytes, and
+    # without checkpointing autocast's 16-bit weight copies (2) stay alive until backward.
+    assert est(torch_dtype="float16").model_states_gib == pytest.approx(20 * model.param_count() / GIB, rel=1e-6)
+    no_ckpt = est(torch_dtype="float16", gradient_checkpointing=False)
     assert no_ckpt.model_states_gib == pytest.approx(22 * model.param_count() / GIB, rel=1e-6)
     assert ddp.overlap_gib == pytest.approx(min(ddp.activations_gib, 4 * model.param_count() / GIB))
     assert z2.overlap_gib == 0  # DeepSpeed allocates its gradient partitions up front
@@ -143,9 +148,11 @@ def test_estimate_to_dict():
 
 
 # Peak allocated memory of two training steps, measured with `python -m bench.memory_estimate` on
-# one H200 (torch 2.11, transformers 5.17; fp32 weights + bf16 autocast, fused AdamW, sdpa).
-# The LoRA cases of bench.memory_estimate were measured with an fp32 base, before the worker kept
-# a LoRA base in bf16 under DDP; they are left out until measured again.
+# one H200 (torch 2.11, transformers 5.17; fused AdamW, sdpa) with torch's DDP and bf16 autocast,
+# before bf16 full fine-tuning moved to FSDP2. The worker still runs that path for float16 (the same
+# bytes per value), so float16 selects it below. The LoRA cases of bench.memory_estimate were
+# measured with an fp32 base, before the worker kept a LoRA base in bf16 under DDP; they are left
+# out until measured again.
 MEASURED_H200 = [
     # model, train_type, micro-batch, max_length, gradient checkpointing, GiB
     ("qwen2.5-0.5b", "full", 1, 2048, True, 9.61),
@@ -158,10 +165,29 @@ MEASURED_H200 = [
 @pytest.mark.parametrize("name,train_type,micro,max_length,checkpointing,measured", MEASURED_H200)
 def test_single_gpu_estimate_matches_measured_peaks(name, train_type, micro, max_length, checkpointing, measured):
     spec = job(train_type=train_type, per_device_train_batch_size=micro, max_length=max_length,
-               gradient_checkpointing=checkpointing, nproc_per_node=1)
+               gradient_checkpointing=checkpointing, nproc_per_node=1, torch_dtype="float16")
     est = estimate_memory(spec, find_model_config(name), compute_layout(spec))
     # max_memory_allocated excludes the CUDA context, which the estimate keeps in `other`.
     assert est.total_gib - est.other_gib == pytest.approx(measured, rel=0.10)
+
+
+# Peaks of bench/throughput.py's runs (bench/results/h200x2-suite-4.jsonl; bf16, Liger,
+# torch_compile, no checkpointing): full fine-tuning on FSDP2's machinery.
+MEASURED_FSDP_H200 = [
+    # model, micro-batch, max_length, engine fields, GPUs, GiB
+    ("qwen2.5-1.5b", 8, 2048, {}, 2, 52.56),  # DDP's layout on FSDP2
+    ("qwen2.5-1.5b", 8, 2048, {"fsdp": "shard_grad_op"}, 1, 52.56),
+    ("qwen2.5-1.5b", 8, 2048, {"fsdp": "full_shard"}, 2, 41.53),
+]
+
+
+@pytest.mark.parametrize("name,micro,max_length,engine,gpus,measured", MEASURED_FSDP_H200)
+def test_fsdp_estimates_bound_measured_peaks(name, micro, max_length, engine, gpus, measured):
+    spec = job(train_type="full", per_device_train_batch_size=micro, max_length=max_length, gradient_checkpointing=False,
+               use_liger_kernel=True, nproc_per_node=gpus, **engine)
+    est = estimate_memory(spec, find_model_config(name), compute_layout(spec))
+    # An upper bound: torch_compile's fused kernels keep fewer activations than the estimate counts.
+    assert measured <= est.total_gib - est.other_gib <= 1.15 * measured
 
 
 def test_cpu_ranks_have_no_cuda_context():

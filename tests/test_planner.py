@@ -93,7 +93,9 @@ def test_files_for_the_run_directory(tmp_path, monkeypatch):
     assert back.output_dir == str(tmp_path / "out")
     ds = json.loads(result.files["ds_config.json"])
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] and ds["train_batch_size"] == 2
-    assert ds["zero_optimization"]["reduce_bucket_size"] == 3584 * 3584  # filled from the model's hidden size
+    # HF's hidden-size rule (3584^2 = 12.8M) gives less than DeepSpeed's defaults here: those win.
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
     assert json.loads(result.files["plan.json"])["memory"]["total_gib"] > 0
 
 
@@ -149,7 +151,11 @@ def test_user_json_auto_fields_are_filled(tmp_path):
                                 "optimizer": {"type": "AdamW"}}))
     config = build_ds_config(job(deepspeed=str(path), per_device_train_batch_size=2), 4, hidden_size=1000)
     assert config["train_batch_size"] == 8 and config["bf16"]["enabled"] is True and config["gradient_clipping"] == 1.0
-    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 900_000 and config["optimizer"] == {"type": "AdamW"}
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000 and config["optimizer"] == {"type": "AdamW"}
+    assert "communication_data_type" not in config  # gradients travel in the compute dtype, DeepSpeed's default
+    wide = build_ds_config(job(deepspeed=str(path), grad_reduce_dtype="float32"), 4, hidden_size=8192)
+    assert wide["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 8192**2)  # the rule wins above ~7.5k
+    assert wide["communication_data_type"] == "fp32"
 
 
 def test_worker_sets_the_batch_fields_of_the_run_directory_config(tmp_path):

@@ -2,6 +2,8 @@
 event lines and the checkpoint layout must follow docs/architecture.md."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from worker import ROOT, events, losses, run_planned, run_worker, write_run
@@ -19,7 +21,7 @@ def job(model, **extra) -> dict:
 
 @pytest.mark.parametrize("name,extra", [
     ("ddp-lora-packed", dict(train_type="lora", torch_dtype="bfloat16", gradient_checkpointing=True, packing=True)),
-    ("zero2-lora", dict(train_type="lora", deepspeed="zero2", torch_dtype="bfloat16")),
+    ("zero2-lora", dict(train_type="lora", deepspeed="zero2", torch_dtype="bfloat16", grad_reduce_dtype="float32")),
     ("zero3-full", dict(train_type="full", deepspeed="zero3", torch_dtype="bfloat16")),
     ("fsdp2-full", dict(train_type="full", fsdp="full_shard", torch_dtype="bfloat16")),
 ])
@@ -29,6 +31,8 @@ def test_engine_trains(tmp_path, tiny_model, name, extra):
         # Launched exactly as the backend does: planner argv/env, its job.yaml and ds_config.json.
         proc = run_planned(run, **job(tiny_model, nproc_per_node=2, **extra))
         assert (run / "ds_config.json").is_file() and (run / "plan.json").is_file()
+        if extra.get("grad_reduce_dtype") == "float32":
+            assert json.loads((run / "ds_config.json").read_text())["communication_data_type"] == "fp32"
     else:
         proc = run_worker(write_run(run, **job(tiny_model, **extra)))
     assert proc.returncode == 0, proc.log[-4000:]

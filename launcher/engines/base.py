@@ -70,6 +70,11 @@ def autocast(device: torch.device, dtype_name: str):
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype_name])
 
 
+def reduce_dtype(spec) -> torch.dtype:
+    """The dtype gradients travel in between ranks: the compute dtype unless the job asks for fp32."""
+    return torch.float32 if spec.grad_reduce_dtype == "float32" else DTYPES[spec.torch_dtype]
+
+
 def param_groups(model, weight_decay: float) -> list[dict]:
     """Decay matrices, not biases and norms (the usual AdamW practice)."""
     decay, no_decay = [], []

@@ -1,4 +1,5 @@
-"""DistributedDataParallel: full replicas, gradients all-reduced in backward."""
+"""DistributedDataParallel: full replicas, gradients all-reduced in backward (in the compute dtype
+unless the job asks for fp32)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,7 +9,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher.engines.base import (TorchOptimizerEngine, autocast, load_weights, make_optimizer, make_scheduler,
-                                   save_pretrained)
+                                   reduce_dtype, save_pretrained)
+
+
+def compress_hook(dtype: torch.dtype, backend: str):
+    """torch's DDP hook that all-reduces the fp32 gradients in `dtype`, or None for fp32. Its bf16
+    hook needs NCCL, so over gloo (CPU) bf16 jobs reduce in fp32."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if dtype == torch.float16:
+        return default_hooks.fp16_compress_hook
+    if dtype == torch.bfloat16 and backend == "nccl":
+        return default_hooks.bf16_compress_hook
+    return None
 
 
 class DDPEngine(TorchOptimizerEngine):
@@ -22,6 +35,9 @@ class DDPEngine(TorchOptimizerEngine):
         # gradients live in the buckets (no second copy).
         self.ddp = self.model if torch.distributed.get_world_size() == 1 else DistributedDataParallel(
             self.model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        hook = compress_hook(reduce_dtype(spec), torch.distributed.get_backend())
+        if hook and self.ddp is not self.model:
+            self.ddp.register_comm_hook(None, hook)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model, spec, device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
