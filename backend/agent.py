@@ -27,9 +27,9 @@ import psutil
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are looked up
-# NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds, both under
-# the driver's global lock, which the trainers' CUDA calls wait on as well: read them every few
-# seconds, not every second (at 1 Hz, with them, training measured 1.7% slower; docs/benchmarks.md).
+# NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds; other NVML
+# users report both blocking on the driver's lock that CUDA calls take too. Read every second, one
+# measured H200 run trained 1.7% slower beside the agent (docs/benchmarks.md), so every few seconds.
 SLOW_READ_S = 5.0
 HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass

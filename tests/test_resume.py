@@ -1,8 +1,9 @@
 """Stop a real 2-process run with SIGTERM, resume it, and compare the losses with an
-uninterrupted run of the same seed; resume FSDP2 onto a different world size; DeepSpeed refuses
-one clearly."""
+uninterrupted run of the same seed; resume FSDP2 and full DDP onto a different world size; DeepSpeed
+refuses one clearly."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -70,18 +71,26 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path, tiny_mo
         assert math.isclose(resumed[step], expected[step], rel_tol=1e-4), (step, resumed[step], expected[step])
 
 
-def test_fsdp_resumes_on_other_world_size_deepspeed_refuses(tmp_path, tiny_model):
-    fsdp = write_run(tmp_path / "fsdp", **job(tiny_model, train_type="full", fsdp="full_shard", max_steps=6,
-                                             save_steps=3, logging_steps=3))
-    assert run_worker(fsdp).returncode == 0
-    shutil.rmtree(fsdp / "checkpoint-6")
-    proc = run_worker(fsdp, nproc=1, resume=str(fsdp / "checkpoint-3"))
+@pytest.mark.parametrize("engine", [dict(fsdp="full_shard"), {}], ids=["fsdp", "ddp-full"])
+def test_dcp_checkpoint_resumes_on_other_world_size(tmp_path, tiny_model, engine):
+    """FSDP2, and DDP's full fine-tuning (FSDP2 with a replicate mesh), write DCP checkpoints."""
+    run = write_run(tmp_path / "run", **job(tiny_model, train_type="full", max_steps=6, save_steps=3, logging_steps=3,
+                                            **engine))
+    assert run_worker(run).returncode == 0
+    assert (run / "checkpoint-3" / "dcp").is_dir()
+    state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["engine"] == ("fsdp" if engine else "ddp")
+    shutil.rmtree(run / "checkpoint-6")
+    proc = run_worker(run, nproc=1, resume=str(run / "checkpoint-3"))
     assert proc.returncode == 0, proc.log[-4000:]
-    assert events(fsdp, 0, "start")[-1] == {**events(fsdp, 0, "start")[-1], "resumed_from": 3, "world_size": 1}
-    first, two_ranks, one_rank = [e["loss"] for e in events(fsdp, 0, "train")]
+    start = events(run, 0, "start")[-1]
+    assert start == {**start, "resumed_from": 3, "world_size": 1}
+    first, two_ranks, one_rank = [e["loss"] for e in events(run, 0, "train")]
     # Continues from the trained weights (not from scratch); the data order differs with one rank.
     assert one_rank < first - 0.1 and abs(one_rank - two_ranks) < 0.3, (first, two_ranks, one_rank)
 
+
+def test_deepspeed_refuses_other_world_size(tmp_path, tiny_model):
     zero = write_run(tmp_path / "zero", **job(tiny_model, deepspeed="zero2", max_steps=2, save_steps=2, logging_steps=2))
     assert run_worker(zero).returncode == 0
     proc = run_worker(zero, nproc=1, resume="latest")
