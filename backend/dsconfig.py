@@ -26,8 +26,9 @@ from backend.spec import JobSpec
 # enough to keep NCCL busy.
 STAGE12_BUCKET = 200_000_000
 # ZeRO-3's DeepSpeed defaults. HF's 'auto' values scale with hidden^2 and are far smaller below
-# ~7k hidden (2.1M-element prefetch for a 1.5B model): the next layer is barely prefetched, and
-# the HF Trainer with DeepSpeed's defaults measured 13% faster than with them (docs/benchmarks.md).
+# ~7.5k hidden (a 2.1M-element prefetch for a 1.5B model: the next layer is barely prefetched).
+# With them our ZeRO-3 ran at 0.88x the HF Trainer on DeepSpeed's defaults; with the defaults,
+# 1.04-1.10x (two H200s, docs/benchmarks.md).
 STAGE3_REDUCE_BUCKET = 500_000_000
 STAGE3_PREFETCH_BUCKET = 50_000_000
 STAGE3_PERSISTENCE = 100_000
