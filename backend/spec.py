@@ -75,7 +75,7 @@ class JobSpec(BaseModel):
 
     # Engine
     deepspeed: str | None = Field(None, description="zero0..zero3, zero2_offload, zero3_offload, or a path to a DeepSpeed JSON.")
-    fsdp: str | None = Field(None, description="FSDP2 (torch fully_shard): 'full_shard', 'shard_grad_op', add 'offload' for CPU offload. The fastest engine measured for bf16 full fine-tuning, also on one GPU ('shard_grad_op').")
+    fsdp: str | None = Field(None, description="FSDP2 (torch fully_shard): 'full_shard', 'shard_grad_op', add 'offload' for CPU offload. Empty (and no DeepSpeed) = DDP, whose bf16/fp32 full fine-tuning also runs on FSDP2 (whole model on every GPU); both are the fastest engines measured for bf16 full fine-tuning.")
 
     # Layout
     nnodes: int = Field(1, ge=1, description="Number of nodes.")
