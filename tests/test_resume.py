@@ -70,6 +70,12 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path, tiny_mo
     for step in range(k + 1, 17):
         assert math.isclose(resumed[step], expected[step], rel_tol=1e-4), (step, resumed[step], expected[step])
 
+    # The same checkpoint under another engine: one clear line, not a loader's traceback.
+    write_run(cut, **job(tiny_model, fsdp="full_shard"))
+    proc = run_worker(cut, resume=str(cut / f"checkpoint-{k}"))
+    assert proc.returncode != 0
+    assert f"resume: {cut / f'checkpoint-{k}'} has no dcp/ (fsdp writes it)" in proc.log, proc.log[-3000:]
+
 
 @pytest.mark.parametrize("engine", [dict(fsdp="full_shard"), {}], ids=["fsdp", "ddp-full"])
 def test_dcp_checkpoint_resumes_on_other_world_size(tmp_path, tiny_model, engine):

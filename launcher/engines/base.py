@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from launcher.config import ConfigError
 from launcher.model import DTYPES
 
 
@@ -61,6 +62,16 @@ class TorchOptimizerEngine(Engine):
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+
+def checkpoint_part(path: Path, name: str, engine: str) -> Path:
+    """`path / name`, which the engine's checkpoints hold; a clear error where another engine wrote
+    the checkpoint (or torch's DDP did, before bf16/fp32 full fine-tuning moved to FSDP2)."""
+    part = path / name
+    if not part.exists():
+        raise ConfigError(f"resume: {path} has no {name} ({engine} writes it): the checkpoint was written by another "
+                          "engine; resume with the engine, train type and dtype that wrote it")
+    return part
 
 
 def autocast(device: torch.device, dtype_name: str):

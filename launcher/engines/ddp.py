@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.engines.base import (TorchOptimizerEngine, autocast, load_weights, make_optimizer, make_scheduler,
-                                   reduce_dtype, save_pretrained)
+from launcher.engines.base import (TorchOptimizerEngine, autocast, checkpoint_part, load_weights, make_optimizer,
+                                   make_scheduler, reduce_dtype, save_pretrained)
 
 
 def compress_hook(dtype: torch.dtype, backend: str):
@@ -59,8 +59,9 @@ class DDPEngine(TorchOptimizerEngine):
                         "scaler": self.scaler.state_dict() if self.scaler else None}, path / "optimizer.pt")
 
     def load(self, path: Path) -> None:
+        optimizer = checkpoint_part(path, "optimizer.pt", self.name)
         load_weights(self.model, path / "model")
-        state = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=False)
+        state = torch.load(optimizer, map_location=self.device, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from launcher.engines.base import TorchOptimizerEngine, make_optimizer, make_scheduler, reduce_dtype, save_pretrained
+from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler, reduce_dtype,
+                                   save_pretrained)
 from launcher.model import DTYPES, decoder_layers
 
 DCP_DIR = "dcp"
@@ -78,7 +79,7 @@ class FSDPEngine(TorchOptimizerEngine):
     def load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(state, checkpoint_id=str(checkpoint_part(path, f"{DCP_DIR}/", self.name)))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
 
