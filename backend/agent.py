@@ -27,9 +27,8 @@ import psutil
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are looked up
-# NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds; other NVML
-# users report both blocking on the driver's lock that CUDA calls take too. Read every second, one
-# measured H200 run trained 1.7% slower beside the agent (docs/benchmarks.md), so every few seconds.
+# NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds: NVML's slow
+# calls, read every few seconds rather than every sample (docs/benchmarks.md, the agent's cost).
 SLOW_READ_S = 5.0
 HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass
@@ -147,7 +146,8 @@ class GpuSampler:
             for m in self.metrics:
                 if (i, m.name) in self.off or now < self._due.get((i, m.name), now):
                     continue
-                self._due[(i, m.name)] = now + m.period_s
+                if m.period_s:
+                    self._due[(i, m.name)] = now + m.period_s
                 try:
                     value = m.read(i, h, now, run_pids)
                 except Exception as exc:

@@ -5,6 +5,8 @@ again at start and refuses the same list.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from backend.spec import JobSpec, Problem
 
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
@@ -13,12 +15,28 @@ COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture)
                       "or turn it off")
 
 
-def ddp_on_fsdp(spec: JobSpec) -> bool:
-    """Whether the worker runs DDP's layout (full replicas, all-reduced gradients) on FSDP2's
-    machinery (launcher/engines/fsdp.py): full fine-tuning without DeepSpeed or FSDP. torch's
+@dataclass(frozen=True)
+class FsdpPlan:
+    """How the worker uses FSDP2's machinery (launcher/engines/fsdp.py)."""
+
+    replicate: bool
+    """DDP's layout: every rank holds every parameter (shards of one rank), gradients all-reduced."""
+    reshard_after_forward: bool
+    offload: bool
+
+
+def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
+    """The FSDP2 settings of a job, or None where the worker runs DeepSpeed or torch's DDP. Full
+    fine-tuning without DeepSpeed or FSDP runs DDP's layout on FSDP2; torch's
     DistributedDataParallel stays for LoRA (a frozen 16-bit base needs no fp32 master copy) and
     float16 (its gradient scaler)."""
-    return not spec.deepspeed and not spec.fsdp and spec.train_type == "full" and spec.torch_dtype != "float16"
+    if spec.fsdp:
+        words = set(spec.fsdp.replace(",", " ").split())
+        return FsdpPlan(False, "shard_grad_op" not in words, "offload" in words)
+    if not spec.deepspeed and spec.train_type == "full" and spec.torch_dtype != "float16":
+        # with one-rank shards there is nothing to re-gather for backward
+        return FsdpPlan(True, reshard_after_forward=False, offload=False)
+    return None
 
 
 def unsupported(spec: JobSpec) -> list[Problem]:

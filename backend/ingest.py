@@ -246,7 +246,7 @@ class Ingestor:
         nonfinite = data.get("nonfinite") or {}  # written as null; kept as a gap in the series
         for f in fields:
             if data.get(f) is not None or f in nonfinite:
-                self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data[f], step, derived)
+                self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data.get(f), step, derived)
         self._track_event(st, etype, rank, data)
 
     @staticmethod

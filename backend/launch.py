@@ -133,8 +133,7 @@ async def probe(pool: Pool, node: Node, pgid: int | None, run_dir: str) -> tuple
 
 
 async def _signal(pool: Pool, s: Started, signal: str) -> None:
-    if s.pgid:
-        await pool.run(s.node, remote.signal_group(s.pgid, signal), None, timeout=10)
+    await pool.run(s.node, remote.signal_group(s.pgid, signal), None, timeout=10)
 
 
 async def _tagged(pool: Pool, node: Node, run_id: str) -> list[int]:

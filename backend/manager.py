@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from sqlmodel import Session, select
 
 from backend import launch as launch_ops
@@ -242,7 +243,7 @@ class RunManager:
     def progress(self, run_id: str) -> dict | None:
         """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
         resumed_from of the latest `start` event (all attempts); None before the first event."""
-        train, start = self._latest_event(run_id, "train"), self._latest_event(run_id, "start")
+        train, start = self._latest_events(run_id, ("train", "start"))
         if train is None and start is None:
             return None
         out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps")}
@@ -265,13 +266,14 @@ class RunManager:
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
 
-    def _latest_event(self, run_id: str, etype: str) -> dict | None:
+    def _latest_events(self, run_id: str, etypes: tuple[str, ...]) -> list[dict | None]:
+        """The latest event of each type (None where there is none yet)."""
         from backend.telemetry_models import RunEvent
         self.sink.flush()
         with Session(self.engine) as s:
-            data = s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == etype)
-                          .order_by(RunEvent.t.desc(), RunEvent.id.desc()).limit(1)).first()
-        return json.loads(data) if data else None
+            rows = [s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == etype)
+                           .order_by(RunEvent.t.desc(), RunEvent.id.desc()).limit(1)).first() for etype in etypes]
+        return [json.loads(data) if data else None for data in rows]
 
     # -- node inventory ------------------------------------------------------------------------
     def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
@@ -321,7 +323,7 @@ class RunManager:
         run = self.run(run_id)
         if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
-        spec = JobSpec.model_validate(_yaml_load(run.spec_yaml))
+        spec = _spec_of(run)
         if cluster is None:
             members = _members(self.store.current_attempt(run_id))
             cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
@@ -468,7 +470,7 @@ class RunManager:
         """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
         written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
         run = self.store.get(run_id)
-        report_to = JobSpec.model_validate(_yaml_load(run.spec_yaml)).report_to
+        report_to = _spec_of(run).report_to
         if report_to:
             for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
                 self._notice(run_id, line)
@@ -490,7 +492,7 @@ class RunManager:
         failure = None
         if not report.clean:
             failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
-                              f"stopped, but not every node could be verified clean: {report.detail()}")
+                              f"stopped; cleanup incomplete: {report.detail()}")
         self.store.transition(run_id, lifecycle.STOPPED, failure)
 
     async def _reattach_all(self) -> None:
@@ -544,6 +546,5 @@ def _default_sink(engine) -> TelemetrySink:
     return Ingestor(engine)
 
 
-def _yaml_load(text: str) -> dict:
-    import yaml
-    return yaml.safe_load(text)
+def _spec_of(run: Run) -> JobSpec:
+    return JobSpec.model_validate(yaml.safe_load(run.spec_yaml))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from backend.capabilities import ddp_on_fsdp
+from backend.capabilities import FsdpPlan, fsdp_plan
 from backend.dsconfig import STAGE12_BUCKET, ZeroSettings, stage3_sizes, zero_settings
 from backend.layout import Layout, compute_layout
 from backend.modelcfg import ModelConfig
@@ -123,12 +123,6 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> floa
     return kept + logits
 
 
-def _fsdp_mode(spec: JobSpec) -> tuple[bool, bool]:
-    """(reshard after forward, offload) for the spec's fsdp words."""
-    words = set((spec.fsdp or "").replace(",", " ").split())
-    return "shard_grad_op" not in words, "offload" in words
-
-
 @dataclass(frozen=True)
 class _Sizes:
     """Parameter counts on one GPU (after TP/PP/EP) and the sharding degree."""
@@ -166,33 +160,33 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
         params = 4 * model.largest_layer_params() / s.tp
     if stage in (1, 2):
         buffers = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, s.trainable)
-    else:
+    elif stage == 3:
         sizes = stage3_sizes(model.hidden_size)  # prefetch (16-bit) + reduce (16-bit and fp32) buckets
-        buffers = 2 * sizes["stage3_prefetch_bucket_size"] + (2 + 4) * sizes["reduce_bucket_size"] if stage == 3 else 0.0
+        buffers = 2 * sizes["stage3_prefetch_bucket_size"] + (2 + 4) * sizes["reduce_bucket_size"]
+    else:
+        buffers = 0.0
     where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
     # DeepSpeed allocates its gradient partitions and buckets up front: no overlap with activations.
     return params, grads, optim, offloaded, buffers, 0.0, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
 
 
-def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes) -> States:
+def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes, plan: FsdpPlan) -> States:
     """The worker's FSDP2: fp32 storage sharded, compute-dtype copies of one block (plus the
     prefetched one) gathered at a time; fp32 gradients reduce-scattered. DDP's layout on FSDP2
-    (`ddp_on_fsdp`): shards of one rank, the compute-dtype copies kept from forward to backward."""
-    if ddp_on_fsdp(spec):
-        reshard, offload, s = False, False, replace(s, shard=1)
-    else:
-        reshard, offload = _fsdp_mode(spec)
+    (`plan.replicate`): shards of one rank, the compute-dtype copies kept from forward to backward."""
+    if plan.replicate:
+        s = replace(s, shard=1)
     gathered = 2 * s.width * model.layer_params(model.is_moe) / s.tp
     params, grads, optim = 4 * s.local / s.shard, 4 * s.trainable / s.shard, 8 * s.trainable / s.shard
     offloaded = 0.0
-    if offload:
+    if plan.offload:
         offloaded, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
-    params += gathered + (0 if reshard else s.width * s.local)
+    params += gathered + (0 if plan.reshard_after_forward else s.width * s.local)
     transient = grads
     if spec.gradient_accumulation_steps > 1:
         grads += 4 * s.trainable  # micro-batches before the last accumulate unsharded gradients
-    note = "DDP (on FSDP2): every rank holds the full model states" if ddp_on_fsdp(spec) else \
-        f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if offload else "")
+    note = "DDP (on FSDP2): every rank holds the full model states" if plan.replicate else \
+        f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if plan.offload else "")
     return params, grads, optim, offloaded, 0.0, transient, note
 
 
@@ -201,8 +195,7 @@ def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
     fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
     is frozen and kept in the compute dtype (`launcher.model.master_dtype`). Autocast caches
     16-bit copies of trainable weights; without checkpointing backward keeps them."""
-    frozen_width = s.width if spec.train_type == "lora" else 4
-    weights = 4 * s.trainable + frozen_width * (s.local - s.trainable)
+    weights = 4 * s.trainable + s.width * (s.local - s.trainable)  # frozen only with LoRA
     cached = s.width * s.trainable if s.width == 2 and not spec.gradient_checkpointing else 0.0
     grads = 4 * s.trainable * (2 if world > 1 else 1)
     # param.grad is allocated in backward; DDP's buckets (world > 1) exist from the start.
@@ -225,8 +218,8 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
                    width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
     if spec.deepspeed:
         states = _deepspeed_states(spec, model, sizes, zero or zero_settings(spec))
-    elif spec.fsdp or ddp_on_fsdp(spec):
-        states = _fsdp_states(spec, model, sizes)
+    elif plan := fsdp_plan(spec):
+        states = _fsdp_states(spec, model, sizes, plan)
     else:
         states = _ddp_states(spec, sizes, layout.world)
     params, grads, optim, offloaded, buckets, transient, note = states

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.cluster import Cluster
-from backend.dsconfig import build_ds_config
+from backend.dsconfig import ZeroSettings, build_ds_config
 from backend.layout import Layout, compute_layout
 from backend.memory import MemoryEstimate, estimate_memory
 from backend.modelcfg import ModelConfig
@@ -170,7 +170,8 @@ def plan(spec: JobSpec, cluster: Cluster, run_id: str, run_dir: str | Path, mast
     if spec.deepspeed:
         ds_config = build_ds_config(worker_spec, layout.dp, model_config.hidden_size if model_config else None)
     device = "cuda" if used.backend == "nccl" else "cpu"
-    memory = estimate_memory(worker_spec, model_config, layout, device) if model_config else None
+    zero = ZeroSettings.of(ds_config) if ds_config else None
+    memory = estimate_memory(worker_spec, model_config, layout, device, zero) if model_config else None
     result = Plan(run_id=run_id, run_dir=str(run_dir), layout=layout, master_addr=master_addr, master_port=master_port,
                   backend=used.backend, nodes=tuple(node_plans), spec=worker_spec, ds_config=ds_config, memory=memory)
     files = {"job.yaml": worker_spec.to_yaml(), "plan.json": json.dumps(result.to_dict(), indent=2) + "\n"}

@@ -47,11 +47,6 @@ def _refused(*also: type[Exception]) -> Iterator[None]:
         raise CliError([str(exc)]) from None
 
 
-def _run_of(m, run_id: str):
-    with _refused():
-        return m.run(run_id)
-
-
 def _when(t: float | None) -> str:
     return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
@@ -150,8 +145,7 @@ def add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with _manager(args) as m:
-        _run_of(m, args.run)
+    with _manager(args) as m, _refused():
         run = m.settle(args.run)
         lines = _describe(run)
         for p in m.processes(args.run):
@@ -197,8 +191,7 @@ def add_stop(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    with _manager(args, reattach=False) as m:
-        _run_of(m, args.run)
+    with _manager(args, reattach=False) as m, _refused():
         run = m.stop(args.run)
     for line in _describe(run):
         print(line)

@@ -99,16 +99,16 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     return out
 
 
-def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list[Problem]:
-    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed."""
+def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None, zero: ZeroSettings | None) -> list[Problem]:
+    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed;
+    `zero`: its settings."""
     out: list[Problem] = []
     if spec.fsdp and spec.deepspeed:
         out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
     if spec.fsdp and layout.pp > 1:
         out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; use PP with DeepSpeed ZeRO-0/1 or no engine"))
-    if ds_config is None:
+    if ds_config is None or zero is None:
         return out
-    zero = ZeroSettings.of(ds_config)
     if layout.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
         out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
@@ -174,7 +174,8 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     except DsConfigError as exc:
         ds_config = None
         problems.append(Problem("deepspeed", str(exc)))
-    problems += _engine_rules(spec, layout, ds_config)
+    zero = ZeroSettings.of(ds_config) if ds_config else None
+    problems += _engine_rules(spec, layout, ds_config, zero)
     if cluster.is_local:
         problems += _local_path_rules(spec)
     model = model_config
@@ -185,7 +186,7 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
             problems.append(Problem("model", str(exc)))
     if model is not None:
         problems += _model_rules(spec, model)
-        problems += _memory_rules(spec, cluster, layout, model, ds_config, problems)
+        problems += _memory_rules(spec, cluster, layout, model, zero, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
@@ -193,13 +194,13 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     return problems
 
 
-def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, ds_config: dict | None,
+def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, zero: ZeroSettings | None,
                   found: list[Problem]) -> list[Problem]:
     """Warn when the estimate exceeds the smallest known GPU (only where GPU memory is known)."""
     known = [n.gpu_mem_gib for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
     if not known or errors(found):
         return []
-    estimate = estimate_memory(spec, model, layout, zero=ZeroSettings.of(ds_config) if ds_config else None)
+    estimate = estimate_memory(spec, model, layout, zero=zero)
     if estimate.total_gib <= min(known):
         return []
     return [_warn("per_device_train_batch_size",

@@ -37,8 +37,11 @@ CASES = [
 
 
 def measure(name: str, train_type: str, micro: int, max_length: int, checkpointing: bool) -> dict:
+    # float16 selects torch DDP's path for full fine-tuning, the one run here (same widths as the
+    # bf16 autocast below; the weights are fp32 either way)
     spec = JobSpec(model=name, dataset=["d"], train_type=train_type, per_device_train_batch_size=micro,
-                   max_length=max_length, gradient_checkpointing=checkpointing, nproc_per_node=1)
+                   max_length=max_length, gradient_checkpointing=checkpointing, nproc_per_node=1,
+                   torch_dtype="bfloat16" if train_type == "lora" else "float16")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     config = AutoConfig.from_pretrained(BUNDLED_DIR / f"{name}.json")
@@ -59,9 +62,7 @@ def measure(name: str, train_type: str, micro: int, max_length: int, checkpointi
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     measured = torch.cuda.max_memory_allocated() / 2**30
-    # torch DDP's estimate, the path run here: float16 selects it for full fine-tuning (same widths as bf16)
-    ddp_spec = spec if train_type == "lora" else spec.model_copy(update={"torch_dtype": "float16"})
-    est = estimate_memory(ddp_spec, load_model_config(BUNDLED_DIR / f"{name}.json"), compute_layout(ddp_spec))
+    est = estimate_memory(spec, load_model_config(BUNDLED_DIR / f"{name}.json"), compute_layout(spec))
     del model, optimizer, ids, loss
     predicted = est.total_gib - est.other_gib
     return {"model": name, "train_type": train_type, "micro": micro, "max_length": max_length,

@@ -3,13 +3,14 @@ this process (one rank) on a benchmark shape and prints torch.profiler's kernel 
 steps after warm-up. Under `torchrun --nproc_per_node N` every rank trains and rank 0 prints.
 
     python bench/profile_step.py --shape llama3.2-1b --seq 4096 --bsz 4 --set torch_compile=true \\
-        --set attn_impl=sdpa_cudnn [--set fsdp=full_shard] [--rows 30] [--trace trace.json]
+        [--set fsdp=full_shard] [--rows 30] [--trace trace.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.throughput import SHAPES, build_model_dir, free_port, job_spec, write_tokens  # noqa: E402
+from bench.throughput import SHAPES, build_model_dir, free_port, write_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="job field, value parsed as YAML (repeatable)")
     parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
     args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="swift-profile-"))
+    try:
+        return profile_in(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def profile_in(work: Path, args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -41,15 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.config import load_job
     from launcher.trainer import Trainer
 
-    work = Path(tempfile.mkdtemp(prefix="swift-profile-"))
     model_dir = build_model_dir(args.shape, work / "model", "bfloat16")
     steps = args.warm + args.active
-    write_tokens(work / "tokens.jsonl", args.bsz * (steps + 1), args.seq, SHAPES[args.shape]["vocab_size"])
-    spec = job_spec(model_dir, work / "tokens.jsonl", args.seq, args.bsz, steps,
-                    **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
-    run_dir = work / "run"
-    run_dir.mkdir()
-    (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+    run_dir = write_run(work / "run", model_dir, args.shape, args.seq, args.bsz, steps, args.bsz * (steps + 1),
+                        **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
     trainer = Trainer(run_dir, load_job(run_dir), dist.init(600), None)

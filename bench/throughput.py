@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -93,6 +94,16 @@ def job_spec(model_dir: Path, data: Path, seq: int, bsz: int, steps: int, lora: 
     return {**spec, **fields}
 
 
+def write_run(run_dir: Path, model_dir: Path, shape: str, seq: int, bsz: int, steps: int, samples: int,
+              min_len: int | None = None, **fields) -> Path:
+    """A run directory for the worker: `samples` random-token samples and the benchmark job."""
+    run_dir.mkdir(parents=True)
+    data = run_dir / "tokens.jsonl"
+    write_tokens(data, samples, seq, SHAPES[shape]["vocab_size"], min_len)
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job_spec(model_dir, data, seq, bsz, steps, **fields)))
+    return run_dir
+
+
 def torchrun_argv(nproc: int, *target: str) -> list[str]:
     """torchrun on this machine with a free rendezvous port, no restarts."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d",
@@ -110,12 +121,9 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
         ("-mixed" if min_len else "") + ("-agent" if agent else "")
     run_dir = work / f"{shape}-{seq}x{bsz}-{'lora' if lora else 'full'}{'-liger' if liger else ''}{'-' + tag if tag else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    data = run_dir / "tokens.jsonl"
     samples = bsz * nproc * (steps + 1) * (seq // min_len if min_len else 1)
-    write_tokens(data, samples, seq, SHAPES[shape]["vocab_size"], min_len)
-    spec = job_spec(model_dir, data, seq, bsz, steps, lora, liger, dtype, **engine, **extra)
-    (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+    write_run(run_dir, model_dir, shape, seq, bsz, steps, samples, min_len, lora=lora, liger=liger, dtype=dtype,
+              **engine, **extra)
     argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
     env = {**gpu_env(devices),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -199,10 +207,35 @@ def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
 # weights and computes in bf16 (no per-step autocast weight casts), without re-gathering the bf16
 # weights for backward (shard_grad_op), torch_compile per decoder layer.
 FAST_FULL = dict(engine={"fsdp": "shard_grad_op"}, extra={"torch_compile": True})
-# The single-GPU targets and the runs each needs (Suite.single's job names).
-SINGLE_TARGETS = {"full": ("hf_qwen_full", "hf_llama_full", "qwen_full", "llama_full"),
-                  "lora": ("hf_qwen_lora", "qwen_lora"), "packing": ("padded", "packed"),
-                  "agent": ("qwen_full", "qwen_full_agent", "qwen_full_agent_2", "qwen_full_2")}
+
+
+class Target(NamedTuple):
+    """A single-GPU target of Suite.single: its ratio is the mean of ours / theirs over `pairs` of
+    Suite.single's job names."""
+
+    group: str
+    name: str
+    goal: float
+    pairs: tuple[tuple[str, str], ...]
+    key: str = "tokens_per_s"
+    memory: bool = False
+
+
+SINGLE_TARGETS = (
+    Target("full", "full qwen2.5-1.5b 2048x8 (FSDP2 shard_grad_op + compile) vs HF+Liger", 1.10,
+           (("qwen_full", "hf_qwen_full"),), memory=True),
+    Target("full", "full llama3.2-1b 4096x4 (FSDP2 shard_grad_op + compile) vs HF+Liger", 1.10,
+           (("llama_full", "hf_llama_full"),), memory=True),
+    Target("lora", "LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", 1.35, (("qwen_lora", "hf_qwen_lora"),)),
+    Target("packing", "packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded", 2.0,
+           (("packed", "padded"),), key="useful_tokens_per_s"),
+    # Two pairs, the second in the opposite order, against drift.
+    Target("agent", "telemetry agent at 1 Hz: tokens/s with / without (mean of two pairs)", 0.99,
+           (("agent_on_1", "agent_off_1"), ("agent_on_2", "agent_off_2"))),
+)
+SINGLE_GROUPS = tuple(dict.fromkeys(t.group for t in SINGLE_TARGETS))
+# The agent samples every GPU of its node, so its runs get the machine to themselves: one at a time.
+ALONE = {"agent_off_1", "agent_on_1", "agent_on_2", "agent_off_2"}
 # hf_baseline_multi.py's MODE -> our engine fields for the same engine.
 MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
                  "fsdp": {"fsdp": "full_shard"}}
@@ -266,45 +299,36 @@ class Suite:
                                     nproc, self.steps, self.warm, engine or {}, "bfloat16", extra=extra,
                                     devices=devices, **kw))
 
-    def single(self, gpus: int, only: set[str] | None = None) -> None:
-        """The single-GPU targets (all, or those named in `only`: SINGLE_TARGETS); with several
-        GPUs the runs share them, one run per GPU."""
+    def single(self, gpus: int, groups: set[str]) -> None:
+        """The single-GPU targets of `groups` (SINGLE_GROUPS). With several GPUs the runs share
+        them, one run per GPU; the ALONE runs follow, one at a time."""
         qwen, llama = ("qwen2.5-1.5b", 2048, 8), ("llama3.2-1b", 4096, 4)
         self.model(qwen[0]), self.model(llama[0])
         hf = lambda *config: lambda dev: self.emit(run_baseline_config(self.baseline, config, devices=dev))  # noqa: E731
+        full = lambda agent=False: lambda dev: self.ours(*qwen, False, agent=agent, devices=dev, **FAST_FULL)  # noqa: E731
         jobs = {
             "hf_qwen_full": hf(*qwen, False, True, False),
             "hf_llama_full": hf(*llama, False, True, False),
             "hf_qwen_lora": hf(*qwen, True, False, False),
-            "qwen_full": lambda dev: self.ours(*qwen, False, devices=dev, **FAST_FULL),
+            "qwen_full": full(),
             "llama_full": lambda dev: self.ours(*llama, False, devices=dev, **FAST_FULL),
             "qwen_lora": lambda dev: self.ours(*qwen, True, extra={"torch_compile": True}, devices=dev),
             "padded": lambda dev: self.ours(*qwen, False, min_len=50, devices=dev),
             "packed": lambda dev: self.ours(*qwen, False, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"},
                                             devices=dev),
-            "qwen_full_agent": lambda dev: self.ours(*qwen, False, agent=True, devices=dev, **FAST_FULL),
-            # a second pair in the opposite order: with two GPUs each GPU runs one of each
-            "qwen_full_agent_2": lambda dev: self.ours(*qwen, False, agent=True, devices=dev, **FAST_FULL),
-            "qwen_full_2": lambda dev: self.ours(*qwen, False, devices=dev, **FAST_FULL),
+            "agent_off_1": full(), "agent_on_1": full(agent=True), "agent_on_2": full(agent=True), "agent_off_2": full(),
         }
-        chosen = only or set(SINGLE_TARGETS)
-        r = run_on_gpus({name: fn for name, fn in jobs.items()
-                         if any(name in SINGLE_TARGETS[target] for target in chosen)}, gpus)
-        if "full" in chosen:
-            for name, ours, theirs in (("full qwen2.5-1.5b 2048x8 (FSDP2 shard_grad_op + compile) vs HF+Liger", "qwen_full", "hf_qwen_full"),
-                                       ("full llama3.2-1b 4096x4 (FSDP2 shard_grad_op + compile) vs HF+Liger", "llama_full", "hf_llama_full")):
-                self.target(name, ratio(r[ours], r[theirs]), 1.10,
-                            {"peak_gib": r[ours].get("peak_mem_gib"), "hf_peak_gib": r[theirs].get("peak_mem_gib")})
-        if "lora" in chosen:
-            self.target("LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", ratio(r["qwen_lora"], r["hf_qwen_lora"]), 1.35)
-        if "packing" in chosen:
-            self.target("packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded",
-                        ratio(r["packed"], r["padded"], "useful_tokens_per_s"), 2.0)
-        if "agent" in chosen:
-            pairs = [(r[a], r[b]) for a, b in (("qwen_full_agent", "qwen_full"), ("qwen_full_agent_2", "qwen_full_2"))]
-            ratios = [ratio(a, b) for a, b in pairs]
-            self.target("telemetry agent at 1 Hz: tokens/s with / without (mean of two pairs)",
-                        None if None in ratios else round(sum(ratios) / len(ratios), 3), 0.99, {"pairs": ratios})
+        targets = [t for t in SINGLE_TARGETS if t.group in groups]
+        needed = {name for t in targets for pair in t.pairs for name in pair}
+        r = run_on_gpus({n: fn for n, fn in jobs.items() if n in needed and n not in ALONE}, gpus)
+        r.update(run_on_gpus({n: fn for n, fn in jobs.items() if n in needed and n in ALONE}, 1))
+        for t in targets:
+            ratios = [ratio(r[ours], r[theirs], t.key) for ours, theirs in t.pairs]
+            extra = {"pairs": ratios} if len(ratios) > 1 else {}
+            if t.memory:
+                (ours, theirs), = t.pairs
+                extra.update(peak_gib=r[ours].get("peak_mem_gib"), hf_peak_gib=r[theirs].get("peak_mem_gib"))
+            self.target(t.name, None if None in ratios else round(sum(ratios) / len(ratios), 3), t.goal, extra)
 
     def multi(self, nproc: int, modes: list[str]) -> None:
         """Each engine on `nproc` GPUs against hf_baseline_multi.py with the same engine and per-GPU batch."""
@@ -359,16 +383,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"also run the HF Trainer baseline (default script {DEFAULT_BASELINE})")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--suite", type=Path, default=None, metavar="RESULTS.jsonl",
-                        help="GPU: run every single-GPU target against the HF baseline, lines also to this file")
+                        help="GPU: run the targets (--part, --targets, --modes) against the HF baselines, lines also to this file")
     parser.add_argument("--part", choices=("single", "multi", "all"), default="all",
                         help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both")
     parser.add_argument("--modes", default=",".join(MULTI_ENGINES), help="suite: engines of the multi-GPU part")
-    parser.add_argument("--targets", default=",".join(SINGLE_TARGETS), help="suite: targets of the single-GPU part")
+    parser.add_argument("--targets", default=",".join(SINGLE_GROUPS), help="suite: targets of the single-GPU part")
     parser.add_argument("--variants", type=Path, default=None, metavar="PLAN.jsonl",
                         help="run the configurations listed in this file (see Suite.variants); lines also to --out")
     parser.add_argument("--out", type=Path, default=Path(os.devnull))
     args = parser.parse_args(argv)
-    for flag, names, known in (("--targets", args.targets, SINGLE_TARGETS), ("--modes", args.modes, MULTI_ENGINES)):
+    for flag, names, known in (("--targets", args.targets, SINGLE_GROUPS), ("--modes", args.modes, MULTI_ENGINES)):
         unknown = set(names.split(",")) - set(known)
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(sorted(unknown))} (choose from {', '.join(known)})")

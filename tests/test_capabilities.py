@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 
 import pytest
 import yaml
 
-from backend.capabilities import unsupported
+from backend.capabilities import COMPILE_WITH_ZERO3, FsdpPlan, fsdp_plan, unsupported
 from backend.demo import DEMO_DIR, demo_spec
 from backend.spec import JobSpec, parse_spec
 from worker import ROOT
@@ -80,12 +81,17 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
 @pytest.mark.parametrize("fields,message", [
     (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size: not supported by this worker"),
     (dict(torch_dtype="float16"), "torch_dtype: float16 needs a GPU"),
+    # A user JSON's stage is only known once it is read; the backend checks it too, before launch.
+    (dict(deepspeed="zero3.json", torch_compile=True), f"torch_compile: {COMPILE_WITH_ZERO3}"),
 ])
 def test_worker_refuses_at_start_with_the_field(tmp_path, tiny_model, fields, message):
     import subprocess
 
     from worker import free_port, worker_env, write_run
 
+    if "deepspeed" in fields:
+        (tmp_path / "zero3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+        fields = {**fields, "deepspeed": str(tmp_path / "zero3.json")}
     run = write_run(tmp_path / "run", model=str(tiny_model), dataset=[str(DEMO_DIR / "train.jsonl")], **fields)
     env = {**worker_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
@@ -93,3 +99,15 @@ def test_worker_refuses_at_start_with_the_field(tmp_path, tiny_model, fields, me
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_fsdp_plan_names_the_engine_the_worker_builds():
+    def plan(**kw):
+        return fsdp_plan(JobSpec(model="m", dataset=["d.jsonl"], **kw))
+
+    assert plan(train_type="full") == FsdpPlan(replicate=True, reshard_after_forward=False, offload=False)  # DDP
+    assert plan(train_type="full", fsdp="full_shard offload") == FsdpPlan(False, True, True)
+    assert plan(train_type="full", fsdp="shard_grad_op") == FsdpPlan(False, False, False)
+    # torch's DDP (LoRA, float16) and DeepSpeed are not FSDP2
+    assert plan(train_type="lora") is None and plan(train_type="full", torch_dtype="float16") is None
+    assert plan(train_type="full", deepspeed="zero2") is None

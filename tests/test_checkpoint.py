@@ -51,7 +51,6 @@ def test_prune_deletes_oldest_complete_only(tmp_path):
     assert checkpoint.prune(tmp_path, keep=None) == []
 
 
-@pytest.mark.e2e
 def nan_run(tmp_path, tiny_model, logging_steps: int):
     """A run of a model whose weights make every loss NaN."""
     import shutil
@@ -69,6 +68,7 @@ def nan_run(tmp_path, tiny_model, logging_steps: int):
                      max_length=32, max_steps=20, logging_steps=logging_steps, train_type="full", torch_dtype="float32")
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
     run = nan_run(tmp_path, tiny_model, logging_steps=10)
     proc = run_worker(run, nproc=1, timeout=180)
@@ -79,6 +79,7 @@ def test_nan_loss_stops_the_run_with_a_clear_message(tmp_path, tiny_model):
     assert not list(run.glob("checkpoint-*"))  # a diverged state is not saved
 
 
+@pytest.mark.e2e
 def test_nan_loss_of_a_logged_step_is_named_in_its_event(tmp_path, tiny_model):
     run = nan_run(tmp_path, tiny_model, logging_steps=1)
     assert run_worker(run, nproc=1, timeout=180).returncode == 1

@@ -61,7 +61,9 @@ def test_lora_merge_matches_peft_and_generates(tmp_path, tiny_model):
 
 @pytest.fixture(scope="module")
 def ddp_full_weights(tmp_path_factory, tiny_model):
-    """Full fine-tuning with DDP's layout (every rank holds every weight), exported: the reference below."""
+    """Full fine-tuning with DDP's layout (every rank holds every weight), exported: the reference below.
+    It is written through DCP as FSDP2's is (shards of one rank instead of two), so the ZeRO-3 case is
+    the one independent of that path."""
     root = tmp_path_factory.mktemp("ddp")
     run = write_run(root / "run", **job(tiny_model, train_type="full"))
     assert run_worker(run).returncode == 0

@@ -278,7 +278,7 @@ def test_rules_run_on_ingested_series_and_a_nonfinite_loss_alerts(engine):
     assert set(alerts) == {"non_finite", "gpu_memory"}
     assert alerts["gpu_memory"].count == 2 and alerts["gpu_memory"].last_t == T0 + 4
     with engine.connect() as conn:  # NaN is stored as NULL, not as a number
-        assert conn.execute(select(S.c.value).where(S.c.name == "train/loss", S.c.step == 2)).scalar() is None
+        assert conn.execute(select(S.c.value).where(S.c.name == "train/loss", S.c.step == 2)).scalar_one() is None
     # a restarted backend remembers which alerts exist and that the run started; it counts as
     # running again once an agent reconnects
     again = Ingestor(engine, autostart=False)

@@ -33,7 +33,6 @@ def write_run(run_dir: Path, **spec) -> Path:
     return run_dir
 
 
-
 def torchrun_argv(run_dir: Path, nproc: int = 2, resume: str | None = None) -> list[str]:
     """The argv of docs/architecture.md ("Worker command line") for one local node."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",

@@ -1,7 +1,7 @@
 """Engines: DDP, DeepSpeed ZeRO, FSDP2. `build_engine` picks one from the job spec."""
 from __future__ import annotations
 
-from backend.capabilities import ddp_on_fsdp
+from backend.capabilities import fsdp_plan
 from launcher.engines.base import Engine
 
 
@@ -10,10 +10,11 @@ def build_engine(model, spec, dist, total_steps: int, ds_config: dict | None) ->
         from launcher.engines.zero import DeepSpeedEngine
 
         return DeepSpeedEngine(model, spec, dist, total_steps, ds_config)
-    if spec.fsdp or ddp_on_fsdp(spec):
+    plan = fsdp_plan(spec)
+    if plan:
         from launcher.engines.fsdp import FSDPEngine
 
-        return FSDPEngine(model, spec, dist, total_steps, replicate=not spec.fsdp)
+        return FSDPEngine(model, spec, dist, total_steps, plan)
     from launcher.engines.ddp import DDPEngine
 
     return DDPEngine(model, spec, dist.device, total_steps)

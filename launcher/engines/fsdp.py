@@ -1,7 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer and the root sharded over
 all ranks; checkpoints through torch.distributed.checkpoint, so they reshard onto any world size.
 
-The same machinery runs DDP's layout for full fine-tuning (`replicate=True`): every rank holds
+The same machinery runs DDP's layout for full fine-tuning (`FsdpPlan.replicate`): every rank holds
 every parameter (shards of one rank, HSDP's replicate dimension over all ranks) and gradients are
 all-reduced. Unlike torch's DistributedDataParallel under autocast, it computes with 16-bit copies
 of the fp32 weights made once per step in one fused copy per layer, not a cast per weight per use."""
@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from backend.capabilities import FsdpPlan
 from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler, reduce_dtype,
                                    save_pretrained)
 from launcher.model import DTYPES, decoder_layers
@@ -26,19 +27,17 @@ class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     reshards = True
 
-    def __init__(self, model, spec, dist, total_steps: int, replicate: bool = False):
+    def __init__(self, model, spec, dist, total_steps: int, plan: FsdpPlan):
         self.spec = spec
-        if replicate:
+        if plan.replicate:
             self.name = "ddp"
-            words = ["shard_grad_op"]  # with one-rank shards there is nothing to re-gather for backward
             mesh = init_device_mesh(dist.device.type, (dist.world_size, 1), mesh_dim_names=("replicate", "shard"))
         else:
-            words = spec.fsdp.replace(",", " ").split()
             mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-        kwargs = {"mesh": mesh, "reshard_after_forward": "shard_grad_op" not in words}
+        kwargs = {"mesh": mesh, "reshard_after_forward": plan.reshard_after_forward}
         if spec.torch_dtype != "float32":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[spec.torch_dtype], reduce_dtype=reduce_dtype(spec))
-        if "offload" in words and dist.device.type == "cuda":
+        if plan.offload and dist.device.type == "cuda":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif dist.device.type == "cuda":
             model.to(dist.device)

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.config import ConfigError
-from launcher.engines.base import Engine, make_optimizer, make_scheduler, param_groups, save_pretrained
+from launcher.engines.base import Engine, checkpoint_part, make_optimizer, make_scheduler, param_groups, save_pretrained
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
 
@@ -21,10 +20,6 @@ class DeepSpeedEngine(Engine):
         self.spec = spec
         zero = config.get("zero_optimization", {})
         self.stage = int(zero.get("stage", 0))
-        # The backend refuses the zero3 presets by name; a user's DeepSpeed JSON is only known here.
-        if self.stage == 3 and spec.torch_compile:
-            raise ConfigError("torch_compile: not with ZeRO stage 3 (set in the DeepSpeed config; its parameter "
-                              "hooks break graph capture); use FSDP with torch_compile, or turn it off")
         import deepspeed
 
         offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
@@ -74,9 +69,10 @@ class DeepSpeedEngine(Engine):
             self.module.config.save_pretrained(path / "model")
 
     def load(self, path: Path) -> None:
+        checkpoint_part(path, f"{TAG}/", self.name)
         load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
-        if load_path is None:
+        if load_path is None:  # DeepSpeed warns and loads nothing where its files are missing
             raise ValueError(f"{path}: no DeepSpeed state under '{TAG}/'")
 
 
