@@ -28,7 +28,7 @@ GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are looked up
 # NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds: NVML's slow
-# calls, read every few seconds rather than every sample (docs/benchmarks.md, the agent's cost).
+# calls, read every few seconds rather than every sample (the agent's cost: docs/benchmarks.md).
 SLOW_READ_S = 5.0
 HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass

@@ -28,7 +28,7 @@ STAGE12_BUCKET = 200_000_000
 # ZeRO-3's DeepSpeed defaults. HF's 'auto' values scale with hidden^2 and are far smaller below
 # ~7.5k hidden (a 2.1M-element prefetch for a 1.5B model: the next layer is barely prefetched).
 # With them our ZeRO-3 ran at 0.88x the HF Trainer on DeepSpeed's defaults; with the defaults,
-# 1.04-1.10x (two H200s, docs/benchmarks.md).
+# 0.98-1.10x across four device calls (two H200s, docs/benchmarks.md).
 STAGE3_REDUCE_BUCKET = 500_000_000
 STAGE3_PREFETCH_BUCKET = 50_000_000
 STAGE3_PERSISTENCE = 100_000

@@ -3,7 +3,7 @@
 
     python bench/throughput.py [--shapes qwen2.5-1.5b,llama3.2-1b] [--nproc 1] [--baseline PATH]
     python bench/throughput.py --smoke          # tiny model on CPU, checks the pipeline end to end
-    python bench/throughput.py --suite results.jsonl [--part single|multi|all] --baseline ../shared/bench/hf_baseline.py
+    python bench/throughput.py --suite results.jsonl [--part single|multi|all] [--repeat 2] --baseline ../shared/bench/hf_baseline.py
                                                 # GPU: every target of docs/benchmarks.md, with its ratio
     python bench/throughput.py --variants plan.jsonl --out results.jsonl --baseline ../shared/bench/hf_baseline.py
                                                 # GPU: the configurations listed in plan.jsonl (Suite.variants)
@@ -203,6 +203,15 @@ def ratio(ours: dict, theirs: dict, key: str = "tokens_per_s") -> float | None:
     return round(ours[key] / theirs[key], 3)
 
 
+def mean_run(rows: list[dict]) -> dict:
+    """Mean tokens/s and highest peak memory of repeated runs; the first error where one failed."""
+    failed = [row for row in rows if "error" in row]
+    if failed:
+        return failed[0]
+    return {"tokens_per_s": round(sum(row["tokens_per_s"] for row in rows) / len(rows)),
+            "peak_mem_gib": max(row.get("peak_mem_gib") or 0 for row in rows)}
+
+
 # The fastest configuration of ours for full fine-tuning on one GPU: FSDP2 keeps fp32 master
 # weights and computes in bf16 (no per-step autocast weight casts), without re-gathering the bf16
 # weights for backward (shard_grad_op), torch_compile per decoder layer.
@@ -330,21 +339,39 @@ class Suite:
                 extra.update(peak_gib=r[ours].get("peak_mem_gib"), hf_peak_gib=r[theirs].get("peak_mem_gib"))
             self.target(t.name, None if None in ratios else round(sum(ratios) / len(ratios), 3), t.goal, extra)
 
-    def multi(self, nproc: int, modes: list[str]) -> None:
-        """Each engine on `nproc` GPUs against hf_baseline_multi.py with the same engine and per-GPU batch."""
+    def multi(self, nproc: int, modes: list[str], repeat: int = 1) -> None:
+        """Each engine on `nproc` GPUs against hf_baseline_multi.py with the same engine and per-GPU
+        batch. With `repeat` > 1 the pairs alternate their order (HF first, then ours first, ...)
+        against drift, and the ratio is of the mean tokens/s."""
         best_ours, best_hf = {}, {}
         for mode in modes:
-            theirs = self.emit(run_baseline_multi(self.baseline.parent / "hf_baseline_multi.py", mode, nproc))
-            # ZeRO-3's parameter hooks break graph capture: that engine runs uncompiled.
-            ours = self.ours("qwen2.5-1.5b", 2048, 8, False, nproc=nproc, engine=MULTI_ENGINES[mode],
-                             extra={"torch_compile": mode != "zero3"})
+            pairs = [self.multi_pair(mode, nproc, hf_first=i % 2 == 0) for i in range(repeat)]
+            ours, theirs = mean_run([pair[0] for pair in pairs]), mean_run([pair[1] for pair in pairs])
+            extra = {"peak_gib": ours.get("peak_mem_gib"), "hf_peak_gib": theirs.get("peak_mem_gib")}
+            if repeat > 1:
+                extra["pairs"] = [ratio(*pair) for pair in pairs]
             self.target(f"{nproc} GPUs {mode}: qwen2.5-1.5b 2048x8 per GPU vs HF Trainer {mode}", ratio(ours, theirs),
-                        1.10, {"peak_gib": ours.get("peak_mem_gib"), "hf_peak_gib": theirs.get("peak_mem_gib")})
+                        1.10, extra)
             for best, row in ((best_ours, ours), (best_hf, theirs)):
                 if "error" not in row and row["tokens_per_s"] > best.get("tokens_per_s", 0):
                     best.update(row, mode=mode)
         if best_ours and best_hf:
             self.target(f"{nproc} GPUs best: ours {best_ours['mode']} vs HF {best_hf['mode']}", ratio(best_ours, best_hf), 1.10)
+
+    def multi_pair(self, mode: str, nproc: int, hf_first: bool) -> tuple[dict, dict]:
+        """(ours, HF's) runs of one engine, in the order asked."""
+        def theirs():
+            return self.emit(run_baseline_multi(self.baseline.parent / "hf_baseline_multi.py", mode, nproc))
+
+        def ours():
+            # ZeRO-3's parameter hooks break graph capture: that engine runs uncompiled.
+            return self.ours("qwen2.5-1.5b", 2048, 8, False, nproc=nproc, engine=MULTI_ENGINES[mode],
+                             extra={"torch_compile": mode != "zero3"})
+
+        if hf_first:
+            first = theirs()
+            return ours(), first
+        return ours(), theirs()
 
     def variants(self, plan: Path) -> None:
         """Each line of `plan` is one run, printed as it ends:
@@ -387,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=("single", "multi", "all"), default="all",
                         help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both")
     parser.add_argument("--modes", default=",".join(MULTI_ENGINES), help="suite: engines of the multi-GPU part")
+    parser.add_argument("--repeat", type=int, default=1, help="suite: HF/ours pairs per engine in the multi-GPU part")
     parser.add_argument("--targets", default=",".join(SINGLE_GROUPS), help="suite: targets of the single-GPU part")
     parser.add_argument("--variants", type=Path, default=None, metavar="PLAN.jsonl",
                         help="run the configurations listed in this file (see Suite.variants); lines also to --out")
@@ -419,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.part in ("single", "all"):
                     runs.single(gpus, set(args.targets.split(",")))
                 if args.part in ("multi", "all") and gpus >= 2:
-                    runs.multi(gpus, args.modes.split(","))
+                    runs.multi(gpus, args.modes.split(","), args.repeat)
                 print(runs.summary())
             return 0
         models: dict[str, Path] = {}

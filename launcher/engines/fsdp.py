@@ -44,8 +44,10 @@ class FSDPEngine(TorchOptimizerEngine):
         layers = decoder_layers(model)
         if not layers:
             raise ValueError("fsdp: cannot find the decoder layers of this model (no _no_split_modules)")
-        for layer in layers:
-            fully_shard(layer, **kwargs)
+        for i, layer in enumerate(layers):
+            # Backward starts with the last layer: resharding it after forward would only gather it again.
+            last = i == len(layers) - 1
+            fully_shard(layer, **{**kwargs, "reshard_after_forward": plan.reshard_after_forward and not last})
         fully_shard(model, **kwargs)
         self.model = model
         self.optimizer = make_optimizer(model, spec, dist.device if "offload_policy" not in kwargs else torch.device("cpu"))
