@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(names.split(",")) - set(known)
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(sorted(unknown))} (choose from {', '.join(known)})")
+    if args.repeat < 1:
+        parser.error(f"--repeat: at least 1 pair per engine (got {args.repeat})")
 
     plan = SMOKE_PLAN if args.smoke else PLAN
     if args.shapes:
