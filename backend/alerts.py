@@ -203,7 +203,7 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     what = f"no training step for {idle:.0f} s" + (f" (last logged step {last_step})" if last_step is not None
                                                  else " since the start (no step logged yet)")
     stuck = _stuck_rank(w)
-    rank = node = None
+    rank = node = gpu = None
     if stuck is not None:
         rank, behind, ahead = stuck
         node, gpu = w.placement.get(rank, (None, None))
@@ -214,7 +214,7 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     else:
         what += ("; set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the job's env "
                  "to record which collective hangs")
-    return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank)]
+    return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank, gpu=gpu)]
 
 
 def _stuck_rank(w: Window) -> tuple[int, Any, Any] | None:

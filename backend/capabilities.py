@@ -39,6 +39,15 @@ def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
     return None
 
 
+def zero_problems(spec: JobSpec, stage: int) -> list[Problem]:
+    """What the worker refuses with a DeepSpeed config of this ZeRO stage. A user JSON shows its
+    stage only once read, so the backend (before launch) and the worker (its config) both ask here."""
+    if spec.torch_compile and stage == 3:
+        where = "" if spec.deepspeed_preset else f" ({spec.deepspeed} sets stage 3)"
+        return [Problem("torch_compile", COMPILE_WITH_ZERO3 + where)]
+    return []
+
+
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
     for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -59,8 +68,6 @@ def unsupported(spec: JobSpec) -> list[Problem]:
         if spec.torch_dtype == "float16":
             problems.append(Problem("torch_dtype", "float16 with FSDP is not supported (it needs a sharded grad "
                                                    "scaler); use bfloat16"))
-    if spec.torch_compile and spec.deepspeed in ("zero3", "zero3_offload"):
-        problems.append(Problem("torch_compile", COMPILE_WITH_ZERO3))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
     unknown_sinks = [s for s in spec.report_to if s not in ("none", "tensorboard")]

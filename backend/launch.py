@@ -14,7 +14,6 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from backend import remote, ssh
 from backend.cluster import Node
@@ -59,11 +58,6 @@ class StopReport:
         """What kept the stop from being clean, one `host: why` per node."""
         return "; ".join([*(f"{h}: could not verify ({why})" for h, why in self.unreachable.items()),
                           *(f"{h}: pids {p} survived" for h, p in self.leftovers.items() if p)])
-
-
-def absolute_dir(path: str) -> str:
-    """A directory as the workers must see it: relative paths resolve where the studio runs."""
-    return str(Path(path).expanduser().absolute())
 
 
 async def free_port(pool: Pool, node: Node, setup: str | None) -> int:

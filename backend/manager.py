@@ -30,7 +30,7 @@ from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
 from backend.lifecycle import Failure, RunStore
 from backend.models import Attempt, NodeProcess, Run
-from backend.spec import JobSpec
+from backend.spec import JobSpec, absolute_dir
 from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class RunManager:
                setups: Mapping[str, str] | None = None) -> str:
         """Create the run and start it in the background; returns the run id at once."""
         run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
-        output_dir = launch_ops.absolute_dir(spec.output_dir)
+        output_dir = absolute_dir(spec.output_dir)
         spec = spec.model_copy(update={"output_dir": output_dir})
         run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
@@ -480,10 +480,10 @@ class RunManager:
         attempt = self.store.current_attempt(run_id)
         if attempt is None or run.state in lifecycle.FINAL:
             return
-        members = _members(attempt)
-        report = await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run_id,
+        members, processes = _members(attempt), self.store.processes(attempt.id)
+        report = await launch_ops.stop_all(self.pool, _started(members, processes), run_id,
                                            run.run_dir, grace_s=grace_s, all_nodes=[n for n, _ in members])
-        for p in self.store.processes(attempt.id):
+        for p in processes:
             self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
                                       ended_at=time.time())
         run = self.store.get(run_id)

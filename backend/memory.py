@@ -12,7 +12,7 @@ bf16/fp16 compute and AdamW:
                the weights too (plus 4 x the largest layer gathered). These are the multipliers of
                DeepSpeed's own estimators (2 + 18/N for ZeRO-2, 4 x largest layer + 18/N for ZeRO-3).
     FSDP2      fp32 weights 4, gradients 4, Adam 8, all sharded; two blocks gathered in 16-bit.
-    DDP        full fine-tuning: FSDP2's with shards of one rank (16-bit copies kept through backward);
+    DDP        full fine-tuning: FSDP2's with shards of one rank (compute-dtype copies kept through backward);
                LoRA and float16: fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 +
                DDP bucket 4, Adam 8.
 LoRA: only the adapters have gradients and optimizer states. Offloaded states count in

@@ -22,7 +22,7 @@ from typing import Literal
 from backend import launch, remote, ssh
 from backend.cluster import Cluster, Node
 from backend.nodes import Pool, address_of
-from backend.spec import JobSpec
+from backend.spec import JobSpec, absolute_dir
 
 Status = Literal["ok", "warning", "error", "skipped"]
 CLOCK_SKEW_ERROR_S = 5.0
@@ -338,12 +338,6 @@ def _gpus(host: str, d: dict, gpu_node: bool, needed: int | None) -> CheckResult
     return CheckResult(host, "gpus", "ok", text)
 
 
-def _ifname(spec: JobSpec | None) -> str | None:
-    if spec and spec.env.get("NCCL_SOCKET_IFNAME"):
-        return spec.env["NCCL_SOCKET_IFNAME"]
-    return None
-
-
 async def _round1(pool: Pool, node: Node, setup: str | None, params: dict) -> _NodeProbe:
     probe = _NodeProbe(node, setup)
     try:
@@ -379,7 +373,7 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
     started = time.perf_counter()
     setups = setups or {}
     nodes = list(cluster.nodes[: spec.nnodes] if spec else cluster.nodes)
-    output_dir = launch.absolute_dir(spec.output_dir if spec else "output")
+    output_dir = absolute_dir(spec.output_dir if spec else "output")
     run_token = secrets.token_hex(6)
     tokens = [f"{run_token}-{i}" for i in range(len(nodes))]
     probes = await asyncio.gather(*(
@@ -388,7 +382,7 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
             "pick_port": i == 0})
         for i, n in enumerate(nodes)))
     report = PreflightReport()
-    report.results += evaluate_round1(probes, spec, _ifname(spec))
+    report.results += evaluate_round1(probes, spec, (spec.env.get("NCCL_SOCKET_IFNAME") or None) if spec else None)
     master = probes[0]
     if master.data:
         report.results += await _round2(pool, probes, tokens, master.data["picked_port"], output_dir)

@@ -39,7 +39,7 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def _refused(*also: type[Exception]) -> Iterator[None]:
-    """What the manager refuses (unknown run, wrong state) is the user's to fix: a message, no traceback."""
+    """Errors the user fixes (unknown run, wrong state, and `also`, e.g. an unreachable host): a message, no traceback."""
     from backend.manager import RunError
     try:
         yield

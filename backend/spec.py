@@ -52,6 +52,11 @@ ALIASES: dict[str, str] = {
 }
 
 
+def absolute_dir(path: str) -> str:
+    """A directory as the workers must see it: relative paths resolve where the studio runs."""
+    return str(Path(path).expanduser().absolute())
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong (or risky) with a job, named by the field that holds it."""

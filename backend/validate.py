@@ -99,22 +99,20 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     return out
 
 
-def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None, zero: ZeroSettings | None) -> list[Problem]:
-    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed;
-    `zero`: its settings."""
+def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list[Problem]:
+    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed."""
     out: list[Problem] = []
     if spec.fsdp and spec.deepspeed:
         out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
     if spec.fsdp and layout.pp > 1:
         out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; use PP with DeepSpeed ZeRO-0/1 or no engine"))
-    if ds_config is None or zero is None:
+    if ds_config is None:
         return out
+    zero = ZeroSettings.of(ds_config)
     if layout.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
         out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
-    if spec.torch_compile and zero.stage == 3:
-        # capabilities refuses the ZeRO-3 presets by name; a user JSON shows its stage only here.
-        out.append(Problem("torch_compile", capabilities.COMPILE_WITH_ZERO3))
+    out += capabilities.zero_problems(spec, zero.stage)
     if zero.offload_param and zero.stage != 3:
         out.append(Problem("deepspeed", f"parameter offload needs ZeRO-3 (the config has stage {zero.stage})"))
     if zero.uses_nvme and zero.stage != 3:
@@ -174,8 +172,8 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     except DsConfigError as exc:
         ds_config = None
         problems.append(Problem("deepspeed", str(exc)))
+    problems += _engine_rules(spec, layout, ds_config)
     zero = ZeroSettings.of(ds_config) if ds_config else None
-    problems += _engine_rules(spec, layout, ds_config, zero)
     if cluster.is_local:
         problems += _local_path_rules(spec)
     model = model_config

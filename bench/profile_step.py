@@ -49,9 +49,13 @@ def profile_in(work: Path, args) -> int:
     from launcher.config import load_job
     from launcher.trainer import Trainer
 
+    if torch.cuda.is_available():  # before the model build, or under torchrun every rank opens a context on cuda:0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # Each rank builds the same model and data (fixed seeds) in its own temp dir.
     model_dir = build_model_dir(args.shape, work / "model", "bfloat16")
     steps = args.warm + args.active
-    run_dir = write_run(work / "run", model_dir, args.shape, args.seq, args.bsz, steps, args.bsz * (steps + 1),
+    samples = args.bsz * int(os.environ.get("WORLD_SIZE", 1)) * (steps + 1)  # the sampler splits them over the ranks
+    run_dir = write_run(work / "run", model_dir, args.shape, args.seq, args.bsz, steps, samples,
                         **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -117,7 +118,8 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     mixed-length; `agent` runs the node agent at 1 Hz beside the workers; `devices` sets
     CUDA_VISIBLE_DEVICES."""
     extra = extra or {}
-    tag = "-".join([str(v) for v in engine.values()] + [k for k, v in extra.items() if v]) + \
+    # An engine value may be a DeepSpeed JSON path: its stem keeps the run directory one level deep.
+    tag = "-".join([Path(str(v)).stem for v in engine.values()] + [k for k, v in extra.items() if v]) + \
         ("-mixed" if min_len else "") + ("-agent" if agent else "")
     run_dir = work / f"{shape}-{seq}x{bsz}-{'lora' if lora else 'full'}{'-liger' if liger else ''}{'-' + tag if tag else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -131,15 +133,18 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     # processes (as the launcher does), so the agent does its full work: rank discovery, per-pid GPU memory.
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    (run_dir / "pids").mkdir()
-    (run_dir / "pids" / "localhost.pid").write_text(str(proc.pid))
-    watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir", str(run_dir),
-                                 "--node", "localhost", "--interval", "1"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) if agent else None)
-    started = time.monotonic()
+    watcher = None
     try:
+        (run_dir / "pids").mkdir()
+        (run_dir / "pids" / "localhost.pid").write_text(str(proc.pid))
+        watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir",
+                                     str(run_dir), "--node", "localhost", "--interval", "1"], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if agent else None)
+        started = time.monotonic()
         stdout, stderr = proc.communicate()
     finally:
+        if proc.poll() is None:  # interrupted: Ctrl-C misses its session, and the caller drops the work dir
+            stop_group(proc)
         if watcher:
             watcher.terminate()
             watcher.wait()
@@ -162,6 +167,17 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
             "useful_tokens_per_s": round(useful),
             "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
             "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2)}
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """End a process that leads its own group and everything in it: SIGTERM (torchrun then stops its
+    ranks, giving them 30 s), SIGKILL if it outlasts `grace_s`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _first_error(output: str) -> str:
@@ -208,8 +224,9 @@ def mean_run(rows: list[dict]) -> dict:
     failed = [row for row in rows if "error" in row]
     if failed:
         return failed[0]
+    peaks = [row["peak_mem_gib"] for row in rows if row.get("peak_mem_gib") is not None]
     return {"tokens_per_s": round(sum(row["tokens_per_s"] for row in rows) / len(rows)),
-            "peak_mem_gib": max(row.get("peak_mem_gib") or 0 for row in rows)}
+            "peak_mem_gib": max(peaks) if peaks else None}
 
 
 # The fastest configuration of ours for full fine-tuning on one GPU: FSDP2 keeps fp32 master
@@ -220,7 +237,8 @@ FAST_FULL = dict(engine={"fsdp": "shard_grad_op"}, extra={"torch_compile": True}
 
 class Target(NamedTuple):
     """A single-GPU target of Suite.single: its ratio is the mean of ours / theirs over `pairs` of
-    Suite.single's job names."""
+    Suite.single's job names. An `alone` target's runs get the machine to themselves, one at a time,
+    in run_order()."""
 
     group: str
     name: str
@@ -228,6 +246,11 @@ class Target(NamedTuple):
     pairs: tuple[tuple[str, str], ...]
     key: str = "tokens_per_s"
     memory: bool = False
+    alone: bool = False
+
+    def run_order(self) -> list[str]:
+        """Its job names, the pairs alternating theirs-first and ours-first against drift."""
+        return [name for i, pair in enumerate(self.pairs) for name in (pair[::-1] if i % 2 == 0 else pair)]
 
 
 SINGLE_TARGETS = (
@@ -238,13 +261,12 @@ SINGLE_TARGETS = (
     Target("lora", "LoRA r16 qwen2.5-1.5b 2048x8 (+ compile) vs HF LoRA", 1.35, (("qwen_lora", "hf_qwen_lora"),)),
     Target("packing", "packing (flex_attention), mixed lengths 50-2048: useful tokens/s packed vs padded", 2.0,
            (("packed", "padded"),), key="useful_tokens_per_s"),
-    # Two pairs, the second in the opposite order, against drift.
+    # Two pairs (run off_1, on_1, on_2, off_2) against drift; the agent samples every GPU of its node,
+    # so its runs are alone.
     Target("agent", "telemetry agent at 1 Hz: tokens/s with / without (mean of two pairs)", 0.99,
-           (("agent_on_1", "agent_off_1"), ("agent_on_2", "agent_off_2"))),
+           (("agent_on_1", "agent_off_1"), ("agent_on_2", "agent_off_2")), alone=True),
 )
 SINGLE_GROUPS = tuple(dict.fromkeys(t.group for t in SINGLE_TARGETS))
-# The agent samples every GPU of its node, so its runs get the machine to themselves: one at a time.
-ALONE = {"agent_off_1", "agent_on_1", "agent_on_2", "agent_off_2"}
 # hf_baseline_multi.py's MODE -> our engine fields for the same engine.
 MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
                  "fsdp": {"fsdp": "full_shard"}}
@@ -266,7 +288,10 @@ def run_on_gpus(jobs: dict, gpus: int) -> dict:
                 name, fn = pending.get_nowait()
             except queue.Empty:
                 return
-            results[name] = fn(str(gpu))
+            try:
+                results[name] = fn(str(gpu))
+            except Exception as exc:  # one failed job must not take its GPU out of the rotation
+                results[name] = {"error": repr(exc)}
 
     threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in range(max(gpus, 1))]
     for thread in threads:
@@ -310,27 +335,37 @@ class Suite:
 
     def single(self, gpus: int, groups: set[str]) -> None:
         """The single-GPU targets of `groups` (SINGLE_GROUPS). With several GPUs the runs share
-        them, one run per GPU; the ALONE runs follow, one at a time."""
+        them, one run per GPU; the `alone` targets' runs follow, one at a time."""
         qwen, llama = ("qwen2.5-1.5b", 2048, 8), ("llama3.2-1b", 4096, 4)
-        self.model(qwen[0]), self.model(llama[0])
-        hf = lambda *config: lambda dev: self.emit(run_baseline_config(self.baseline, config, devices=dev))  # noqa: E731
-        full = lambda agent=False: lambda dev: self.ours(*qwen, False, agent=agent, devices=dev, **FAST_FULL)  # noqa: E731
+
+        # A job is (the shape of our model it runs, None for HF's; fn(devices)).
+        def hf(*config):
+            return None, lambda dev: self.emit(run_baseline_config(self.baseline, config, devices=dev))
+
+        def our_run(config, lora=False, **kw):
+            return config[0], lambda dev: self.ours(*config, lora, devices=dev, **kw)
+
+        full = lambda agent=False: our_run(qwen, agent=agent, **FAST_FULL)  # noqa: E731
         jobs = {
             "hf_qwen_full": hf(*qwen, False, True, False),
             "hf_llama_full": hf(*llama, False, True, False),
             "hf_qwen_lora": hf(*qwen, True, False, False),
             "qwen_full": full(),
-            "llama_full": lambda dev: self.ours(*llama, False, devices=dev, **FAST_FULL),
-            "qwen_lora": lambda dev: self.ours(*qwen, True, extra={"torch_compile": True}, devices=dev),
-            "padded": lambda dev: self.ours(*qwen, False, min_len=50, devices=dev),
-            "packed": lambda dev: self.ours(*qwen, False, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"},
-                                            devices=dev),
+            "llama_full": our_run(llama, **FAST_FULL),
+            "qwen_lora": our_run(qwen, True, extra={"torch_compile": True}),
+            "padded": our_run(qwen, min_len=50),
+            "packed": our_run(qwen, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"}),
             "agent_off_1": full(), "agent_on_1": full(agent=True), "agent_on_2": full(agent=True), "agent_off_2": full(),
         }
         targets = [t for t in SINGLE_TARGETS if t.group in groups]
         needed = {name for t in targets for pair in t.pairs for name in pair}
-        r = run_on_gpus({n: fn for n, fn in jobs.items() if n in needed and n not in ALONE}, gpus)
-        r.update(run_on_gpus({n: fn for n, fn in jobs.items() if n in needed and n in ALONE}, 1))
+        alone = [name for t in targets if t.alone for name in t.run_order()]
+        # The models the runs need, built before any starts: a build uses this process's GPU, which
+        # may be timing another run.
+        for shape in dict.fromkeys(job[0] for n, job in jobs.items() if n in needed and job[0]):
+            self.model(shape)
+        r = run_on_gpus({n: fn for n, (_, fn) in jobs.items() if n in needed and n not in alone}, gpus)
+        r.update(run_on_gpus({n: jobs[n][1] for n in alone}, 1))
         for t in targets:
             ratios = [ratio(r[ours], r[theirs], t.key) for ours, theirs in t.pairs]
             extra = {"pairs": ratios} if len(ratios) > 1 else {}
@@ -426,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag}: unknown {', '.join(sorted(unknown))} (choose from {', '.join(known)})")
     if args.repeat < 1:
         parser.error(f"--repeat: at least 1 pair per engine (got {args.repeat})")
+    if args.suite and args.variants:
+        parser.error("--suite and --variants: one at a time")
 
     plan = SMOKE_PLAN if args.smoke else PLAN
     if args.shapes:
@@ -441,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                           "torch": torch.__version__}), flush=True)
         if args.suite or args.variants:
             gpus = torch.cuda.device_count()
+            if args.suite and args.part in ("multi", "all") and gpus < 2:
+                print(f"the multi-GPU part needs 2+ GPUs (found {gpus})"
+                      + (": not run" if args.part == "all" else ""), file=sys.stderr, flush=True)
+                if args.part == "multi":
+                    return 1  # before opening, so an earlier results file stays
             with open(args.suite or args.out, "w") as out:
                 runs = Suite(work, args.baseline or DEFAULT_BASELINE, args.steps, args.warm, out)
                 if args.variants:

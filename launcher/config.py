@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.capabilities import COMPILE_WITH_ZERO3, unsupported
+from backend.capabilities import unsupported, zero_problems
 from backend.jsonfile import read_json
 from backend.spec import JobSpec, load_spec
 
@@ -37,7 +37,8 @@ def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int 
             config = build_ds_config(spec, dp_size, hidden_size)
         except DsConfigError as exc:
             raise ConfigError(f"deepspeed: {exc}") from None
-    # The backend refuses this before launch too; this guards workers started without it.
-    if spec.torch_compile and config.get("zero_optimization", {}).get("stage") == 3:
-        raise ConfigError(f"torch_compile: {COMPILE_WITH_ZERO3}")
+    # The backend refuses these before launch too; this guards workers started without it.
+    refused = zero_problems(spec, int(config.get("zero_optimization", {}).get("stage", 0)))
+    if refused:
+        raise ConfigError("\n".join(str(p) for p in refused))
     return config

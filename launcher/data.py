@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from backend.jsonfile import read_json
 
@@ -60,8 +60,8 @@ class Record:
 
 
 def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
-    """This rank's records of one source. JSON-lines files are streamed (twice: once to count)
-    and only this rank's lines are parsed; the other formats are read once."""
+    """This rank's records of one source. JSON-lines and CSV files are streamed (twice: once to
+    count) and only this rank's JSON lines are parsed; JSON and parquet files are read whole."""
     if not source.is_local:
         yield from _hub_records(source, rank, world, seed)
         return
@@ -85,26 +85,42 @@ def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
     return {index: pos for pos, index in enumerate(order)}
 
 
-Entries = Collection[tuple[str, Any]]  # (where, raw record) with a length
+class Entries(Protocol):
+    """(where, raw record) pairs that can be counted, then read."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]: ...
+
+
 Decode = Callable[[str, Any], Any]
 
 
-class _JsonLines:
-    """The non-blank lines of a JSON-lines file as (file:line, text), read from disk on each pass
-    (the file may not fit in memory)."""
+class _FileRows:
+    """A file's records as (where, raw), read from disk on each pass (the file may not fit in
+    memory); `rows` splits the open file into them."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, rows: Callable[[Path, Any], Iterator[tuple[str, Any]]]):
+        self.path, self.rows = path, rows
 
     def __len__(self) -> int:
-        with open(self.path, encoding="utf-8") as f:
-            return sum(1 for line in f if line.strip())
+        return sum(1 for _ in self)
 
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        with open(self.path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{self.path}:{lineno}", line
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        with open(self.path, encoding="utf-8", newline="") as f:
+            yield from self.rows(self.path, f)
+
+
+def _jsonl_rows(path: Path, f) -> Iterator[tuple[str, str]]:
+    for lineno, line in enumerate(f, 1):
+        if line.strip():
+            yield f"{path}:{lineno}", line
+
+
+def _csv_rows(path: Path, f) -> Iterator[tuple[str, dict]]:
+    reader = csv.DictReader(f)
+    for row in reader:
+        yield f"{path}:{reader.line_num}", row
 
 
 def _json_line(where: str, line: str) -> Any:
@@ -119,7 +135,7 @@ def _as_read(where: str, record: Any) -> Any:
 
 
 def _jsonl(path: Path) -> tuple[Entries, Decode]:
-    return _JsonLines(path), _json_line
+    return _FileRows(path, _jsonl_rows), _json_line
 
 
 def _json(path: Path) -> tuple[Entries, Decode]:
@@ -130,9 +146,7 @@ def _json(path: Path) -> tuple[Entries, Decode]:
 
 
 def _csv(path: Path) -> tuple[Entries, Decode]:
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        return [(f"{path}:{reader.line_num}", row) for row in reader], _as_read
+    return _FileRows(path, _csv_rows), _as_read
 
 
 def _parquet(path: Path) -> tuple[Entries, Decode]:

@@ -40,9 +40,11 @@ def _jsonable(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)
 
 
-def finite_or_none(value: float | None) -> float | None:
-    """JSON has no NaN: a non-finite loss or grad norm is written as null."""
-    return value if value is not None and math.isfinite(value) else None
+def split_nonfinite(**values: float | None) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Events are strict JSON, which has no NaN: non-finite values become null, and the second
+    dict names them (as text) for the alerts."""
+    bad = {name: str(v) for name, v in values.items() if v is not None and not math.isfinite(v)}
+    return {name: None if name in bad else v for name, v in values.items()}, bad
 
 
 @dataclass

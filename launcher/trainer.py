@@ -21,7 +21,7 @@ from launcher import checkpoint, data
 from launcher.config import ConfigError, load_ds_config
 from launcher.dist import Dist
 from launcher.engines import build_engine
-from launcher.events import EventWriter, Window, eta_seconds, finite_or_none, format_duration, memory_gib
+from launcher.events import EventWriter, Window, eta_seconds, format_duration, split_nonfinite, memory_gib
 from launcher.model import flops_per_token, peak_flops, prepare
 
 log = logging.getLogger("launcher")
@@ -214,8 +214,8 @@ class Trainer:
             grad_norm = self.engine.step()
             pending.append((torch.stack(losses).float().mean(), grad_norm))
             self.step += 1
-            # The next step's batches are collated and copied while the device still runs this
-            # one, before anything below waits for it.
+            # The next step's batches are collated while the device still runs this one (their
+            # copies queue behind it), before anything below waits for the device.
             if self.step < plan.max_steps:
                 upcoming, data_wait = self._fetch(self.step)
             (stop_votes,), wait = d.all_reduce([float(self.stop.requested)], "max")
@@ -281,11 +281,9 @@ class Trainer:
         allocated, peak = memory_gib()
         loss = sum(losses) / len(losses) if losses else float("nan")
         eta = eta_seconds(self.step, plan.max_steps, means["step_time_s"])
-        # Events are strict JSON: a NaN/inf value is written as null and named here for the alerts.
-        nonfinite = {name: str(v) for name, v in (("loss", loss), ("grad_norm", self.last_grad_norm))
-                     if v is not None and not math.isfinite(v)}
-        self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, loss=finite_or_none(loss),
-                         learning_rate=self.engine.lr(), grad_norm=finite_or_none(self.last_grad_norm),
+        values, nonfinite = split_nonfinite(loss=loss, grad_norm=self.last_grad_norm)
+        self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, **values,
+                         learning_rate=self.engine.lr(),
                          tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed, step_time_s=means["step_time_s"],
                          mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta,
                          nonfinite=nonfinite)

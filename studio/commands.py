@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from backend.cluster import Cluster
-from backend.launch import absolute_dir
 from backend.modelcfg import ModelConfig
 from backend.planner import Plan, PlanError, plan
-from backend.spec import JobSpec
+from backend.spec import JobSpec, absolute_dir
 
 PREVIEW_RUN_ID = "RUN_ID"
 # Fields ms-swift takes from the environment of `swift sft`, not as flags.

@@ -109,7 +109,9 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                    outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
                             c["action"], c["buffer"]], show_progress="hidden")
     c["timer"].tick(trigger_mode="always_last", **tick_io)
-    c["run"].change(**tick_io)
+    # Only the user's pick: handlers set the picker too (every page load, the launch), and reading
+    # the run then would draw charts for a tab that may be hidden; opening the Monitor catches up.
+    c["run"].input(**tick_io)
     # Only a browser showing the Monitor polls the run; opening the tab catches up at once rather
     # than a tick later. A tab's select event also fires when a handler switches tabs (the launch).
     page.select(lambda: gr.Timer(active=True), None, [c["timer"]]).then(**tick_io)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.cluster import Cluster
+from backend.dsconfig import DsConfigError
 from backend.layout import Layout, compute_layout
 from backend.memory import estimate_memory
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
@@ -95,7 +96,10 @@ def memory_md(spec: JobSpec, layout: Layout, cluster: Cluster, model: ModelConfi
         return f"**Memory per GPU**: {note}"
     nodes = cluster.nodes[: spec.nnodes]
     cpu_only = all(n.device == "cpu" for n in nodes)
-    est = estimate_memory(spec, model, layout, device="cpu" if cpu_only else "cuda")
+    try:
+        est = estimate_memory(spec, model, layout, device="cpu" if cpu_only else "cuda")
+    except DsConfigError as exc:  # validate() already marks the deepspeed field; say why there is no estimate
+        return f"**Memory per GPU**: not estimated: {exc}"
     gpu_mems = [n.gpu_mem_gib for n in nodes if n.gpu_mem_gib]
     if cpu_only:
         against = "CPU run: held in host memory"

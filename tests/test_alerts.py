@@ -106,7 +106,7 @@ def test_hang_fires_and_names_the_rank_behind():
                        2: [timing(2, 10, 1.0, t=T0 + 10)]},
                placement={1: ("node-b", 3)})
     [f] = alerts.hang(w, CFG)
-    assert f.rule == "hang" and f.rank == 1 and f.node == "node-b"
+    assert f.rule == "hang" and (f.rank, f.node, f.gpu) == (1, "node-b", 3)
     assert "400 s" in f.message and "rank 1, node node-b, GPU 3" in f.message
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in f.message
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
+from backend.demo import demo_spec
 from backend.spec import FIELDS, JobSpec, Problem
 from studio.cluster_view import node_rows, put_node, remove_node
 from studio.context import Studio
@@ -139,3 +140,14 @@ def test_cluster_survives_a_restart(tmp_path):
     assert again.nodes[1].ssh_key == "~/.ssh/id"
     studio.cluster_file.write_text("not json")
     assert studio.load_cluster().is_local
+
+
+def test_missing_deepspeed_json_is_a_field_error_not_a_crash(tmp_path):
+    # The memory estimate reads the JSON too; it must not take the whole check down with it.
+    missing = str(tmp_path / "nope.json")
+    values = default_form() | spec_to_form(demo_spec().model_dump()) | {"deepspeed": missing}
+    view = check_form(values, local_cluster())
+    assert not view.ok
+    assert any(missing in p.message for p in view.field_problems["deepspeed"])
+    assert view.memory_md.startswith("**Memory per GPU**: not estimated:")
+    assert missing in view.memory_md

@@ -37,6 +37,26 @@ def test_studio_never_imports_the_worker_stack(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+# The page answers before the manager exists (studio/server.py starts it afterwards, on its own
+# thread): building it must not wait for the database and SSH libraries.
+PAGE_ONLY_PROBE = r"""
+import json, sys
+from pathlib import Path
+from studio.app import build_app
+from studio.context import Studio
+
+build_app(Studio(Path(sys.argv[1]), Path(sys.argv[1]) / "runs"))
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"sqlalchemy", "sqlmodel", "asyncssh"})))
+"""
+
+
+def test_the_page_builds_without_the_database_and_ssh_libraries(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PAGE_ONLY_PROBE, str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
 def test_refuses_a_public_address_without_authentication(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "backend.cli", "studio", "--host", "0.0.0.0", "--port", "1"],

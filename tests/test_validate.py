@@ -143,10 +143,11 @@ def test_user_deepspeed_json_batch_conflict_is_a_warning(tmp_path):
 
 
 def test_torch_compile_refused_with_zero3_from_a_user_json(tmp_path):
-    """The worker's capabilities know the ZeRO-3 presets by name; a JSON's stage shows only here."""
+    """A JSON's stage shows only once it is read; the message names the file."""
     stage3 = write_ds(tmp_path, {"zero_optimization": {"stage": 3}})
     problems = check(job(deepspeed=stage3, nproc_per_node=8, torch_compile=True))
     assert fields(problems) == ["torch_compile"] and "not with ZeRO-3" in errors(problems)[0].message
+    assert f"({stage3} sets stage 3)" in errors(problems)[0].message
     assert fields(check(job(deepspeed=stage3, nproc_per_node=8))) == []
     stage2 = write_ds(tmp_path, {"zero_optimization": {"stage": 2}})
     assert fields(check(job(deepspeed=stage2, nproc_per_node=8, torch_compile=True))) == []

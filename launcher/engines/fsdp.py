@@ -4,7 +4,8 @@ all ranks; checkpoints through torch.distributed.checkpoint, so they reshard ont
 The same machinery runs DDP's layout for full fine-tuning (`FsdpPlan.replicate`): every rank holds
 every parameter (shards of one rank, HSDP's replicate dimension over all ranks) and gradients are
 all-reduced. Unlike torch's DistributedDataParallel under autocast, it computes with 16-bit copies
-of the fp32 weights made once per step in one fused copy per layer, not a cast per weight per use."""
+of the fp32 weights made once per micro-batch in one fused copy per layer, not a cast per weight
+per use."""
 from __future__ import annotations
 
 from pathlib import Path
