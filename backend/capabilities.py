@@ -5,6 +5,7 @@ again at start and refuses the same list.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from backend.spec import JobSpec, Problem
@@ -23,6 +24,33 @@ class FsdpPlan:
     """DDP's layout: every rank holds every parameter (shards of one rank), gradients all-reduced."""
     reshard_after_forward: bool
     offload: bool
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """Tensor parallel through transformers' DistributedConfig (the model's own `base_model_tp_plan`),
+    with its FSDP2 for the data-parallel dimension. transformers' mesh is (pp, dp_replicate, fsdp,
+    tp) with TP innermost: ranks r and r+1 of one node share a TP group, the data-parallel rank is
+    r // tp."""
+
+    tp: int
+    fsdp: int
+    """Ranks the parameters are sharded over (fsdp full_shard), else 1."""
+    replicate: int
+    """Ranks holding the same (TP-sharded) parameters with gradients all-reduced (no fsdp), else 1."""
+
+    @property
+    def dp(self) -> int:
+        return self.fsdp * self.replicate
+
+
+def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
+    """The TP layout of a job on `world` ranks, or None without tensor parallelism."""
+    tp = spec.tensor_model_parallel_size
+    if tp <= 1:
+        return None
+    dp = max(1, world // tp)
+    return TpPlan(tp, fsdp=dp, replicate=1) if spec.fsdp else TpPlan(tp, fsdp=1, replicate=dp)
 
 
 def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
@@ -48,13 +76,27 @@ def zero_problems(spec: JobSpec, stage: int) -> list[Problem]:
     return []
 
 
+def deepspeed_json_problems(config: dict, source: str) -> list[Problem]:
+    """What the worker refuses in a DeepSpeed JSON itself (`source`: the file it came from), beyond
+    its stage. backend.dsconfig asks while reading the file, so the plan and the worker refuse too."""
+    tp = config.get("tensor_parallel")
+    size = tp.get("autotp_size") if isinstance(tp, dict) else None
+    if size in (None, 0, 1):
+        return []
+    return [Problem("deepspeed", f"{source}: tensor_parallel.autotp_size: {json.dumps(size)}: DeepSpeed AutoTP is not "
+                                 "supported by this worker yet (the ranks of a TP group must see the same batches, "
+                                 "but every rank gets its own data shard and the batch sizes count every rank as "
+                                 "data-parallel); remove it or set it to 1")]
+
+
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
-    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                  "expert_model_parallel_size", "sequence_parallel_size"):
+    for field in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size", "sequence_parallel_size"):
         if getattr(spec, field) > 1:
-            problems.append(Problem(field, "not supported by this worker (data parallel only: DDP, DeepSpeed ZeRO, "
-                                           "FSDP2); set it to 1"))
+            problems.append(Problem(field, "not supported by this worker yet (data parallel: DDP, DeepSpeed ZeRO, "
+                                           "FSDP2; tensor parallel); set it to 1"))
+    problems += _tp_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -76,3 +118,35 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                              "recorded metrics when the run ends); metrics go to the run's event "
                                              "files and the studio", "warning"))
     return problems
+
+
+TP = "tensor_model_parallel_size"
+# transformers 5.24: under TP x FSDP2 a model with tied embeddings gets correct gradients but wrong
+# updates (tests/test_tensor_parallel.py pins it); untied models and TP with replicated data
+# parallel train exactly as without TP.
+TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddings wrongly in "
+                      "transformers' TP x FSDP2 (the updates differ from the same job without TP); leave fsdp "
+                      "empty (TP with replicated data parallel)")
+
+
+def _tp_problems(spec: JobSpec) -> list[Problem]:
+    """Tensor parallel runs on transformers' DistributedConfig; these engines and options do not
+    compose with it (yet), each refused by name."""
+    if spec.tensor_model_parallel_size <= 1:
+        return []
+    out = []
+    if spec.deepspeed:
+        out.append(Problem("deepspeed", f"not with {TP} > 1: tensor parallel runs on transformers' TP with FSDP2 "
+                                        "for data parallel; remove deepspeed (fsdp full_shard shards the rest)"))
+    words = set((spec.fsdp or "").replace(",", " ").split())
+    if words - {"full_shard"}:
+        out.append(Problem("fsdp", f"with {TP} > 1 only 'full_shard' (transformers' FSDP2 under TP); "
+                                   f"not {' '.join(sorted(words - {'full_shard'}))}"))
+    for field, why in (("torch_compile", "compiling DTensor layers is not tested"),
+                       ("use_liger_kernel", "Liger's kernels take plain tensors, not DTensor shards")):
+        if getattr(spec, field):
+            out.append(Problem(field, f"not with {TP} > 1 ({why}); turn it off"))
+    if spec.torch_dtype == "float16":
+        out.append(Problem("torch_dtype", f"float16 with {TP} > 1 is not supported (no sharded grad scaler); "
+                                          "use bfloat16"))
+    return out

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from backend.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.spec import JobSpec, Problem, load_spec, parse_spec
+from backend.spec import JobSpec, Problem, load_spec
 from backend.validate import errors, validate
 
 
@@ -140,7 +140,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise CliError([f"command: {exc}"]) from None
     for line in result.ignored:
         print(f"warning: {line}", file=sys.stderr)
-    spec, problems = parse_spec(result.spec, source="command")
+    for line in result.defaults:
+        print(f"ms-swift default: {line}", file=sys.stderr)
+    spec, problems = result.parse()
     if spec is None:
         raise CliError(problems)
     text = result.yaml_text(spec)

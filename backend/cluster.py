@@ -4,7 +4,7 @@ Public API (stable, other parts call it):
     Node, Cluster                                 frozen dataclasses
     parse_hostfile(path) -> Cluster                raises HostfileError (problems name file:line)
     parse_hostfile_text(text, source) -> Cluster   same, for text from the UI
-    local_cluster() -> Cluster                     GPUs found with NVML; none = one CPU slot, gloo
+    local_cluster() -> Cluster                     GPUs found with NVML; none = one slot per CPU core, gloo
     cluster_from_dicts(rows, source) -> Cluster    rows as stored by the UI/DB; raises HostfileError
     Cluster.to_dicts() / Cluster.to_hostfile()     the inverse of the two above
 
@@ -15,12 +15,14 @@ ignores what follows `slots=N`):
     node1 slots=8
     node2 slots=8 addr=10.0.0.2 ssh_user=ubuntu ssh_port=2222 ssh_key=~/.ssh/id_ed25519 python=/opt/venv/bin/python
     cpu-box slots=2 device=cpu
+    node3 slots=8 gpu_mem_gib=80
 
 Nothing here imports torch: the studio process stays small.
 """
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -64,7 +66,7 @@ class Node:
     """The machine the studio runs on, reached without SSH."""
     gpu_names: tuple[str, ...] = ()
     gpu_mem_gib: float | None = None
-    """Memory of the smallest GPU, when known (NVML on the local machine)."""
+    """Memory of the smallest GPU (GiB), when known: NVML on the local machine, `gpu_mem_gib=` in a hostfile."""
 
     @property
     def address(self) -> str:
@@ -112,8 +114,10 @@ class Cluster:
 
 
 NODE_DEFAULTS = {f.name: f.default for f in fields(Node) if f.name not in ("host", "slots")}
-# Keys a hostfile line may carry after slots=N (gpu_names/gpu_mem_gib/local are discovered, not written).
-HOSTFILE_KEYS = ("addr", "ssh_user", "ssh_port", "ssh_key", "python", "device")
+# Keys a hostfile line may carry after slots=N (gpu_names/local are discovered, not written).
+# gpu_mem_gib: GiB of the node's smallest GPU, so validation can warn before an out-of-memory launch
+# (NVML finds it on the local machine only).
+HOSTFILE_KEYS = ("addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "gpu_mem_gib")
 
 
 def is_loopback(address: str) -> bool:
@@ -131,6 +135,14 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
         if not value.isdigit() or not 1 <= int(value) <= 65535:
             return None, f"ssh_port must be a port number 1-65535, got {value!r}"
         return int(value), None
+    if key == "gpu_mem_gib":
+        try:
+            gib = float(value)
+        except ValueError:
+            gib = 0.0
+        if not 0 < gib < float("inf"):
+            return None, f"gpu_mem_gib must be a positive number of GiB per GPU, got {value!r}"
+        return gib, None
     if key == "device":
         if value not in DEVICES:
             return None, f"device must be one of {', '.join(DEVICES)}, got {value!r}"
@@ -239,9 +251,8 @@ def cluster_from_dicts(rows: list[dict[str, Any]], source: str = "nodes") -> Clu
                 problems.append(Problem(f"{where}.{key}", error))
             else:
                 values[key] = converted
-        for key in ("local", "gpu_mem_gib"):
-            if row.get(key) is not None:
-                values[key] = row[key]
+        if row.get("local") is not None:
+            values["local"] = row["local"]
         if row.get("gpu_names"):
             values["gpu_names"] = tuple(row["gpu_names"])
         nodes.append(Node(host=host, slots=slots, **values))
@@ -278,8 +289,17 @@ def _nvml_gpus() -> GpuInfo:
         pynvml.nvmlShutdown()
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, as taskset or a container sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def local_cluster(gpus: GpuInfo | None = None) -> Cluster:
-    """This machine as a one-node cluster: one slot per GPU, or one CPU slot (gloo) without GPUs.
+    """This machine as a one-node cluster: one slot per GPU, or one slot per CPU core this process
+    may use (gloo) without GPUs.
 
     `CUDA_VISIBLE_DEVICES` is not applied here: NVML lists every GPU; the job's env chooses.
     """
@@ -288,5 +308,5 @@ def local_cluster(gpus: GpuInfo | None = None) -> Cluster:
     if info.names:
         node = Node(slots=len(info.names), device="cuda", gpu_names=info.names, gpu_mem_gib=info.min_mem_gib, **common)
     else:
-        node = Node(slots=1, device="cpu", **common)
+        node = Node(slots=usable_cores(), device="cpu", **common)
     return Cluster(nodes=(node,), source="local")

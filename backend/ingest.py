@@ -2,9 +2,9 @@
 downsampling, and the alert rules.
 
 One `Ingestor` per database, shared by every run and node. The cluster backend calls
-`feed(run_id, node, line)` for each stdout line of a node's agent (from its asyncio loop: `feed`
-only parses and buffers, never touches the database) and starts a reconnecting agent with
-`--offsets json.dumps(ingestor.offsets(run_id, node))`. A background thread (`start()`) writes
+`feed(run_id, node, line, attempt)` for each stdout line of a node's agent of the run's attempt
+(from its asyncio loop: `feed` only parses and buffers, never touches the database) and starts a
+reconnecting agent with `--offsets json.dumps(ingestor.offsets(run_id, node))`. A background thread (`start()`) writes
 the buffers every `flush_interval_s`, evaluates the alert rules and downsamples old samples.
 
 Exactly once: an event line is identified by (run, file, byte offset after the line). The
@@ -44,7 +44,7 @@ TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "samples_p
                 "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
-SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s")
+SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s", "attempt")
 # Series that are sampled on a clock (and so are downsampled); train/ and rank/ follow steps.
 SAMPLED_PREFIXES = ("gpu/", "host/")
 
@@ -67,6 +67,9 @@ class _RunState:
     high: dict[str, int] = field(default_factory=dict)  # file -> highest offset taken
     tail: deque = field(default_factory=deque)  # (seq, SeriesKey, t, value)
     evicted_seq: int = 0
+    # The cursor of the latest `start` event: a reader from before it may hold steps a resumed
+    # attempt does again, so it redraws from the history (which shows each step once).
+    start_seq: int = 0
     running: bool = False
     started_t: float | None = None
     util: dict[tuple[str, int], deque] = field(default_factory=dict)
@@ -133,20 +136,21 @@ class Ingestor:
         self.latencies: deque[float] = deque(maxlen=200_000)  # commit time - sample time, seconds
 
     # ------------------------------------------------------------------------------- input
-    def feed(self, run_id: str, node: str, line: str | bytes) -> None:
-        """Take one agent stdout line. Never raises for bad input: it is counted and logged."""
+    def feed(self, run_id: str, node: str, line: str | bytes, attempt: int | None = None) -> None:
+        """Take one agent stdout line of the run's `attempt`. Never raises for bad input: it is
+        counted and logged."""
         try:
             rec = json.loads(line)
         except (ValueError, TypeError):
             self.stats["bad_lines"] += 1
             log.warning("agent %s/%s: unreadable line %.200r", run_id, node, line)
             return
-        self.on_agent_line(run_id, node, rec)
+        self.on_agent_line(run_id, node, rec, attempt)
 
-    def on_agent_line(self, run_id: str, node: str, rec: Any) -> None:
-        """Take one parsed agent line (the cluster backend's `TelemetrySink` call). Only parses and
-        buffers; the database is written by the background thread, started on the first line
-        unless `autostart=False`."""
+    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None) -> None:
+        """Take one parsed agent line (the cluster backend's `TelemetrySink` call), from an agent
+        of the run's `attempt` (its rows carry it). Only parses and buffers; the database is
+        written by the background thread, started on the first line unless `autostart=False`."""
         if self.autostart and self._thread is None:
             self.start()
         kind = rec.get("kind") if isinstance(rec, dict) else None
@@ -159,7 +163,7 @@ class Ingestor:
                 st = self._run(run_id)
                 handler = _HANDLERS[kind]
                 if handler is not None:
-                    handler(self, run_id, node, st, rec)
+                    handler(self, run_id, node, st, rec, attempt)
                 st.nodes.setdefault(node, {})["last_seen"] = self.clock()
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 self.stats["bad_lines"] += 1
@@ -185,20 +189,20 @@ class Ingestor:
             self._track_event(st, etype, rank, json.loads(data))
         return st
 
-    def _add_point(self, run_id: str, st: _RunState, key: SeriesKey, t: float, value: Any,
+    def _add_point(self, run_id: str, st: _RunState, key: SeriesKey, t: float, value: Any, attempt: int | None,
                    step: int | None = None, into: list[tuple] | None = None) -> None:
         self._seq += 1
         v = _value(value)
         st.tail.append((self._seq, key, t, v))
-        row = (run_id, key.node, key.gpu, key.rank, key.name, t, v, step, 0.0)
+        row = (run_id, key.node, key.gpu, key.rank, key.name, t, v, step, 0.0, attempt)
         (self._pending.samples if into is None else into).append(row)
         self.stats["samples"] += 1
 
-    def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_gpu(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         t, gpu = float(rec["t"]), int(rec["gpu"])
         for name, value in rec.items():
             if name not in _NOT_METRIC and rules.number(value) is not None:
-                self._add_point(run_id, st, st.key(f"gpu/{name}", node, gpu, NO_INDEX), t, value)
+                self._add_point(run_id, st, st.key(f"gpu/{name}", node, gpu, NO_INDEX), t, value, attempt)
         if "util_pct" in rec:
             pts = st.util.setdefault((node, gpu), deque())
             pts.append((t, float(rec["util_pct"])))
@@ -209,11 +213,11 @@ class Ingestor:
             st.mem[(node, gpu)] = (t, float(rec["mem_used_gib"]), float(rec["mem_total_gib"]))
         st.dirty = True
 
-    def _on_host(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_host(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         t = float(rec["t"])
         for name, value in rec.items():
             if name not in _NOT_METRIC and rules.number(value) is not None:
-                self._add_point(run_id, st, st.key(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value)
+                self._add_point(run_id, st, st.key(f"host/{name}", node, NO_INDEX, NO_INDEX), t, value, attempt)
 
     def _take_offset(self, run_id: str, node: str, st: _RunState, rec: dict) -> bool:
         """Record a file line's offset; False when that line was taken before (a duplicate)."""
@@ -225,7 +229,7 @@ class Ingestor:
         self._pending.offsets[(run_id, file)] = (offset, node)
         return True
 
-    def _on_event(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_event(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         if not self._take_offset(run_id, node, st, rec):
             return
         data = rec.get("data")
@@ -236,17 +240,26 @@ class Ingestor:
         rank = rank if isinstance(rank, int) else NO_INDEX
         t = _value(data.get("time")) or self.clock()
         where = st.placement.get(rank, (node, None))[0]
+        step = data.get("step") if isinstance(data.get("step"), int) else None
         derived: list[tuple] = []  # written only if the event row is
         self._pending.events.append(({"run_id": run_id, "node": where, "rank": rank, "file": rec["file"],
                                       "offset": int(rec["offset"]), "type": etype, "t": t,
-                                      "data": json.dumps(data, allow_nan=True)}, derived))
+                                      "data": json.dumps(data, allow_nan=True), "step": step,
+                                      "attempt": attempt}, derived))
         self.stats["events"] += 1
-        step = data.get("step") if isinstance(data.get("step"), int) else None
         prefix, fields = {"train": ("train", TRAIN_FIELDS), "timing": ("rank", TIMING_FIELDS)}.get(etype, ("", ()))
         nonfinite = data.get("nonfinite") or {}  # written as null; kept as a gap in the series
         for f in fields:
             if data.get(f) is not None or f in nonfinite:
-                self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data.get(f), step, derived)
+                self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data.get(f), attempt,
+                                step, derived)
+        if etype == "train" and step is not None:
+            # Not a stored sample: history reads the step from the event rows (query.STEP_SERIES).
+            self._seq += 1
+            st.tail.append((self._seq, st.key(query.STEP_SERIES, where, NO_INDEX, rank), t, float(step)))
+        if etype == "start":
+            self._seq += 1
+            st.start_seq = self._seq
         self._track_event(st, etype, rank, data)
 
     @staticmethod
@@ -266,17 +279,17 @@ class Ingestor:
             st.checkpoint = (data["step"], str(data.get("path")))
         st.dirty = True
 
-    def _on_log(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_log(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         if not self._take_offset(run_id, node, st, rec):
             return
         finding = rules.log_line(node, str(rec.get("line", "")), self.clock())
         if finding is not None:
             self._add_finding(run_id, st, finding)
 
-    def _on_flight(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_flight(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         self._add_finding(run_id, st, rules.flight_dump(rec, node, st.placement))
 
-    def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         for r in rec["ranks"]:
             rank = int(r["rank"])
             st.placement[rank] = (node, r.get("gpu"))
@@ -284,7 +297,7 @@ class Ingestor:
                 "run_id": run_id, "rank": rank, "node": node, "local_rank": r.get("local_rank"),
                 "gpu": r.get("gpu"), "pid": r.get("pid")}
 
-    def _on_status(self, run_id: str, node: str, st: _RunState, rec: dict) -> None:
+    def _on_status(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         status = st.nodes.setdefault(node, {})
         kind = rec["kind"]
         if kind == "hello":
@@ -363,7 +376,7 @@ class Ingestor:
             with self._lock:
                 st = self._run(run_id)
                 # too old for the tail, or not from this ingestor (one before a backend restart)
-                reset = since < max(st.evicted_seq, self._seq0) or since > self._seq
+                reset = since < max(st.evicted_seq, self._seq0, st.start_seq) or since > self._seq
                 if not reset:
                     out: dict[SeriesKey, list] = {}
                     for seq, key, t, v in reversed(st.tail):
@@ -437,14 +450,14 @@ class Ingestor:
                 bucket = query.bucket_of(conn, S.c.t, 0.0, bucket_s)
                 keys = (S.c.node, S.c.gpu, S.c.rank, S.c.name)
                 agg = select(*keys, func.sum(S.c.value * weight) / func.nullif(func.sum(weight), 0.0),
-                             bucket).where(*cond).group_by(*keys, bucket)
+                             func.max(S.c.attempt), bucket).where(*cond).group_by(*keys, bucket)
                 rows = conn.execute(agg).all()
                 if not rows:
                     continue
                 conn.execute(insert(S), [
                     {"run_id": run_id, "node": node, "gpu": gpu, "rank": rank, "name": name,
-                     "t": (int(b) + 0.5) * bucket_s, "value": v, "step": None, "res_s": bucket_s}
-                    for node, gpu, rank, name, v, b in rows])
+                     "t": (int(b) + 0.5) * bucket_s, "value": v, "step": None, "res_s": bucket_s, "attempt": attempt}
+                    for node, gpu, rank, name, v, attempt, b in rows])
                 # the new rows have res_s == bucket_s, so `cond` leaves them alone
                 removed += conn.execute(delete(S).where(*cond)).rowcount - len(rows)
         return removed

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -68,14 +69,26 @@ async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
     return int(res.stdout.strip())
 
 
-# Writes {relative path: text} from stdin into the run directory, each file atomically.
+# Writes {relative path: text} from stdin into the run directory, each file atomically. The files
+# hold the spec's env values (tokens, keys): 0600, and every directory it creates 0700, whatever
+# the umask (the workers on every node run as the same user). Directories that exist are left alone.
 WRITE_FILES_PY = (
     "import json, os, sys\n"
+    "def makedirs(path):\n"
+    "    if not os.path.isdir(path):\n"
+    "        makedirs(os.path.dirname(path))\n"
+    "        try:\n"
+    "            os.mkdir(path, 0o700)\n"
+    "            os.chmod(path, 0o700)\n"
+    "        except FileExistsError:\n"
+    "            pass\n"
     "root = sys.argv[1]\n"
     "for rel, text in json.load(sys.stdin).items():\n"
     "    path = os.path.join(root, rel)\n"
-    "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
-    "    with open(path + '.tmp', 'w') as f:\n"
+    "    makedirs(os.path.dirname(path))\n"
+    "    fd = os.open(path + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
+    "    os.fchmod(fd, 0o600)\n"
+    "    with os.fdopen(fd, 'w') as f:\n"
     "        f.write(text)\n"
     "    os.replace(path + '.tmp', path)\n"
 )
@@ -190,3 +203,24 @@ async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40) -> lis
     path = remote.NodePaths(run_dir, node.host).log
     res = await pool.run(node, remote.tail(path, lines), None, timeout=15)
     return res.stdout.splitlines()
+
+
+async def end_slots(pool: Pool, node: Node, run_dir: str) -> list[dict]:
+    """The `end` events in the ranks' slots (`events/rank-<N>.end`) the node can see: every rank's
+    in a shared run directory. Read with the shell, not the agent: it works when the agent is
+    down, and a slot survives a full disk where the log and the events file do not."""
+    res = await pool.run(node, f"cat -- {shlex.quote(run_dir)}/events/rank-*.end 2>/dev/null; true", None, timeout=15)
+    return parse_end_slots(res.stdout)
+
+
+def parse_end_slots(text: str) -> list[dict]:
+    """One JSON object per slot line; a slot still blank (the rank has not ended) or torn is skipped."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "end":
+            events.append(event)
+    return events

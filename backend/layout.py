@@ -21,10 +21,12 @@ class Layout:
     pp: int
     cp: int
     ep: int
+    etp: int
     sp: int
     dp: int
     """Data-parallel size = world / (TP x PP x CP x SP): ranks that see different samples and
-    over which ZeRO/FSDP shard. Expert parallelism is carved out of it (Megatron's convention)."""
+    over which ZeRO/FSDP shard. The experts have a grid of their own, ETP x EP x PP x expert-DP =
+    world (Megatron's `initialize_model_parallel`), so EP need not divide DP."""
 
     def summary(self) -> str:
         degrees = " ".join(f"{name}={getattr(self, name.lower())}" for name in ("DP", "TP", "PP", "CP", "EP", "SP"))
@@ -48,5 +50,5 @@ def compute_layout(spec: JobSpec, cluster: Cluster | None = None) -> Layout:
     world = spec.nnodes * nproc
     tp, pp, cp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.context_parallel_size
     sp, ep = spec.sequence_parallel_size, spec.expert_model_parallel_size
-    return Layout(nnodes=spec.nnodes, nproc_per_node=nproc, world=world, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp,
-                  dp=max(1, world // (tp * pp * cp * sp)))
+    return Layout(nnodes=spec.nnodes, nproc_per_node=nproc, world=world, tp=tp, pp=pp, cp=cp, ep=ep,
+                  etp=spec.expert_tensor_parallel_size, sp=sp, dp=max(1, world // (tp * pp * cp * sp)))

@@ -1,9 +1,12 @@
 """`RunManager`: the one object the UI and the CLI call.
 
 It owns an asyncio loop on a background thread (all SSH work happens there) and offers plain,
-blocking methods. On construction it re-attaches to runs the database says are active: it asks
-their nodes whether the workers still live and resumes watching them (or records how they ended
-while nobody was watching).
+blocking methods. Several managers (the studio, CLI commands, in other processes) share one
+database; each active run is driven by one of them, its owner, which refreshes the run's heartbeat
+every `lifecycle.HEARTBEAT_S`. On construction, and then with every heartbeat, a manager adopts
+the active runs whose owner is gone (`lifecycle.owner_gone`): it asks their nodes whether the
+workers still live and resumes watching them (or records how they ended while nobody was
+watching). A run another live process drives is left to it.
 """
 from __future__ import annotations
 
@@ -15,20 +18,21 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from sqlmodel import Session, select
+from sqlalchemy import select
 
+from backend import admission
 from backend import launch as launch_ops
 from backend import lifecycle, logclass, metrics_export, nodes, remote, ssh
 from backend.cluster import Cluster, Node
 from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
-from backend.lifecycle import Failure, RunStore
+from backend.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.models import Attempt, NodeProcess, Run
 from backend.spec import JobSpec, absolute_dir
 from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
@@ -36,6 +40,7 @@ from backend.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
+CLOSE_TIMEOUT_S = 30.0
 
 
 class RunError(Exception):
@@ -97,6 +102,7 @@ class RunManager:
         self.engine = make_engine(db_url)
         create_db_and_tables(self.engine)
         self.store = RunStore(self.engine)
+        self.owner = Owner.this_process()
         self.known_hosts = Path(known_hosts) if known_hosts else ssh.default_known_hosts()
         self.planner = planner or default_planner
         self.sink = sink if sink is not None else _default_sink(self.engine)
@@ -108,6 +114,7 @@ class RunManager:
         self._watchers: dict[str, AttemptWatcher] = {}
         self._notices: dict[str, list[str]] = {}
         self._closed = False
+        asyncio.run_coroutine_threadsafe(self._heartbeat(adopt=reattach), self._loop)
         if reattach:
             self._call(self._reattach_all())
 
@@ -126,30 +133,65 @@ class RunManager:
             await coro
         except asyncio.CancelledError:
             raise
+        except TransitionError as exc:
+            # Another process moved the run first (a stop, a manager that took it over): its
+            # record stands, and this task has nothing left to drive.
+            log.info("run %s: %s", run_id, exc)
         except Exception as exc:
             log.exception("run %s: control task failed", run_id)
             run = self.store.get(run_id)
             if run is not None and run.state not in lifecycle.FINAL:
                 failure = Failure(None, None, "internal_error", f"swift-studio error: {type(exc).__name__}: {exc}")
-                self.store.transition(run_id, lifecycle.FAILED, failure)
+                try:
+                    self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
+                except TransitionError as lost:
+                    log.info("run %s: %s", run_id, lost)
+
+    async def _heartbeat(self, adopt: bool) -> None:
+        """Keep this manager's runs marked as driven; with `adopt`, take over orphaned runs."""
+        while True:
+            await asyncio.sleep(lifecycle.HEARTBEAT_S)
+            try:
+                self.store.heartbeat(self.owner, time.time())
+                if adopt:
+                    for run in self._adopt_orphans():
+                        self._spawn(run.id, self._reattach(run))
+            except Exception:  # a busy or unreachable database: beat again next time
+                log.exception("heartbeat failed")
 
     def close(self) -> None:
-        """Stop watching (runs keep running on their nodes; a new manager re-attaches)."""
+        """Stop watching (runs keep running on their nodes; another manager re-attaches them)."""
         if self._closed:
             return
         self._closed = True
 
-        async def shutdown():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async def shutdown() -> int:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + CLOSE_TIMEOUT_S
+            while loop.time() < end:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+                if not tasks:
+                    break
+                for t in tasks:
+                    t.cancel()
+                # Cancel again whatever is still going: asyncio.wait_for swallows a cancellation
+                # that arrives as its inner call completes (Python < 3.12), and the task goes on.
+                await asyncio.wait(tasks, timeout=1.0)
             await self.pool.close()
+            return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()])
 
         try:
+            left = self._call(shutdown(), timeout=CLOSE_TIMEOUT_S + 30)
+        except FutureTimeoutError:
+            left = -1
+        if left:
+            log.warning("control tasks did not end within %.0f s; they end with the process", CLOSE_TIMEOUT_S)
+        try:
+            # After the tasks: nothing of this manager drives the runs any more, and no agent
+            # line arrives after the sink's last flush.
+            self.store.release(self.owner)
             if hasattr(self.sink, "close"):
                 self.sink.close()
-            self._call(shutdown(), timeout=30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -194,12 +236,14 @@ class RunManager:
             time.sleep(0.2)
 
     def settle(self, run_id: str, timeout: float = 15.0) -> Run:
-        """After a re-attach: wait until the run's nodes have been asked once (or it ended)."""
+        """After a re-attach: wait until the run's nodes have been asked once (or it ended). A run
+        another process drives is as that process records it."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             run = self.run(run_id)
             watcher = self._watchers.get(run_id)
-            if run.state not in lifecycle.ACTIVE or (watcher is not None and watcher.first_pass.is_set()):
+            if (run.state not in lifecycle.ACTIVE or run.owner != self.owner.id
+                    or (watcher is not None and watcher.first_pass.is_set())):
                 return run
             time.sleep(0.1)
         return self.run(run_id)
@@ -242,8 +286,11 @@ class RunManager:
 
     def progress(self, run_id: str) -> dict | None:
         """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
-        resumed_from of the latest `start` event (all attempts); None before the first event."""
-        train, start = self._latest_events(run_id, ("train", "start"))
+        resumed_from of the latest `start` event (all attempts; a resumed attempt's start sets
+        the step back to its checkpoint); None before the first event."""
+        self.sink.flush()
+        latest = self._events(run_id, ("train", "start"), limit=1)
+        train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
         if train is None and start is None:
             return None
         out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps")}
@@ -253,27 +300,26 @@ class RunManager:
         return out
 
     def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
-        """(step, path) of every checkpoint the workers reported, newest first (all attempts)."""
-        from backend.telemetry_models import RunEvent
+        """(step, path) of every checkpoint the workers reported, newest first (all attempts;
+        not one past the checkpoint a later attempt resumed from: that attempt could not use it)."""
         self.sink.flush()
-        with Session(self.engine) as s:
-            rows = s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == "checkpoint")
-                          .order_by(RunEvent.t.desc())).all()
         seen: dict[int, str] = {}
-        for data in rows:
-            event = json.loads(data)
+        for event in self._events(run_id, ("checkpoint",))["checkpoint"]:
             if isinstance(event.get("step"), int):
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
 
-    def _latest_events(self, run_id: str, etypes: tuple[str, ...]) -> list[dict | None]:
-        """The latest event of each type (None where there is none yet)."""
+    def _events(self, run_id: str, etypes: tuple[str, ...], limit: int | None = None) -> dict[str, list[dict]]:
+        """The run's recorded events of each type, newest first, without those of steps that a
+        later attempt did again."""
         from backend.telemetry_models import RunEvent
-        self.sink.flush()
-        with Session(self.engine) as s:
-            rows = [s.exec(select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.type == etype)
-                           .order_by(RunEvent.t.desc(), RunEvent.id.desc()).limit(1)).first() for etype in etypes]
-        return [json.loads(data) if data else None for data in rows]
+        from backend.telemetry_query import current
+        E = RunEvent.__table__
+        with self.engine.connect() as conn:
+            cond = current(conn, E, run_id)
+            return {etype: [json.loads(data) for data in conn.execute(
+                select(E.c.data).where(E.c.run_id == run_id, E.c.type == etype, cond)
+                .order_by(E.c.t.desc(), E.c.id.desc()).limit(limit)).scalars()] for etype in etypes}
 
     # -- node inventory ------------------------------------------------------------------------
     def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
@@ -330,7 +376,10 @@ class RunManager:
             setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
         else:
             setups = nodes.setups_for(self.engine, cluster, setups)
-        self._start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
+        try:
+            self._start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
+        except TransitionError as exc:  # another process resumed it first
+            raise RunError(str(exc)) from None
         return run_id
 
     def stop(self, run_id: str, wait: bool = True, grace_s: float = launch_ops.STOP_GRACE_S) -> Run:
@@ -366,8 +415,9 @@ class RunManager:
     # -- the control loop's side ---------------------------------------------------------------
     def _start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
                        resume: str | None) -> None:
-        """Record the new attempt (the run is `checking` when this returns), then start it."""
-        self.store.transition(run_id, lifecycle.CHECKING)
+        """Record the new attempt (the run is `checking`, driven by this manager, when this
+        returns), then start it."""
+        self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
         # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
         cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
         members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
@@ -378,13 +428,13 @@ class RunManager:
                        setups: dict[str, str], resume: str | None) -> None:
         run = self.store.get(run_id)
         try:
-            failure = await self._check(spec, cluster, setups)
+            failure = await self._check(spec, cluster, setups, attempt)
             if failure:
-                self.store.transition(run_id, lifecycle.FAILED, failure)
+                self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
                 return
             if self._stop_requested(run_id):
                 return
-            self.store.transition(run_id, lifecycle.LAUNCHING)
+            self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
             master = cluster.nodes[0]
             port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
             plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume))
@@ -397,7 +447,7 @@ class RunManager:
         except (ssh.NodeError, ValueError, RunError) as exc:
             self.store.transition(run_id, lifecycle.FAILED,
                                   Failure(getattr(getattr(exc, "address", None), "host", None), None,
-                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"))
+                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"), by=self.owner)
             return
         errors = [s for s in started if s.error]
         for rank, s in enumerate(started):
@@ -406,24 +456,32 @@ class RunManager:
         if errors:
             first = errors[0]
             self.store.transition(run_id, lifecycle.FAILED,
-                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"))
+                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"),
+                                  by=self.owner)
             return
         if self._stop_requested(run_id):
             # A stop arrived while starting: the stopper may have run before these groups existed.
             await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=launch_ops.STOP_GRACE_S,
                                       all_nodes=cluster.nodes)
-            if self.store.get(run_id).state not in lifecycle.FINAL:
-                self.store.transition(run_id, lifecycle.STOPPED)
+            self._record_stop(run_id, None)
             return
-        self.store.transition(run_id, lifecycle.RUNNING)
-        await self._watch(run_id, attempt.id, started)
+        self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+        await self._watch(run_id, attempt, started)
 
-    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str]) -> Failure | None:
-        """What must hold before anything starts: a valid layout, and every node reachable."""
+    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
+                     attempt: Attempt) -> Failure | None:
+        """What must hold before anything starts: a valid layout, slots that no earlier run holds,
+        and every node reachable."""
         problems = _validate(spec, cluster)
         errors = [p for p in problems if getattr(p, "severity", "error") == "error"]
         if errors:
             return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
+        holdings = [admission.holding(run.id, other.id, _spec_of(run), [n for n, _ in _members(other)])
+                    for run, other in self.store.active_attempts()]
+        busy = admission.busy_nodes(admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes),
+                                    cluster.nodes, holdings)
+        if busy:
+            return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
 
         async def login(node):
             try:
@@ -445,9 +503,9 @@ class RunManager:
     def _notice(self, run_id: str, message: str) -> None:
         self._notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
 
-    async def _watch(self, run_id: str, attempt_id: int, started: list[Started]) -> None:
+    async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)
-        procs = {p.node: p for p in self.store.processes(attempt_id)}
+        procs = {p.node: p for p in self.store.processes(attempt.id)}
         watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
 
         def on_update(n: NodeWatch) -> None:
@@ -457,12 +515,16 @@ class RunManager:
 
         watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
                                  stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
-                                 sink=self.sink, on_notice=lambda m: self._notice(run_id, m))
+                                 sink=_AttemptSink(self.sink, attempt.number),
+                                 on_notice=lambda m: self._notice(run_id, m))
         self._watchers[run_id] = watcher
         outcome: Outcome | None = await watcher.run()
         # None: a stop was requested, and `_stop` records the end.
         if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
-            self.store.transition(run_id, outcome.state, outcome.failure)
+            try:
+                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+            except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
+                log.info("run %s: %s", run_id, exc)
         await watcher.drain()
         self._report(run_id)
 
@@ -493,29 +555,71 @@ class RunManager:
         if not report.clean:
             failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
                               f"stopped; cleanup incomplete: {report.detail()}")
-        self.store.transition(run_id, lifecycle.STOPPED, failure)
+        self._record_stop(run_id, failure)
+
+    def _record_stop(self, run_id: str, failure: Failure | None) -> None:
+        """Record a requested stop. It is the user's word, so any process records it, not only the
+        run's owner; a move that lands first (the owner recording how the workers ended, or
+        moving on to launching) is kept and the stop recorded from there."""
+        # Each lost race means the run moved on (checking → launching → running → an end).
+        for _ in range(len(lifecycle.ACTIVE) + 1):
+            if self.store.get(run_id).state in lifecycle.FINAL:
+                return
+            try:
+                self.store.transition(run_id, lifecycle.STOPPED, failure)
+                return
+            except TransitionError as exc:
+                log.info("run %s: %s", run_id, exc)
+
+    def _adopt_orphans(self) -> list[Run]:
+        """Take over the active runs whose owner is gone; of several managers adopting one, the
+        compare-and-set lets one win."""
+        now, here = time.time(), self.owner.host
+        return [self.store.get(run.id) for run in self.store.runs(states=lifecycle.ACTIVE)
+                if run.owner != self.owner.id and lifecycle.owner_gone(run, now, here, lifecycle.pid_alive)
+                and self.store.claim(run, self.owner, now)]
 
     async def _reattach_all(self) -> None:
-        for run in self.store.runs(states=lifecycle.ACTIVE):
+        for run in self._adopt_orphans():
             await self._reattach(run)
 
     async def _reattach(self, run: Run) -> None:
+        """Drive a run just adopted from a manager that went away."""
         attempt = self.store.current_attempt(run.id)
         members = _members(attempt)
         if run.state != lifecycle.RUNNING or not members:
-            # The studio went away while checking or launching: nothing is watched, so clean
-            # up whatever of the run may have started and record it.
+            # Its manager went away while checking or launching: nothing is watched, so clean up
+            # whatever of the run may have started and record it.
             if members:
                 await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run.id,
                                           run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
-            self.store.transition(run.id, lifecycle.FAILED,
-                                  Failure(None, None, "interrupted", f"the studio stopped while the run was {run.state}"))
+            try:
+                self.store.transition(run.id, lifecycle.FAILED, Failure(
+                    None, None, "interrupted", f"the studio or CLI starting it stopped while the run was {run.state}"),
+                    by=self.owner)
+            except TransitionError as exc:
+                log.info("run %s: %s", run.id, exc)
             return
         if run.stop_requested:
             self._spawn(run.id, self._stop(run.id, launch_ops.STOP_GRACE_S))
             return
-        self._notice(run.id, "re-attached after a studio restart")
-        self._spawn(run.id, self._watch(run.id, attempt.id, _started(members, self.store.processes(attempt.id))))
+        self._notice(run.id, "re-attached: the process that watched it is gone")
+        self._spawn(run.id, self._watch(run.id, attempt, _started(members, self.store.processes(attempt.id))))
+
+
+@dataclass(frozen=True)
+class _AttemptSink:
+    """The telemetry sink as one attempt's watch feeds it: each agent line carries the attempt,
+    so the steps a resumed attempt does again replace the earlier attempt's, never add to them."""
+
+    sink: TelemetrySink
+    attempt: int
+
+    def offsets(self, run_id: str, node: str) -> dict[str, int]:
+        return self.sink.offsets(run_id, node)
+
+    def on_agent_line(self, run_id: str, node: str, obj: dict) -> None:
+        self.sink.on_agent_line(run_id, node, obj, attempt=self.attempt)
 
 
 def _members(attempt: Attempt | None) -> list[tuple[Node, str | None]]:

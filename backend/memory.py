@@ -8,20 +8,29 @@ Public API:
 Model states follow what the worker's engines do (launcher/engines), in bytes per parameter with
 bf16/fp16 compute and AdamW:
     DeepSpeed  weights 2, gradients 2 (16-bit) + 4 (fp32), optimizer 4 (fp32 master) + 8 (Adam):
-               ZeRO-1 shards the fp32 gradients and the optimizer, ZeRO-2 all gradients, ZeRO-3
-               the weights too (plus 4 x the largest layer gathered). These are the multipliers of
-               DeepSpeed's own estimators (2 + 18/N for ZeRO-2, 4 x largest layer + 18/N for ZeRO-3).
+               ZeRO-1 shards the fp32 gradients and the optimizer, ZeRO-2 all gradients, as
+               DeepSpeed's ZeRO-2 estimator counts (2 + 18/N).
+               ZeRO-3 holds 16/N between steps: weights 2, its 16-bit gradient partition 2
+               (allocated at start), fp32 master 4, Adam 8. step() adds 6 bytes per element of one
+               optimizer sub-group (sub_group_size elements of the rank's partition, flattened in
+               16-bit, then copied to fp32) once backward has freed the activations, so they count
+               once with those. Gathered layers add 4 x the largest layer. Measured on an H200
+               (DeepSpeed 0.19.8; tests/test_memory.py MEASURED_ZERO3_H200): qwen2.5-0.5b held 18.2
+               bytes per parameter between steps (16 + its reduce bucket) and 24.2 in step().
+               DeepSpeed's estimator counts 18/N, neither of the two.
     FSDP2      fp32 weights 4, gradients 4, Adam 8, all sharded; two blocks gathered in 16-bit.
     DDP        full fine-tuning: FSDP2's with shards of one rank (compute-dtype copies kept through backward);
                LoRA and float16: fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 +
                DDP bucket 4, Adam 8.
-LoRA: only the adapters have gradients and optimizer states. Offloaded states count in
+LoRA: only the adapters have gradients and optimizer states; they are counted where peft puts them
+(on MoE models peft also adapts the router and the stacked experts). Offloaded states count in
 `offloaded_gib` (host memory per GPU), not on the GPU. Sharding is over the ranks that hold the
 same model slice: world / (TP x PP).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 from backend.capabilities import FsdpPlan, fsdp_plan
 from backend.dsconfig import STAGE12_BUCKET, ZeroSettings, stage3_sizes, zero_settings
@@ -33,7 +42,19 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = 0.75 * GIB  # CUDA context + cuBLAS/NCCL workspaces + allocator slack
 # DeepSpeed docs: overlap_comm holds about 4.5 x the bucket sizes, in 16-bit, for both buckets.
 OVERLAP_COMM_FACTOR = 4.5
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# ZeRO-3's sub_group_size: the presets' value and DeepSpeed's default (a user JSON's is not read).
+STAGE3_SUB_GROUP = 1_000_000_000
+# peft on transformers >= 5 (peft/utils/transformers_weight_conversion.py; peft 0.21): for these MoE
+# model types the names LoRA targeted on transformers 4's layout, the router `gate` and each
+# expert's projections, are mapped onto the stacked parameters of transformers 5, and 'all-linear'
+# includes them. A mapped name then targets no nn.Linear (a dense MLP's or shared expert's
+# gate_proj is left alone); gate and up share gate_up_proj, at twice the rank. Qwen2-MoE itself is
+# not mapped: its experts and router stay without adapters.
+PEFT_EXPERT_NAMES = {
+    "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+}
+PEFT_EXPERT_TYPES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v2": "qwen2_moe", "deepseek_v3": "qwen2_moe"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +67,7 @@ class MemoryEstimate:
     offloaded_gib: float
     """Host (CPU/NVMe) memory per GPU for offloaded states."""
     overlap_gib: float
-    """Gradients allocated in backward while activations are freed: counted once in the total."""
+    """Gradients allocated in backward (ZeRO-3: in step) while activations are freed: counted once in the total."""
     total_params: int
     trainable_params: int
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -72,24 +93,48 @@ class MemoryEstimate:
                 f"optimizer {self.optimizer_gib:.1f}, activations {self.activations_gib:.1f}, other {self.other_gib:.1f})")
 
 
-def _adapted_linears(spec: JobSpec, model: ModelConfig) -> list[tuple[int, int, int]]:
-    """(fan_in, fan_out, how many) of the linear layers LoRA adapts."""
-    wanted = set(ALL_LINEAR) if "all-linear" in spec.target_modules else set(spec.target_modules)
-    out = [(i, o, model.num_layers) for name, (i, o) in model.attention_linears().items() if name in wanted]
-    # Dense MLPs (and MoE shared experts) are nn.Linear; fused expert weights are not adapted by peft.
-    mlps = [(model.num_layers - model.moe_layers, model.intermediate_size)]
-    if model.shared_expert_intermediate_size:
-        mlps.append((model.moe_layers, model.shared_expert_intermediate_size))
-    for layers, intermediate in mlps:
-        out += [(i, o, layers) for name, (i, o) in model.mlp_linears(intermediate).items() if name in wanted]
-    return out
+class _Site(NamedTuple):
+    """`count` matrices of (fan_in, fan_out) that peft gives a LoRA of `ranks` x lora_rank."""
+
+    fan_in: int
+    fan_out: int
+    count: int
+    ranks: int = 1
+    linear: bool = True
+    """An nn.Linear (peft's lora.Linear keeps a dropout copy of its input); False for a parameter
+    peft wraps (lora.ParamWrapper, which takes no dropout): the router and the stacked experts."""
+
+
+def _lora_sites(spec: JobSpec, model: ModelConfig) -> list[_Site]:
+    """Where peft puts adapters for `spec.target_modules` (leaf names, or 'all-linear': every
+    nn.Linear but lm_head, and on the types of PEFT_EXPERT_TYPES the router and experts)."""
+    linears = model.linear_modules()
+    renamed = PEFT_EXPERT_NAMES.get(PEFT_EXPERT_TYPES.get(model.model_type, ""), {}) if model.is_moe else {}
+    if "all-linear" in spec.target_modules:
+        wanted = {name for name, _, _ in linears} | renamed.keys()
+    else:
+        wanted = set(spec.target_modules)
+    sites = [_Site(lin.fan_in, lin.fan_out, count) for name, lin, count in linears if name in wanted and name not in renamed]
+    mapped = [renamed[name] for name in wanted if name in renamed]
+    if "router" in mapped:
+        sites.append(_Site(model.router().fan_in, model.router().fan_out, model.moe_layers, linear=False))
+    for name, lin in model.expert_linears().items():
+        # A stacked (experts, out, in) parameter gets lora_A (r x experts, in) and lora_B (out, r x experts).
+        if name in mapped:
+            sites.append(_Site(lin.fan_in, lin.fan_out, model.moe_layers, model.num_experts * mapped.count(name), linear=False))
+    return sites
+
+
+def adapts_stacked_params(spec: JobSpec, model: ModelConfig) -> bool:
+    """Whether peft wraps stacked parameters (the router, the experts) for these LoRA targets."""
+    return spec.train_type == "lora" and any(not s.linear for s in _lora_sites(spec, model))
 
 
 def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
-    """Full fine-tuning: every parameter. LoRA: r x (in + out) per adapted linear layer."""
+    """Full fine-tuning: every parameter. LoRA: r x (in + out) per adapter, as peft builds them."""
     if spec.train_type == "full":
         return model.param_count()
-    return sum(count * spec.lora_rank * (fan_in + fan_out) for fan_in, fan_out, count in _adapted_linears(spec, model))
+    return sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
 
 
 # Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
@@ -111,7 +156,7 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> floa
     per_layer = width * (6 * h + 2 * kv + 4 * mlp_width)
     if spec.train_type == "lora" and spec.lora_dropout > 0:
         # peft applies dropout to each adapted layer's input separately and keeps the copy.
-        per_layer += width * sum(fan_in * count for fan_in, _, count in _adapted_linears(spec, model)) / model.num_layers
+        per_layer += width * sum(s.fan_in * s.count for s in _lora_sites(spec, model) if s.linear) / model.num_layers
     per_layer /= layout.tp
     layers_here = model.num_layers / layout.pp
     if spec.gradient_checkpointing:
@@ -137,37 +182,45 @@ class _Sizes:
 
 States = tuple[float, float, float, float, float, float, str]
 """Bytes on one GPU: parameters, gradients, optimizer, offloaded to host, buffers, the part of the
-gradients first allocated in backward (while activations are being freed); and a note."""
+gradients first allocated while activations are being freed (in backward, or ZeRO-3's step); and a note."""
 
 
 def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSettings) -> States:
     """DeepSpeed casts the module to the compute dtype and keeps fp32 master weights (of the
-    trainable parameters) in its optimizer: DeepSpeed's estimator multipliers."""
+    trainable parameters) in its optimizer: DeepSpeed's estimator multipliers, and ZeRO-3 as measured."""
     stage, n = zero.stage, s.shard
     n1, n2, n3 = (n if stage >= 1 else 1), (n if stage >= 2 else 1), (n if stage >= 3 else 1)
     mixed = s.width == 2
-    params = s.width * s.local / n3
-    if stage == 3:
-        params += 4 * model.largest_layer_params() / s.tp  # DeepSpeed: 4 bytes x largest layer
-    # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
-    grads = 2 * s.trainable / n2 + 4 * s.trainable / n1 if mixed else 4 * s.trainable / n2
+    gathered = 4 * model.largest_layer_params() / s.tp if stage == 3 else 0.0  # DeepSpeed: 4 bytes x largest layer
+    params = s.width * s.local / n3 + gathered
     optim = (4 * mixed + 8) * s.trainable / n1
+    if stage == 3:
+        # The gradient partition in the compute dtype; step() flattens one sub-group of it and
+        # converts that to fp32 (a no-op in fp32), after the activations are gone.
+        transient = (s.width + 4 * mixed) * min(STAGE3_SUB_GROUP, s.trainable / n)
+        grads = s.width * s.trainable / n + transient
+    else:
+        # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
+        # DeepSpeed allocates them and its buckets up front: no overlap with activations.
+        transient = 0.0
+        grads = 2 * s.trainable / n2 + 4 * s.trainable / n1 if mixed else 4 * s.trainable / n2
     offloaded = 0.0
     if zero.offload_optimizer:
-        offloaded, grads, optim = grads + optim, 0.0, 0.0
+        offloaded, grads, optim, transient = grads + optim, 0.0, 0.0, 0.0
     if zero.offload_param and stage == 3:
-        offloaded += params - 4 * model.largest_layer_params() / s.tp
-        params = 4 * model.largest_layer_params() / s.tp
+        offloaded += params - gathered
+        params = gathered
     if stage in (1, 2):
         buffers = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, s.trainable)
     elif stage == 3:
-        sizes = stage3_sizes(model.hidden_size)  # prefetch (16-bit) + reduce (16-bit and fp32) buckets
-        buffers = 2 * sizes["stage3_prefetch_bucket_size"] + (2 + 4) * sizes["reduce_bucket_size"]
+        # The reduce bucket is allocated at start in the gradients' dtype (measured: 2 bytes per
+        # element with bf16); prefetched parameters are gathered in the compute dtype.
+        sizes = stage3_sizes(model.hidden_size)
+        buffers = s.width * (sizes["stage3_prefetch_bucket_size"] + sizes["reduce_bucket_size"])
     else:
         buffers = 0.0
     where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
-    # DeepSpeed allocates its gradient partitions and buckets up front: no overlap with activations.
-    return params, grads, optim, offloaded, buffers, 0.0, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
+    return params, grads, optim, offloaded, buffers, transient, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
 
 
 def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes, plan: FsdpPlan) -> States:
@@ -210,7 +263,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     layout = layout or compute_layout(spec)
     total = model.param_count()
     trainable = trainable_params(spec, model)
-    expert_params = model.num_experts * model.moe_layers * sum(i * o for i, o in model.mlp_linears(model.moe_intermediate_size).values()) if model.is_moe else 0
+    expert_params = model.moe_layers * model.routed_expert_params() if model.is_moe else 0
     model_parallel = layout.tp * layout.pp
     local = (total - expert_params) / model_parallel + expert_params / (model_parallel * layout.ep)
     shard = max(1, layout.world // model_parallel)
@@ -224,8 +277,13 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         states = _ddp_states(spec, sizes, layout.world)
     params, grads, optim, offloaded, buckets, transient, note = states
     notes = [note]
+    if layout.tp > 1:
+        notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
+                     f"divided by {layout.tp}")
     if spec.train_type == "lora":
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
+    if model.vision_tower:
+        notes.append("the language model only: its vision tower is not counted")
     activations = _activation_bytes(spec, model, layout)
     return MemoryEstimate(
         overlap_gib=min(activations, transient) / GIB,

@@ -1,6 +1,8 @@
 """Export of a run's recorded metrics: CSV, JSON, and TensorBoard event files.
 
-Rows are streamed from the database, so a week-long run exports without loading it whole.
+Rows are streamed from the database, so a week-long run exports without loading it whole. Each
+step appears once: a resumed attempt's rows replace the earlier attempts' rows of the steps it did
+again (`telemetry_query.current`).
 TensorBoard files need the `tensorboard` package (not a dependency of swift-studio); without it
 `ExportError` says how to get it.
 """
@@ -29,10 +31,10 @@ class ExportError(Exception):
 
 
 def _rows(engine: Engine, run_id: str, names: list[str] | None) -> Iterator[tuple]:
-    cond = [S.c.run_id == run_id] + ([query.name_filter(names)] if names else [])
-    stmt = (select(*(S.c[c] for c in CSV_COLUMNS)).where(*cond)
-            .order_by(S.c.name, S.c.node, S.c.gpu, S.c.rank, S.c.t))
     with engine.connect() as conn:
+        cond = [S.c.run_id == run_id, query.current(conn, S, run_id)] + ([query.name_filter(names)] if names else [])
+        stmt = (select(*(S.c[c] for c in CSV_COLUMNS)).where(*cond)
+                .order_by(S.c.name, S.c.node, S.c.gpu, S.c.rank, S.c.t))
         yield from conn.execution_options(stream_results=True, yield_per=5000).execute(stmt)
 
 

@@ -28,6 +28,10 @@ class Run(FailureColumns, table=True):
     run_dir: str
     attempts: int = 0
     stop_requested: bool = False
+    # The manager driving the run (`lifecycle.Owner.id`: host, pid, token) and when it last said
+    # so; a manager takes over only a run whose owner is gone (`lifecycle.owner_gone`).
+    owner: str | None = None
+    heartbeat_at: float | None = None
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
     ended_at: float | None = None

@@ -2,24 +2,31 @@
 
 Public API:
     import_command(text) -> ImportResult             raises CommandError for text with no swift command
-    ImportResult.spec / .ignored / .notes / .yaml_text(spec)
+    ImportResult.spec / .ignored / .notes / .defaults / .problems / .parse() / .yaml_text(spec)
+    ms_swift_defaults(values, kind="swift") -> {field: (value, why)}
 
 Understands what ms-swift's docs show: `VAR=value` prefixes (NPROC_PER_NODE, NNODES,
 CUDA_VISIBLE_DEVICES, NCCL_*, ...), backslash-newlines, shell variables set on earlier lines and
 `$(expr a / b)` arithmetic, `swift sft`, `megatron sft` (Megatron argument names mapped onto
 ours), `torchrun [...] swift/cli/sft.py`, `python swift/cli/sft.py` and `deepspeed ... sft.py`.
 Flags with no counterpart are listed in `ignored`, never dropped silently.
+
+An omitted flag means ms-swift's default, not swift-studio's: where the two differ the import fills
+in ms-swift's value and says so in `defaults` (swift/cli/main.py, swift/arguments/, the trainer
+mixin and swift/megatron/arguments/megatron_args.py of ms-swift 3.12 and 4.x agree on these).
 """
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.spec import FIELDS, JobSpec, canonical_key
+from backend.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 LIST_FIELDS = ("dataset", "target_modules", "report_to")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -37,6 +44,11 @@ ATTN_NAMES = {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_att
 # ms-swift's older DeepSpeed names.
 DS_NAMES = {"default-zero2": "zero2", "default-zero3": "zero3", "zero2-offload": "zero2_offload", "zero3-offload": "zero3_offload"}
 TRUE_WORDS = ("true", "1", "yes")
+# ms-swift 4.x calls it --tuner_type, 3.x --train_type, 2.x --sft_type: one field, whichever is used.
+TRAIN_TYPE_FLAGS = ("tuner_type", "train_type", "sft_type")
+# ms-swift's trainer derives gradient accumulation from a global batch of 16 (swift/trainers/arguments.py),
+# Megatron-SWIFT's --global_batch_size defaults to 16 as well.
+MS_SWIFT_GLOBAL_BATCH = 16
 
 
 class CommandError(ValueError):
@@ -50,10 +62,22 @@ class ImportResult:
     """Flags and variables with no swift-studio counterpart (shown to the user, kept in the YAML)."""
     notes: list[str] = field(default_factory=list)
     """Flags that were translated, approximately, into another field."""
+    defaults: list[str] = field(default_factory=list)
+    """Omitted flags whose ms-swift default differs from swift-studio's: filled in, or (no way to
+    fill it) what differs."""
+    problems: list[Problem] = field(default_factory=list)
+    """What ms-swift itself would refuse, each naming its flag(s); no job comes of the command."""
+
+    def parse(self, source: str = "command") -> tuple[JobSpec | None, list[Problem]]:
+        """`parse_spec` of the imported fields, with the import's own problems first: every
+        problem at once."""
+        spec, problems = parse_spec(self.spec, source=source)
+        return (None if self.problems else spec), self.problems + problems
 
     def yaml_text(self, spec: JobSpec) -> str:
-        """The job YAML with what was translated or ignored as comments at the top."""
-        header = [f"# imported: {n}" for n in self.notes] + [f"# ignored: {i}" for i in self.ignored]
+        """The job YAML with what was translated, ignored or defaulted as comments at the top."""
+        header = ([f"# imported: {n}" for n in self.notes] + [f"# ignored: {i}" for i in self.ignored]
+                  + [f"# ms-swift default: {d}" for d in self.defaults])
         return "\n".join(header + [spec.to_yaml()]) if header else spec.to_yaml()
 
 
@@ -99,10 +123,11 @@ def _flags(tokens: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, list[str]]:
-    """Find the swift command in `tokens`; returns (kind, the training arguments)."""
+def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, str, list[str]]:
+    """Find the swift command in `tokens`; returns (launcher, kind, the training arguments), where
+    launcher is the program that was run ('swift', 'megatron', 'torchrun', 'python', 'deepspeed', ...)."""
     if tokens[:2] in (["swift", "sft"], ["megatron", "sft"]):
-        return tokens[0], tokens[2:]
+        return tokens[0], tokens[0], tokens[2:]
     if tokens[:2] in (["swift", "pt"], ["megatron", "pt"], ["swift", "rlhf"], ["megatron", "rlhf"]):
         raise CommandError(f"'{' '.join(tokens[:2])}' is not supervised fine-tuning; swift-studio imports 'swift sft' and 'megatron sft'")
     script = next((i for i, t in enumerate(tokens) if t.endswith("cli/sft.py") or t.endswith("cli/megatron/sft.py")), None)
@@ -117,7 +142,7 @@ def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, list[
         elif name and name not in ("m",):
             result.ignored.append(f"{tokens[0]} --{name} {shlex.join(values)}".rstrip())
     kind = "megatron" if "megatron" in tokens[script] else "swift"
-    return kind, tokens[script + 1:]
+    return tokens[0].rsplit("/", 1)[-1], kind, tokens[script + 1:]
 
 
 def _bool(values: list[str]) -> bool:
@@ -177,7 +202,7 @@ def import_command(text: str) -> ImportResult:
     if command is None:
         raise CommandError("no 'swift sft', 'megatron sft' or '.../swift/cli/sft.py' command found")
 
-    kind, args = _split_launcher(command, result)
+    launcher, kind, args = _split_launcher(command, result)
     for name, value in env.items():
         if name in LAUNCH_ENV:
             result.spec[LAUNCH_ENV[name]] = value
@@ -186,16 +211,17 @@ def import_command(text: str) -> ImportResult:
         else:
             result.spec.setdefault("env", {})[name] = value
     pending: dict[str, str] = {}
+    train_types: dict[str, str] = {}
+    seen: set[str] = set()
     for name, values in _flags(args):
         if not name:
             result.ignored.append(f"stray argument {' '.join(values)}")
             continue
         flag = f"--{name} {shlex.join(values)}".rstrip()
+        seen.add(canonical_key(name))
         if kind == "megatron" and _megatron(name, values, result, pending):
             continue
-        key = canonical_key(name)
-        if name == "sft_type":
-            key = "train_type"
+        key = "train_type" if name in TRAIN_TYPE_FLAGS else canonical_key(name)
         if key not in FIELDS or key in ("env",):
             result.ignored.append(flag)
             continue
@@ -205,13 +231,26 @@ def import_command(text: str) -> ImportResult:
             result.spec[key] = True
         elif len(values) > 1:
             result.ignored.append(f"{flag} (one value expected)")
+        elif key == "train_type":
+            train_types[name] = values[0]
+        elif key == "save_total_limit":
+            _save_total_limit(values[0], kind, result)
         elif key == "attn_impl":
             result.spec[key] = ATTN_NAMES.get(values[0], values[0])
         elif key == "deepspeed":
             result.spec[key] = DS_NAMES.get(values[0], values[0])
         else:
             result.spec[key] = values[0]
-    _resolve_megatron(result, pending)
+    if len(set(train_types.values())) > 1:
+        result.problems.append(Problem(", ".join(f"--{n}" for n in train_types),
+                                       f"disagree ({', '.join(f'{n} {v}' for n, v in train_types.items())}): "
+                                       "--tuner_type is ms-swift 4.x's name for 3.x's --train_type; give one"))
+    elif train_types:
+        result.spec["train_type"] = next(iter(train_types.values()))
+    _one_process(launcher, kind, env, result)
+    if kind == "megatron":
+        _resolve_megatron(result, pending)
+    _fill_defaults(kind, seen, result)
     return result
 
 
@@ -222,23 +261,131 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
-def _resolve_megatron(result: ImportResult, pending: dict[str, str]) -> None:
-    """global_batch_size -> gradient_accumulation_steps; lr_warmup_iters -> warmup_ratio."""
+def _on(value: Any) -> bool:
+    """A flag's value as ms-swift reads it: --deepspeed zero2 and --use_liger_kernel true are on."""
+    return value is True or isinstance(value, str) and value.strip().lower() not in ("", "none", "false", "0", "no")
+
+
+def _save_total_limit(value: str, kind: str, result: ImportResult) -> None:
+    limit = _int_or_none(value)
+    if kind == "megatron" and limit is not None and limit < 2:
+        result.problems.append(Problem("--save_total_limit", f"{value}: megatron sft refuses fewer than 2 "
+                                                             "(ms-swift: 'save_total_limit must be greater than or equal to 2')"))
+    elif limit is not None and limit <= 0:
+        # The Hugging Face trainer and ms-swift's own rotation keep every checkpoint for a limit <= 0.
+        result.notes.append(f"--save_total_limit {value}: no limit (every checkpoint kept, as in ms-swift)")
+    else:
+        result.spec["save_total_limit"] = value
+
+
+def _one_process(launcher: str, kind: str, env: dict[str, str], result: ImportResult) -> None:
+    """How many processes a node runs when the command names no count, and what ms-swift does with
+    the GPUs each process sees (swift/cli/main.py use_torchrun; swift/utils/env.py is_mp)."""
     spec = result.spec
-    if "global_batch_size" in pending:
-        nproc = _int_or_none(spec.get("nproc_per_node", 1))
-        sizes = [_int_or_none(spec.get(k, 1)) for k in ("nnodes", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")]
-        micro, total = _int_or_none(spec.get("per_device_train_batch_size", 1)), _int_or_none(pending["global_batch_size"])
-        if None in (nproc, micro, total, *sizes):
-            result.ignored.append(f"--global_batch_size {pending['global_batch_size']} (layout unknown)")
+    if "nproc_per_node" not in spec:
+        if launcher == "deepspeed":
+            return  # DeepSpeed's launcher takes every visible GPU, as an empty nproc_per_node does
+        if launcher in ("swift", "megatron"):
+            why = ("NNODES without NPROC_PER_NODE: torchrun's default of one process per node" if "NNODES" in env
+                   else "no NPROC_PER_NODE or NNODES: ms-swift runs one process, without torchrun")
         else:
-            nnodes, tp, pp, cp = sizes
-            dp = max(1, nnodes * nproc // (tp * pp * cp))
-            if total % (micro * dp):
-                result.ignored.append(f"--global_batch_size {total}: not a multiple of micro-batch {micro} x DP {dp}")
+            why = f"{launcher} without --nproc_per_node runs one process"
+        spec["nproc_per_node"] = 1
+        result.defaults.append(f"nproc_per_node 1 ({why}; swift-studio's empty value would start one per GPU)")
+        if kind == "swift" and "CUDA_VISIBLE_DEVICES" not in env:
+            result.notes.append("no CUDA_VISIBLE_DEVICES: on a machine with several GPUs ms-swift spreads this one "
+                                "process's model over all of them (device_map); swift-studio trains it on one GPU")
+    # Megatron places one rank per GPU; only swift sft turns spare visible GPUs into a device_map.
+    nproc, visible = _int_or_none(spec["nproc_per_node"]), env.get("CUDA_VISIBLE_DEVICES")
+    if kind != "swift" or visible is None or nproc is None or nproc < 1 or env.get("SWIFT_SINGLE_DEVICE_MODE") == "1":
+        return
+    gpus = len([d for d in visible.split(",") if d.strip()])
+    per_process, rest = divmod(gpus, nproc)
+    if rest:
+        result.problems.append(Problem("CUDA_VISIBLE_DEVICES", f"{visible}: {gpus} GPU(s) do not divide among NPROC_PER_NODE="
+                                                               f"{nproc} process(es), which ms-swift requires"))
+    elif per_process > 1:
+        refused = [f"--{k}" for k in ("deepspeed", "fsdp", "use_liger_kernel") if _on(spec.get(k))]
+        where = f"{visible} with {nproc} process(es): ms-swift spreads each process's model over {per_process} GPUs (device_map)"
+        if refused:
+            result.problems.append(Problem("CUDA_VISIBLE_DEVICES", f"{where}, which it refuses with {', '.join(refused)}; "
+                                                                   f"NPROC_PER_NODE={gpus} trains data-parallel"))
+        else:
+            result.notes.append(f"CUDA_VISIBLE_DEVICES={where}; swift-studio gives each process one GPU "
+                                f"(nproc_per_node {gpus} trains data-parallel on all of them)")
+
+
+def ms_swift_defaults(values: Mapping[str, Any], kind: str = "swift") -> dict[str, tuple[Any, str]]:
+    """ms-swift's value, and why, for each field whose ms-swift default differs from swift-studio's,
+    given the fields that are set (`values`, as command-line text or typed: train type, batch size,
+    nnodes, nproc_per_node, max_steps). `kind` 'megatron' is megatron sft, whose gradient
+    accumulation follows --global_batch_size instead (the import's `_resolve_megatron`)."""
+    out: dict[str, tuple[Any, str]] = {}
+    train_type = values.get("train_type") or ("full" if kind == "megatron" else "lora")
+    if kind == "megatron":
+        out["train_type"] = ("full", "megatron sft trains every parameter unless --tuner_type says otherwise")
+    out["learning_rate"] = (1e-5, "ms-swift's default for full fine-tuning") if train_type == "full" else \
+        (1e-4, "ms-swift's default for LoRA and the other tuners")
+    if kind != "swift":
+        return out
+    steps = _int_or_none(values.get("max_steps", -1))
+    if steps is not None and steps <= 0:  # max_steps > 0 overrides the epochs in the trainer
+        out["num_train_epochs"] = (3.0, "the Hugging Face trainer's default")
+    batch, nproc, nnodes = (_int_or_none(values.get(k, 1)) for k in ("per_device_train_batch_size", "nproc_per_node", "nnodes"))
+    if batch and nproc and nnodes and min(batch, nproc, nnodes) > 0:
+        world = nproc * nnodes
+        out["gradient_accumulation_steps"] = (max(1, math.ceil(MS_SWIFT_GLOBAL_BATCH / batch / world)),
+                                              f"ceil({MS_SWIFT_GLOBAL_BATCH} / (batch {batch} x world {world}))")
+    return out
+
+
+# Omitted flags whose ms-swift default the import cannot give: (field or flag, ms-swift's value).
+UNFILLED = (
+    ("max_length", f"the model's max_model_len from its config.json (not read here; swift-studio's "
+                   f"{JobSpec.model_fields['max_length'].default} kept)"),
+    ("torch_dtype", f"the model's config.json dtype (not read here; swift-studio's {JobSpec.model_fields['torch_dtype'].default} kept)"),
+    ("adam_beta2", "0.95 in ms-swift's AdamW (swift-studio's worker uses 0.999 and has no field for it)"),
+)
+
+
+def _fill_defaults(kind: str, seen: set[str], result: ImportResult) -> None:
+    for name, (value, why) in ms_swift_defaults(result.spec, kind).items():
+        if name not in result.spec and value != JobSpec.model_fields[name].default:
+            result.spec[name] = value
+            result.defaults.append(f"{name} {value} ({why}; swift-studio's is {JobSpec.model_fields[name].default})")
+    result.defaults += [f"{name}: {what}" for name, what in UNFILLED if name not in seen]
+
+
+def _resolve_megatron(result: ImportResult, pending: dict[str, str]) -> None:
+    """global_batch_size (16 when omitted) -> gradient_accumulation_steps; lr_warmup_iters ->
+    warmup_ratio; the epochs, when given, decide the step count as they do in Megatron-SWIFT."""
+    spec = result.spec
+    total_text = pending.get("global_batch_size", str(MS_SWIFT_GLOBAL_BATCH))
+    nproc = _int_or_none(spec.get("nproc_per_node"))
+    sizes = [_int_or_none(spec.get(k, 1))
+             for k in ("nnodes", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")]
+    micro, total = _int_or_none(spec.get("per_device_train_batch_size", 1)), _int_or_none(total_text)
+    if None in (nproc, micro, total, *sizes) or 0 in (micro, *sizes):
+        if "global_batch_size" in pending:  # parse_spec names the value that is not a size
+            result.ignored.append(f"--global_batch_size {total_text} (layout unknown)")
+    else:
+        nnodes, tp, pp, cp = sizes
+        world = nnodes * nproc
+        dp = max(1, world // (tp * pp * cp))
+        how = f"global batch {total} / (micro {micro} x DP {dp}), DP = world {world} / (TP {tp} x PP {pp} x CP {cp})"
+        if total % (micro * dp) or total < micro * dp:
+            result.problems.append(Problem("--global_batch_size", f"{how} is not a whole number of micro-batches, which Megatron refuses"))
+        else:
+            spec["gradient_accumulation_steps"] = accumulation = total // (micro * dp)
+            if "global_batch_size" in pending:
+                result.notes.append(f"--global_batch_size {total} -> gradient_accumulation_steps {accumulation} ({how})")
             else:
-                spec["gradient_accumulation_steps"] = total // (micro * dp)
-                result.notes.append(f"--global_batch_size {total} -> gradient_accumulation_steps {total // (micro * dp)} (micro {micro} x DP {dp})")
+                result.defaults.append(f"gradient_accumulation_steps {accumulation} (--global_batch_size defaults to "
+                                       f"{MS_SWIFT_GLOBAL_BATCH}: {how})")
+    if "num_train_epochs" in spec and "max_steps" in spec:
+        result.notes.append(f"--train_iters {spec.pop('max_steps')} dropped: Megatron-SWIFT recomputes train_iters from the epochs")
+    elif "num_train_epochs" not in spec and "max_steps" not in spec:
+        result.problems.append(Problem("--train_iters", "megatron sft needs --train_iters or --num_train_epochs (3.x: --max_epochs)"))
     if "lr_warmup_iters" in pending:
         steps, warm = _int_or_none(spec.get("max_steps")), _int_or_none(pending["lr_warmup_iters"])
         if steps and warm is not None and steps > 0:

@@ -83,17 +83,22 @@ class NodePaths:
 # The detached wrapper. `$$` of this `sh` is the session and process-group leader (setsid). A
 # trap with a handler (not an ignore, which exec would inherit) keeps the wrapper alive through
 # the group's SIGTERM so it can record torchrun's exit code once the worker has checkpointed.
+# The exit file's bytes are taken before torchrun starts and the code is written over them in
+# place (`1<>` does not truncate), then renamed: a disk filled by the run still gets its code.
 _WRAPPER = (
     'pidf=$1; exitf=$2; shift 2; echo $$ > "$pidf.tmp" && mv "$pidf.tmp" "$pidf"; '
+    "printf '%-3s\\n' - > \"$exitf.tmp\"; "
     "trap : TERM INT HUP; "
-    '"$@"; rc=$?; echo $rc > "$exitf.tmp" && mv "$exitf.tmp" "$exitf"'
+    '"$@"; rc=$?; printf \'%-3s\\n\' $rc 1<> "$exitf.tmp" && mv "$exitf.tmp" "$exitf"'
 )
+NODE_ENV = "SWIFT_STUDIO_NODE"
 PID_WAIT_S = 10.0
 
 
 def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths, run_id: str) -> str:
     """Shell text that starts `argv` detached in `paths.run_dir` and prints its process-group id."""
-    full_env = {**env, RUN_ID_ENV: run_id}
+    # The workers name their node in their end slot (launcher.train), as the control plane does.
+    full_env = {**env, RUN_ID_ENV: run_id, NODE_ENV: node_file_name(paths.node)}
     start = quote_argv([
         "setsid", "sh", "-c", _WRAPPER, "swift-studio-node", paths.pid, paths.exit,
         *env_argv(full_env), *argv,

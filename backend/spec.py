@@ -37,6 +37,7 @@ ALIASES: dict[str, str] = {
     "ep": "expert_model_parallel_size",
     "ep_degree": "expert_model_parallel_size",
     "expert_parallel_size": "expert_model_parallel_size",
+    "etp_size": "expert_tensor_parallel_size",
     "sp_size": "sequence_parallel_size",
     "ulysses_size": "sequence_parallel_size",
     "model_id_or_path": "model",
@@ -89,6 +90,7 @@ class JobSpec(BaseModel):
     pipeline_model_parallel_size: int = Field(1, ge=1, description="Pipeline-parallel degree (PP).")
     context_parallel_size: int = Field(1, ge=1, description="Context-parallel degree (CP): each sequence split over CP ranks.")
     expert_model_parallel_size: int = Field(1, ge=1, description="Expert-parallel degree (EP), MoE models only.")
+    expert_tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree inside the experts (ETP; ms-swift's default 1): the experts' grid ETP x EP x PP is carved out of the world independently of TP x CP, as Megatron does.")
     sequence_parallel_size: int = Field(1, ge=1, description="Ulysses sequence-parallel degree.")
 
     # Data and batch

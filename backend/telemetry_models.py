@@ -3,12 +3,17 @@
 Declarations only; `backend.ingest.Ingestor` is the one writer. Metric names carry their unit
 (`gpu/util_pct`, `gpu/mem_used_gib`, `train/loss`, `rank/collective_wait_s`). `gpu` and `rank` use
 -1 for "not per GPU" / "not per rank" so that they can sit in indexes and GROUP BYs without NULLs.
+`attempt` is the run's attempt whose agent delivered the row (NULL: recorded before attempts were);
+a resume repeats steps past its checkpoint, and `backend.telemetry_query.current` hides the
+earlier attempt's rows of those steps.
 """
 from __future__ import annotations
 
 from sqlalchemy import Column, Index, Text, UniqueConstraint
 from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
+
+from backend.db import upgrade_tables
 
 NO_INDEX = -1
 
@@ -30,6 +35,7 @@ class MetricSample(SQLModel, table=True):
     value: float | None = None  # None where the source value was NaN/inf or missing
     step: int | None = None
     res_s: float = 0.0
+    attempt: int | None = None
 
 
 class RunEvent(SQLModel, table=True):
@@ -40,6 +46,8 @@ class RunEvent(SQLModel, table=True):
     __table_args__ = (
         UniqueConstraint("run_id", "file", "offset", name="uq_telemetry_event_line"),
         Index("ix_telemetry_event_run_t", "run_id", "t"),
+        # the latest event of a type (progress), a run's starts (which steps a resume redid)
+        Index("ix_telemetry_event_run_type_t", "run_id", "type", "t"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -51,6 +59,8 @@ class RunEvent(SQLModel, table=True):
     type: str
     t: float
     data: str = Field(sa_column=Column(Text, nullable=False))  # the event object as JSON
+    step: int | None = None  # the event's `step`, where it has one
+    attempt: int | None = None
 
 
 class Alert(SQLModel, table=True):
@@ -106,5 +116,7 @@ TELEMETRY_TABLES = [m.__table__ for m in (MetricSample, RunEvent, Alert, IngestO
 
 
 def create_telemetry_tables(engine: Engine) -> None:
-    """Create the telemetry tables if missing (idempotent; db.py may also create them)."""
+    """Create the telemetry tables if missing and add the columns and indexes an older version
+    lacked (idempotent; db.py may also create them)."""
     SQLModel.metadata.create_all(engine, tables=TELEMETRY_TABLES)
+    upgrade_tables(engine, TELEMETRY_TABLES)

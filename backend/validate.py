@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend import capabilities
+from backend import capabilities, records
 from backend.cluster import Cluster, local_cluster
 from backend.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.layout import Layout, compute_layout
-from backend.memory import estimate_memory
+from backend.memory import adapts_stacked_params, estimate_memory
 from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
 from backend.spec import JobSpec, Problem
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 TP, PP, CP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"
 EP, SP = "expert_model_parallel_size", "sequence_parallel_size"
@@ -46,14 +45,12 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
         unused = ", ".join(n.host for n in cluster.nodes[spec.nnodes:])
         out.append(_warn("nnodes", f"uses the first {spec.nnodes} of {len(cluster.nodes)} nodes; not used: {unused}"))
     for node in nodes:
-        if layout.nproc_per_node <= node.slots:
-            continue
-        message = f"{layout.nproc_per_node} processes per node, but {node.host} has {node.slots} slot(s)"
-        if node.device == "cpu":
-            # CPU ranks can share cores: slow but legal (the tests run 2 CPU ranks on one slot).
-            out.append(_warn("nproc_per_node", f"{message}; CPU ranks will share cores"))
-        else:
-            out.append(Problem("nproc_per_node", f"{message} (GPUs)"))
+        # torchrun starts nproc_per_node ranks on every node: more than its GPUs leaves ranks without
+        # a device, more than a CPU node's cores makes every rank wait on the others.
+        if layout.nproc_per_node > node.slots:
+            unit = "GPUs" if node.device == "cuda" else "CPU cores"
+            out.append(Problem("nproc_per_node", f"{layout.nproc_per_node} processes per node, but {node.host} has "
+                                                 f"{node.slots} slot(s) ({unit})"))
     if spec.nproc_per_node is None and len({n.slots for n in nodes}) > 1:
         out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
     if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
@@ -68,8 +65,11 @@ def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
         out.append(Problem(TP, f"TP x PP x CP = {tp}x{pp}x{cp} = {tp * pp * cp} does not divide the world size {layout.world}"))
     elif layout.world % (tp * pp * cp * sp):
         out.append(Problem(SP, f"TP x PP x CP x SP = {tp * pp * cp * sp} does not divide the world size {layout.world}"))
-    if layout.world % (tp * pp * ep):
-        out.append(Problem(EP, f"TP x PP x EP = {tp}x{pp}x{ep} = {tp * pp * ep} does not divide the world size {layout.world}"))
+    etp = layout.etp
+    if layout.world % (etp * ep * pp):
+        # Megatron builds the experts' grid (ETP x EP x PP x expert-DP) apart from the dense one.
+        out.append(Problem(EP, f"ETP x EP x PP = {etp}x{ep}x{pp} = {etp * ep * pp} does not divide the world size "
+                               f"{layout.world} (the experts' grid: Megatron's world % (ETP x EP x PP) == 0)"))
     if cp > 1:
         if spec.max_length % cp:
             out.append(Problem("max_length", f"{spec.max_length} is not divisible by CP={cp}"))
@@ -86,12 +86,28 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     tp, pp, ep, sp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size, spec.sequence_parallel_size
     if model.num_heads % tp:
         out.append(Problem(TP, f"the model's {model.num_heads} attention heads are not divisible by TP={tp}"))
-    if model.num_kv_heads % tp:
-        out.append(Problem(TP, f"the model's {model.num_kv_heads} key/value heads are not divisible by TP={tp}"))
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        # Megatron's TransformerConfig: query groups are split over TP, or replicated when TP is a
+        # multiple of them.
+        out.append(Problem(TP, f"the model's {model.num_kv_heads} key/value heads and TP={tp}: one must divide "
+                               f"the other (KV heads are split over TP, or replicated when TP is a multiple)"))
     if sp > 1 and model.num_heads % (tp * sp):
         out.append(Problem(SP, f"the model's {model.num_heads} attention heads are not divisible by TP x SP = {tp * sp} (Ulysses splits heads)"))
     if model.num_layers % pp:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
+    if tp > 1 and spec.fsdp and model.tie_word_embeddings:
+        out.append(Problem("fsdp", capabilities.TIED_UNDER_TP_FSDP))
+    if model.max_position_embeddings and spec.max_length > model.max_position_embeddings:
+        scaled = (f"its config scales rope ({model.rope_scaling}), so this may work, but quality past the trained "
+                  "length is not guaranteed" if model.rope_scaling else
+                  "positions past it were never trained; add rope scaling to the model config or lower max_length")
+        out.append(_warn("max_length", f"{spec.max_length} is above the model's max_position_embeddings "
+                                       f"({model.max_position_embeddings}): {scaled}"))
+    if spec.lora_dropout > 0 and adapts_stacked_params(spec, model):
+        # peft's ParamWrapper (LoRA on a stacked parameter) refuses dropout when the model is built.
+        out.append(Problem("lora_dropout", f"LoRA on {model.model_type}'s router and stacked experts (which "
+                                           f"{', '.join(spec.target_modules)} reaches) takes no dropout in peft: set "
+                                           "lora_dropout to 0, or name attention targets only"))
     if ep > 1 and not model.is_moe:
         out.append(Problem(EP, f"EP={ep} needs a mixture-of-experts model; {spec.model} is dense"))
     elif ep > 1 and model.num_experts % ep:
@@ -149,14 +165,25 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
     """Files the job names on this machine must exist when the job runs here."""
     out: list[Problem] = []
     for i, item in enumerate(spec.dataset):
-        path = Path(item.split("#", 1)[0]).expanduser()
-        looks_local = path.is_absolute() or item.startswith(".") or path.suffix in DATA_SUFFIXES
+        try:
+            source = records.parse_source(item)
+        except records.DataError:
+            continue  # reported by _dataset_rules
+        path = Path(source.name).expanduser()
+        looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
         if looks_local and not path.exists():
             out.append(Problem(f"dataset[{i}]", f"file not found: {path}"))
     model = Path(spec.model).expanduser()
     if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
         out.append(Problem("model", f"directory not found: {model}"))
     return out
+
+
+def _dataset_rules(spec: JobSpec) -> list[Problem]:
+    """A bounded sample of every dataset file this machine can read (the cluster's shared storage
+    usually is mounted here too), so a bad record shows before launch instead of after it."""
+    return [Problem(f"dataset[{i}]", message) for i, item in enumerate(spec.dataset)
+            for message in records.sample_problems(item)]
 
 
 def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> list[Problem]:
@@ -176,6 +203,7 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     zero = ZeroSettings.of(ds_config) if ds_config else None
     if cluster.is_local:
         problems += _local_path_rules(spec)
+    problems += _dataset_rules(spec)
     model = model_config
     if model is None:
         try:
@@ -194,13 +222,16 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
 
 def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, zero: ZeroSettings | None,
                   found: list[Problem]) -> list[Problem]:
-    """Warn when the estimate exceeds the smallest known GPU (only where GPU memory is known)."""
-    known = [n.gpu_mem_gib for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
+    """Warn when the estimate exceeds the smallest known GPU: NVML's on the local machine, a
+    hostfile's `gpu_mem_gib=` on other nodes (no warning where no node's GPU memory is known)."""
+    known = [n for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
     if not known or errors(found):
         return []
+    smallest = min(known, key=lambda n: n.gpu_mem_gib)
     estimate = estimate_memory(spec, model, layout, zero=zero)
-    if estimate.total_gib <= min(known):
+    if estimate.total_gib <= smallest.gpu_mem_gib:
         return []
     return [_warn("per_device_train_batch_size",
-                  f"estimated {estimate.total_gib:.1f} GiB per GPU exceeds the {min(known):.1f} GiB available; "
-                  "lower the micro-batch or max_length, turn on gradient_checkpointing, or shard more (ZeRO-2/3)")]
+                  f"estimated {estimate.total_gib:.1f} GiB per GPU exceeds the {smallest.gpu_mem_gib:.1f} GiB of "
+                  f"{smallest.host}'s GPUs; lower the micro-batch or max_length, turn on gradient_checkpointing, "
+                  "shard more (ZeRO-2/3, FSDP) or offload")]

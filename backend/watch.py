@@ -14,7 +14,7 @@ import json
 import logging
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,7 @@ PROBE_TIMEOUT_S = 8.0
 SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
 FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
 TAIL_LINES = 40
+CAUSE_LINES = 200            # of the log, read for a cause when no rank reported one (torchrun's summary is ~45)
 AGENT_RETRY_MAX_S = 8.0
 AGENT_DRAIN_S = 15.0         # after the workers end, time for the agents' last lines
 
@@ -71,12 +72,32 @@ class Outcome:
     failure: Failure | None = None
 
 
-def failure_from(node: str, exit_code: int | None, tail: list[str]) -> tuple[logclass.Cause, Failure]:
-    cause = logclass.classify_tail(tail, exit_code)
-    if exit_code is None and cause.kind == logclass.UNKNOWN:
-        cause = logclass.Cause(logclass.KILLED, "the node's torchrun ended without an exit code (killed)")
-    message = logclass.describe(cause, node, exit_code)
+def failure_from(node: str, exit_code: int | None, tail: list[str],
+                 ends: Sequence[dict] = ()) -> tuple[logclass.Cause, Failure]:
+    """A node's failure: from its ranks' own reports (`ends`, their `end` events) when one
+    failed, the strongest and then the earliest; else from its log tail and exit code."""
+    reported = [(c, e) for e in ends if (c := logclass.classify_end(e))]
+    if reported:
+        cause = max(reported, key=lambda ce: (ce[0].priority, -_number(ce[1].get("time"))))[0]
+        # The worker's message is the text; the exit code (the UI shows it) would only repeat it.
+        message = logclass.describe(cause, node)
+    else:
+        cause = logclass.classify_tail(tail, exit_code)
+        if exit_code is None and cause.kind == logclass.UNKNOWN:
+            cause = logclass.Cause(logclass.KILLED, "the node's torchrun ended without an exit code (killed)")
+        message = logclass.describe(cause, node, exit_code)
     return cause, Failure(node, exit_code, cause.kind, message, "\n".join(tail[-TAIL_LINES:]))
+
+
+def ends_of(node: NodeWatch, slots: list[dict]) -> list[dict]:
+    """The slots this attempt's ranks on `node` wrote: same torchrun group, same node name (a
+    shared run directory holds every node's, and an earlier attempt's until overwritten)."""
+    name = remote.node_file_name(node.host)
+    return [e for e in slots if e.get("pgid") == node.started.pgid and e.get("node") in (name, None)]
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def choose_root(failures: list[tuple[logclass.Cause, Failure, float]]) -> Failure:
@@ -180,13 +201,11 @@ class AttemptWatcher:
         pending = [n for n in self.nodes if not n.done and n not in lost]
         await asyncio.gather(*(self._probe(n) for n in pending))
         failed = [n for n in self.nodes if n.done and n.exit_code != 0]
+        reads = await asyncio.gather(*(self._read_failure(n) for n in failed))
+        slots = [e for _, ends in reads for e in ends]
         candidates = []
-        for n in failed:
-            try:
-                tail = await launch.log_tail(self.pool, n.started.node, self.run_dir, TAIL_LINES)
-            except ssh.NodeError:
-                tail = []
-            cause, failure = failure_from(n.host, n.exit_code, tail)
+        for n, (tail, _) in zip(failed, reads):
+            cause, failure = failure_from(n.host, n.exit_code, tail, ends_of(n, slots))
             candidates.append((cause, failure, n.last_seen))
         for n in lost:
             cause = logclass.Cause(logclass.NODE_UNREACHABLE,
@@ -204,6 +223,19 @@ class AttemptWatcher:
             root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {report.detail()}]",
                            root.log_tail)
         return Outcome("failed", root)
+
+    async def _read_failure(self, n: NodeWatch) -> tuple[list[str], list[dict]]:
+        """(log tail, end slots) as the node sees them; what cannot be read is empty."""
+        async def read(coro):
+            try:
+                return await coro
+            except ssh.NodeError:
+                return []
+
+        node = n.started.node
+        tail, slots = await asyncio.gather(read(launch.log_tail(self.pool, node, self.run_dir, CAUSE_LINES)),
+                                           read(launch.end_slots(self.pool, node, self.run_dir)))
+        return tail, slots
 
     async def _agent(self, n: NodeWatch) -> None:
         """Keep one agent streaming from the node for as long as the attempt runs."""

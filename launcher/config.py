@@ -22,21 +22,23 @@ def load_job(run_dir: Path) -> JobSpec:
     return spec
 
 
-def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int | None) -> dict:
+def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int | None, total_steps: int) -> dict:
     """The DeepSpeed config: the run directory's ds_config.json (written by the backend), else built
     here from the preset or the user's JSON by the backend's own builder. The batch fields are set
-    from the spec and the actual world size either way, so DeepSpeed's batch check always holds."""
-    from backend.dsconfig import DsConfigError, batch_fields, build_ds_config
+    from the spec and the actual world size either way, so DeepSpeed's batch check always holds, and
+    the scheduler's "auto" step counts from the run's `total_steps` (known once the data is read)."""
+    from backend.dsconfig import DsConfigError, batch_fields, build_ds_config, fill_steps
 
     path = Path(run_dir) / "ds_config.json"
-    if path.is_file():
-        config = read_json(path, "DeepSpeed config", ConfigError)
-        config.update(batch_fields(spec, dp_size))
-    else:
-        try:
+    try:
+        if path.is_file():
+            config = read_json(path, "DeepSpeed config", ConfigError)
+            config.update(batch_fields(spec, dp_size))
+        else:
             config = build_ds_config(spec, dp_size, hidden_size)
-        except DsConfigError as exc:
-            raise ConfigError(f"deepspeed: {exc}") from None
+        config = fill_steps(config, spec, total_steps)
+    except DsConfigError as exc:
+        raise ConfigError(f"deepspeed: {exc}") from None
     # The backend refuses these before launch too; this guards workers started without it.
     refused = zero_problems(spec, int(config.get("zero_optimization", {}).get("stage", 0)))
     if refused:

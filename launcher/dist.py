@@ -21,10 +21,21 @@ class Dist:
     local_rank: int
     device: torch.device
     control: object  # gloo ProcessGroup
+    model_parallel: int = 1
+    """Consecutive ranks that hold one replica between them (TP) and so read the same data."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank reads (transformers' mesh puts TP innermost)."""
+        return self.rank // self.model_parallel
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.model_parallel
 
     def all_reduce(self, values: list[float], op: str = "sum") -> tuple[list[float], float]:
         """Reduce a few host floats over the control group; returns (values, seconds waited)."""
@@ -43,7 +54,7 @@ class Dist:
         dist.barrier(group=self.control)
 
 
-def init(timeout_s: int) -> Dist:
+def init(timeout_s: int, model_parallel: int = 1) -> Dist:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -57,7 +68,7 @@ def init(timeout_s: int) -> Dist:
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return Dist(rank, world, local_rank, device, control)
+    return Dist(rank, world, local_rank, device, control, model_parallel)
 
 
 def close() -> None:

@@ -4,26 +4,31 @@
 
 LoRA adapters are merged into the base weights; sharded full checkpoints (DeepSpeed ZeRO-3,
 FSDP2/DCP) are consolidated on the CPU without a process group. Writes safetensors, config and
-tokenizer, generates a short sample and prints one JSON line {"out", "checkpoint", "sample"}.
+tokenizer, generates a short sample and prints one JSON line {"out", "checkpoint", "skipped", "sample"}.
+The target is never anything but an empty directory or an earlier export: other contents are refused.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from launcher import checkpoint
 from launcher.engines.base import load_full_state_dict, read_safetensors
 
+EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory holding it is ever replaced
+
 
 class ExportError(Exception):
-    """A user-facing problem: no checkpoint, a missing base model, an unreadable shard."""
+    """A user-facing problem: no checkpoint, a missing base model, an unreadable shard, a taken target."""
 
 
 def full_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -34,13 +39,18 @@ def full_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if (ckpt / "engine").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
-    if (ckpt / "dcp").is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        from launcher.engines.zero import TAG, pickled_classes
 
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(ckpt / "dcp", Path(tmp) / "full.pt")
-            return torch.load(Path(tmp) / "full.pt", weights_only=False)["model"]
+        # zero_to_fp32 reads DeepSpeed's files with weights_only=False.
+        with checkpoint.safe_torch_load(ckpt / TAG, pickled_classes()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
+    if (ckpt / "dcp").is_dir():
+        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+        # dcp_to_torch_save's planner, limited to the weights (not the optimizer state), with our reader.
+        state = {}
+        checkpoint.dcp_read(state, ckpt / "dcp", planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+        return state["model"]
     raise ExportError(f"{ckpt}: no model weights found (model/*.safetensors, engine/ or dcp/)")
 
 
@@ -93,30 +103,96 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
 
     from backend.spec import load_spec
 
+    run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "export"
+    refuse_target(run_dir, out)
     try:
-        ckpt = checkpoint.resolve(run_dir, ref)
-    except ValueError as exc:
+        found = checkpoint.resolve(run_dir, ref)
+    except checkpoint.CheckpointError as exc:
         raise ExportError(str(exc)) from None
+    ckpt = found.path
     if ckpt is None:
         raise ExportError(f"{run_dir}: no complete checkpoint to export")
+    for reason in found.skipped:
+        print(f"warning: skipped a damaged checkpoint: {reason}", file=sys.stderr)
+    if not found.verified:
+        print(f"warning: {ckpt / checkpoint.MARKER} has no checksums (an older format); exporting it unverified",
+              file=sys.stderr)
     spec, problems = load_spec(ckpt / "job.yaml")
     if spec is None:
         raise ExportError(f"{ckpt / 'job.yaml'}: " + "; ".join(map(str, problems)))
-    model = merged_model(ckpt, spec.model)
+    try:
+        model = merged_model(ckpt, spec.model)
+    except checkpoint.CheckpointError as exc:
+        raise ExportError(str(exc)) from None
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "tokenizer")
     base_dtype = getattr(model.config, "dtype", None) or torch.float32
     if isinstance(base_dtype, str):
         base_dtype = getattr(torch, base_dtype)
-    out = Path(out) if out else Path(run_dir) / "export"
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(base_dtype).save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    checkpoint.fsync_tree(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt))
+    except (OSError, SafetensorError) as exc:  # a full disk, a quota
+        raise ExportError(f"{out}: writing the export failed ({exc})") from None
     sample = generate(model.float().eval(), tokenizer, sample_prompt(spec))
-    return {"out": str(out), "checkpoint": str(ckpt), "sample": sample}
+    return {"out": str(out), "checkpoint": str(ckpt), "skipped": list(found.skipped), "sample": sample}
+
+
+def _save(model, tokenizer, new: Path, ckpt: Path) -> None:
+    model.save_pretrained(new, safe_serialization=True)
+    tokenizer.save_pretrained(new)
+    (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt)}) + "\n")
+
+
+def refuse_target(run_dir: Path, out: Path) -> None:
+    """An ExportError for a target that an export must not take the place of: the run directory or
+    one holding it, a path inside a checkpoint, or something already there that is not an empty
+    directory or an earlier export (a directory holding EXPORT_MARKER)."""
+    run, target = Path(run_dir).resolve(), Path(out).resolve()
+    if target == run or target in run.parents:
+        raise ExportError(f"{out}: is the run directory {run_dir} or holds it; export into a new directory "
+                          f"(the default is {Path(run_dir) / 'export'})")
+    if target.is_relative_to(run) and target.relative_to(run).parts[0].startswith("checkpoint-"):
+        raise ExportError(f"{out}: is inside the checkpoint {run / target.relative_to(run).parts[0]}; "
+                          "export into a directory outside the checkpoints")
+    refuse_occupied(Path(out))
+
+
+def refuse_occupied(out: Path) -> None:
+    """An ExportError unless what is at `out` may be replaced: nothing, an empty directory, or an
+    earlier export."""
+    if out.is_symlink():
+        why = "is a symbolic link"
+    elif not out.exists() or (out.is_dir() and ((out / EXPORT_MARKER).is_file() or not any(out.iterdir()))):
+        return
+    elif not out.is_dir():
+        why = "exists and is not a directory"
+    else:
+        why = f"exists and is not an earlier export (it has files and no {EXPORT_MARKER})"
+    raise ExportError(f"{out}: {why}; choose another --out, or move it away yourself")
+
+
+def write_export(out: Path, save) -> None:
+    """`save(new)` into a fresh directory beside `out`, then rename it to `out`. An earlier export at
+    `out` is renamed aside first and removed only once the new one is in place; on failure only what
+    this call created is removed. The temporary name is unique, so exports at once never share it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        new, replaced = staging / out.name, staging / "replaced"
+        save(new)
+        checkpoint.fsync_tree(new)
+        refuse_occupied(out)  # again: something may have appeared there while the model was written
+        earlier = out.is_dir() and any(out.iterdir())
+        if earlier:
+            os.rename(out, replaced)
+        try:
+            os.rename(new, out)  # also takes the place of an empty directory
+        except OSError:
+            if earlier:
+                os.rename(replaced, out)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

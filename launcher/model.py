@@ -41,12 +41,15 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def load_model(spec, master_dtype: torch.dtype = torch.float32):
+def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_config=None):
     """The causal LM in `master_dtype` (the engines keep fp32 master weights and run the compute
-    dtype through autocast / their mixed-precision policy)."""
+    dtype through autocast / their mixed-precision policy); with a transformers DistributedConfig,
+    loaded straight into its TP (and FSDP2) shards."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(dtype=master_dtype, attn_implementation=attn_implementation(spec.attn_impl))
+    if distributed_config is not None:
+        kwargs["distributed_config"] = distributed_config
     try:
         model = AutoModelForCausalLM.from_pretrained(spec.model, **kwargs)
     except (OSError, ValueError) as exc:
@@ -75,9 +78,44 @@ def add_lora(model, spec):
     config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"target_modules: {exc}") from None
+    init_lora(model, spec.seed)
+    return model
+
+
+def init_lora(model, seed: int) -> None:
+    """Every lora_A initialised from a generator seeded by the job's seed and the adapter's name,
+    in its global shape, then laid out as the layer's shards: the same adapters on any layout and
+    engine. peft draws them from each rank's random stream, in the local shape on some TP layers,
+    so a TP run did not start where the same job without TP starts. Also mends peft 0.21's TP-LoRA
+    on transformers 5's DTensor TP: a rowwise layer's lora_A keeps the local width as
+    `in_features`, which transformers' rowwise input hook reads as the full width (the forward
+    failed with a reshape error). Both pinned in tests/test_tensor_parallel.py."""
+    import math
+    import zlib
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict):
+            continue
+        for adapter, linear in lora_a.items():
+            if getattr(module.base_layer, "_hf_tp_plan", None) == "rowwise":
+                linear.in_features = module.base_layer.in_features
+            weight = linear.weight
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}.lora_A.{adapter}".encode()))
+            full = torch.empty(weight.shape, dtype=torch.float32)
+            # peft's default: kaiming-uniform with a = sqrt(5), as nn.Linear initialises itself.
+            bound = 1 / math.sqrt(full.shape[1])
+            full.uniform_(-bound, bound, generator=generator)
+            with torch.no_grad():
+                if isinstance(weight, DTensor):
+                    weight.copy_(distribute_tensor(full.to(weight.dtype), weight.device_mesh, weight.placements))
+                else:
+                    weight.copy_(full.to(device=weight.device, dtype=weight.dtype))
 
 
 def master_dtype(spec) -> torch.dtype:
@@ -96,11 +134,11 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def prepare(spec):
+def prepare(spec, distributed_config=None):
     """Tokenizer and the (LoRA-wrapped) model in training mode, gradient checkpointing and
-    per-layer compilation when asked."""
+    per-layer compilation when asked; `distributed_config` (transformers') shards it for TP."""
     tokenizer = load_tokenizer(spec.model)
-    model = load_model(spec, master_dtype(spec))
+    model = load_model(spec, master_dtype(spec), distributed_config)
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.train_type == "lora":

@@ -16,12 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backend.capabilities import tp_plan
 from backend.spec import JobSpec
 from launcher import checkpoint, data
 from launcher.config import ConfigError, load_ds_config
 from launcher.dist import Dist
 from launcher.engines import build_engine
 from launcher.events import EventWriter, Window, eta_seconds, format_duration, split_nonfinite, memory_gib
+from launcher.engines.tp import distributed_config
 from launcher.model import flops_per_token, peak_flops, prepare
 
 log = logging.getLogger("launcher")
@@ -31,6 +33,10 @@ STOP_GRACE_S = 25.0  # torchrun escalates SIGTERM to SIGKILL after 30 s
 
 class Diverged(Exception):
     """The loss was NaN/inf for NONFINITE_LIMIT consecutive steps."""
+
+
+class PeerFailed(Exception):
+    """Another rank failed with a user error before training; this one stopped with it."""
 
 
 class Stopped(Exception):
@@ -67,7 +73,12 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors and plain data only, so that the file loads with weights_only=True: numpy's key
+    array travels as a tensor."""
+    numpy_state = np.random.get_state(legacy=False)
+    key = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    state = {"python": random.getstate(), "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": key}},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -75,10 +86,23 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # tuples are numpy's own form, in files written before rng_state used tensors
+        numpy_state = {**numpy_state, "state": {**numpy_state["state"],
+                                                "key": numpy_state["state"]["key"].numpy().astype(np.uint32)}}
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def legacy_rng_classes() -> list:
+    """What rng-rank*.pt files written before rng_state used tensors hold besides plain data: numpy's
+    uint32 key array (rebuilt from raw bytes; no other class can be named by the file). The tuple
+    form covers files pickled under numpy 1, whose module was numpy.core."""
+    reconstruct = np._core.multiarray._reconstruct
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]
 
 
 class Trainer:
@@ -86,6 +110,7 @@ class Trainer:
         self.run_dir, self.spec, self.dist = Path(run_dir), spec, dist
         self.events = EventWriter(self.run_dir, dist.rank)
         self.resume_ref = resume
+        self.skipped_checkpoints: list[str] = []  # newer checkpoints that resume passed over as damaged
         self.step = 0
         self.stop = StopSignal(self._stop_timed_out)
 
@@ -96,14 +121,17 @@ class Trainer:
         if spec.torch_dtype == "float16" and self.dist.device.type == "cpu":
             raise ConfigError("torch_dtype: float16 needs a GPU (CPUs have no fp16 autocast); use bfloat16 or float32")
         seed_everything(spec.seed)
-        self.tokenizer, model = prepare(spec)
+        tp = tp_plan(spec, self.dist.world_size)
+        self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
-        ds_config = (load_ds_config(self.run_dir, spec, self.dist.world_size, getattr(self.model_config, "hidden_size", None))
-                     if spec.deepspeed else None)
         self.batches, self.plan = self._load_data()
+        ds_config = (load_ds_config(self.run_dir, spec, self.dist.world_size, getattr(self.model_config, "hidden_size", None),
+                                    self.plan.max_steps)
+                     if spec.deepspeed else None)
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
-        # Different dropout masks per rank from here on (the weights were initialised identically).
-        seed_everything(spec.seed + 1000 * self.dist.rank)
+        # Different dropout masks per data shard from here on (the weights were initialised
+        # identically); the ranks of one TP group compute on the same activations and must agree.
+        seed_everything(spec.seed + 1000 * self.dist.dp_rank)
         ckpt = self._resume_checkpoint()
         self.resumed_from = None
         if ckpt is not None:
@@ -116,26 +144,30 @@ class Trainer:
         spec, d = self.spec, self.dist
         error, rows, dropped = None, [], 0
         try:
-            samples, dropped = data.load_samples(spec.dataset, self.tokenizer, spec.max_length, d.rank,
-                                                 d.world_size, spec.seed)
+            samples, dropped = data.load_samples(spec.dataset, self.tokenizer, spec.max_length, d.dp_rank,
+                                                 d.dp_size, spec.seed)
             rows = data.pack(samples, spec.max_length) if spec.packing else data.unpacked(samples)
         except data.DataError as exc:
             error = str(exc)
-        # Every rank learns about any rank's bad record, so all stop before training.
-        errors = [e for e in d.all_gather_object(error) if e]
-        if errors:
-            raise data.DataError(errors[0])
+        # Every rank learns about any rank's bad record, so all stop before training; the rank that
+        # read it reports it, the others that they stopped for it.
+        found = [(rank, e) for rank, e in enumerate(d.all_gather_object(error)) if e]
+        if error:
+            raise data.DataError(error)
+        if found:
+            raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
+        # Ranks of one TP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
-        (total_rows, total_dropped), _ = d.all_reduce([len(rows), dropped], "sum")
+        (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.model_parallel, dropped / d.model_parallel], "sum")
         per_epoch = data.steps_per_epoch(int(min_rows), spec.per_device_train_batch_size, spec.gradient_accumulation_steps)
         if per_epoch < 1:
-            need = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * d.world_size
+            need = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * d.dp_size
             raise data.DataError(f"dataset: {int(total_rows)} training sequences are fewer than one global batch "
-                                 f"({need} = micro-batch × accumulation × {d.world_size} ranks)")
+                                 f"({need} = micro-batch × accumulation × {d.dp_size} data-parallel ranks)")
         if d.is_main:
-            log.info("data: %d sequences over %d ranks (%d samples dropped: no response left after truncation to "
-                     "max_length=%d), %d steps per epoch", total_rows, d.world_size, total_dropped, spec.max_length,
-                     per_epoch)
+            log.info("data: %d sequences over %d data-parallel ranks (%d samples dropped: no response left after "
+                     "truncation to max_length=%d), %d steps per epoch", total_rows, d.dp_size, total_dropped,
+                     spec.max_length, per_epoch)
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
         batches = data.Batches(rows, spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
                                spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length)
@@ -145,13 +177,26 @@ class Trainer:
         ref = self.resume_ref or self.spec.resume_from_checkpoint
         if ref is None:
             return None
-        try:
-            found = checkpoint.resolve(self.run_dir, ref)
-        except ValueError as exc:
-            raise ConfigError(f"resume: {exc}") from None
-        if found is None and self.dist.is_main:
-            log.info("resume: no complete checkpoint in %s; starting from step 0", self.run_dir)
-        return found
+        # Rank 0 alone reads and hashes the files (the run directory is shared); every rank takes its answer.
+        found, error = None, None
+        if self.dist.is_main:
+            try:
+                found = checkpoint.resolve(self.run_dir, ref)
+            except checkpoint.CheckpointError as exc:
+                error = str(exc)
+        found, error = self.dist.all_gather_object((found, error))[0]
+        if error:
+            raise ConfigError(f"resume: {error}")
+        self.skipped_checkpoints = list(found.skipped)
+        if self.dist.is_main:
+            for reason in found.skipped:
+                log.warning("resume: skipped a damaged checkpoint: %s", reason)
+            if found.path is None:
+                log.info("resume: no complete checkpoint in %s; starting from step 0", self.run_dir)
+            elif not found.verified:
+                log.warning("resume: %s/%s has no checksums (an older format); loading it unverified",
+                            found.path, checkpoint.MARKER)
+        return found.path
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -188,10 +233,13 @@ class Trainer:
                               f"cannot reshard it onto {self.dist.world_size}; resume with the same number of GPUs")
         if state["train_type"] != self.spec.train_type:
             raise ConfigError(f"resume: {path} is a {state['train_type']} checkpoint but train_type is {self.spec.train_type}")
-        self.engine.load(path)
-        rng = path / f"rng-rank{self.dist.rank}.pt"
-        if rng.is_file():  # absent when the world size grew
-            set_rng_state(torch.load(rng, weights_only=False))
+        try:
+            self.engine.load(path)
+            rng = path / f"rng-rank{self.dist.rank}.pt"
+            if rng.is_file():  # absent when the world size grew
+                set_rng_state(checkpoint.read(rng, allowed=legacy_rng_classes()))
+        except checkpoint.CheckpointError as exc:
+            raise ConfigError(f"resume: {exc}") from None
         self.step = self.resumed_from = state["step"]
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
@@ -202,7 +250,7 @@ class Trainer:
         d, spec, plan = self.dist, self.spec, self.plan
         if d.is_main:
             self.events.emit("start", world_size=d.world_size, max_steps=plan.max_steps, resumed_from=self.resumed_from,
-                             attempt_pid=os.getpid())
+                             skipped_checkpoints=self.skipped_checkpoints, attempt_pid=os.getpid())
         window, pending, nonfinite_run = Window(), [], 0
         window_losses: list[float] = []
         upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
@@ -271,7 +319,8 @@ class Trainer:
         d, plan = self.dist, self.plan
         means = window.means()
         elapsed = max(time.perf_counter() - window.started, 1e-9)
-        (tokens, samples), _ = d.all_reduce([window.tokens, window.samples], "sum")
+        # A TP group's ranks all process the same tokens: count them once.
+        (tokens, samples), _ = d.all_reduce([window.tokens / d.model_parallel, window.samples / d.model_parallel], "sum")
         self.events.emit("timing", rank=d.rank, step=self.step, **means)
         if not d.is_main:
             return

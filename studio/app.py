@@ -1,8 +1,11 @@
 """Builds the studio page and serves it."""
 from __future__ import annotations
 
+import math
 import os
 import sys
+import threading
+import time
 from typing import Callable
 
 # Set before Gradio is imported: no analytics or version checks leave the machine.
@@ -13,8 +16,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.modules.setdefault("IPython", None)
 
 import gradio as gr  # noqa: E402
+import uvicorn  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from starlette.middleware import Middleware  # noqa: E402
 
 from studio import cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
+from studio.access import HostPolicy, LoginLimiter, api_route_refusal  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
 
@@ -50,21 +57,103 @@ def build_app(studio: Studio) -> gr.Blocks:
         # whole history, so the charts are complete.
         app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
+    # Every handler belongs to the page: none is listed in the API info or offered to Gradio's
+    # clients. Set here, once, so a listener added later cannot be public by default; the web
+    # guard refuses the routes that run a handler by name anyway.
+    for fn in app.fns.values():
+        fn.api_visibility = "private"
     return app
 
 
+class WebGuard:
+    """The outermost layer of the web server. It refuses, before Gradio sees them: a Host that is
+    not one of the studio's names (DNS rebinding), an Origin of another site (cross-site requests),
+    the routes that run a handler by name, and login attempts past the rate limit."""
+
+    def __init__(self, app, policy: HostPolicy, limiter: LoginLimiter | None):
+        self.app, self.policy, self.limiter = app, policy, limiter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        values: dict[bytes, list[str]] = {}
+        for key, value in scope["headers"]:
+            values.setdefault(key.lower(), []).append(value.decode("latin-1"))
+        hosts, origins = values.get(b"host", []), values.get(b"origin", [])
+        if len(hosts) > 1 or len(origins) > 1:
+            why = "swift-studio refused this request: it has more than one Host or Origin header."
+        else:
+            why = (self.policy.refusal(hosts[0] if hosts else None, origins[0] if origins else None)
+                   or api_route_refusal(scope["path"]))
+        if why:
+            await _refuse(scope, send, 403, why)
+            return
+        if self.limiter is not None and scope["type"] == "http" and scope["method"] == "POST" \
+                and scope["path"].rstrip("/") == "/login":
+            await self._login(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _login(self, scope, receive, send) -> None:
+        client = (scope.get("client") or ("unknown",))[0]
+        wait = self.limiter.admit(client, time.monotonic())
+        if wait:
+            seconds = math.ceil(wait)
+            await _refuse(scope, send, 429, f"swift-studio: too many failed logins from {client}; try again in "
+                                            f"{seconds} s.", [(b"retry-after", str(seconds).encode())])
+            return
+
+        async def watch(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                self.limiter.succeeded(client)
+            await send(message)
+
+        await self.app(scope, receive, watch)
+
+
+async def _refuse(scope, send, status: int, text: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    if scope["type"] == "websocket":
+        # Closing before the handshake is accepted makes the server answer HTTP 403.
+        await send({"type": "websocket.close", "code": 1008, "reason": text[:120]})
+        return
+    body = (text + "\n").encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode()),
+                            (b"cache-control", b"no-store"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def serve(studio: Studio, *, host: str, port: int, auth: list[tuple[str, str]] | None,
-          after_start: Callable[[], None] | None) -> None:
+          allowed_hosts: tuple[str, ...] = (), after_start: Callable[[], None] | None) -> None:
     """Build the page, listen, call `after_start()` (the page already answers), serve until
     interrupted."""
     app = build_app(studio)
     app.queue(default_concurrency_limit=4)
-    app.launch(server_name=host, server_port=port, auth=auth, share=False, theme=THEME, css=CSS,
-               footer_links=[], ssr_mode=False, pwa=False, mcp_server=False, show_error=False,
-               prevent_thread_lock=True, quiet=True, enable_monitoring=False)
+    guard = Middleware(WebGuard, policy=HostPolicy.for_bind(host, port, allowed_hosts),
+                       limiter=LoginLimiter() if auth else None)
+    # Gradio is mounted under an app of our own so that the guard is the outermost layer: given to
+    # launch() it would sit inside Gradio's CORS middleware, which answers preflights by itself.
+    web = FastAPI(middleware=[guard], docs_url=None, redoc_url=None, openapi_url=None)
+    gr.mount_gradio_app(web, app, path="/", server_name=host, server_port=port, auth=auth, footer_links=[],
+                        ssr_mode=False, pwa=False, mcp_server=False, show_error=False, enable_monitoring=False,
+                        theme=THEME, css=CSS)
+    # The login limit counts TCP peers: an X-Forwarded-For from a local client is not believed, or
+    # it could name a new address for every guess. Open event streams would hold a graceful
+    # shutdown forever.
+    server = uvicorn.Server(uvicorn.Config(web, host=host.strip("[]"), port=port, log_level="warning",
+                                           proxy_headers=False, timeout_graceful_shutdown=3))
+    thread = threading.Thread(target=server.run, name="swift-studio-web", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise OSError(f"cannot serve on {host}:{port} (the reason is printed above)")
+        time.sleep(0.05)
     if after_start is not None:
         after_start()
     try:
-        app.block_thread()
+        while thread.is_alive():
+            thread.join(0.5)
     finally:
-        app.close()
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
 
 import platformdirs
 
-from studio.access import AccessError, check_bind, load_auth
+from studio.access import AccessError, auth_file_warning, check_bind, load_auth, parse_allowed_hosts
 
 DEFAULT_PORT = 7860
 log = logging.getLogger(__name__)
@@ -28,18 +29,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SQLAlchemy database URL (default: SQLite in the user data dir, or $SWIFT_STUDIO_DB)")
     parser.add_argument("--output-dir", default=None,
                         help="directory for the runs of the demo preset and new forms (default: runs/ in the user data dir)")
-    parser.add_argument("--auth-file", default=None, help="file of 'user:password' lines; the page asks for one")
+    parser.add_argument("--auth-file", default=None,
+                        help="file of 'user:password' lines (keep it chmod 600); the page asks for one, and "
+                             "an address that fails 5 logins within 60 s waits 60 s")
+    parser.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                        help="comma-separated names (or name:port) browsers reach the studio under besides --host, "
+                             "e.g. the name a reverse proxy passes in Host:. Requests for any other Host, or sent "
+                             "by another site's page (Origin), are refused with 403 (this stops DNS rebinding). "
+                             "Needs authentication; required with --host 0.0.0.0 or ::")
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the studio and serve until interrupted; returns the exit code."""
     try:
         auth = load_auth(args.auth_file)
-        check_bind(args.host, auth)
+        allowed_hosts = parse_allowed_hosts(args.allowed_hosts)
+        check_bind(args.host, auth, allowed_hosts)
     except AccessError as exc:
         print(f"swift-studio: {exc}", file=sys.stderr)
         return 2
+    if args.auth_file:
+        path = Path(args.auth_file).expanduser()
+        warning = auth_file_warning(str(path), path.stat().st_mode)
+        if warning:
+            print(f"swift-studio: {warning}", file=sys.stderr, flush=True)
     data_dir = Path(platformdirs.user_data_dir("swift-studio"))
+    # The data dir holds the database (run specs with their env values) and the cluster: the
+    # owner's only when the studio creates it.
+    if not data_dir.exists():
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(data_dir, 0o700)  # whatever the umask
     output_dir = Path(args.output_dir or data_dir / "runs").expanduser().resolve()
 
     from studio.context import Studio
@@ -55,9 +74,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
 
     try:
-        serve(studio, host=args.host, port=args.port, auth=auth, after_start=start_manager)
+        serve(studio, host=args.host, port=args.port, auth=auth, allowed_hosts=allowed_hosts,
+              after_start=start_manager)
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        print(f"swift-studio: {exc}", file=sys.stderr)
+        return 1
     finally:
         if studio.manager_future.done() and not studio.manager_future.exception():
             studio.manager.close()  # runs keep going on their nodes; the next start re-attaches

@@ -29,7 +29,8 @@ def test_supported_jobs_pass():
 
 
 @pytest.mark.parametrize("fields,field,text", [
-    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size", "not supported by this worker"),
+    (dict(tensor_model_parallel_size=2, deepspeed="zero2"), "deepspeed", "tensor parallel runs on transformers' TP"),
+    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size", "not supported by this worker yet"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
     (dict(context_parallel_size=2), "context_parallel_size", "not supported"),
     (dict(expert_model_parallel_size=2), "expert_model_parallel_size", "not supported"),
@@ -79,7 +80,7 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size: not supported by this worker"),
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: not supported by this worker yet"),
     (dict(torch_dtype="float16"), "torch_dtype: float16 needs a GPU"),
     # A user JSON's stage is only known once it is read; the backend checks it too, before launch.
     (dict(deepspeed="zero3.json", torch_compile=True), f"torch_compile: {COMPILE_WITH_ZERO3}"),

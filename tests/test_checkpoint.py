@@ -1,5 +1,9 @@
-"""Checkpoint directories: atomic publication, discovery, pruning; and the NaN stop."""
+"""Checkpoint directories: atomic publication, verification against the marker, discovery,
+pruning; and the NaN stop."""
 from __future__ import annotations
+
+import hashlib
+import json
 
 import pytest
 
@@ -20,7 +24,9 @@ def test_publish_is_rename_with_marker_last(tmp_path):
     (tmp / "weights.bin").write_bytes(b"123")
     final = checkpoint.publish(tmp, 5)
     assert final == tmp_path / "checkpoint-5" and not tmp.exists()
-    assert (final / "complete").read_text() == "5\n" and (final / "weights.bin").read_bytes() == b"123"
+    assert (final / "weights.bin").read_bytes() == b"123"
+    marker = json.loads((final / "complete").read_text())
+    assert marker == {"step": 5, "files": {"weights.bin": {"size": 3, "sha256": hashlib.sha256(b"123").hexdigest()}}}
     assert checkpoint.latest(tmp_path) == final
 
 
@@ -30,15 +36,45 @@ def test_half_written_checkpoints_are_never_picked(tmp_path):
     no_marker = tmp_path / "checkpoint-30"
     no_marker.mkdir()  # a directory of the right name without the marker
     assert checkpoint.latest(tmp_path) == tmp_path / "checkpoint-10"
-    assert checkpoint.resolve(tmp_path, "latest") == tmp_path / "checkpoint-10"
-    with pytest.raises(ValueError, match="incomplete"):
+    assert checkpoint.resolve(tmp_path, "latest").path == tmp_path / "checkpoint-10"
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
         checkpoint.resolve(tmp_path, "30")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         checkpoint.resolve(tmp_path, str(tmp_path / "checkpoint-40"))
-    assert checkpoint.resolve(tmp_path, "10") == tmp_path / "checkpoint-10"
+    assert checkpoint.resolve(tmp_path, "10").path == tmp_path / "checkpoint-10"
     # A new save of step 20 replaces the leftover temporary directory.
     make(tmp_path, 20)
     assert checkpoint.latest(tmp_path) == tmp_path / "checkpoint-20"
+
+
+def test_latest_passes_over_a_damaged_checkpoint_and_says_which_file(tmp_path):
+    older, newest = make(tmp_path, 10), make(tmp_path, 20)
+    assert checkpoint.resolve(tmp_path, "latest") == checkpoint.Resolved(newest)
+    (newest / "weights.bin").write_bytes(b"x" * 4)  # truncated
+    assert checkpoint.resolve(tmp_path, "latest") == checkpoint.Resolved(
+        older, skipped=("checkpoint-20/weights.bin: size 4 != recorded 10",))
+    (newest / "weights.bin").write_bytes(b"y" * 10)  # same size, other bytes
+    found = checkpoint.resolve(tmp_path, None)
+    assert found.path == older and found.skipped[0].startswith("checkpoint-20/weights.bin: sha256 ")
+    # A checkpoint asked for by name is never swapped for another.
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint-20 does not match what was saved: "
+                                                         r"checkpoint-20/weights.bin: sha256 .* \(changed after the save\)"):
+        checkpoint.resolve(tmp_path, "20")
+    (older / "weights.bin").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"no complete checkpoint in .* matches what was saved: "
+                                                         r"checkpoint-20/weights.bin: sha256 .*; checkpoint-10/weights.bin: missing"):
+        checkpoint.resolve(tmp_path, "latest")
+
+
+def test_old_marker_without_checksums_is_still_used_unverified(tmp_path):
+    old = make(tmp_path, 10)
+    (old / "complete").write_text("10\n")  # the marker before checksums were recorded
+    (old / "weights.bin").write_bytes(b"changed")
+    assert checkpoint.resolve(tmp_path, "latest") == checkpoint.Resolved(old, verified=False)
+    assert checkpoint.resolve(tmp_path, "10") == checkpoint.Resolved(old, verified=False)
+    (old / "complete").write_text("garbage")
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint-10/complete: not a checkpoint marker"):
+        checkpoint.resolve(tmp_path, "10")
 
 
 def test_prune_deletes_oldest_complete_only(tmp_path):

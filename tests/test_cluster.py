@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from backend.cluster import (GpuInfo, HostfileError, cluster_from_dicts, local_cluster, parse_hostfile,
+from backend.cluster import (GpuInfo, HostfileError, cluster_from_dicts, local_cluster, parse_hostfile, usable_cores,
                              parse_hostfile_text)
 
 GOOD_FILES = {
@@ -73,7 +73,7 @@ def test_every_bad_word_is_reported_with_its_line():
     lines = [str(p) for p in err.value.problems]
     assert lines == [
         "hosts:1: ssh_port must be a port number 1-65535, got '99999'",
-        "hosts:1: unknown key 'colour'; known: addr, ssh_user, ssh_port, ssh_key, python, device",
+        "hosts:1: unknown key 'colour'; known: addr, ssh_user, ssh_port, ssh_key, python, device, gpu_mem_gib",
         "hosts:2: b: slots must be at least 1",
         "hosts:3: device must be one of cuda, cpu, got 'tpu'",
         "hosts:3: expected key=value after slots=N, got 'nonsense'",
@@ -113,11 +113,11 @@ def test_local_cluster_with_and_without_gpus():
     assert gpu.is_local and gpu.backend == "nccl" and node.slots == 2 and node.gpu_mem_gib == 139.8
     assert node.address == "127.0.0.1" and node.python == sys.executable
     cpu = local_cluster(GpuInfo())
-    assert cpu.backend == "gloo" and cpu.nodes[0].slots == 1 and cpu.nodes[0].device == "cpu"
+    assert cpu.backend == "gloo" and cpu.nodes[0].slots == usable_cores() and cpu.nodes[0].device == "cpu"
 
 
 def test_local_cluster_probes_nvml():
-    """On this CPU machine NVML is missing: one CPU slot. On a GPU machine: one slot per GPU."""
+    """On this CPU machine NVML is missing: a slot per core. On a GPU machine: one slot per GPU."""
     cluster = local_cluster()
     node = cluster.nodes[0]
     assert node.local and node.slots >= 1

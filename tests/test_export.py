@@ -1,8 +1,11 @@
 """launcher.export: LoRA merged into the base, sharded full checkpoints consolidated; the result
-loads with AutoModelForCausalLM and generates."""
+loads with AutoModelForCausalLM and generates. The target is only ever an empty directory or an
+earlier export; a damaged newest checkpoint is passed over."""
 from __future__ import annotations
 
 import json
+import resource
+import shutil
 import subprocess
 import sys
 
@@ -23,21 +26,38 @@ def job(model, **extra) -> dict:
     return {**base, **extra}
 
 
+def export_proc(run_dir, *args, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher.export", "--run-dir", str(run_dir), *args], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=180, preexec_fn=preexec_fn)
+
+
 def export(run_dir, *args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "launcher.export", "--run-dir", str(run_dir), *args], cwd=ROOT,
-                          env=worker_env(), capture_output=True, text=True, timeout=180)
+    proc = export_proc(run_dir, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
     return json.loads(lines[0])
 
 
-def test_lora_merge_matches_peft_and_generates(tmp_path, tiny_model):
+def export_error(run_dir, *args, preexec_fn=None) -> str:
+    proc = export_proc(run_dir, *args, preexec_fn=preexec_fn)
+    assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr[-3000:])
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_model):
+    """A LoRA run with checkpoints at steps 3 and 6."""
+    run = write_run(tmp_path_factory.mktemp("lora") / "run", **job(tiny_model, train_type="lora", max_steps=6))
+    assert run_worker(run).returncode == 0
+    return run
+
+
+def test_lora_merge_matches_peft_and_generates(lora_run, tiny_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run = write_run(tmp_path / "lora", **job(tiny_model, train_type="lora"))
-    assert run_worker(run).returncode == 0
+    run = lora_run
     result = export(run, "--checkpoint", "3")
     out = run / "export"
     assert result["out"] == str(out) and result["checkpoint"] == str(run / "checkpoint-3")
@@ -96,3 +116,62 @@ def test_export_without_checkpoint_is_a_clear_error(tmp_path, tiny_model, capsys
     assert f"{run}: no complete checkpoint to export" in capsys.readouterr().err
     assert main(["--run-dir", str(run), "--checkpoint", "7"]) == 1
     assert f"checkpoint {run / 'checkpoint-7'} does not exist" in capsys.readouterr().err
+
+
+def test_export_refuses_a_target_it_did_not_write(lora_run, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("keep me too")
+    before = sorted(p.relative_to(lora_run) for p in lora_run.rglob("*"))
+    for target, why in [(other, "exists and is not an earlier export (it has files and no .swift-studio-export)"),
+                        (a_file, "exists and is not a directory"),
+                        (lora_run, f"is the run directory {lora_run} or holds it"),
+                        (lora_run.parent, f"is the run directory {lora_run} or holds it"),
+                        (lora_run / "checkpoint-3" / "model", f"is inside the checkpoint {lora_run / 'checkpoint-3'}")]:
+        assert f"error: {target}: {why}" in export_error(lora_run, "--out", str(target))
+    assert (other / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
+    assert sorted(p.relative_to(lora_run) for p in lora_run.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "other"]
+
+
+def test_export_replaces_its_own_earlier_export(lora_run, tmp_path):
+    run = shutil.copytree(lora_run, tmp_path / "run")
+    out = run / "export"
+    first = export(run)
+    assert first["out"] == str(out) and (out / ".swift-studio-export").is_file()
+    (out / "stale.txt").write_text("from the first export")
+    second = export(run, "--checkpoint", "3")
+    assert second["checkpoint"] == str(run / "checkpoint-3") and not (out / "stale.txt").exists()
+    assert (out / "model.safetensors").is_file() and (out / ".swift-studio-export").is_file()
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(("checkpoint-", "events", "logs"))) == [
+        "export", "job.yaml"]  # no temporary directory left beside it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert export(run, "--out", str(empty))["out"] == str(empty) and (empty / "model.safetensors").is_file()
+
+
+def test_failed_export_leaves_nothing_behind(lora_run, tmp_path):
+    """A write that fails part-way (here: a file-size limit, as a full disk would) removes only
+    what the export created."""
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))  # model.safetensors is ~370 KB
+
+    out = tmp_path / "out"
+    stderr = export_error(lora_run, "--out", str(out), preexec_fn=small_files)
+    assert f"error: {out}: writing the export failed (" in stderr, stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_latest_passes_over_a_damaged_checkpoint(lora_run, tmp_path):
+    run = shutil.copytree(lora_run, tmp_path / "run")
+    adapter = run / "checkpoint-6" / "model" / "adapter_model.safetensors"
+    size = adapter.stat().st_size
+    with open(adapter, "r+b") as f:
+        f.truncate(size - 100)
+    damage = f"checkpoint-6/model/adapter_model.safetensors: size {size - 100} != recorded {size}"
+    result = export(run, "--out", str(tmp_path / "out"))
+    assert result["checkpoint"] == str(run / "checkpoint-3") and result["skipped"] == [damage]
+    assert f"error: checkpoint {run / 'checkpoint-6'} does not match what was saved: {damage}" in export_error(
+        run, "--checkpoint", "6", "--out", str(tmp_path / "out6"))

@@ -1,5 +1,5 @@
 """Ingest: batched writes, exactly-once events across reconnects and restarts, the live tail,
-view downsampling, compaction of old samples, alerts stored once."""
+view downsampling, compaction of old samples, alerts stored once, each step once after a resume."""
 from __future__ import annotations
 
 import json
@@ -374,3 +374,69 @@ def test_two_ingestors_on_one_database_store_each_line_once(engine, tmp_path, mo
     assert second.stats["duplicates"] == 6  # dropped by the database, not by its memory
     assert first.offsets("r", "a") == {"events/rank-0.jsonl": (run / "events/rank-0.jsonl").stat().st_size,
                                        "logs/a.log": 30}
+
+
+class Attempt:
+    """What one attempt's agent sends for rank 0's event file: the file grows across attempts."""
+
+    def __init__(self, ing: Ingestor, number: int, offset: int = 0):
+        self.ing, self.number, self.offset = ing, number, offset
+
+    def send(self, event: dict, rank: int = 0) -> None:
+        self.offset += 100
+        self.ing.feed("r", "a", json.dumps({"kind": "event", "file": f"events/rank-{rank}.jsonl", "offset": self.offset,
+                                            "rank": rank, "data": event}), attempt=self.number)
+
+    def steps(self, steps, loss: float, t0: float) -> None:
+        for s in steps:
+            self.send({"type": "train", "time": t0 + s, "step": s, "loss": loss})
+            self.send({"type": "timing", "time": t0 + s, "rank": 0, "step": s, "step_time_s": loss})
+            if s % 20 == 0:
+                self.send({"type": "checkpoint", "time": t0 + s, "step": s, "path": f"/r/checkpoint-{s}"})
+        self.ing.feed("r", "a", gpu_line(t0 + max(steps), 0), attempt=self.number)
+
+
+def loss_points(ing, cursor=None):
+    res = ing.series("r", ["train/loss", "rank/step_time_s"], since=cursor)
+    return res, {k.name: v for k, v in res.series.items()}
+
+
+def test_a_resumed_attempt_replaces_the_steps_it_did_again(engine):
+    """Attempt 1 logs steps 1-50 (checkpoints at 20 and 40) and fails; attempt 2 resumes from 40.
+    Steps 41-50 show once, with attempt 2's values; attempt 1's rows stay in the database."""
+    ing = Ingestor(engine, autostart=False)
+    first = Attempt(ing, 1)
+    first.send({"type": "start", "time": T0, "resumed_from": None, "max_steps": 60})
+    first.steps(range(1, 51), loss=1.0, t0=T0)
+    cursor = ing.series("r", ["train/loss"]).cursor  # a chart drawn while attempt 1 ran
+
+    second = Attempt(ing, 2, first.offset)
+    second.send({"type": "start", "time": T0 + 1000, "resumed_from": 40, "max_steps": 60})
+    res, points = loss_points(ing, cursor)
+    assert res.reset  # the chart holds steps 41-50 of attempt 1: it redraws
+    assert [v for _, v in points["train/loss"]] == [1.0] * 40
+    assert loss_points(ing, res.cursor)[0].reset is False  # once
+    second.steps(range(41, 61), loss=2.0, t0=T0 + 1000)
+    points = loss_points(ing)[1]
+    for name in ("train/loss", "rank/step_time_s"):
+        assert [v for _, v in points[name]] == [1.0] * 40 + [2.0] * 20, name
+    assert count(engine, S, S.c.name == "train/loss") == 70  # nothing deleted
+    assert count(engine, S, S.c.name == "gpu/util_pct") == 2  # clock series are not per step
+
+    # A third attempt from checkpoint 20 (say 40 was lost with its disk) redoes attempt 2's steps too.
+    third = Attempt(ing, 3, second.offset)
+    third.send({"type": "start", "time": T0 + 2000, "resumed_from": 20, "max_steps": 60})
+    third.steps(range(21, 31), loss=3.0, t0=T0 + 2000)
+    assert [v for _, v in loss_points(ing)[1]["train/loss"]] == [1.0] * 20 + [3.0] * 10
+
+
+@pytest.mark.parametrize("starts,cut", [
+    ([(1, None)], {}),
+    ([(1, None), (2, 40), (3, 60)], {1: 40, 2: 60}),
+    ([(1, None), (2, 40), (3, 20)], {1: 20, 2: 20}),
+    ([(1, None), (2, None)], {1: 0}),                 # started again from scratch: every step redone
+    ([(None, None), (None, 30), (1, 30)], {0: 30}),   # rows from before attempts were recorded
+])
+def test_superseded_steps(starts, cut):
+    from backend.telemetry_query import superseded
+    assert superseded(starts) == cut

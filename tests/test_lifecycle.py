@@ -1,7 +1,11 @@
-"""Run state machine and its persistence (in-memory SQLite), run ids, watch's root-cause choice."""
+"""Run state machine and its persistence (compare-and-set transitions, owners, migration of an older
+database), run ids, watch's root-cause choice."""
 from __future__ import annotations
 
+import threading
+
 import pytest
+from sqlalchemy import inspect, text
 
 from backend import lifecycle as lc
 from backend import logclass
@@ -71,3 +75,113 @@ def test_root_cause_prefers_the_node_that_started_it():
 def test_a_group_gone_without_exit_code_is_killed():
     cause, failure = failure_from("c", None, [])
     assert failure.cause == logclass.KILLED and failure.exit_code is None
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """A database file, as the studio and CLI processes share it."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    create_db_and_tables(engine)
+    yield lc.RunStore(engine)
+    engine.dispose()
+
+
+def running(store, run_id: str, by: lc.Owner | None = None) -> None:
+    store.create(Run(id=run_id, name=run_id, spec_yaml="model: m\n", output_dir="/o", run_dir=f"/o/{run_id}"))
+    store.transition(run_id, lc.CHECKING, by=by)
+    store.new_attempt(run_id, [{"host": "a"}], None)
+    store.transition(run_id, lc.LAUNCHING, by=by)
+    store.transition(run_id, lc.RUNNING, by=by)
+
+
+def test_concurrent_transitions_exactly_one_wins(shared):
+    for i in range(10):
+        run_id = f"r{i}"
+        running(shared, run_id)
+        ends = (lc.SUCCEEDED, lc.FAILED, lc.STOPPED) * 2
+        barrier, won, lost = threading.Barrier(len(ends)), [], []
+
+        def move(state):
+            barrier.wait()
+            try:
+                shared.transition(run_id, state, lc.Failure(None, None, state, f"by {state}"))
+                won.append(state)
+            except lc.TransitionError as exc:
+                lost.append(str(exc))
+
+        threads = [threading.Thread(target=move, args=(s,)) for s in ends]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and len(lost) == len(ends) - 1, (won, lost)
+        run, [attempt] = shared.get(run_id), shared.attempts(run_id)
+        # the winner's record, not a mix of the losers' fields written over it
+        assert run.state == attempt.state == won[0] and run.message == attempt.message == f"by {won[0]}"
+        assert all(f"run {run_id} changed while moving it from running" in m or "cannot go from" in m for m in lost)
+
+
+def test_only_the_owner_moves_its_run_and_a_stop_is_anyones(shared):
+    a, b = lc.Owner("h", 1, "a"), lc.Owner("h", 2, "b")
+    running(shared, "r1", by=a)
+    with pytest.raises(lc.TransitionError, match="driven by h:1:a"):
+        shared.transition("r1", lc.FAILED, lc.Failure(None, None, "interrupted", "b thinks a is gone"), by=b)
+    assert (shared.get("r1").state, shared.get("r1").cause) == (lc.RUNNING, None)
+    shared.transition("r1", lc.STOPPED)  # the user's stop, from any process
+    # a resume makes whoever starts it the owner
+    shared.transition("r1", lc.CHECKING, by=b)
+    assert shared.get("r1").owner == b.id
+
+
+def test_of_two_managers_adopting_an_orphan_one_wins(shared):
+    gone = lc.Owner("h", 1, "x")
+    running(shared, "r1", by=gone)
+    seen = shared.get("r1")
+    a, b = lc.Owner("h", 2, "a"), lc.Owner("h", 3, "b")
+    assert shared.claim(seen, a, now=100.0)
+    assert not shared.claim(seen, b, now=100.0)  # it no longer looks as b saw it
+    assert shared.get("r1").owner == a.id
+    shared.heartbeat(a, 200.0)
+    assert shared.get("r1").heartbeat_at == 200.0
+    shared.release(a)
+    assert (shared.get("r1").owner, shared.get("r1").heartbeat_at) == (None, None)
+
+
+@pytest.mark.parametrize("owner,beat_age,alive,gone", [
+    (None, 0.0, True, True),                                      # nobody ever drove it (or it was released)
+    ("here:10:t", 1.0, True, False),                              # a live owner that beats
+    ("here:10:t", 1.0, False, True),                              # its process on this host is gone: at once
+    ("there:10:t", 1.0, False, False),                            # a pid means nothing for another host
+    ("there:10:t", lc.OWNER_TIMEOUT_S + 0.1, True, True),         # silent for too long
+])
+def test_owner_gone(owner, beat_age, alive, gone):
+    run = Run(id="r", name="r", spec_yaml="", output_dir="/o", run_dir="/o/r", owner=owner, heartbeat_at=1000.0)
+    assert lc.owner_gone(run, 1000.0 + beat_age, "here", lambda pid: alive) is gone
+
+
+NEW_COLUMNS = {"run": ("owner", "heartbeat_at"), "telemetry_sample": ("attempt",),
+               "telemetry_event": ("step", "attempt")}
+
+
+def test_an_older_database_gets_the_new_columns(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(url)
+    create_db_and_tables(engine)
+    with engine.begin() as conn:  # the tables as an older version made them, with a run in them
+        conn.execute(text("DROP INDEX ix_telemetry_event_run_type_t"))
+        for table, columns in NEW_COLUMNS.items():
+            for column in columns:
+                conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
+        conn.execute(text("INSERT INTO run (id, name, state, spec_yaml, output_dir, run_dir, attempts, "
+                          "stop_requested, created_at, updated_at) "
+                          "VALUES ('old', 'old', 'failed', 'model: m', '/o', '/o/old', 1, 0, 1, 1)"))
+    engine.dispose()
+    for _ in range(2):  # idempotent
+        engine = make_engine(url)
+        create_db_and_tables(engine)
+        present = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in NEW_COLUMNS}
+        assert all(set(cols) <= present[t] for t, cols in NEW_COLUMNS.items()), present
+        assert "ix_telemetry_event_run_type_t" in {i["name"] for i in inspect(engine).get_indexes("telemetry_event")}
+        run = lc.RunStore(engine).get("old")
+        assert (run.state, run.owner) == ("failed", None)
+        engine.dispose()

@@ -37,6 +37,105 @@ Root Cause (first observed failure):
   exitcode  : 1 (pid: 77)
 """
 
+# Captured from launcher.train runs (2 CPU ranks, the tiny model): line 7 of the dataset is
+# {"foo": 1}; the worker's line is 42 lines above the end of the log, out of a 40-line tail.
+DATA_ERROR_TAIL = """\
+[rank1] error: DataError: /tmp/fc/bad.jsonl:7: unknown record format with fields ['foo']; expected 'messages', 'instruction'+'output', 'query'+'response', 'text' or 'input_ids'
+[rank0] error: DataError: /tmp/fc/bad.jsonl:7: unknown record format with fields ['foo']; expected 'messages', 'instruction'+'output', 'query'+'response', 'text' or 'input_ids'
+E1201 09:09:19.331000 4548 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 4612) of binary: /root/.pyenv/versions/3.11.7/bin/python3
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
+    run(args)
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
+    elastic_launch(
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
+    return launch_agent(
+           ^^^^^^^^^^^^^
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+launcher.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_09:09:19
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4613) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_09:09:19
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4612) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+# The end of the log of a full-training (FSDP2/DCP) run whose output_dir, a 512 KiB tmpfs, filled
+# at the first checkpoint: DCP's wrapped OSError, the worker's line, torchrun's summary.
+DISK_FULL_TAIL = """\
+    _write_files_from_queue(
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/checkpoint/filesystem.py", line 422, in _write_files_from_queue
+    with create_stream(file_name, "wb") as stream:
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/contextlib.py", line 158, in __exit__
+    self.gen.throw(typ, value, traceback)
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/checkpoint/filesystem.py", line 520, in create_stream
+    with path.open(mode) as stream:
+OSError: [Errno 28] No space left on device
+
+[rank0] error: No space left on device: /tmp/fc/full/run-full (0 B free of 512.0 KiB); RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 (checkpoint, rank 0)
+W1201 09:08:15.271000 3035 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 3104 closing signal SIGTERM
+E1201 09:08:15.385000 3035 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 3103) of binary: /root/.pyenv/versions/3.11.7/bin/python3
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
+    run(args)
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
+    elastic_launch(
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
+    return launch_agent(
+           ^^^^^^^^^^^^^
+  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+launcher.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_09:08:15
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 3104)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 3104
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_09:08:15
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+"""
+
 PEER_LOST = """\
 [rank0]: Traceback (most recent call last):
 [rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.3]:43210
@@ -79,7 +178,7 @@ def test_ordinary_lines_are_not_causes(line):
 def test_python_exception_names_its_rank():
     cause = lc.classify_line("[rank2]: ValueError: boom")
     assert cause.rank == 2 and cause.summary == "ValueError: boom"
-    assert lc.describe(cause, "node-b", 1) == "Python exception in rank 2 (node node-b, rank 2, exit code 1): ValueError: boom"
+    assert lc.describe(cause, "node-b", 1) == "Python exception in rank 2 (node node-b, exit code 1): ValueError: boom"
 
 
 def test_tail_sigkill_is_killed_with_rank():
@@ -113,3 +212,77 @@ def test_torchrun_stop_signal_is_not_an_error():
     assert lc.classify_line(line) is None
     killed = lc.classify_line(line.replace("signal: 15", "signal: 9"))
     assert killed is not None and killed.kind == lc.KILLED
+
+
+def test_worker_error_line_names_the_user_error_and_its_rank():
+    cause = lc.classify_tail(DATA_ERROR_TAIL.splitlines(), exit_code=1)
+    assert cause.kind == lc.DATA_ERROR and cause.rank == 0
+    assert cause.summary.startswith("/tmp/fc/bad.jsonl:7: unknown record format with fields ['foo']")
+    assert lc.describe(cause, "n1") == f"data error (node n1, rank 0): {cause.summary}"
+
+
+def test_a_full_disk_outranks_the_sigterm_torchrun_sends_the_other_rank():
+    cause = lc.classify_tail(DISK_FULL_TAIL.splitlines(), exit_code=1)
+    assert cause.kind == lc.DISK_FULL, cause
+    assert "/tmp/fc/full/run-full (0 B free of 512.0 KiB)" in cause.summary
+
+
+@pytest.mark.parametrize("line, kind, rank", [
+    # an older worker wrote user errors without their type: still a worker's error, with its rank
+    ("[rank1] error: /tmp/fc/bad.jsonl:7: unknown record format with fields ['foo']", lc.PYTHON_EXCEPTION, 1),
+    ("[rank1] error: ConfigError: resume: checkpoint /o/r/checkpoint-9 does not exist", lc.CHECKPOINT_ERROR, 1),
+    ("[rank0] error: ModelError: model: cannot load '/nope' (not a directory)", lc.MODEL_ERROR, 0),
+    ("[rank0] error: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+     "[127.0.0.1]:60042.", lc.PEER_LOST, 0),
+    # an older worker let torch.distributed.checkpoint's BaseException through
+    ("[rank0]: torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0, 1])",
+     lc.CHECKPOINT_ERROR, 0),
+    ("[rank0]: OSError: [Errno 28] No space left on device", lc.DISK_FULL, 0),
+    ("safetensors_rust.SafetensorError: Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+     "message: \"No space left on device\" })", lc.DISK_FULL, None),
+])
+def test_worker_lines(line, kind, rank):
+    cause = lc.classify_line(line)
+    assert (cause.kind, cause.rank) == (kind, rank)
+
+
+# `events/rank-<N>.end` slots as launcher.train wrote them in the runs above.
+DATA_SLOT = {"type": "end", "time": 1796116156.624831, "status": "failed", "step": 0,
+             "error": "/tmp/fc/bad.jsonl:7: unknown record format with fields ['foo']; expected 'messages', "
+                      "'instruction'+'output', 'query'+'response', 'text' or 'input_ids'",
+             "error_type": "DataError", "rank": 1, "node": None, "pgid": 4548}
+DCP_FULL_SLOT = {"type": "end", "time": 1796116092.3850172, "status": "failed", "step": 2,
+                 "error": "No space left on device: /tmp/fc/full/run-full (0 B free of 512.0 KiB); RuntimeError: "
+                          "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 (checkpoint, rank 0)",
+                 "error_type": "CheckpointException", "rank": 1, "node": None, "pgid": 2941}
+PEER_ON_FULL_DISK_SLOT = {"type": "end", "time": 1796116112.5995414, "status": "failed", "step": 2,
+                          "error": "No space left on device: /tmp/fc/full/run-lora (0 B free of 256.0 KiB); RuntimeError: "
+                                   "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                                   "closed by peer [127.0.0.1]:18865.",
+                          "error_type": "RuntimeError", "rank": 1, "node": None, "pgid": 2941}
+
+
+@pytest.mark.parametrize("slot, kind", [
+    (DATA_SLOT, lc.DATA_ERROR),
+    (DCP_FULL_SLOT, lc.DISK_FULL),
+    (PEER_ON_FULL_DISK_SLOT, lc.DISK_FULL),
+    ({**DATA_SLOT, "error_type": "ConfigError", "error": "resume: /o/r/checkpoint-2/rng-rank1.pt: cannot be read"},
+     lc.CHECKPOINT_ERROR),
+    ({**DATA_SLOT, "error_type": "ConfigError", "error": "learning_rate: must be positive"}, lc.CONFIG_ERROR),
+    ({**DATA_SLOT, "error_type": "Diverged", "error": "loss was NaN/inf for 3 consecutive steps"}, lc.DIVERGED),
+    ({**DATA_SLOT, "error_type": "OutOfMemoryError", "error": "OutOfMemoryError: CUDA out of memory."}, lc.OUT_OF_MEMORY),
+    ({**DATA_SLOT, "error_type": "KeyError", "error": "KeyError: 'input_ids'"}, lc.PYTHON_EXCEPTION),
+    ({**DATA_SLOT, "error_type": "CheckpointException", "error": "RuntimeError: [enforce fail at inline_container.cc:672] "
+                                                                 ". unexpected pos 704 vs 598"}, lc.CHECKPOINT_ERROR),
+    ({**DATA_SLOT, "error_type": "CheckpointException", "error": "OutOfMemoryError: CUDA out of memory. (on rank 0)"},
+     lc.OUT_OF_MEMORY),
+])
+def test_end_events_name_the_cause(slot, kind):
+    cause = lc.classify_end(slot)
+    assert (cause.kind, cause.rank, cause.summary) == (kind, 1, slot["error"])
+    assert cause.kind in lc.HELP
+
+
+def test_ends_that_are_not_failures_name_nothing():
+    assert lc.classify_end({**DATA_SLOT, "status": "stopped", "error": None}) is None
+    assert lc.classify_end({**DATA_SLOT, "status": "succeeded", "error": None}) is None

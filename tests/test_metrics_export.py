@@ -123,3 +123,33 @@ def test_report_sinks_writes_tensorboard_when_asked(recorded, tmp_path):
     [line] = report_sinks(engine, "r1", ["tensorboard"], tmp_path / "tb")
     assert line == f"tensorboard: wrote 8 scalars to {tmp_path / 'tb'}"
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_resumed_run_exports_each_step_once(tmp_path):
+    """Attempt 1 logged steps 1-5 and failed; attempt 2 resumed from checkpoint 3 and logged 4-6."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    ing = Ingestor(engine, autostart=False)
+    offset = 0
+    for attempt, resumed_from, steps, loss in ((1, None, range(1, 6), 1.0), (2, 3, range(4, 7), 2.0)):
+        for event in [{"type": "start", "time": T0 + 100 * attempt, "resumed_from": resumed_from}] + [
+                {"type": "train", "time": T0 + 100 * attempt + s, "step": s, "loss": loss} for s in steps]:
+            offset += 50
+            ing.on_agent_line("r1", "node-a", {"kind": "event", "file": "events/rank-0.jsonl", "offset": offset,
+                                               "rank": 0, "data": event}, attempt=attempt)
+    ing.close()
+    expected = [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+
+    buf = io.StringIO()
+    assert write_csv(engine, "r1", buf) == 6
+    assert [(int(r["step"]), float(r["value"])) for r in csv.DictReader(io.StringIO(buf.getvalue()))] == expected
+    buf = io.StringIO()
+    write_json(engine, "r1", buf)
+    [series] = json.loads(buf.getvalue())["series"]
+    assert [(p[1], p[2]) for p in series["points"]] == expected
+    write_tensorboard(engine, "r1", tmp_path / "tb")
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == expected

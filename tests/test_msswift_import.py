@@ -1,14 +1,22 @@
 """`swift-studio import`: the command lines of ms-swift's docs become specs that validate."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
 from backend import capabilities
 from backend.cluster import parse_hostfile_text
+from backend.layout import compute_layout
 from backend.msswift import CommandError, import_command
-from backend.spec import parse_spec
+from backend.spec import JobSpec, parse_spec
 from backend.validate import errors, validate
+from studio.commands import swift_command
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # examples/train/multi-gpu/deepspeed (single node, ZeRO-2, LoRA), as the docs write it.
 SINGLE_NODE_ZERO2_LORA = r"""
@@ -255,3 +263,267 @@ def test_unknown_flag_and_bad_values():
 def test_unusable_commands(text, message):
     with pytest.raises(CommandError, match=message):
         import_command(text)
+
+
+# -- ms-swift's defaults for what a command leaves out (issue 15) -------------------------------
+# examples/train/full/train.sh on ms-swift main (4.x): full fine-tuning, one GPU, no NPROC_PER_NODE.
+FULL_ONE_GPU = r"""
+# 76GiB
+CUDA_VISIBLE_DEVICES=0 \
+swift sft \
+    --model Qwen/Qwen2.5-7B-Instruct \
+    --tuner_type full \
+    --dataset 'AI-ModelScope/alpaca-gpt4-data-zh#500' \
+              'AI-ModelScope/alpaca-gpt4-data-en#500' \
+              'swift/self-cognition#500' \
+    --torch_dtype bfloat16 \
+    --num_train_epochs 1 \
+    --per_device_train_batch_size 1 \
+    --per_device_eval_batch_size 1 \
+    --learning_rate 1e-5 \
+    --gradient_accumulation_steps 16 \
+    --eval_steps 100 \
+    --save_steps 100 \
+    --save_total_limit 2 \
+    --logging_steps 5 \
+    --max_length 2048 \
+    --output_dir output \
+    --system 'You are a helpful assistant.' \
+    --warmup_ratio 0.05 \
+    --dataloader_num_workers 4 \
+    --model_author swift \
+    --model_name swift-robot
+"""
+
+# examples/train/multi-gpu/device_map/train.sh (main): two GPUs visible, one process.
+DEVICE_MAP = r"""
+# 2 * 76GiB
+CUDA_VISIBLE_DEVICES=0,1 \
+MAX_PIXELS=1003520 \
+swift sft \
+    --model Qwen/Qwen2.5-VL-72B-Instruct \
+    --dataset 'modelscope/coco_2014_caption:validation#20000' \
+    --load_from_cache_file true \
+    --split_dataset_ratio 0.01 \
+    --tuner_type lora \
+    --torch_dtype bfloat16 \
+    --num_train_epochs 1 \
+    --per_device_train_batch_size 1 \
+    --learning_rate 1e-4 \
+    --lora_rank 8 \
+    --lora_alpha 32 \
+    --target_modules all-linear \
+    --freeze_vit true \
+    --gradient_accumulation_steps 16 \
+    --save_steps 100 \
+    --save_total_limit 2 \
+    --max_length 2048 \
+    --output_dir output
+"""
+
+# examples/train/multi-gpu/ddp_device_map/train.sh (main): 4 GPUs for 2 processes.
+DDP_DEVICE_MAP = r"""
+# 14GiB * 4
+nproc_per_node=2
+
+CUDA_VISIBLE_DEVICES=0,1,2,3 \
+NPROC_PER_NODE=$nproc_per_node \
+swift sft \
+    --model Qwen/Qwen2.5-7B-Instruct \
+    --tuner_type lora \
+    --dataset 'swift/self-cognition#1000' \
+    --torch_dtype bfloat16 \
+    --num_train_epochs 1 \
+    --per_device_train_batch_size 1 \
+    --learning_rate 1e-4 \
+    --gradient_accumulation_steps $(expr 16 / $nproc_per_node) \
+    --max_length 2048 \
+    --output_dir output \
+    --gradient_checkpointing_kwargs '{"use_reentrant": false}'
+"""
+
+# examples/megatron/dense/qwen3_32b.sh (main): no --tuner_type, TP=8 on 8 GPUs.
+MEGATRON_QWEN3_32B = r"""
+# 8 * 80GiB
+PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' \
+NPROC_PER_NODE=8 \
+CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 \
+megatron sft \
+    --model Qwen/Qwen3-32B \
+    --save_safetensors true \
+    --dataset 'liucong/Chinese-DeepSeek-R1-Distill-data-110k-SFT' \
+    --load_from_cache_file true \
+    --split_dataset_ratio 0.01 \
+    --tensor_model_parallel_size 8 \
+    --micro_batch_size 1 \
+    --global_batch_size 16 \
+    --packing true \
+    --recompute_granularity full \
+    --recompute_method uniform \
+    --recompute_num_layers 1 \
+    --num_train_epochs 5 \
+    --finetune true \
+    --cross_entropy_loss_fusion true \
+    --lr 1e-5 \
+    --lr_warmup_fraction 0.05 \
+    --min_lr 1e-6 \
+    --output_dir megatron_output/Qwen3-32B \
+    --eval_steps 500 \
+    --save_steps 500 \
+    --max_length 8192 \
+    --dataloader_num_workers 8 \
+    --no_save_optim true \
+    --no_save_rng true \
+    --sequence_parallel true \
+    --attention_backend flash
+"""
+
+# A user's ZeRO-3 full fine-tuning that leaves epochs, learning rate and accumulation to ms-swift.
+ZERO3_LEFT_TO_DEFAULTS = r"""
+# 4 * 80GiB
+NPROC_PER_NODE=4 \
+CUDA_VISIBLE_DEVICES=0,1,2,3 \
+swift sft \
+    --model Qwen/Qwen2.5-7B-Instruct \
+    --tuner_type full \
+    --dataset 'AI-ModelScope/alpaca-gpt4-data-en#2000' \
+    --torch_dtype bfloat16 \
+    --per_device_train_batch_size 3 \
+    --max_length 4096 \
+    --deepspeed zero3 \
+    --output_dir output
+"""
+
+
+def _without(text, *flags):
+    """The script with the lines of `flags` taken out (a user's edit of a docs example)."""
+    return "\n".join(line for line in text.splitlines() if line.strip().split(" ")[0] not in flags)
+
+
+@pytest.mark.parametrize("name", ["tuner_type", "train_type"])
+def test_tuner_type_is_the_train_type(name):
+    spec, result = imported(FULL_ONE_GPU.replace("--tuner_type", f"--{name}"))
+    assert spec.train_type == "full" and result.problems == []
+    assert not any("tuner_type" in line for line in result.ignored)
+
+
+def test_tuner_type_and_train_type_that_disagree_are_one_problem_naming_both():
+    result = import_command(FULL_ONE_GPU.replace("--tuner_type full", "--tuner_type full --train_type lora"))
+    spec, problems = result.parse()
+    assert spec is None and [p.field for p in problems] == ["--tuner_type, --train_type"]
+    assert "tuner_type full" in problems[0].message and "train_type lora" in problems[0].message
+    spec, problems = import_command(FULL_ONE_GPU.replace("--tuner_type full", "--tuner_type full --train_type full")).parse()
+    assert problems == [] and spec.train_type == "full"
+
+
+def test_megatron_sft_trains_full_by_default():
+    spec, result = imported(MEGATRON_QWEN3_32B)
+    assert spec.train_type == "full" and spec.learning_rate == 1e-5
+    assert any(d.startswith("train_type full") for d in result.defaults)
+    # Without --lr Megatron-SWIFT takes 1e-5 for full fine-tuning, 1e-4 for LoRA.
+    spec, result = imported(_without(MEGATRON_QWEN3_32B, "--lr"))
+    assert spec.learning_rate == 1e-5 and any(d.startswith("learning_rate 1e-05") for d in result.defaults)
+    spec, _ = imported(_without(MEGATRON_QWEN3_32B, "--lr").replace("megatron sft \\", "megatron sft \\\n    --tuner_type lora \\"))
+    assert (spec.train_type, spec.learning_rate) == ("lora", 1e-4)
+
+
+def test_without_nproc_per_node_ms_swift_runs_one_process():
+    cluster = parse_hostfile_text(CLUSTERS["1x8"])
+    for text in (FULL_ONE_GPU, DEVICE_MAP):
+        spec, result = imported(text)
+        assert spec.nproc_per_node == 1 and compute_layout(spec, cluster).world == 1
+        assert any(d.startswith("nproc_per_node 1") for d in result.defaults)
+    # Two visible GPUs for one process: ms-swift splits the model over them (device_map).
+    _, result = imported(DEVICE_MAP)
+    assert any("device_map" in n for n in result.notes)
+    # NNODES alone: torchrun's default of one process per node; torchrun's own default too.
+    spec, _ = imported(TWO_NODE_ZERO2.replace("NPROC_PER_NODE=$nproc_per_node \\\n", ""))
+    assert (spec.nnodes, spec.nproc_per_node) == (2, 1)
+    spec, _ = imported(TWO_NODE_TORCHRUN.replace("    --nproc_per_node=$nproc_per_node \\\n", ""))
+    assert (spec.nnodes, spec.nproc_per_node) == (2, 1)
+
+
+def test_cuda_visible_devices_per_process_as_ms_swift_divides_them():
+    spec, result = imported(DDP_DEVICE_MAP)
+    assert spec.nproc_per_node == 2 and spec.gradient_accumulation_steps == 8
+    assert any("CUDA_VISIBLE_DEVICES=0,1,2,3 with 2 process(es)" in n and "device_map" in n for n in result.notes)
+    # 3 GPUs for 2 processes: ms-swift asserts n_gpu % local_world_size == 0.
+    _, problems = import_command(DDP_DEVICE_MAP.replace("0,1,2,3", "0,1,2")).parse()
+    assert [p.field for p in problems] == ["CUDA_VISIBLE_DEVICES"] and "do not divide" in problems[0].message
+    # A device_map with DeepSpeed is refused by ms-swift ('DeepSpeed is not compatible with device_map').
+    _, problems = import_command(DEVICE_MAP.replace("--tuner_type lora", "--tuner_type lora --deepspeed zero2")).parse()
+    assert [p.field for p in problems] == ["CUDA_VISIBLE_DEVICES"] and "--deepspeed" in problems[0].message
+
+
+def test_omitted_flags_take_ms_swift_defaults():
+    spec, result = imported(ZERO3_LEFT_TO_DEFAULTS)
+    # ceil(16 / (3 x 4)) = 2 (floor would be 1); 3 epochs (HF); 1e-5 for full fine-tuning.
+    assert (spec.gradient_accumulation_steps, spec.num_train_epochs, spec.learning_rate) == (2, 3.0, 1e-5)
+    assert [d.split(" ")[0] for d in result.defaults] == ["learning_rate", "num_train_epochs", "gradient_accumulation_steps", "adam_beta2:"]
+    assert "ceil(16 / (batch 3 x world 4))" in result.defaults[2]
+    # LoRA's 1e-4 is swift-studio's too: nothing to fill. max_steps > 0 makes the epochs moot.
+    spec, result = imported(ZERO3_LEFT_TO_DEFAULTS.replace("--tuner_type full", "--tuner_type lora --max_steps 100"))
+    assert (spec.learning_rate, spec.num_train_epochs, spec.gradient_accumulation_steps) == (1e-4, 1.0, 2)
+    assert [d.split(" ")[0] for d in result.defaults] == ["gradient_accumulation_steps", "adam_beta2:"]
+    # Model-dependent defaults are named, not guessed.
+    _, result = imported(_without(ZERO3_LEFT_TO_DEFAULTS, "--max_length", "--torch_dtype"))
+    assert any(d.startswith("max_length: the model's max_model_len") for d in result.defaults)
+    assert any(d.startswith("torch_dtype:") for d in result.defaults)
+
+
+def test_save_total_limit_minus_one_is_no_limit():
+    spec, result = imported(FULL_ONE_GPU.replace("--save_total_limit 2", "--save_total_limit -1"))
+    assert spec.save_total_limit is None and any(n.startswith("--save_total_limit -1: no limit") for n in result.notes)
+    # Megatron-SWIFT refuses fewer than 2.
+    _, problems = import_command(MEGATRON_QWEN3_32B.replace("--save_steps 500", "--save_steps 500 --save_total_limit 1")).parse()
+    assert [p.field for p in problems] == ["--save_total_limit"]
+
+
+def test_megatron_gradient_accumulation_divides_by_data_parallel_size():
+    tp2_pp2 = MEGATRON_QWEN3_32B.replace("--tensor_model_parallel_size 8",
+                                         "--tensor_model_parallel_size 2 --pipeline_model_parallel_size 2")
+    # 8 GPUs / (TP 2 x PP 2) = DP 2: global 16 / (micro 1 x DP 2) = 8 (not 16 / world 8).
+    spec, result = imported(tp2_pp2)
+    assert spec.gradient_accumulation_steps == 8
+    # --global_batch_size left out: Megatron-SWIFT's 16, the same DP.
+    spec, result = imported(_without(tp2_pp2, "--global_batch_size"))
+    assert spec.gradient_accumulation_steps == 8 and any("--global_batch_size defaults to 16" in d for d in result.defaults)
+    micro2 = tp2_pp2.replace("--micro_batch_size 1", "--micro_batch_size 2")
+    spec, _ = imported(micro2.replace("--global_batch_size 16", "--global_batch_size 32"))
+    assert spec.gradient_accumulation_steps == 8
+    _, problems = import_command(micro2.replace("--global_batch_size 16", "--global_batch_size 18")).parse()
+    assert [p.field for p in problems] == ["--global_batch_size"] and "micro 2 x DP 2" in problems[0].message
+
+
+def test_megatron_epochs_decide_the_steps():
+    spec, result = imported(MEGATRON_QWEN3_32B.replace("--num_train_epochs 5", "--num_train_epochs 5 --train_iters 2000"))
+    assert (spec.num_train_epochs, spec.max_steps) == (5, -1) and any("--train_iters 2000 dropped" in n for n in result.notes)
+    _, problems = import_command(_without(MEGATRON_QWEN3_32B, "--num_train_epochs")).parse()
+    assert [p.field for p in problems] == ["--train_iters"]
+
+
+def test_cli_import_writes_the_ms_swift_job_and_its_filled_defaults(tmp_path):
+    script = tmp_path / "train_zero3.sh"
+    script.write_text(ZERO3_LEFT_TO_DEFAULTS)
+    done = subprocess.run([sys.executable, "-m", "backend.cli", "import", script.read_text()], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = yaml.safe_load(done.stdout)
+    assert (data["train_type"], data["nproc_per_node"], data["deepspeed"]) == ("full", 4, "zero3")
+    assert (data["num_train_epochs"], data["learning_rate"], data["gradient_accumulation_steps"]) == (3.0, 1e-5, 2)
+    comments = [line for line in done.stdout.splitlines() if line.startswith("# ms-swift default: ")]
+    assert [c.split(" ")[3] for c in comments] == ["learning_rate", "num_train_epochs", "gradient_accumulation_steps", "adam_beta2:"]
+
+
+@pytest.mark.parametrize("spec", [
+    JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["a.jsonl"], train_type="full", nproc_per_node=4),
+    JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["a.jsonl"], train_type="full", nproc_per_node=4, num_train_epochs=3,
+            learning_rate=1e-5, gradient_accumulation_steps=4),
+], ids=["swift-studio-defaults", "ms-swift-defaults"])
+def test_swift_command_states_what_ms_swift_would_not_default_to(spec):
+    line = swift_command(spec)
+    assert "--tuner_type full" in line
+    stated = ("--num_train_epochs" in line, "--learning_rate" in line, "--gradient_accumulation_steps" in line)
+    assert stated == ((True, True, True) if spec.num_train_epochs == 1 else (False, False, False))
+    back, problems = import_command(line).parse()
+    assert problems == [] and back == spec

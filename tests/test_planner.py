@@ -162,7 +162,7 @@ def test_worker_sets_the_batch_fields_of_the_run_directory_config(tmp_path):
     from launcher.config import load_ds_config
 
     (tmp_path / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": 64}))
-    config = load_ds_config(tmp_path, job(deepspeed="zero2", per_device_train_batch_size=2, gradient_accumulation_steps=3), 4, None)
+    config = load_ds_config(tmp_path, job(deepspeed="zero2", per_device_train_batch_size=2, gradient_accumulation_steps=3), 4, None, 100)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["train_batch_size"]) == (2, 3, 24)
 
 
@@ -175,7 +175,7 @@ def test_worker_reports_a_broken_run_directory_config(tmp_path, content, message
 
     (tmp_path / "ds_config.json").write_bytes(content)
     with pytest.raises(ConfigError, match=message):
-        load_ds_config(tmp_path, job(deepspeed="zero2"), 1, None)
+        load_ds_config(tmp_path, job(deepspeed="zero2"), 1, None, 100)
 
 
 def test_deepspeed_accepts_the_config():

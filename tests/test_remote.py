@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from backend.cluster import Node
 from backend.launch import NodeCommand, probe, start_all, stop_all
 from backend.nodes import Pool
 
+# Names of the variables these tests send: a prefix no caller's environment has (VIRTUAL_ENV, say),
+# so what a child reports under it is what the test sent and nothing else.
+ENV_PREFIX = f"SWIFT_STUDIO_TEST_{secrets.token_hex(4).upper()}_"
 HOSTILE = ["$(touch {m}/dollar)", "`touch {m}/backtick`", "x; touch {m}/semicolon", "a\ntouch {m}/newline",
            "' ; touch {m}/quote ; '", "\" && touch {m}/dq && \"", "| touch {m}/pipe", "> {m}/redirect"]
 
@@ -39,9 +43,10 @@ def test_invalid_env_names_are_refused(name):
 
 
 def test_env_values_are_data(tmp_path):
-    env = {f"V{i}": v for i, v in enumerate(hostile(tmp_path))}
+    env = {f"{ENV_PREFIX}{i}": v for i, v in enumerate(hostile(tmp_path))}
     cmd = remote.quote_argv([*remote.env_argv(env), sys.executable, "-c",
-                             "import os, json; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('V')}))"])
+                             "import os, sys, json; print(json.dumps({k: v for k, v in os.environ.items() "
+                             "if k.startswith(sys.argv[1])}))", ENV_PREFIX])
     out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == env
     assert list(tmp_path.iterdir()) == []
@@ -92,7 +97,7 @@ def test_setup_line_runs_first_and_its_failure_stops_the_command(tmp_path):
 STANDIN = (
     "import json, os, signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
-    "print(json.dumps({'argv': sys.argv[1:], 'env': {k: v for k, v in os.environ.items() if k.startswith('V')},"
+    f"print(json.dumps({{'argv': sys.argv[1:], 'env': {{k: v for k, v in os.environ.items() if k.startswith({ENV_PREFIX!r})}},"
     " 'cwd': os.getcwd(), 'pgid': os.getpgid(0), 'sid': os.getsid(0)}), flush=True)\n"
     "time.sleep(60)\n"
 )
@@ -107,7 +112,7 @@ def _hostile_launch(tmp_path: Path, nodes: list[Node], setup: str | None, known_
     run_dir = tmp_path / "run $(touch pwned-dollar); `touch pwned-backtick`; touch pwned-semicolon"
     run_dir.mkdir()
     (run_dir / "standin.py").write_text(STANDIN)
-    env = {f"V{i}": v for i, v in enumerate(values)}
+    env = {f"{ENV_PREFIX}{i}": v for i, v in enumerate(values)}
 
     async def go(pool: Pool):
         cmds = [NodeCommand(n, [sys.executable, str(run_dir / "standin.py"), *values], env, setup) for n in nodes]

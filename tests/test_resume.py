@@ -1,18 +1,22 @@
 """Stop a real 2-process run with SIGTERM, resume it, and compare the losses with an
 uninterrupted run of the same seed; resume FSDP2 and full DDP onto a different world size; DeepSpeed
-refuses one clearly."""
+refuses one clearly; a damaged newest checkpoint is passed over, naming the file."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
+import torch
 
+from launcher import checkpoint
 from worker import ROOT, events, kill_tree, losses, run_worker, torchrun_argv, worker_env, write_run
 
 pytestmark = pytest.mark.e2e
@@ -105,3 +109,45 @@ def test_deepspeed_refuses_other_world_size(tmp_path, tiny_model):
     assert proc.returncode != 0
     assert "written by 2 ranks and deepspeed cannot reshard it onto 1" in proc.log
     assert "Traceback" not in proc.log.split("written by 2 ranks")[0].splitlines()[-1]
+
+
+def test_resume_latest_passes_over_a_damaged_checkpoint(tmp_path, tiny_model):
+    run = write_run(tmp_path / "run", **job(tiny_model, max_steps=6, save_steps=3, logging_steps=3))
+    assert run_worker(run, nproc=1).returncode == 0
+    newest = run / "checkpoint-6"
+    adapter, optimizer = newest / "model" / "adapter_model.safetensors", newest / "optimizer.pt"
+    size = adapter.stat().st_size
+    with open(adapter, "r+b") as f:
+        f.truncate(size - 100)
+    with open(optimizer, "r+b") as f:  # same size, other bytes
+        f.seek(optimizer.stat().st_size // 2)
+        f.write(b"\0" * 64)
+    damage = f"checkpoint-6/model/adapter_model.safetensors: size {size - 100} != recorded {size}"
+
+    proc = run_worker(run, nproc=1, resume=str(newest))  # named: never swapped for another
+    assert proc.returncode == 1
+    assert f"resume: checkpoint {newest} does not match what was saved: {damage}; checkpoint-6/optimizer.pt: sha256 " in proc.log
+
+    proc = run_worker(run, nproc=1, resume="latest")
+    assert proc.returncode == 0, proc.log[-4000:]
+    start = events(run, 0, "start")[-1]
+    assert start["resumed_from"] == 3
+    skipped, = start["skipped_checkpoints"]
+    assert skipped.startswith(f"{damage}; checkpoint-6/optimizer.pt: sha256 ")
+    assert f"resume: skipped a damaged checkpoint: {damage}" in proc.log
+    assert checkpoint.resolve(run, "6").verified  # saved again on the way
+
+
+def test_checkpoint_of_the_previous_format_still_resumes(tmp_path, tiny_model):
+    """Written before checksums and tensor-only RNG files: the marker holds the step alone and
+    rng-rank0.pt numpy's own state tuple (an ndarray)."""
+    run = write_run(tmp_path / "run", **job(tiny_model, max_steps=3, save_steps=3, logging_steps=3))
+    assert run_worker(run, nproc=1).returncode == 0
+    old = run / "checkpoint-3"
+    (old / "complete").write_text("3\n")
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               old / "rng-rank0.pt")
+    proc = run_worker(run, nproc=1, resume="latest")
+    assert proc.returncode == 0, proc.log[-4000:]
+    assert events(run, 0, "start")[-1]["resumed_from"] == 3
+    assert f"resume: {old}/complete has no checksums (an older format); loading it unverified" in proc.log

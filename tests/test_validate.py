@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,9 @@ QWEN3_MOE = find_model_config("qwen3-30b-a3b")  # 128 experts
 
 
 def job(**kw) -> JobSpec:
-    return JobSpec(**{"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": ["swift/self-cognition#500"], **kw})
+    # No LoRA dropout: the MoE rows would otherwise all meet the dropout rule (tested on its own).
+    return JobSpec(**{"model": "Qwen/Qwen2.5-7B-Instruct", "dataset": ["swift/self-cognition#500"], "lora_dropout": 0.0,
+                      **kw})
 
 
 def check(spec, cluster=None, model=LLAMA8B, layout_only=True) -> list[Problem]:
@@ -42,7 +45,7 @@ RULES = [
     ("nproc over slots", dict(nnodes=2, nproc_per_node=16), "nproc_per_node", dict(nnodes=2, nproc_per_node=8)),
     ("TPxPPxCP divides world", dict(nnodes=2, nproc_per_node=6, tensor_model_parallel_size=2, pipeline_model_parallel_size=4),
      "tensor_model_parallel_size", dict(nnodes=2, nproc_per_node=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)),
-    ("TPxPPxEP divides world", dict(nnodes=1, nproc_per_node=6, expert_model_parallel_size=4), "expert_model_parallel_size",
+    ("ETPxEPxPP divides world", dict(nnodes=1, nproc_per_node=6, expert_model_parallel_size=4), "expert_model_parallel_size",
      dict(nnodes=1, nproc_per_node=8, expert_model_parallel_size=4)),
     ("SP divides world", dict(nnodes=1, nproc_per_node=6, sequence_parallel_size=4, max_length=4096), "sequence_parallel_size",
      dict(nnodes=1, nproc_per_node=8, sequence_parallel_size=4, max_length=4096)),
@@ -78,8 +81,8 @@ MIXTRAL = find_model_config("mixtral-8x7b")  # 8 experts
 MODEL_RULES = [
     ("heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN7B, "tensor_model_parallel_size", "28 attention heads",
      dict(tensor_model_parallel_size=4), QWEN7B),
-    ("KV heads divisible by TP", dict(tensor_model_parallel_size=8), QWEN3_MOE, "tensor_model_parallel_size", "4 key/value heads",
-     dict(tensor_model_parallel_size=4), QWEN3_MOE),  # 32 heads divide by 8, its 4 KV heads do not
+    ("KV heads split or replicated by TP", dict(tensor_model_parallel_size=14), QWEN7B, "tensor_model_parallel_size",
+     "4 key/value heads and TP=14: one must divide the other", dict(tensor_model_parallel_size=4), QWEN7B),
     ("heads divisible by TP x SP", dict(sequence_parallel_size=8), QWEN7B, "sequence_parallel_size", "TP x SP = 8",
      dict(sequence_parallel_size=4), QWEN7B),
     ("layers divisible by PP", dict(pipeline_model_parallel_size=8), QWEN7B, "pipeline_model_parallel_size", "28 layers",
@@ -96,6 +99,64 @@ def test_model_rule(name, bad, model, field, fragment, good, good_model):
     found = errors(check(job(**{"nproc_per_node": 8, **bad}), model=model))
     assert {p.field for p in found} == {field} and any(fragment in p.message for p in found), name
     assert fields(check(job(**{"nproc_per_node": 8, **good}), model=good_model)) == [], name
+
+
+def test_kv_heads_are_replicated_when_tp_is_a_multiple_of_them():
+    """Megatron's rule: TP16 on Llama-3.1-70B-shaped attention (64 heads, 8 KV) and TP8 on Qwen3-30B-A3B
+    (32 heads, 4 KV) are legal; the KV heads are replicated."""
+    sixteen = parse_hostfile_text("n0 slots=16\n")
+    assert fields(check(job(nproc_per_node=16, tensor_model_parallel_size=16), cluster=sixteen,
+                        model=replace(LLAMA8B, num_heads=64))) == []
+    assert fields(check(job(nproc_per_node=8, tensor_model_parallel_size=8), model=QWEN3_MOE)) == []
+
+
+def test_max_length_past_the_trained_context_warns():
+    qwen3 = find_model_config("qwen3-32b")  # 40960 positions, no rope scaling
+    (warning,) = [p for p in check(job(nproc_per_node=8, max_length=65536), model=qwen3) if p.field == "max_length"]
+    assert warning.severity == "warning"
+    assert warning.message.startswith("65536 is above the model's max_position_embeddings (40960): positions past it")
+    assert not [p for p in check(job(nproc_per_node=8, max_length=40960), model=qwen3) if p.field == "max_length"]
+    (scaled,) = [p for p in check(job(nproc_per_node=8, max_length=262144), model=LLAMA8B) if p.field == "max_length"]
+    assert "scales rope (llama3)" in scaled.message
+
+
+def test_lora_dropout_on_stacked_experts_is_refused():
+    """peft wraps the router and the stacked expert weights of transformers 5's MoE models in a
+    ParamWrapper, which refuses dropout: the default LoRA job would fail as the model is built."""
+    (problem,) = errors(check(job(nproc_per_node=8, lora_dropout=0.05), model=QWEN3_MOE))
+    assert problem.field == "lora_dropout" and "router and stacked experts" in problem.message
+    assert errors(check(job(nproc_per_node=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"]), model=QWEN3_MOE)) == []
+    assert errors(check(job(nproc_per_node=8, lora_dropout=0.05), model=LLAMA8B)) == []
+
+
+def test_peft_refuses_dropout_on_stacked_experts():
+    """Pins the engine behaviour the rule above exists for (peft 0.21, transformers 5)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                            num_experts_per_tok=2, head_dim=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="(?i)dropout"):
+        get_peft_model(model, LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.05))
+    with torch.device("meta"):
+        get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.0))
+
+
+def test_the_expert_grid_is_megatrons():
+    """ms-swift's Qwen3-235B example, TP4 x EP8 on 8 GPUs with expert-TP 1: legal, since the experts'
+    grid (ETP x EP x PP) is carved out of the world apart from TP. ETP4 x EP8 is not."""
+    one_node = parse_hostfile_text("n0 slots=8\n")
+    legal = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8)
+    assert fields(check(legal, cluster=one_node, model=QWEN3_MOE)) == []
+    wide = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8, expert_tensor_parallel_size=4)
+    (problem,) = errors(check(wide, cluster=one_node, model=QWEN3_MOE))
+    assert problem.field == "expert_model_parallel_size"
+    assert problem.message == ("ETP x EP x PP = 4x8x1 = 32 does not divide the world size 8 (the experts' grid: "
+                               "Megatron's world % (ETP x EP x PP) == 0)")
 
 
 def write_ds(tmp_path, config) -> str:
@@ -121,10 +182,10 @@ def test_nvme_offload_needs_zero3_and_bf16(tmp_path):
 @pytest.mark.parametrize("content,message", [
     (None, "DeepSpeed config not found"),
     ('{"zero_optimization": {"stage": 2,}}', "ds.json:1: DeepSpeed config is not valid JSON"),
-    ('{"bf16": {"enabled": true}}', "needs zero_optimization.stage"),
+    ('{"zero_optimization": {"stage": 4}}', "zero_optimization.stage: must be 0, 1, 2 or 3"),
     ('[1, 2]', "must be a JSON object"),
 ])
-def test_user_deepspeed_json_must_parse_and_name_a_stage(tmp_path, content, message):
+def test_user_deepspeed_json_must_parse_and_have_a_valid_stage(tmp_path, content, message):
     path = write_ds(tmp_path, content) if content else str(tmp_path / "absent.json")
     problems = check(job(deepspeed=path, nproc_per_node=8))
     assert [p.field for p in errors(problems)] == ["deepspeed"] and message in errors(problems)[0].message
@@ -194,10 +255,13 @@ def test_warning(name, risky, fine, field, fragment):
     assert not has_warning(check(job(**{"nproc_per_node": 8, "nnodes": 2, **fine})), field, fragment), name
 
 
-def test_cpu_node_oversubscription_is_a_warning_gpu_node_an_error():
+def test_oversubscribing_cpu_cores_or_gpus_is_an_error():
     cpu = local_cluster(GpuInfo())
-    problems = check(job(nproc_per_node=2, train_type="lora"), cluster=cpu, model=find_model_config("assets/demo/model"))
-    assert errors(problems) == [] and "nproc_per_node" in fields(problems, "warning")
+    cores = cpu.nodes[0].slots
+    model = find_model_config("assets/demo/model")
+    assert errors(check(job(nproc_per_node=cores, train_type="lora"), cluster=cpu, model=model)) == []
+    problems = check(job(nproc_per_node=cores + 1, train_type="lora"), cluster=cpu, model=model)
+    assert "nproc_per_node" in fields(problems, "error")
     gpu = local_cluster(GpuInfo(("A100",), 80.0))
     assert "nproc_per_node" in fields(check(job(nproc_per_node=2), cluster=gpu))
 
@@ -219,7 +283,7 @@ def test_local_files_must_exist(tmp_path):
     cluster = local_cluster(GpuInfo(("A100",), 80.0))
     missing = job(model=str(tmp_path / "no-model"), dataset=[str(tmp_path / "train.jsonl")])
     assert fields(check(missing, cluster=cluster)) == ["dataset[0]", "model"]
-    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "train.jsonl").write_text('{"text": "a record"}\n')
     (tmp_path / "no-model").mkdir()
     assert fields(check(missing, cluster=cluster)) == []
 
@@ -243,6 +307,6 @@ def test_every_problem_at_once():
 
 
 def test_worker_capabilities_are_included():
-    """TP>1 is legal for the layout but the worker refuses it; validate passes that on."""
-    problems = validate(job(nproc_per_node=8, tensor_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
-    assert any(p.field == "tensor_model_parallel_size" and "not supported by this worker" in p.message for p in problems)
+    """PP>1 is legal for the layout but the worker refuses it; validate passes that on."""
+    problems = validate(job(nproc_per_node=8, pipeline_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
+    assert any(p.field == "pipeline_model_parallel_size" and "not supported by this worker" in p.message for p in problems)

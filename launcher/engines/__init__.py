@@ -1,11 +1,16 @@
-"""Engines: DDP, DeepSpeed ZeRO, FSDP2. `build_engine` picks one from the job spec."""
+"""Engines: DDP, DeepSpeed ZeRO, FSDP2, tensor parallel. `build_engine` picks one from the job spec."""
 from __future__ import annotations
 
-from backend.capabilities import fsdp_plan
+from backend.capabilities import fsdp_plan, tp_plan
 from launcher.engines.base import Engine
 
 
 def build_engine(model, spec, dist, total_steps: int, ds_config: dict | None) -> Engine:
+    tp = tp_plan(spec, dist.world_size)
+    if tp:
+        from launcher.engines.tp import TPEngine
+
+        return TPEngine(model, spec, dist, total_steps, tp)
     if spec.deepspeed:
         from launcher.engines.zero import DeepSpeedEngine
 

@@ -49,7 +49,7 @@ class TorchOptimizerEngine(Engine):
     def step(self):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.spec.max_grad_norm or float("inf"))
+        norm = clip_grad_norm(self.params, self.spec.max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -57,11 +57,34 @@ class TorchOptimizerEngine(Engine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        # FSDP2's norm is a DTensor: the global value is its full tensor.
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
+        return norm
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+
+def clip_grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm before clipping, clipped to `max_norm` (None or 0: no clipping).
+    FSDP2's gradients are DTensors; under TP the replicated parameters (norms) keep plain
+    gradients beside the DTensor ones, and under TP x FSDP2 they live on two meshes (fsdp, and
+    fsdp x tp), which torch's clip_grad_norm_ refuses to mix: each mesh (and the plain ones) is
+    reduced on its own, a DTensor norm over its whole mesh, and the parts combined."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    groups = list(by_mesh.values())
+    if not groups:
+        return torch.zeros(())
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    total = torch.linalg.vector_norm(torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float()
+                                                  for n in norms]))
+    if max_norm:
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total.detach()
 
 
 def checkpoint_part(path: Path, name: str, engine: str) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from launcher import checkpoint
 from launcher.engines.base import (TorchOptimizerEngine, autocast, checkpoint_part, load_weights, make_optimizer,
                                    make_scheduler, reduce_dtype, save_pretrained)
 
@@ -61,7 +62,7 @@ class DDPEngine(TorchOptimizerEngine):
     def load(self, path: Path) -> None:
         optimizer = checkpoint_part(path, "optimizer.pt", self.name)
         load_weights(self.model, path / "model")
-        state = torch.load(optimizer, map_location=self.device, weights_only=False)
+        state = checkpoint.read(optimizer, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from backend.capabilities import FsdpPlan
+from launcher import checkpoint
 from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler, reduce_dtype,
                                    save_pretrained)
 from launcher.model import DTYPES, decoder_layers
@@ -81,7 +82,7 @@ class FSDPEngine(TorchOptimizerEngine):
     def load(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(checkpoint_part(path, f"{DCP_DIR}/", self.name)))
+        checkpoint.dcp_read(state, checkpoint_part(path, f"{DCP_DIR}/", self.name))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.scheduler.load_state_dict(checkpoint.read(path / "scheduler.pt"))
 

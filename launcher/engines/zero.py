@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from launcher import checkpoint
 from launcher.engines.base import Engine, checkpoint_part, make_optimizer, make_scheduler, param_groups, save_pretrained
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
@@ -70,10 +71,24 @@ class DeepSpeedEngine(Engine):
 
     def load(self, path: Path) -> None:
         checkpoint_part(path, f"{TAG}/", self.name)
-        load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+        # DeepSpeed's checkpoint engine reads its files with weights_only=False.
+        with checkpoint.safe_torch_load(path / TAG, pickled_classes()):
+            load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True)
         if load_path is None:  # DeepSpeed warns and loads nothing where its files are missing
             raise ValueError(f"{path}: no DeepSpeed state under '{TAG}/'")
+
+
+def pickled_classes() -> list:
+    """The DeepSpeed classes in its checkpoint files besides tensors and plain data, allowed when they
+    are read with weights_only=True. Listed from real ZeRO-0 to ZeRO-3 files (fp32, bf16; full and
+    LoRA) with torch.serialization.get_unsafe_globals_in_checkpoint; DynamicLossScaler, not seen on a
+    CPU, is what `CreateLossScaler` puts in the same optimizer state for fp16."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 def _gathered(params, stage: int):

@@ -1,0 +1,94 @@
+"""Admission: nproc_per_node fits the node, and a run does not start on slots another run holds."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from backend.admission import busy_nodes, holding
+from backend.cluster import Cluster, GpuInfo, Node, local_cluster, parse_hostfile_text
+from backend.manager import RunManager
+from backend.spec import JobSpec
+from backend.validate import errors, validate
+from worker import ROOT
+
+GPU = Node(host="gpu-01", slots=8, device="cuda")
+CPU = Node(host="cpu-01", slots=2, device="cpu")
+
+
+def spec(**over) -> JobSpec:
+    return JobSpec(**{"model": "Qwen/Qwen2.5-0.5B", "dataset": ["d"], **over})
+
+
+def nproc_errors(job, cluster):
+    return [p.message for p in errors(validate(job, cluster)) if p.field == "nproc_per_node"]
+
+
+def test_nproc_above_gpus_or_cores_is_refused():
+    gpus = parse_hostfile_text("gpu-01 slots=8\n")
+    assert nproc_errors(spec(nproc_per_node=9), gpus) == ["9 processes per node, but gpu-01 has 8 slot(s) (GPUs)"]
+    assert nproc_errors(spec(nproc_per_node=8), gpus) == []
+    cpus = parse_hostfile_text("cpu-01 slots=2 device=cpu\n")
+    assert nproc_errors(spec(nproc_per_node=100000), cpus) == [
+        "100000 processes per node, but cpu-01 has 2 slot(s) (CPU cores)"]
+
+
+def test_the_local_cpu_node_has_a_slot_per_usable_core():
+    local = local_cluster(GpuInfo((), None))
+    assert local.nodes[0].slots == len(os.sched_getaffinity(0))
+    # The bundled demo's 2 ranks stay valid on a 2-core machine, without a warning.
+    two_cores = Cluster(nodes=(replace(local.nodes[0], slots=2),), source="local")
+    assert not [p for p in validate(spec(nproc_per_node=2), two_cores) if p.field == "nproc_per_node"]
+
+
+def test_a_run_yields_to_the_runs_recorded_before_it():
+    first = holding("run-a", 1, spec(nproc_per_node=6), [GPU])
+    second = holding("run-b", 2, spec(nproc_per_node=4), [GPU])
+    ((node, message),) = busy_nodes(second, [GPU], [first, second])
+    assert node == GPU
+    assert message == ("gpu-01 is busy: run run-a (6) hold 6 of its 8 GPUs, and this job needs 4; "
+                               "wait for them to finish, stop them, or lower nproc_per_node")
+    # The earlier one never yields to the later one: two submissions at once start exactly one.
+    assert busy_nodes(first, [GPU], [first, second]) == []
+    # Runs that fit side by side (4 + 4 of 8 GPUs) both start.
+    assert busy_nodes(holding("run-c", 3, spec(nproc_per_node=4), [GPU]), [GPU],
+                         [holding("run-a", 1, spec(nproc_per_node=4), [GPU])]) == []
+
+
+def test_busy_counts_every_holder_and_only_shared_nodes():
+    other = Node(host="cpu-02", slots=2, device="cpu", addr="10.0.0.9")
+    holders = [holding("a", 1, spec(nproc_per_node=1), [CPU]), holding("b", 2, spec(nproc_per_node=1), [CPU]),
+               holding("c", 3, spec(nproc_per_node=2), [other])]
+    new = holding("d", 4, spec(nproc_per_node=1, nnodes=2), [CPU, other])
+    messages = [message for _, message in busy_nodes(new, [CPU, other], holders)]
+    assert messages == [
+        "cpu-01 is busy: run a (1), run b (1) hold 2 of its 2 CPU cores, and this job needs 1; wait for them to "
+        "finish, stop them, or lower nproc_per_node",
+        "cpu-02 is busy: run c (2) hold 2 of its 2 CPU cores, and this job needs 1; wait for them to finish, stop "
+        "them, or lower nproc_per_node"]
+    # A resume of the same run does not count its own earlier attempt.
+    assert busy_nodes(holding("a", 5, spec(nproc_per_node=2), [CPU]), [CPU], holders[:1]) == []
+
+
+@pytest.mark.e2e
+def test_runs_submitted_back_to_back_do_not_share_the_cores(tmp_path, tiny_model):
+    """Three runs at once on this machine: the first takes every core, the two after it are refused
+    naming it, and once it has finished the same job starts."""
+    url = f"sqlite:///{tmp_path / 'studio.db'}"
+    cluster = local_cluster(GpuInfo())
+    cores = cluster.nodes[0].slots
+    spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                   output_dir=str(tmp_path / "out"), nproc_per_node=cores, max_steps=4, save_strategy="no",
+                   logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
+                   env={"OMP_NUM_THREADS": "1"})
+    with RunManager(url) as m:
+        first, second, third = (m.launch(spec, cluster, name=name) for name in ("first", "second", "third"))
+        for refused in (second, third):
+            run = m.wait(refused, timeout=120)
+            assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
+            assert run.message.startswith(f"localhost is busy: run {first} ({cores}) hold {cores} of its {cores} CPU cores")
+            assert run.failed_node == "localhost" and not m.processes(refused)
+        assert m.wait(first, timeout=240).state == "succeeded"
+        again = m.resume(second)
+        assert m.wait(again, timeout=240).state == "succeeded"

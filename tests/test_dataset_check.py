@@ -1,0 +1,116 @@
+"""Datasets are checked before launch: a bounded sample of each local file, with file:line messages."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backend.records import SAMPLE_HEAD, sample_problems
+from backend.spec import JobSpec
+from backend.validate import errors, validate
+from worker import ROOT
+
+GOOD = {"query": "What is 2 + 2?", "response": "4"}
+
+
+def jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def job(tmp_path, dataset: str) -> JobSpec:
+    return JobSpec(model=str(ROOT / "assets" / "demo" / "model"), dataset=[dataset], output_dir=str(tmp_path / "runs"),
+                   nproc_per_node=1)
+
+
+def test_a_malformed_line_is_named_with_file_and_line(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", [GOOD] * 6 + ['{"query": "q", "response": '] + [GOOD] * 3)
+    (problem,) = sample_problems(str(path))
+    assert problem.startswith(f"{path}:7: invalid JSON")
+
+
+def test_records_without_the_expected_fields(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "p", "completion": "c"}, {"messages": []}])
+    problems = sample_problems(str(path))
+    assert problems[0].startswith(f"{path}:2: unknown record format with fields ['completion', 'prompt']")
+    assert problems[1] == f"{path}:3: 'messages' must be a non-empty list"
+
+
+def test_empty_and_blank_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    assert sample_problems(str(empty)) == [f"{empty}: the file is empty (no records)"]
+    assert sample_problems(str(blank)) == [f"{blank}: no records (only blank lines)"]
+
+
+def test_a_binary_file_is_named(tmp_path):
+    path = tmp_path / "weights.jsonl"
+    path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    assert sample_problems(str(path)) == [
+        f"{path}: not a text file (binary data at byte 4); expected JSON lines, JSON, CSV or parquet"]
+    fake = tmp_path / "fake.parquet"
+    fake.write_text(json.dumps(GOOD) + "\n")
+    assert sample_problems(str(fake)) == [f"{fake}: not a parquet file (it does not start with the PAR1 magic bytes)"]
+
+
+def test_random_offsets_reach_past_the_head_with_exact_line_numbers(tmp_path):
+    rows = [GOOD] * (SAMPLE_HEAD + 50) + [{"wrong": i} for i in range(400)]
+    path = jsonl(tmp_path / "big.jsonl", rows)
+    problems = sample_problems(str(path))
+    assert problems, "the bad second half of the file was not sampled"
+    line = int(problems[0].split(":")[1])
+    assert line > SAMPLE_HEAD + 50 and json.loads(path.read_text().splitlines()[line - 1]) == {"wrong": line - SAMPLE_HEAD - 51}
+    assert problems[-1].endswith("checked") and len(problems) == 4  # three named, then a count
+
+
+def test_csv_json_and_parquet_files(tmp_path):
+    table = tmp_path / "d.csv"
+    with open(table, "w", newline="") as f:
+        writer = csv.DictWriter(f, ["instruction", "answer"])
+        writer.writeheader()
+        writer.writerow({"instruction": "i", "answer": "a"})
+    assert sample_problems(str(table))[0].startswith(f"{table}:2: unknown record format with fields ['answer', 'instruction']")
+    whole = tmp_path / "d.json"
+    whole.write_text('[{"query": "q", "response": "r"},\n {"query": "q"]\n')
+    assert sample_problems(str(whole))[0].startswith(f"{whole}:2: dataset is not valid JSON")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([GOOD] * 3), good)
+    assert sample_problems(str(good)) == []
+    truncated = tmp_path / "cut.parquet"
+    truncated.write_bytes(good.read_bytes()[:40])
+    assert sample_problems(str(truncated))[0].startswith(f"{truncated}: cannot read parquet")
+
+
+def test_a_file_fixed_in_place_is_checked_again(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", ["{oops"])
+    assert sample_problems(str(path))
+    jsonl(path, [GOOD, GOOD])
+    assert sample_problems(str(path)) == []
+
+
+def test_validate_names_the_dataset_field(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", [GOOD, "not json"])
+    problems = [p for p in errors(validate(job(tmp_path, f"{path}#50"))) if p.field.startswith("dataset")]
+    assert [(p.field, p.message) for p in problems] == [
+        ("dataset[0]", f"{path}:2: invalid JSON (Expecting value at column 1)")]
+    assert not [p for p in validate(job(tmp_path, str(ROOT / "assets" / "demo" / "train.jsonl")))
+                if p.field.startswith("dataset")]
+
+
+@pytest.mark.e2e
+def test_cli_validate_refuses_a_bad_dataset_before_launch(tmp_path):
+    data = jsonl(tmp_path / "d.jsonl", [GOOD] * 3 + [{"conversations": [{"from": "human", "value": "hi"}]}])
+    spec = job(tmp_path, str(data))
+    (tmp_path / "job.yaml").write_text(spec.to_yaml())
+    res = subprocess.run([sys.executable, "-m", "backend.cli", "validate", str(tmp_path / "job.yaml")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode != 0
+    assert f"dataset[0]: {data}:4: no assistant message, nothing to learn from" in res.stdout + res.stderr

@@ -1,0 +1,152 @@
+"""A failed run names what its workers reported: real torchrun runs through the RunManager, on
+the local node and on two real SSH nodes (127.0.0.2, 127.0.0.3) sharing the run directory; a
+full disk is a real tmpfs that the first checkpoint fills."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend import records, remote
+from backend.cluster import LOCAL_ADDR, LOCAL_HOST, Cluster, Node
+from backend.manager import RunManager
+from backend.spec import JobSpec
+from worker import ROOT
+
+LOCAL = Cluster(nodes=(Node(host=LOCAL_HOST, addr=LOCAL_ADDR, slots=2, python=sys.executable, local=True,
+                            device="cpu"),), source="test")
+
+
+def job(tiny_model: Path, out: Path, **fields) -> JobSpec:
+    base = dict(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#64"],
+                output_dir=str(out), nnodes=1, nproc_per_node=2, max_length=32, max_steps=4, save_steps=2,
+                logging_steps=1, torch_dtype="float32", gradient_checkpointing=False, env={"OMP_NUM_THREADS": "1"})
+    return JobSpec(**{**base, **fields})
+
+
+@pytest.fixture
+def manager(tmp_path):
+    managers = []
+
+    def make(known_hosts: Path | None = None) -> RunManager:
+        managers.append(RunManager(f"sqlite:///{tmp_path / 'studio.db'}", known_hosts=known_hosts or tmp_path / "kh"))
+        return managers[-1]
+
+    yield make
+    for m in managers:
+        m.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: room for the run's files and logs, not for a checkpoint of the tiny model."""
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_exit_code_survives_a_full_disk(small_disk):
+    """The wrapper's last write, torchrun's exit code, lands after the command filled the disk."""
+    paths = remote.NodePaths(str(small_disk), "n1")
+    fill = f"cat /dev/zero > {small_disk}/fill 2>/dev/null; exit 3"
+    out = subprocess.run(["bash", "-c", remote.detached_start(["sh", "-c", fill], {}, paths, "rid")],
+                         capture_output=True, text=True, timeout=30)
+    pgid = int(out.stdout)
+
+    def probe() -> tuple[bool, int | None]:
+        answer = subprocess.run(["bash", "-c", remote.probe(pgid, paths)], capture_output=True, text=True)
+        return remote.parse_probe(answer.stdout)
+
+    try:
+        end = time.monotonic() + 20
+        while probe()[0] and time.monotonic() < end:
+            time.sleep(0.1)
+        alive, code = probe()
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert shutil.disk_usage(small_disk).free == 0
+    assert (alive, code) == (False, 3)
+
+
+@pytest.mark.e2e
+def test_bad_record_names_file_line_rank_and_node(manager, tiny_model, tmp_path):
+    rows = (ROOT / "assets" / "demo" / "train.jsonl").read_text().splitlines()
+    rows[706] = json.dumps({"foo": 1})  # line 707: record 706, rank 0's of 2
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    # Past the records the validator samples before launch (a bad line 7 never reaches a worker).
+    assert records.sample_problems(str(data)) == []
+    m = manager()
+    run = m.wait(m.launch(job(tiny_model, tmp_path / "out", dataset=[str(data)]), LOCAL), timeout=180)
+    assert (run.state, run.cause) == ("failed", "data_error"), (run.cause, run.message, run.log_tail)
+    assert run.failed_node == LOCAL_HOST and run.exit_code == 1
+    # the worker's own message, once, after where it happened
+    # rank 0 read the bad record; rank 1 only stopped for it
+    assert run.message.startswith(f"data error (node {LOCAL_HOST}, rank 0): {data}:707: unknown record format "
+                                  "with fields ['foo']"), run.message
+    assert "DataError" not in run.message and "exit code" not in run.message
+
+
+@pytest.mark.e2e
+def test_damaged_checkpoint_is_named_on_resume(manager, tiny_model, tmp_path):
+    m = manager()
+    run = m.wait(m.launch(job(tiny_model, tmp_path / "out", max_steps=2), LOCAL), timeout=180)
+    assert run.state == "succeeded", (run.message, run.log_tail)
+    ckpt = Path(run.run_dir) / "checkpoint-2"
+    damaged = ckpt / "optimizer.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+
+    run = m.wait(m.launch(job(tiny_model, tmp_path / "out", resume_from_checkpoint=str(ckpt)), LOCAL), timeout=180)
+    assert (run.state, run.cause) == ("failed", "checkpoint_error"), (run.cause, run.message, run.log_tail)
+    assert run.message.startswith(f"checkpoint error (node {LOCAL_HOST}, rank "), run.message
+    assert "checkpoint-2/optimizer.pt" in run.message, run.message
+
+
+@pytest.mark.e2e
+def test_full_disk_is_named_with_path_and_node_and_keeps_the_exit_code(manager, tiny_model, small_disk):
+    m = manager()
+    run = m.wait(m.launch(job(tiny_model, small_disk), LOCAL), timeout=180)
+    assert (run.state, run.cause) == ("failed", "disk_full"), (run.cause, run.message, run.log_tail)
+    assert shutil.disk_usage(small_disk).free == 0  # it did fill up
+    assert run.message.startswith(f"disk full (node {LOCAL_HOST}, rank "), run.message
+    assert f"No space left on device: {run.run_dir} (0 B free of 256.0 KiB)" in run.message
+    # the wrapper's exit file, written over bytes taken at the start, survived the full disk
+    assert run.exit_code == 1
+
+
+@pytest.mark.e2e
+def test_an_error_on_one_node_only_names_that_node_and_rank(manager, tiny_model, tmp_path, sshd_nodes):
+    """Rank 1 alone cannot read its RNG state; rank 0, on the other node, loses its peer."""
+    cluster = Cluster(nodes=sshd_nodes.nodes(), source="test")
+    m = manager(sshd_nodes.known_hosts)
+    spec = job(tiny_model, tmp_path / "out", nnodes=2, nproc_per_node=1, max_steps=3, save_steps=3)
+    run = m.wait(m.launch(spec, cluster, setups=sshd_nodes.setups()), timeout=240)
+    assert run.state == "succeeded", (run.message, run.log_tail)
+    ckpt = Path(run.run_dir) / "checkpoint-3"
+    (ckpt / "rng-rank1.pt").write_bytes(b"not a torch file")
+    (ckpt / "complete").write_text("3\n")  # a marker of the older format, without checksums: loaded unverified
+
+    resumed = spec.model_copy(update={"max_steps": 6, "resume_from_checkpoint": str(ckpt)})
+    run = m.wait(m.launch(resumed, cluster, setups=sshd_nodes.setups()), timeout=240)
+    run_dir = Path(run.run_dir)
+    assert (run.state, run.cause) == ("failed", "checkpoint_error"), (run.cause, run.message, run.log_tail)
+    # where rank 1 ran this attempt: the node whose log has its error line
+    rank1 = [n.host for n in cluster.nodes
+             if "[rank1] error:" in (run_dir / "logs" / f"{remote.node_file_name(n.host)}.log").read_text()]
+    assert rank1 and run.failed_node == rank1[0], (run.failed_node, rank1, run.message)
+    assert run.message.startswith(f"checkpoint error (node {rank1[0]}, rank 1): "), run.message
+    assert f"{ckpt}/rng-rank1.pt" in run.message, run.message

@@ -1,0 +1,90 @@
+"""A run killed a few steps after a checkpoint and resumed from it does those steps again; its
+metrics (series, CSV export, progress, checkpoints) show each step once, the resumed attempt's.
+A real local run of the tiny model through the RunManager."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from sqlalchemy import func, select
+
+from backend import cli
+from backend.cluster import GpuInfo, local_cluster
+from backend.manager import RunManager
+from backend.spec import JobSpec
+from backend.telemetry_models import MetricSample
+from worker import ROOT, events
+
+pytestmark = pytest.mark.e2e
+S = MetricSample.__table__
+MAX_STEPS, SAVE_STEPS = 30, 10
+
+
+def until(what, timeout: float = 240.0, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = what()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout:.0f} s")
+
+
+def kill_workers(pgid: int) -> None:
+    """SIGKILL the training processes (torchrun starts each in a session of its own, under it)."""
+    for p in psutil.Process(pgid).children(recursive=True):
+        cmd = p.cmdline()
+        if "launcher.train" in cmd and "torch.distributed.run" not in cmd:
+            os.kill(p.pid, signal.SIGKILL)
+
+
+def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model):
+    url = f"sqlite:///{tmp_path / 'studio.db'}"
+    spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                   output_dir=str(tmp_path / "out"), nproc_per_node=1, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
+                   logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
+                   env={"OMP_NUM_THREADS": "1"})
+    with RunManager(url) as m:
+        run_id = m.launch(spec, local_cluster(GpuInfo()))
+        run_dir = Path(m.run(run_id).run_dir)
+        until(lambda: any(e["step"] > SAVE_STEPS + 2 for e in events(run_dir, 0, "train")), every=0.005)
+        [proc] = m.processes(run_id)
+        kill_workers(proc.pgid)
+        failed = m.wait(run_id, timeout=60)
+        assert failed.state == "failed", (failed.state, failed.message)
+        reached = max(e["step"] for e in events(run_dir, 0, "train"))
+        assert SAVE_STEPS < reached < 2 * SAVE_STEPS, "the kill must land between two checkpoints"
+
+        m.resume(run_id)
+        done = m.wait(run_id, timeout=300)
+        assert done.state == "succeeded", (done.message, done.log_tail)
+        until(lambda: (m.progress(run_id) or {}).get("step") == MAX_STEPS, timeout=30)
+
+        # What the run's history is: attempt 1 up to its checkpoint, then attempt 2 (which
+        # resumed from it). Losses would match either way (a resume is exact): times tell them apart.
+        lines = events(run_dir, 0)
+        second = max(i for i, e in enumerate(lines) if e["type"] == "start")
+        assert lines[second]["resumed_from"] == SAVE_STEPS
+        train = [(i, (e["time"], e["step"], e["loss"])) for i, e in enumerate(lines) if e["type"] == "train"]
+        history = [point for i, point in train if i > second or point[1] <= SAVE_STEPS]
+        assert [s for _, s, _ in history] == list(range(1, MAX_STEPS + 1))
+
+        [points] = m.series(run_id, ["train/loss"]).series.values()
+        assert points == pytest.approx([(t, loss) for t, _, loss in history])
+
+        out = tmp_path / "metrics.csv"
+        assert cli.main(["metrics", run_id, "--db", url, "--names", "train/loss", "--out", str(out)]) == 0
+        rows = [(float(r["t"]), int(r["step"]), float(r["value"])) for r in csv.DictReader(out.open())]
+        assert rows == pytest.approx(history)
+
+        progress = m.progress(run_id)
+        assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, SAVE_STEPS)
+        assert [step for step, _ in m.checkpoints(run_id)] == [30, 20, 10]
+        with m.engine.connect() as conn:  # the failed attempt's steps are kept, only not shown
+            stored = conn.execute(select(func.count()).where(S.c.run_id == run_id, S.c.name == "train/loss")).scalar()
+        assert stored == MAX_STEPS + reached - SAVE_STEPS

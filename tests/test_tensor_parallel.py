@@ -1,0 +1,204 @@
+"""Tensor parallel (transformers' TP, with its FSDP2 for data parallel) on CPU with gloo: the same
+job with and without TP trains the same, resumes the same and exports the same model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.capabilities import TIED_UNDER_TP_FSDP, TpPlan, tp_plan, unsupported
+from backend.spec import JobSpec
+from worker import ROOT, events, losses, run_worker, write_run
+
+DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
+STEPS = 20
+
+
+def spec(**over) -> JobSpec:
+    return JobSpec(**{"model": "m", "dataset": ["d"], **over})
+
+
+def test_tp_plan_puts_the_data_parallel_ranks_beside_tp():
+    assert tp_plan(spec(), 8) is None
+    assert tp_plan(spec(tensor_model_parallel_size=2), 8) == TpPlan(tp=2, fsdp=1, replicate=4)
+    assert tp_plan(spec(tensor_model_parallel_size=4, fsdp="full_shard"), 8) == TpPlan(tp=4, fsdp=2, replicate=1)
+    assert tp_plan(spec(tensor_model_parallel_size=2), 2).dp == 1
+
+
+def test_what_tp_does_not_compose_with_is_refused_by_name():
+    fields = lambda **kw: sorted(p.field for p in unsupported(spec(tensor_model_parallel_size=2, **kw)))  # noqa: E731
+    assert fields() == []
+    assert fields(fsdp="full_shard") == []
+    assert fields(deepspeed="zero2") == ["deepspeed"]
+    assert fields(fsdp="shard_grad_op") == ["fsdp"]
+    assert fields(torch_compile=True, use_liger_kernel=True) == ["torch_compile", "use_liger_kernel"]
+    assert fields(torch_dtype="float16") == ["torch_dtype"]
+
+
+def job(model, **extra) -> dict:
+    base = dict(model=str(model), dataset=[DATA], max_length=64, per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, learning_rate=2e-3, max_steps=STEPS, logging_steps=1, save_steps=10,
+                gradient_checkpointing=False, warmup_ratio=0.1, torch_dtype="float32", lora_dropout=0.0)
+    return {**base, **extra}
+
+
+def trained(tmp_path, name, nproc, resume=None, **spec_fields):
+    run = tmp_path / name
+    if resume is None:
+        write_run(run, **spec_fields)
+    proc = run_worker(run, nproc=nproc, resume=resume, timeout=400)
+    assert proc.returncode == 0, proc.log[-4000:]
+    return run
+
+
+def assert_same_curve(a, b, rel=2e-4):
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=rel), (step, a[step], b[step])
+    assert a[STEPS] < a[1] - 0.05, a  # it learned something
+
+
+def logits(model_dir) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.arange(3, 35).reshape(2, 16)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("train_type", ["full", "lora"])
+def test_tp2_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model, train_type):
+    spec_fields = job(tiny_model, train_type=train_type)
+    plain = trained(tmp_path, "plain", 1, **spec_fields)
+    tp = trained(tmp_path, "tp", 2, **spec_fields, tensor_model_parallel_size=2)
+    assert_same_curve(losses(tp), losses(plain))
+    # Gradients: the global norm before clipping, every step.
+    norms = {e["step"]: e["grad_norm"] for e in events(tp, 0, "train")}
+    for e in events(plain, 0, "train"):
+        assert norms[e["step"]] == pytest.approx(e["grad_norm"], rel=1e-3), e["step"]
+    # Tokens and sequences are counted once, not once per TP rank (a window is one step here).
+    per_step = lambda run: sorted(e["tokens_per_s"] * e["step_time_s"] for e in events(run, 0, "train"))[STEPS // 2]  # noqa: E731
+    assert per_step(tp) == pytest.approx(per_step(plain), rel=0.4)
+    assert "data: 256 sequences over 1 data-parallel ranks" in (tp / "logs" / "local.log").read_text()
+    start, = events(tp, 0, "start")
+    assert start["world_size"] == 2
+
+    # Resume the TP run from its step-10 checkpoint: steps 11..20 again, the same losses.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    write_run(resumed, **spec_fields, tensor_model_parallel_size=2)
+    import shutil
+    shutil.copytree(tp / "checkpoint-10", resumed / "checkpoint-10")
+    proc = run_worker(resumed, nproc=2, resume="latest", timeout=400)
+    assert proc.returncode == 0, proc.log[-4000:]
+    again = losses(resumed)
+    assert sorted(again) == list(range(11, STEPS + 1))
+    for step, value in again.items():
+        assert value == pytest.approx(losses(tp)[step], rel=2e-4), step
+
+    # Export both: one HF directory each, the same logits.
+    from launcher.export import export
+
+    tp_out = export(tp, None, tmp_path / "tp-export")
+    plain_out = export(plain, None, tmp_path / "plain-export")
+    torch.testing.assert_close(logits(tp_out["out"]), logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def untied_model(tiny_model, tmp_path_factory):
+    """The tiny model with its output layer untied from the embedding (a copy of the same values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("untied")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
+
+
+@pytest.mark.e2e
+def test_tp2_with_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, untied_model):
+    """TP2 x FSDP2 (4 ranks) against 2-rank data parallel: the same global batch per step."""
+    spec_fields = job(untied_model, train_type="full")
+    dp = trained(tmp_path, "dp", 2, **spec_fields)
+    both = trained(tmp_path, "tp-fsdp", 4, **spec_fields, tensor_model_parallel_size=2, fsdp="full_shard")
+    assert_same_curve(losses(both), losses(dp))
+
+
+def test_tied_embeddings_under_tp_and_fsdp_are_refused():
+    from backend.modelcfg import find_model_config
+    from backend.validate import validate
+    from backend.cluster import parse_hostfile_text
+
+    tied = find_model_config("qwen2.5-0.5b")  # ties its embeddings
+    cluster = parse_hostfile_text("n0 slots=4\n")
+    problems = [p for p in validate(spec(model="Qwen/Qwen2.5-0.5B", nproc_per_node=4, tensor_model_parallel_size=2,
+                                         fsdp="full_shard"), cluster, tied) if p.field == "fsdp"]
+    assert [p.message for p in problems] == [TIED_UNDER_TP_FSDP]
+    assert not [p for p in validate(spec(model="Qwen/Qwen2.5-0.5B", nproc_per_node=4, tensor_model_parallel_size=2),
+                                    cluster, tied) if p.field == "fsdp"]
+
+
+@pytest.mark.e2e
+def test_transformers_tp_fsdp_updates_tied_embeddings_wrongly(tmp_path, tiny_model, untied_model):
+    """Pins the engine bug behind the refusal above (transformers 5.24): the same two AdamW steps
+    on TP2 x FSDP2 (4 ranks) and on one process end apart for the tied model, together for the
+    untied one. When this fails, transformers has fixed it: lift the refusal."""
+    script = tmp_path / "steps.py"
+    script.write_text('''
+import sys, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+dist.init_process_group("gloo")
+ids = torch.arange(3, 35).reshape(2, 16)
+def trained(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model(input_ids=ids, labels=ids).loss.item()
+for path in sys.argv[1:]:
+    sharded = trained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)))
+    if dist.get_rank() == 0:
+        plain = trained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+        print("LOSSES", sharded, plain, flush=True)
+''')
+    import sys
+    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script),
+                                      str(tiny_model), str(untied_model)])
+    tied, untied = [tuple(map(float, line.split()[1:])) for line in proc.log.splitlines() if line.startswith("LOSSES")]
+    assert abs(tied[0] - tied[1]) > 1e-2, tied
+    assert untied[0] == pytest.approx(untied[1], rel=1e-5), untied
+
+
+@pytest.mark.e2e
+def test_peft_tp_lora_needs_the_workarounds(tmp_path, tiny_model):
+    """Pins the peft 0.21 / transformers 5 behaviour launcher.model.init_lora works around: without
+    it a rowwise layer's lora_A keeps the local width, and TP2 LoRA fails in the first forward."""
+    script = tmp_path / "probe.py"
+    script.write_text(f'''
+import torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+from peft import LoraConfig, get_peft_model
+dist.init_process_group("gloo")
+model = AutoModelForCausalLM.from_pretrained({str(tiny_model)!r}, dtype=torch.float32,
+                                             distributed_config=DistributedConfig(tp_size=2))
+model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+o_proj = model.base_model.model.model.layers[0].self_attn.o_proj
+assert o_proj.lora_A["default"].in_features == o_proj.base_layer.in_features // 2, "peft fixed it: drop the workaround"
+ids = torch.arange(3, 19).reshape(1, 16)
+try:
+    model(input_ids=ids)
+except RuntimeError as exc:
+    assert "invalid for input of size" in str(exc)
+    print("FAILS AS PINNED")
+''')
+    proc = run_worker(tmp_path, nproc=2, argv=[__import__("sys").executable, "-m", "torch.distributed.run",
+                                               "--nproc_per_node", "2", str(script)])
+    assert "FAILS AS PINNED" in proc.log, proc.log[-3000:]
