@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -18,21 +17,11 @@ from backend.cluster import GpuInfo, local_cluster
 from backend.manager import RunManager
 from backend.spec import JobSpec
 from backend.telemetry_models import MetricSample
-from worker import ROOT, events
+from worker import ROOT, events, until
 
 pytestmark = pytest.mark.e2e
 S = MetricSample.__table__
 MAX_STEPS, SAVE_STEPS = 30, 10
-
-
-def until(what, timeout: float = 240.0, every: float = 0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        found = what()
-        if found:
-            return found
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f} s")
 
 
 def kill_workers(pgid: int) -> None:

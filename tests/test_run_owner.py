@@ -20,7 +20,7 @@ from backend.db import create_db_and_tables, make_engine
 from backend.lifecycle import Owner, RunStore
 from backend.manager import RunManager
 from backend.models import Run
-from worker import ROOT
+from worker import ROOT, until
 
 pytestmark = pytest.mark.e2e
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -28,16 +28,6 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 def cli(*args) -> list[str]:
     return [sys.executable, "-m", "backend.cli", *map(str, args)]
-
-
-def until(what, timeout: float = 120.0, every: float = 0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        found = what()
-        if found:
-            return found
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f} s")
 
 
 @pytest.fixture

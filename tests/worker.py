@@ -102,3 +102,16 @@ def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, 0, "train")}
+
+
+def until(what, timeout: float = 240.0, every: float = 0.1):
+    """`what()` once it is truthy, polled every `every` s; AssertionError after `timeout` s."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = what()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout:.0f} s")
