@@ -133,8 +133,10 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
         write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt))
     except (OSError, SafetensorError) as exc:  # a full disk, a quota
         raise ExportError(f"{out}: writing the export failed ({exc})") from None
-    sample = generate(model.float().eval(), tokenizer, sample_prompt(spec))
-    return {"out": str(out), "checkpoint": str(ckpt), "skipped": list(found.skipped), "sample": sample}
+    prompt = sample_prompt(spec)
+    sample = generate(model.float().eval(), tokenizer, prompt)
+    return {"out": str(out), "checkpoint": str(ckpt), "skipped": list(found.skipped), "prompt": prompt,
+            "sample": sample}
 
 
 def _save(model, tokenizer, new: Path, ckpt: Path) -> None:

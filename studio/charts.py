@@ -7,23 +7,37 @@ few thousand points per series. Figures are built from the buffer on every tick.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import plotly.graph_objects as go
 
 Point = tuple[float, float | None]
-# backend.telemetry_models.NO_INDEX, written out: that module loads SQLAlchemy, which the page
-# build leaves to the manager thread so that the page answers sooner.
+Stepped = tuple[float, float | None, float]
+"""(step, value, t) of a training series' point."""
+# backend.telemetry_models.NO_INDEX and backend.telemetry_query.STEP_SERIES, written out: those
+# modules load SQLAlchemy, which the page build leaves to the manager thread so that the page
+# answers sooner.
 NO_INDEX = -1
+STEP_SERIES = "train/step"
 
 # The series the Monitor's charts draw, and only those: every tick reads them (names as
-# backend.ingest stores them; units in the name).
-MONITOR_SERIES = ("train/loss", "train/learning_rate", "train/tokens_per_s", "train/mfu", "gpu/util_pct",
-                  "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct", "host/ram_used_gib", "rank/collective_wait_s")
+# backend.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
+MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
+                  "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
+                  "host/ram_used_gib", "rank/collective_wait_s")
 MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
+# What the training charts (loss, learning rate, throughput) are drawn against; device charts are
+# sampled on a clock and always use time.
+X_AXES = ("step", "time")
+# A point is of the step of the latest train event at or before it; the slack covers bucket
+# means of the same events computed apart (the history reduces each series on its own).
+STEP_SLACK_S = 1e-3
+# A time axis never spans less than this, so a first point does not get millisecond ticks.
+MIN_TIME_SPAN_S = 60.0
 
 
 def downsample(points: list[Point], target: int) -> list[Point]:
@@ -55,6 +69,8 @@ class SeriesBuffer:
     cursor: int | None = None
     state: str | None = None
     """The run's state when last drawn."""
+    restart: tuple[str, bool] | None = None
+    """The Monitor's resume button (label, enabled) when last drawn."""
     points: dict[tuple, list[Point]] = field(default_factory=dict)
     max_points: int = MAX_POINTS
 
@@ -110,28 +126,63 @@ def ema(values: list[float | None], weight: float) -> list[float | None]:
     return out
 
 
+def _clock_ms(times: list[float]) -> list[float]:
+    """Unix times as milliseconds of local wall-clock time: Plotly draws numbers on a 'date' axis
+    as UTC, and the page has no timezone library, so the studio's local offset is added here (taken
+    once per series: a daylight-saving switch inside one series shifts its earlier part)."""
+    offset = time.localtime(times[-1]).tm_gmtoff if times else 0
+    return [(t + offset) * 1000 for t in times]
+
+
 def _times(points: Iterable[Point]) -> list:
-    # Plotly draws epoch milliseconds on a 'date' axis without any timezone library in the page.
-    return [t * 1000 for t, _ in points]
+    return _clock_ms([t for t, _ in points])
 
 
-def _figure(title: str, y_title: str, empty_note: str = "waiting for data") -> go.Figure:
+def clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def stepped(series: Mapping[tuple, list[Point]], key: tuple) -> list[Stepped]:
+    """(step, value, t) of each point of the training series `series[key]`: the step of the latest
+    train event (STEP_SERIES of the same node and rank) at or before the point. Points before the
+    first known step are left out."""
+    steps = series.get((STEP_SERIES, key[1], NO_INDEX, key[3]), [])
+    out: list[Stepped] = []
+    j, step = 0, None
+    for t, v in series.get(key, []):
+        while j < len(steps) and steps[j][0] <= t + STEP_SLACK_S:
+            step = steps[j][1]
+            j += 1
+        if step is not None:
+            out.append((step, v, t))
+    return out
+
+
+def _figure(title: str, y_title: str, empty_note: str = "waiting for data", x_axis: str = "time") -> go.Figure:
     fig = go.Figure()
+    xaxis = dict(type="linear", title="step", rangemode="tozero") if x_axis == "step" else dict(type="date")
+    # uirevision keeps a zoom across ticks; a new x axis starts unzoomed.
     fig.update_layout(title=dict(text=title, font=dict(size=14)), height=CHART_HEIGHT,
                       margin=dict(l=50, r=20, t=40, b=35), legend=dict(orientation="h", y=-0.2),
-                      yaxis_title=y_title, xaxis=dict(type="date"), template="plotly_white",
-                      uirevision=title)
+                      yaxis_title=y_title, xaxis=xaxis, template="plotly_white",
+                      uirevision=f"{title}:{x_axis}")
     fig.add_annotation(text=empty_note, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
                        visible=True, name="empty", font=dict(color="#888"))
     return fig
 
 
 def _done(fig: go.Figure) -> go.Figure:
-    if fig.data:
-        fig.update_annotations(visible=False, selector=dict(name="empty"))
-    else:  # no made-up axes (plotly's default dates are in the year 2000)
+    if not fig.data:  # no made-up axes (plotly's default dates are in the year 2000)
         fig.update_xaxes(visible=False)
         fig.update_yaxes(visible=False)
+        return fig
+    fig.update_annotations(visible=False, selector=dict(name="empty"))
+    if fig.layout.xaxis.type == "date":
+        xs = [x for trace in fig.data for x in (trace.x or ()) if x is not None]
+        lo, hi = min(xs), max(xs)
+        pad = (MIN_TIME_SPAN_S * 1000 - (hi - lo)) / 2
+        if pad > 0:
+            fig.update_xaxes(range=[lo - pad, hi + pad])
     return fig
 
 
@@ -142,29 +193,56 @@ def lines(title: str, y_title: str, series: dict[tuple, list[Point]], empty_note
     return _done(fig)
 
 
-def loss_figure(buf: SeriesBuffer, smoothing: float) -> go.Figure:
-    fig = _figure("Loss", "loss")
+def _train_trace(fig: go.Figure, rows: list[Stepped], x_axis: str, ys: list | None = None, **trace: Any) -> None:
+    """One training series against the step (the time in the hover) or against time (the step in
+    the hover)."""
+    custom = [[clock(t), f"{s:g}"] for s, _, t in rows]
+    if x_axis == "step":
+        xs = [s for s, _, _ in rows]
+        hover = "step %{x}<br>%{customdata[0]}<br>%{y:.4g}"
+    else:
+        xs = _clock_ms([t for _, _, t in rows])
+        hover = "%{customdata[0]}<br>step %{customdata[1]}<br>%{y:.4g}"
+    fig.add_scatter(x=xs, y=[v for _, v, _ in rows] if ys is None else ys, customdata=custom,
+                    hovertemplate=hover + f"<extra>{trace.get('name', '')}</extra>", **trace)
+
+
+def _train_rows(buf: SeriesBuffer, name: str) -> list[list[Stepped]]:
+    return [rows for key in buf.named(name) if (rows := stepped(buf.points, key))]
+
+
+def loss_figure(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> go.Figure:
+    fig = _figure("Loss", "loss", x_axis=x_axis)
     colour = "#f97316"
-    for pts in buf.named("train/loss").values():
-        ys = [v for _, v in pts]
-        xs = _times(pts)
+    for rows in _train_rows(buf, "train/loss"):
+        ys = [v for _, v, _ in rows]
         if smoothing > 0:
-            fig.add_scatter(x=xs, y=ys, mode="lines", name="train (raw)", opacity=0.3, line=dict(color=colour),
-                            showlegend=False)
+            _train_trace(fig, rows, x_axis, mode="lines", name="train (raw)", opacity=0.3, line=dict(color=colour),
+                         showlegend=False)
             ys = ema(ys, smoothing)
-        fig.add_scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 50 else "lines", name="train",
-                        line=dict(color=colour), marker=dict(size=4))
+        _train_trace(fig, rows, x_axis, ys, mode="lines+markers" if len(rows) < 50 else "lines", name="train",
+                     line=dict(color=colour), marker=dict(size=4))
+    for rows in _train_rows(buf, "train/eval_loss"):
+        _train_trace(fig, rows, x_axis, mode="lines+markers", name="eval", line=dict(color="#2563eb"),
+                     marker=dict(size=6))
     return _done(fig)
 
 
-def throughput_figure(buf: SeriesBuffer) -> go.Figure:
-    fig = _figure("Throughput", "tokens/s")
-    for key, pts in buf.named("train/tokens_per_s").items():
-        fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode="lines", name="tokens/s")
-    for key, pts in buf.named("train/mfu").items():
-        if any(v is not None for _, v in pts):
-            fig.add_scatter(x=_times(pts), y=[None if v is None else v * 100 for _, v in pts], mode="lines",
-                            name="MFU %", yaxis="y2")
+def learning_rate_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure:
+    fig = _figure("Learning rate", "lr", x_axis=x_axis)
+    for rows in _train_rows(buf, "train/learning_rate"):
+        _train_trace(fig, rows, x_axis, mode="lines", name="lr")
+    return _done(fig)
+
+
+def throughput_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure:
+    fig = _figure("Throughput", "tokens/s", x_axis=x_axis)
+    for rows in _train_rows(buf, "train/tokens_per_s"):
+        _train_trace(fig, rows, x_axis, mode="lines", name="tokens/s")
+    for rows in _train_rows(buf, "train/mfu"):
+        if any(v is not None for _, v, _ in rows):
+            _train_trace(fig, rows, x_axis, [None if v is None else v * 100 for _, v, _ in rows], mode="lines",
+                         name="MFU %", yaxis="y2")
             fig.update_layout(yaxis2=dict(title="MFU %", overlaying="y", side="right", rangemode="tozero"))
     return _done(fig)
 
@@ -204,28 +282,35 @@ def heatmap_grid(series: dict[tuple, list[Point]], columns: int = HEATMAP_COLUMN
     return centres, labels, z
 
 
-def utilisation_heatmap(buf: SeriesBuffer) -> go.Figure:
+def utilisation_heatmap(buf: SeriesBuffer) -> go.Figure | None:
+    """Every device's utilisation over time, one row each; None for fewer than two devices (a
+    single CPU node or GPU), whose one row says nothing the utilisation lines do not."""
     title, series = utilisation_series(buf)
+    if len(series) < 2:
+        return None
     centres, labels, z = heatmap_grid(series)
     fig = _figure(f"{title}: every device over time", "")
-    if z:
-        fig.add_heatmap(x=_times((t, None) for t in centres), y=labels, z=z, zmin=0, zmax=100,
-                        colorscale="YlOrRd", colorbar=dict(title="%", thickness=10))
-        fig.update_layout(height=max(CHART_HEIGHT, 22 * len(labels) + 90))
+    fig.add_heatmap(x=_times((t, None) for t in centres), y=labels, z=z, zmin=0, zmax=100,
+                    colorscale="YlOrRd", colorbar=dict(title="%", thickness=10))
+    fig.update_layout(height=max(CHART_HEIGHT, 22 * len(labels) + 90))
     return _done(fig)
 
 
-def figures(buf: SeriesBuffer, smoothing: float) -> dict[str, go.Figure]:
-    """Every Monitor chart, by name."""
+def training_figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[str, go.Figure]:
+    """The Monitor's charts of the training series, by name."""
+    return {"loss": loss_figure(buf, smoothing, x_axis), "lr": learning_rate_figure(buf, x_axis),
+            "throughput": throughput_figure(buf, x_axis)}
+
+
+def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[str, go.Figure | None]:
+    """Every Monitor chart, by name (None: a chart with nothing to show, hidden)."""
     util_title, util = utilisation_series(buf)
     mem = buf.named("gpu/mem_used_gib")
     mem_title = "GPU memory used (GiB)"
     if not mem:
         mem, mem_title = buf.named("host/ram_used_gib"), "Host memory used (GiB, no GPU)"
     return {
-        "loss": loss_figure(buf, smoothing),
-        "lr": lines("Learning rate", "lr", buf.named("train/learning_rate")),
-        "throughput": throughput_figure(buf),
+        **training_figures(buf, smoothing, x_axis),
         "util_heatmap": utilisation_heatmap(buf),
         "util_lines": lines(util_title, "%", util),
         "memory": lines(mem_title, "GiB", mem),
@@ -236,14 +321,30 @@ def figures(buf: SeriesBuffer, smoothing: float) -> dict[str, go.Figure]:
     }
 
 
-def overlay_figure(curves: dict[str, list[Point]]) -> go.Figure:
-    """Loss of several runs against time since each run's first logged step."""
-    fig = _figure("Loss of the selected runs", "loss", empty_note="pick runs to compare")
-    fig.update_layout(xaxis=dict(type="linear", title="minutes since the first logged step"))
-    for run_id, pts in curves.items():
-        if pts:
-            t0 = pts[0][0]
-            fig.add_scatter(x=[(t - t0) / 60 for t, _ in pts], y=[v for _, v in pts], mode="lines", name=run_id)
+def run_curve(series: Mapping[tuple, list[Point]], name: str = "train/loss") -> list[Stepped]:
+    """One run's training series `name` as (step, value, t) in time order, from a series read that
+    includes STEP_SERIES."""
+    return sorted((row for key in series if key[0] == name for row in stepped(series, key)), key=lambda r: r[2])
+
+
+def overlay_figure(curves: dict[str, list[Stepped]], x_axis: str = "step") -> go.Figure:
+    """Loss of several runs against the step, or against the minutes since each run's first
+    logged step (the other in the hover)."""
+    fig = _figure("Loss of the selected runs", "loss", empty_note="pick runs to compare", x_axis=x_axis)
+    if x_axis == "time":  # runs started at different times: compare them by elapsed time
+        fig.update_layout(xaxis=dict(type="linear", title="minutes since the first logged step", rangemode="tozero"))
+    for run_id, rows in curves.items():
+        if not rows:
+            continue
+        t0 = rows[0][2]
+        elapsed = [(t - t0) / 60 for _, _, t in rows]
+        custom = [[format_duration(m * 60), f"{s:g}"] for (s, _, _), m in zip(rows, elapsed)]
+        if x_axis == "time":
+            xs, hover = elapsed, "+%{customdata[0]}<br>step %{customdata[1]}<br>%{y:.4g}"
+        else:
+            xs, hover = [s for s, _, _ in rows], "step %{x}<br>+%{customdata[0]}<br>%{y:.4g}"
+        fig.add_scatter(x=xs, y=[v for _, v, _ in rows], customdata=custom, mode="lines", name=run_id,
+                        hovertemplate=hover + f"<extra>{run_id}</extra>")
     return _done(fig)
 
 

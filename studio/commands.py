@@ -11,6 +11,7 @@ from typing import Any
 
 from backend.cluster import Cluster
 from backend.modelcfg import ModelConfig
+from backend.msswift import ms_swift_defaults
 from backend.planner import Plan, PlanError, plan
 from backend.spec import JobSpec, absolute_dir
 
@@ -18,6 +19,8 @@ PREVIEW_RUN_ID = "RUN_ID"
 # Fields ms-swift takes from the environment of `swift sft`, not as flags.
 LAUNCH_ENV = {"nnodes": "NNODES", "nproc_per_node": "NPROC_PER_NODE"}
 ALWAYS = ("model", "dataset", "train_type")
+# ms-swift 4.x's flag names where they differ from the spec's (3.x spelled it --train_type).
+FLAG_NAMES = {"train_type": "tuner_type"}
 
 
 def _flag_values(value: Any) -> list[str]:
@@ -30,12 +33,15 @@ def _flag_values(value: Any) -> list[str]:
 
 def swift_command(spec: JobSpec, nproc_per_node: int | None = None, master_addr: str = "127.0.0.1",
                   master_port: int = 29500) -> str:
-    """`swift sft` with every field that differs from the spec's defaults (plus model, dataset and
-    train type), launch sizes and `env` as environment prefixes, one flag per line. For several
-    nodes it is node 0's line; the others differ only in NODE_RANK."""
+    """`swift sft` with every field that differs from what ms-swift takes when the flag is omitted
+    (plus model, dataset and train type), launch sizes and `env` as environment prefixes, one flag
+    per line. For several nodes it is node 0's line; the others differ only in NODE_RANK."""
     defaults = JobSpec.model_construct()
     env: dict[str, str] = dict(spec.env)
     nproc = nproc_per_node or spec.nproc_per_node
+    # ms-swift's own defaults (epochs, learning rate, accumulation) for this train type and layout;
+    # without NPROC_PER_NODE ms-swift runs one process.
+    ms_swift = {name: value for name, (value, _) in ms_swift_defaults(spec.model_dump() | {"nproc_per_node": nproc or 1}).items()}
     if nproc and (nproc > 1 or spec.nnodes > 1):
         env["NPROC_PER_NODE"] = str(nproc)
     if spec.nnodes > 1:
@@ -45,11 +51,11 @@ def swift_command(spec: JobSpec, nproc_per_node: int | None = None, master_addr:
         value = getattr(spec, name)
         if name == "env" or name in LAUNCH_ENV or value is None:
             continue
-        if name not in ALWAYS and value == getattr(defaults, name, None):
+        if name not in ALWAYS and value == ms_swift.get(name, getattr(defaults, name, None)):
             continue
         if isinstance(value, list) and not value:
             continue
-        lines.append(f"--{name} " + " ".join(shlex.quote(v) for v in _flag_values(value)))
+        lines.append(f"--{FLAG_NAMES.get(name, name)} " + " ".join(shlex.quote(v) for v in _flag_values(value)))
     return " \\\n    ".join(lines)
 
 

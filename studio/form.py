@@ -22,7 +22,7 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-        "sequence_parallel_size")),
+        "expert_tensor_parallel_size", "sequence_parallel_size")),
     ("Hyper-parameters", True, (
         "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
         "gradient_accumulation_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay",
@@ -51,7 +51,8 @@ TITLES = {
     "model": "Model", "dataset": "Dataset", "torch_dtype": "Compute dtype",
     "nproc_per_node": "Processes per node", "tensor_model_parallel_size": "Tensor parallel (TP)",
     "pipeline_model_parallel_size": "Pipeline parallel (PP)", "context_parallel_size": "Context parallel (CP)",
-    "expert_model_parallel_size": "Expert parallel (EP)", "sequence_parallel_size": "Sequence parallel (Ulysses)",
+    "expert_model_parallel_size": "Expert parallel (EP)", "expert_tensor_parallel_size": "Expert tensor parallel (ETP)",
+    "sequence_parallel_size": "Sequence parallel (Ulysses)",
     "per_device_train_batch_size": "Micro-batch per GPU", "gradient_accumulation_steps": "Gradient accumulation",
     "lr_scheduler_type": "LR schedule", "use_liger_kernel": "Liger kernels", "attn_impl": "Attention kernel",
     "ddp_timeout": "Collective timeout (s)", "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",

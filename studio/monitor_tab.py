@@ -7,17 +7,27 @@ from typing import Any
 
 import gradio as gr
 
-from studio.charts import MAX_POINTS, MONITOR_SERIES, SeriesBuffer, figures, loss_figure, progress_html
+from studio.charts import (MAX_POINTS, MONITOR_SERIES, X_AXES, SeriesBuffer, figures, loss_figure, progress_html,
+                           training_figures)
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import alerts_md, run_picker, status_md
+from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, restart_button, restart_message, run_picker,
+                             status_md)
 
 TICK_S = 2.0
 LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "util_heatmap", "util_lines", "memory", "power", "collective")
-
+TRAINING_CHARTS = ("loss", "lr", "throughput")
+# States after which an action line ("Resuming …") has been overtaken by the status line above it.
+SETTLED = ("running", "succeeded", "failed")
+# Opening the log shows its newest lines (Gradio's autoscroll follows later updates only); after
+# the frame that draws the new text, so that its height is known.
+SCROLL_LOG_JS = """() => requestAnimationFrame(() => {
+  const box = document.querySelector('#monitor-log textarea');
+  if (box) box.scrollTop = box.scrollHeight;
+})"""
 
 
 def build() -> dict[str, Any]:
@@ -26,7 +36,7 @@ def build() -> dict[str, Any]:
         c["run"] = gr.Dropdown(label="Run", choices=[], scale=4, elem_id="monitor-run")
         c["refresh"] = gr.Button("↻ Runs", size="sm", scale=0, min_width=80)
         c["stop"] = gr.Button("■ Stop", size="sm", variant="stop", scale=1, elem_id="monitor-stop", interactive=False)
-        c["resume"] = gr.Button("▶ Resume from checkpoint", size="sm", scale=1, elem_id="monitor-resume", interactive=False)
+        c["resume"] = gr.Button(RESUME_LABEL, size="sm", scale=1, elem_id="monitor-resume", interactive=False)
         c["export"] = gr.Button("⇩ Export…", size="sm", scale=1, elem_id="monitor-export")
         c["full_log"] = gr.Button("Full log", size="sm", scale=1, elem_id="monitor-full-log")
     c["status"] = gr.Markdown(elem_id="monitor-status")
@@ -37,8 +47,11 @@ def build() -> dict[str, Any]:
     with gr.Row():
         with gr.Column():
             c["loss"] = gr.Plot(elem_id="chart-loss", show_label=False)
-            c["smoothing"] = gr.Slider(0, 0.99, value=0.6, step=0.01, label="Loss smoothing (EMA weight)",
-                                       elem_id="monitor-smoothing")
+            with gr.Row():
+                c["smoothing"] = gr.Slider(0, 0.99, value=0.6, step=0.01, label="Loss smoothing (EMA weight)",
+                                           elem_id="monitor-smoothing", scale=2)
+                c["x_axis"] = gr.Radio(list(X_AXES), value=X_AXES[0], label="Training charts against",
+                                       elem_id="monitor-x-axis", scale=1)
         c["lr"] = gr.Plot(elem_id="chart-lr", show_label=False)
     with gr.Row():
         c["throughput"] = gr.Plot(elem_id="chart-throughput", show_label=False)
@@ -74,8 +87,8 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         except Exception as exc:  # noqa: BLE001 - shown on the page, logged on the server
             return gr.update(label=user_message("Listing runs", exc))
 
-    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float) -> dict:
-        from backend.lifecycle import ACTIVE, FAILED, STOPPED
+    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str) -> dict:
+        from backend.lifecycle import ACTIVE
         out: dict = {}
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
@@ -85,6 +98,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             run = manager.run(run_id)
             if buf.run_id != run_id:
                 buf = SeriesBuffer(run_id=run_id)
+                out[c["action"]] = ""  # it was about the run shown before
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = manager.progress(run_id)
@@ -92,20 +106,28 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
-                out[c["resume"]] = gr.update(interactive=run.state in (STOPPED, FAILED))
+                if run.state in SETTLED:
+                    out[c["action"]] = ""
                 buf.state = run.state
+            # Read on every tick of a stopped or failed run: its last checkpoint's event may land after the state.
+            restart = restart_button(run.state, manager.checkpoints(run_id) if run.state in RESTARTABLE else [])
+            if restart != buf.restart:
+                out[c["resume"]] = gr.update(value=restart[0], interactive=restart[1])
+                buf.restart = restart
             p = progress or {}
             out[c["progress"]] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
             if changed:
-                figs = figures(buf, smoothing)
-                out.update({c[name]: figs[name] for name in CHARTS})
+                figs = figures(buf, smoothing, x_axis)
+                out.update({c[name]: figs[name] for name in CHARTS if name != "util_heatmap"})
+                heatmap = figs["util_heatmap"]
+                out[c["util_heatmap"]] = gr.update(value=heatmap, visible=heatmap is not None)
             out[c["alerts"]] = alerts_md(manager.alerts(run_id))
         except Exception as exc:  # noqa: BLE001 - the page shows one line, the server log has the rest
             out[c["action"]] = user_message("Reading the run", exc)
         out[c["buffer"]] = buf
         return out
 
-    tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"]],
+    tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"], c["x_axis"]],
                    outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
                             c["action"], c["buffer"]], show_progress="hidden")
     c["timer"].tick(trigger_mode="always_last", **tick_io)
@@ -119,8 +141,23 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
     other_pages = [p for p in tabs.children if isinstance(p, gr.Tab) and p is not page]
     gr.on([p.select for p in other_pages], lambda: gr.Timer(active=False), None, [c["timer"]])
     c["refresh"].click(on_refresh, [c["run"]], [c["run"]])
-    c["smoothing"].change(lambda buf, s: loss_figure(buf, s), [c["buffer"], c["smoothing"]], [c["loss"]],
-                          show_progress="hidden", trigger_mode="always_last")
+    c["smoothing"].change(lambda buf, s, x: loss_figure(buf, s, x), [c["buffer"], c["smoothing"], c["x_axis"]],
+                          [c["loss"]], show_progress="hidden", trigger_mode="always_last")
+    c["x_axis"].change(lambda buf, s, x: tuple(training_figures(buf, s, x).values()),
+                       [c["buffer"], c["smoothing"], c["x_axis"]], [c[name] for name in TRAINING_CHARTS],
+                       show_progress="hidden", trigger_mode="always_last")
+
+    def show_if_active(run_id: str | None):
+        """A page load picks the latest active run: a reload of a page watching a run shows it
+        again (the launch shows the Monitor itself, a user's pick happens on it)."""
+        from backend.lifecycle import ACTIVE
+        try:
+            active = bool(run_id) and studio.manager.run(run_id).state in ACTIVE
+        except Exception:  # noqa: BLE001 - the tick that follows shows why the run cannot be read
+            return gr.skip()
+        return gr.update(selected="monitor") if active else gr.skip()
+
+    c["run"].change(show_if_active, [c["run"]], [tabs], show_progress="hidden")
 
     def log_tick(run_id: str | None, log_node: str | None) -> tuple:
         if not run_id:
@@ -138,9 +175,9 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
     log_io = dict(fn=log_tick, inputs=[c["run"], c["log_node"]], outputs=[c["log_node"], c["log"]],
                   show_progress="hidden")
     c["log_timer"].tick(trigger_mode="always_last", **log_io)
-    c["logs"].expand(lambda: gr.Timer(active=True), None, [c["log_timer"]]).then(**log_io)
+    c["logs"].expand(lambda: gr.Timer(active=True), None, [c["log_timer"]]).then(**log_io).then(None, js=SCROLL_LOG_JS)
     c["logs"].collapse(lambda: gr.Timer(active=False), None, [c["log_timer"]])
-    c["log_node"].input(**log_io)
+    c["log_node"].input(**log_io).then(None, js=SCROLL_LOG_JS)
 
     def on_stop(run_id: str | None) -> str:
         if not run_id:
@@ -155,10 +192,12 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         if not run_id:
             return "Pick a run first."
         try:
-            studio.manager.resume(run_id)
+            manager = studio.manager
+            checkpoints = manager.checkpoints(run_id)
+            manager.resume(run_id)
         except Exception as exc:  # noqa: BLE001
             return user_message("Resume", exc)
-        return f"Resuming `{run_id}` from its latest complete checkpoint…"
+        return restart_message(run_id, checkpoints)
 
     def on_full_log(run_id: str | None, node: str | None) -> dict:
         """The whole torchrun log of a node: the one picked under Logs, else the failed one, else the first."""

@@ -15,6 +15,11 @@ from studio.cluster_view import STATUS_MARK
 
 STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running": "▶", "succeeded": "✔",
               "failed": "✖", "stopped": "■"}
+# The states RunManager.resume takes (backend.lifecycle STOPPED and FAILED; that module loads the
+# database stack, which the page build leaves to the manager thread).
+RESTARTABLE = ("stopped", "failed")
+RESUME_LABEL = "▶ Resume from checkpoint"
+RUN_AGAIN_LABEL = "▶ Run again"
 RUN_COLUMNS = ["run", "name", "status", "attempts", "started", "duration", "final loss", "tokens/s", "output"]
 
 
@@ -51,7 +56,11 @@ def status_md(run: Any, progress: dict | None, notices: list[str]) -> str:
         where = ", ".join(x for x in (f"node {run.failed_node}" if run.failed_node else "",
                                        f"exit code {run.exit_code}" if run.exit_code is not None else "") if x)
         cause = (run.cause or "unknown").replace("_", " ")
-        lines.append(f"\n**Cause: {cause}**{f' ({where})' if where else ''}: {run.message or ''}")
+        if (run.message or "").startswith(cause):
+            # The watch's own line (logclass.describe) already names the cause, node and rank.
+            lines.append(f"\n**Cause:** {run.message}")
+        else:
+            lines.append(f"\n**Cause: {cause}**{f' ({where})' if where else ''}: {run.message or ''}")
         if run.cause in HELP:
             lines.append(f"\nWhat to do: {HELP[run.cause]}")
         if run.log_tail:
@@ -59,6 +68,22 @@ def status_md(run: Any, progress: dict | None, notices: list[str]) -> str:
     for notice in notices[-3:]:
         lines.append(f"\n_{notice}_")
     return "\n".join(lines)
+
+
+def restart_button(state: str, checkpoints: list[tuple[int, str]]) -> tuple[str, bool]:
+    """(label, enabled) of the Monitor's resume button. A resume starts from the latest checkpoint,
+    and from step 0 where there is none: that is running the job again, and the button says so."""
+    if state not in RESTARTABLE:
+        return RESUME_LABEL, False
+    return (RESUME_LABEL if checkpoints else RUN_AGAIN_LABEL), True
+
+
+def restart_message(run_id: str, checkpoints: list[tuple[int, str]]) -> str:
+    """What the resume button just started (checkpoints newest first, as RunManager lists them)."""
+    if checkpoints:
+        return f"Resuming `{run_id}` from the checkpoint of step {checkpoints[0][0]}…"
+    return (f"No checkpoint of `{run_id}` exists, so it cannot resume: running it again from step 0 "
+            "as a new attempt…")
 
 
 def run_rows(runs: list[Any], summaries: dict[str, dict]) -> list[list[Any]]:

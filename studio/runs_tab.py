@@ -6,7 +6,7 @@ from typing import Any
 
 import gradio as gr
 
-from studio.charts import overlay_figure
+from studio.charts import STEP_SERIES, X_AXES, overlay_figure, run_curve
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import RUN_COLUMNS, config_diff, run_choice, run_rows
@@ -21,7 +21,10 @@ def build() -> dict[str, Any]:
         c["refresh"] = gr.Button("↻ Refresh", size="sm", scale=0, min_width=100, elem_id="runs-refresh")
         c["message"] = gr.Markdown(elem_id="runs-message")
     c["table"] = gr.Dataframe(headers=RUN_COLUMNS, interactive=False, wrap=True, elem_id="runs-table", label="Runs")
-    c["overlay_runs"] = gr.Dropdown(label="Overlay the loss of", choices=[], multiselect=True, elem_id="runs-overlay")
+    with gr.Row():
+        c["overlay_runs"] = gr.Dropdown(label="Overlay the loss of", choices=[], multiselect=True, elem_id="runs-overlay",
+                                        scale=4)
+        c["overlay_x"] = gr.Radio(list(X_AXES), value=X_AXES[0], label="against", elem_id="runs-overlay-x", scale=1)
     c["overlay"] = gr.Plot(elem_id="chart-overlay", show_label=False)
     with gr.Row():
         c["diff_a"] = gr.Dropdown(label="Compare run A", choices=[], elem_id="runs-diff-a")
@@ -43,14 +46,12 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         return (run_rows(runs, summaries), gr.update(choices=options), gr.update(choices=options),
                 gr.update(choices=options), f"{len(runs)} run(s).")
 
-    def on_overlay(run_ids: list[str] | None):
+    def on_overlay(run_ids: list[str] | None, x_axis: str):
         try:
-            curves = {}
-            for run_id in run_ids or []:
-                result = studio.manager.series(run_id, ["train/loss"], max_points=OVERLAY_POINTS)
-                points = [p for pts in result.series.values() for p in pts]
-                curves[run_id] = sorted(points)
-            return overlay_figure(curves)
+            curves = {run_id: run_curve(studio.manager.series(run_id, ["train/loss", STEP_SERIES],
+                                                              max_points=OVERLAY_POINTS).series)
+                      for run_id in run_ids or []}
+            return overlay_figure(curves, x_axis)
         except Exception as exc:  # noqa: BLE001
             gr.Warning(user_message("Overlay", exc))
             return gr.skip()
@@ -67,5 +68,6 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
     outputs = [c["table"], c["overlay_runs"], c["diff_a"], c["diff_b"], c["message"]]
     c["refresh"].click(on_refresh, None, outputs)
     tab.select(on_refresh, None, outputs)
-    c["overlay_runs"].change(on_overlay, [c["overlay_runs"]], [c["overlay"]])
+    gr.on([c["overlay_runs"].change, c["overlay_x"].change], on_overlay, [c["overlay_runs"], c["overlay_x"]],
+          [c["overlay"]])
     gr.on([c["diff_a"].change, c["diff_b"].change], on_diff, [c["diff_a"], c["diff_b"]], [c["diff"]])

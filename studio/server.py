@@ -14,7 +14,7 @@ from pathlib import Path
 
 import platformdirs
 
-from studio.access import AccessError, auth_file_warning, check_bind, load_auth, parse_allowed_hosts
+from studio.access import AUTH_ENV, AccessError, auth_file_warning, check_bind, load_auth, parse_allowed_hosts
 
 DEFAULT_PORT = 7860
 log = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     """Start the studio and serve until interrupted; returns the exit code."""
     try:
         auth = load_auth(args.auth_file)
+        # The password must not travel into the workers, agents and exports this process starts
+        # on the local node (they inherit its environment).
+        os.environ.pop(AUTH_ENV, None)
         allowed_hosts = parse_allowed_hosts(args.allowed_hosts)
         check_bind(args.host, auth, allowed_hosts)
     except AccessError as exc:

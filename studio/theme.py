@@ -22,5 +22,10 @@ CSS = """
 table.preflight { border-collapse: collapse; font-size: 0.9em; }
 table.preflight th, table.preflight td { border: 1px solid #d4d4d8; padding: 4px 8px; vertical-align: top; text-align: left; }
 .prose table th, .prose table td { word-break: keep-all; overflow-wrap: normal; }
+/* Dataframe headers break between words only, so a narrow column ("attempts") widens to its
+   header instead of splitting it into fragments; Gradio sizes the columns after this applies. */
+th.header-cell .header { word-break: keep-all !important; overflow-wrap: normal !important; white-space: nowrap; }
+.problem-links ul { margin: 0.25em 0; }
+.hidden-trigger { display: none !important; }
 footer { display: none !important; }
 """

@@ -15,7 +15,20 @@ from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
-from studio.train_view import TrainView, check_form, form_values, problems_md
+from studio.train_view import (TrainView, check_form, check_key, form_values, groups_with_errors,
+                                launch_refusal_md, problem_lines, problems_md)
+
+
+# Presses #form-check after each edit the user makes in a form field (elem_id f-<name>), once
+# the component has taken the new value (the next frame).
+WATCH_EDITS_JS = """() => {
+  if (window.swiftStudioWatchesEdits) return;
+  window.swiftStudioWatchesEdits = true;
+  document.addEventListener("input", (event) => {
+    if (!event.target.closest || !event.target.closest("[id^='f-']")) return;
+    requestAnimationFrame(() => document.getElementById("form-check")?.click());
+  }, true);
+}"""
 
 
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
@@ -37,7 +50,9 @@ def build(studio: Studio) -> dict[str, Any]:
     """Draws the tab; returns its components by name (the spec fields under `form`)."""
     values = default_form()
     form: dict[str, gr.components.Component] = {}
-    c: dict[str, Any] = {"form": form}
+    groups: dict[str, gr.Accordion] = {}
+    # The check_key of the form state last checked in this browser session.
+    c: dict[str, Any] = {"form": form, "groups": groups, "checked": gr.State(None)}
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             with gr.Row(equal_height=True):
@@ -54,19 +69,20 @@ def build(studio: Studio) -> dict[str, Any]:
                 c["import"] = gr.Button("Fill the form from this command", size="sm", elem_id="import-button")
             c["form_message"] = gr.Markdown(elem_id="form-message")
             for title, is_open, names in GROUPS:
-                with gr.Accordion(title, open=is_open):
+                with gr.Accordion(title, open=is_open) as groups[title]:
                     with gr.Row():
                         for name in names:
                             with gr.Column(min_width=220):
                                 form[name] = _widget(VIEWS[name], values[name])
         with gr.Column(scale=2):
-            c["problems"] = gr.Markdown(elem_classes=["problem-list"], elem_id="train-problems")
+            c["problems"] = gr.Markdown(elem_classes=["problem-list", "problem-links"], elem_id="train-problems")
             c["layout"] = gr.Markdown(elem_id="train-layout")
             c["memory"] = gr.Markdown(elem_id="train-memory")
             with gr.Row():
                 c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
                 c["launch"] = gr.Button("Pre-flight and launch", variant="primary", elem_id="launch", scale=2)
-            c["launch_status"] = gr.Markdown(elem_id="launch-status")
+            c["launch_status"] = gr.Markdown(elem_id="launch-status", elem_classes=["problem-links"])
+            c["check"] = gr.Button("Check the form", elem_id="form-check", elem_classes=["hidden-trigger"])
             with gr.Tabs():
                 with gr.Tab("Commands"):
                     c["commands"] = gr.Code(label="Per-node torchrun and the equivalent swift sft", language="shell",
@@ -81,11 +97,13 @@ def build(studio: Studio) -> dict[str, Any]:
 
 def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
-    view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"]]
+    view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"],
+                    *c["groups"].values(), c["checked"]]
 
-    def render(view: TrainView, values: dict[str, Any] | None = None) -> dict:
-        """The view's updates; with `values` they also set the form, so a fill is one response."""
-        updates: dict = {}
+    def render(view: TrainView, key: tuple, values: dict[str, Any] | None = None, open_errors: bool = False) -> dict:
+        """The view's updates for the form state `key`; with `values` they also set the form, so a
+        fill is one response. `open_errors` opens the groups whose fields it marks red."""
+        updates: dict = {c["checked"]: key}
         for name, component in form.items():
             problems = view.field_problems.get(name, [])
             if problems:
@@ -97,7 +115,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             if values is not None:
                 update["value"] = values[name]
             updates[component] = gr.update(**update)
-        updates[c["problems"]] = problems_md(view.other_problems)
+        updates[c["problems"]] = "\n".join(problem_lines(view))
+        if open_errors:
+            updates.update({c["groups"][title]: gr.update(open=True) for title in groups_with_errors(view)})
         updates[c["layout"]] = view.layout_md
         updates[c["memory"]] = view.memory_md
         updates[c["commands"]] = view.commands
@@ -106,15 +126,27 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         return updates
 
     def on_edit(data: dict) -> dict:
-        return render(check_form(form_values(form, data), data[cluster_state]))
+        values, cluster = form_values(form, data), data[cluster_state]
+        key = check_key(values, cluster)
+        if key == data[c["checked"]]:
+            return {c["checked"]: gr.skip()}  # (an empty dict would read as one output value)
+        return render(check_form(values, cluster), key)
 
     inputs = {*form.values(), cluster_state}
-    gr.on([comp.input for comp in form.values()] + [cluster_state.change], on_edit, inputs=inputs,
-          outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
+    # Gradio's `input` of a Textbox follows keystrokes only: a paste, a drop or the browser's
+    # autofill do not send it. Its `change` does, but also follows every value a fill sets, one
+    # field at a time, each time with the other fields not yet filled. The browser's own `input`
+    # event is the user's edit however it was made (a value set by a handler sends none): the
+    # page presses the hidden check button on it. A keystroke sends both; on_edit skips a form
+    # state already checked, so each state is checked once.
+    gr.on([comp.input for comp in form.values()] + [c["check"].click, cluster_state.change], on_edit,
+          inputs={*inputs, c["checked"]}, outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
+    gr.on(None, None, js=WATCH_EDITS_JS)  # on page load
 
     def fill(spec: dict[str, Any], cluster: Cluster, message: str) -> dict:
         values = default_form() | spec_to_form(spec)
-        return render(check_form(values, cluster), values) | {c["form_message"]: message}
+        return (render(check_form(values, cluster), check_key(values, cluster), values, open_errors=True)
+                | {c["form_message"]: message})
 
     fill_outputs = [*view_outputs, c["form_message"]]
 
@@ -135,7 +167,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     def on_save_preset(name: str, data: dict) -> tuple:
         view = check_form(form_values(form, data), data[cluster_state])
         if view.spec is None:
-            return gr.skip(), "Fix the fields marked in red before saving a preset."
+            return gr.skip(), "✖ Not saved: fix these first.\n\n" + "\n".join(problem_lines(view, errors_only=True))
         try:
             path = studio.save_preset(name, view.spec)
         except ValueError as exc:
@@ -158,10 +190,11 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             result = import_command(text or "")
         except CommandError as exc:
             return not_filled(f"Command not imported: {exc}")
-        spec, problems = parse_spec(result.spec, source="command")
+        spec, problems = result.parse()
         if spec is None:
             return not_filled("Command not imported:\n" + problems_md(problems))
-        notes = [f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
+        notes = ([f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
+                 + [f"- ms-swift default: {d}" for d in result.defaults])
         return fill(spec.model_dump(), cluster,
                     "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
 
@@ -177,6 +210,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         return on_load_preset("demo", cluster) | {c["preset"]: gr.update(choices=studio.preset_names())}
 
     c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state], outputs=[c["preset"], *fill_outputs])
+    c["render"], c["view_outputs"] = render, view_outputs
 
 
 def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs: gr.Tabs,
@@ -186,10 +220,12 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
     form: dict[str, gr.components.Component] = c["form"]
 
     def on_launch(data: dict):
-        cluster = data[cluster_state]
-        view = check_form(form_values(form, data), cluster)
+        values, cluster = form_values(form, data), data[cluster_state]
+        view = check_form(values, cluster)
         if not view.ok:
-            yield {c["launch_status"]: "✖ Not launched: fix the fields marked in red first."}
+            # Listed here, at the button, each linking to its field, with the fields marked.
+            yield (c["render"](view, check_key(values, cluster), open_errors=True)
+                   | {c["launch_status"]: launch_refusal_md(view)})
             return
         yield {c["launch_status"]: f"Pre-flight on {len(cluster.nodes[: view.spec.nnodes])} node(s)…"}
         try:
@@ -206,4 +242,4 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
                monitor_run: run_choices(run_id)}
 
     c["launch"].click(on_launch, {*form.values(), cluster_state, c["run_name"]},
-                      [c["launch_status"], tabs, monitor_run])
+                      [c["launch_status"], tabs, monitor_run, *c["view_outputs"]])

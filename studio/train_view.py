@@ -17,7 +17,7 @@ from backend.spec import JobSpec, Problem, parse_spec
 from backend.validate import validate
 from studio.cluster_view import STATUS_MARK
 from studio.commands import preview
-from studio.form import form_to_data, problems_by_field
+from studio.form import GROUPS, VIEWS, form_to_data, problems_by_field
 
 
 @dataclass
@@ -42,6 +42,14 @@ def form_values(form: dict[str, Any], data: dict) -> dict[str, Any]:
     """The form's values by field name, from a handler's inputs (`form` maps field names to the
     components that are the keys of `data`)."""
     return {name: data[component] for name, component in form.items()}
+
+
+def check_key(values: dict[str, Any], cluster: Cluster) -> tuple:
+    """What a check of the form reads: the spec mapping of the widget values and the cluster. The
+    browser echoes a fill's values back as a change of every field; the same key means the same
+    check, so the echo is not checked a second time."""
+    data, problems = form_to_data(values)
+    return data, problems, cluster
 
 
 def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
@@ -70,6 +78,38 @@ def problems_md(problems: list[Problem]) -> str:
     if not problems:
         return ""
     return "\n".join(f"- {STATUS_MARK[p.severity]} **{p.field}**: {p.message}" for p in problems)
+
+
+def field_link(name: str) -> str:
+    """A link that scrolls the page to a form field (its component's elem_id is `f-<name>`)."""
+    return f"[{VIEWS[name].label}](#f-{name})"
+
+
+def problem_lines(view: TrainView, errors_only: bool = False) -> list[str]:
+    """The form's problems as list items, errors first, in form order; a field's problem links to
+    the field."""
+    rows = [(p, name) for name in VIEWS for p in view.field_problems.get(name, [])]
+    rows += [(p, None) for p in view.other_problems]
+    if errors_only:
+        rows = [(p, name) for p, name in rows if p.severity == "error"]
+    rows.sort(key=lambda row: row[0].severity != "error")
+    lines = []
+    for p, name in rows:
+        where = f"**{p.field}**" if name is None else field_link(name) + (f" `{p.field}`" if p.field != name else "")
+        lines.append(f"- {STATUS_MARK[p.severity]} {where}: {p.message}")
+    return lines
+
+
+def launch_refusal_md(view: TrainView) -> str:
+    errors = problem_lines(view, errors_only=True)
+    which = "this problem" if len(errors) == 1 else f"these {len(errors)} problems"
+    return f"✖ **Not launched**: fix {which} first.\n\n" + "\n".join(errors)
+
+
+def groups_with_errors(view: TrainView) -> list[str]:
+    """Titles of the form groups holding a field with an error: a collapsed group hides its mark."""
+    return [title for title, _, names in GROUPS
+            if any(p.severity == "error" for name in names for p in view.field_problems.get(name, []))]
 
 
 def layout_md(layout: Layout) -> str:

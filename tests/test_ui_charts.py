@@ -7,8 +7,10 @@ from types import SimpleNamespace
 import pytest
 
 from studio.access import AccessError, check_bind, load_auth
-from studio.charts import (SeriesBuffer, downsample, ema, figures, heatmap_grid, overlay_figure, progress_html)
-from studio.run_view import alerts_md, config_diff, status_md
+from studio.charts import (STEP_SERIES, SeriesBuffer, downsample, ema, figures, heatmap_grid, overlay_figure,
+                           progress_html, run_curve, stepped)
+from studio.run_view import (RESUME_LABEL, RUN_AGAIN_LABEL, alerts_md, config_diff, restart_button, restart_message,
+                             status_md)
 
 NO = -1
 
@@ -67,6 +69,7 @@ def test_heatmap_grid_buckets_every_series():
 def test_figures_fall_back_to_cpu_and_host_memory_without_gpus():
     buf = SeriesBuffer()
     buf.apply({key("host/cpu_pct"): [(1.0, 90.0), (2.0, 95.0)], key("host/ram_used_gib"): [(1.0, 3.0)],
+               key(STEP_SERIES, rank=0): [(1.0, 5.0), (2.0, 10.0)],
                key("train/loss", rank=0): [(1.0, 5.0), (2.0, 4.0)],
                key("rank/collective_wait_s", rank=1): [(1.0, 0.01)]}, cursor=1, reset=True)
     figs = figures(buf, smoothing=0.0)
@@ -75,11 +78,98 @@ def test_figures_fall_back_to_cpu_and_host_memory_without_gpus():
     assert list(figs["loss"].data[0].y) == [5.0, 4.0]
     assert figs["collective"].data[0].name == "rank 1"
     assert not figs["power"].data and figs["power"].layout.xaxis.visible is False
+    # One CPU node: its utilisation is a line; a heatmap of one row is not drawn.
+    assert figs["util_heatmap"] is None and len(figs["util_lines"].data) == 1
+    buf.apply({key("host/cpu_pct", "n2"): [(1.0, 50.0)]}, cursor=2, reset=False)
+    assert list(figures(buf, smoothing=0.0)["util_heatmap"].data[0].y) == ["n1", "n2"]
 
 
-def test_overlay_aligns_runs_at_their_start():
-    fig = overlay_figure({"a": [(100.0, 3.0), (160.0, 2.0)], "b": [(5000.0, 3.5)]})
-    assert list(fig.data[0].x) == [0.0, 1.0] and list(fig.data[1].x) == [0.0]
+def test_training_charts_are_drawn_against_the_step_with_the_time_in_the_hover():
+    buf = SeriesBuffer()
+    buf.apply({key(STEP_SERIES, rank=0): [(100.0, 5.0), (160.0, 10.0), (220.0, 15.0)],
+               key("train/loss", rank=0): [(100.0, 3.0), (160.0, 2.5), (220.0, 2.0)],
+               key("train/learning_rate", rank=0): [(100.0, 1e-3), (160.0, 2e-3), (220.0, 3e-3)],
+               key("train/tokens_per_s", rank=0): [(160.0, 400.0)],
+               # an evaluation logged a little after the train event of its step
+               key("train/eval_loss", rank=0): [(161.5, 2.7)]}, cursor=1, reset=True)
+    figs = figures(buf, smoothing=0.0)
+    loss = figs["loss"]
+    assert loss.layout.xaxis.type == "linear" and loss.layout.xaxis.title.text == "step"
+    train, evaluation = loss.data
+    assert list(train.x) == [5.0, 10.0, 15.0] and list(train.y) == [3.0, 2.5, 2.0]
+    assert (evaluation.name, list(evaluation.x), list(evaluation.y)) == ("eval", [10.0], [2.7])
+    assert "%{customdata[0]}" in train.hovertemplate and len(train.customdata[0][0]) == len("12:34:56")
+    assert list(figs["lr"].data[0].x) == [5.0, 10.0, 15.0] and list(figs["throughput"].data[0].x) == [10.0]
+    # Against time instead: a date axis, the step in the hover.
+    by_time = figures(buf, smoothing=0.0, x_axis="time")["loss"]
+    assert by_time.layout.xaxis.type == "date" and "step %{customdata[1]}" in by_time.data[0].hovertemplate
+    assert [row[1] for row in by_time.data[0].customdata] == ["5", "10", "15"]
+
+
+def test_a_first_point_on_a_time_axis_spans_a_minute_not_milliseconds():
+    buf = SeriesBuffer()
+    buf.apply({key("host/cpu_pct"): [(1000.0, 50.0)]}, cursor=1, reset=True)
+    lo, hi = figures(buf, smoothing=0.0)["util_lines"].layout.xaxis.range
+    assert hi - lo == pytest.approx(60_000)
+
+
+def test_points_take_the_step_of_the_latest_train_event_at_or_before_them():
+    series = {key(STEP_SERIES, rank=0): [(10.0, 1.0), (20.0, 2.0)],
+              key("train/loss", rank=0): [(5.0, 9.0), (10.0, 3.0), (15.0, 2.0), (20.0000001, 1.0)],
+              key("train/loss", "n2", rank=0): [(10.0, 3.0)]}
+    assert stepped(series, key("train/loss", rank=0)) == [(1.0, 3.0, 10.0), (1.0, 2.0, 15.0), (2.0, 1.0, 20.0000001)]
+    assert stepped(series, key("train/loss", "n2", rank=0)) == []  # no step series of that node
+
+
+def test_ingested_series_carry_the_step_each_step_once_after_a_resume():
+    """The step series from the ingestor (history and live tail) through to the Runs overlay."""
+    from sqlmodel import create_engine
+
+    from backend.ingest import Ingestor
+
+    ing = Ingestor(create_engine("sqlite://"), autostart=False)
+    offset = iter(range(1, 1000))
+
+    def event(attempt, data):
+        ing.on_agent_line("r", "n1", {"kind": "event", "file": "events/rank-0.jsonl", "offset": next(offset),
+                                      "rank": 0, "data": data}, attempt=attempt)
+
+    event(1, {"type": "start", "time": 0.0, "resumed_from": None})
+    for step in range(1, 11):
+        event(1, {"type": "train", "time": float(step), "step": step, "loss": 10.0 - step})
+    event(2, {"type": "start", "time": 50.0, "resumed_from": 5})
+    for step in range(6, 9):  # attempt 2 redid steps 6..8 from the checkpoint of step 5
+        event(2, {"type": "train", "time": 50.0 + step, "step": step, "loss": 1.0})
+    ing.flush()
+    names = ["train/loss", STEP_SERIES]
+    full = ing.series("r", names)
+    curve = run_curve(full.series)
+    assert [(s, v) for s, v, _ in curve] == [(float(s), 10.0 - s) for s in range(1, 6)] + [(6.0, 1.0), (7.0, 1.0),
+                                                                                          (8.0, 1.0)]
+    event(2, {"type": "train", "time": 59.0, "step": 9, "loss": 0.5})
+    live = ing.series("r", names, since=full.cursor)
+    assert not live.reset and [(s, v) for s, v, _ in run_curve(live.series)] == [(9.0, 0.5)]
+    # Reduced to a point budget, the steps are bucket means next to the loss means of the same events.
+    reduced = run_curve(ing.series("r", names, max_points=3).series)
+    assert len(reduced) <= 6 and all(1.0 <= s <= 9.0 for s, _, _ in reduced)
+
+
+def test_overlay_draws_runs_against_the_step_or_the_minutes_since_their_start():
+    curves = {"a": [(5.0, 3.0, 100.0), (10.0, 2.0, 160.0)], "b": [(5.0, 3.5, 5000.0)]}
+    fig = overlay_figure(curves)
+    assert list(fig.data[0].x) == [5.0, 10.0] and list(fig.data[1].x) == [5.0]
+    assert fig.layout.xaxis.title.text == "step" and fig.data[0].customdata[1][0] == "1m 00s"
+    by_time = overlay_figure(curves, x_axis="time")
+    assert list(by_time.data[0].x) == [0.0, 1.0] and list(by_time.data[1].x) == [0.0]
+    assert by_time.data[0].customdata[1][1] == "10"
+
+
+def test_resume_button_says_run_again_without_a_checkpoint():
+    assert restart_button("failed", [(40, "/r/checkpoint-40")]) == (RESUME_LABEL, True)
+    assert restart_button("failed", []) == (RUN_AGAIN_LABEL, True)
+    assert restart_button("running", []) == (RESUME_LABEL, False)
+    assert "step 40" in restart_message("r1", [(40, "/r/checkpoint-40"), (20, "/r/checkpoint-20")])
+    assert "No checkpoint" in restart_message("r1", []) and "step 0" in restart_message("r1", [])
 
 
 def test_progress_bar_and_eta():
@@ -99,6 +189,13 @@ def test_failure_status_names_cause_node_and_last_lines():
     assert "**Cause: out of memory** (node gpu2, exit code 1)" in text
     assert "What to do:" in text and "line b" in text and "Resumed from the checkpoint of step 40" in text
     assert "attempt 2" in text and "1m 30s" in text and "re-attached" in text
+
+
+def test_a_worker_error_is_shown_once_with_what_to_do_for_its_cause():
+    message = "data error (node localhost, rank 1): /d/train.jsonl:7: unknown record format with fields ['foo']"
+    text = status_md(run(cause="data_error", failed_node="localhost", message=message, log_tail=""), None, [])
+    assert f"**Cause:** {message}" in text and text.count("data error") == 1
+    assert "What to do: fix or remove the named record (file:line)" in text
 
 
 def test_config_diff_lists_only_changed_fields():
@@ -122,7 +219,7 @@ def test_access_rules(tmp_path):
     check_bind("localhost", None)
     with pytest.raises(AccessError, match="SWIFT_STUDIO_AUTH"):
         check_bind("0.0.0.0", None)
-    check_bind("0.0.0.0", [("a", "b")])
+    check_bind("0.0.0.0", [("a", "b")], ("gpu1",))
     creds = tmp_path / "auth"
     creds.write_text("# users\nalice:s3cret:with:colons\n")
     assert load_auth(str(creds), {}) == [("alice", "s3cret:with:colons")]

@@ -1,14 +1,19 @@
 """The whole studio flow in a real browser, on this machine, with the real worker:
 
 open → invalid layout shows its field error → demo preset (shortened) → pre-flight and launch →
-loss and utilisation charts gain points → reload mid-run, charts complete → stop → resume from
-the checkpoint → export, with the exported path and a generated reply. Screenshots of every step
-go to test-artifacts/ui/flow/. Along the way: no request leaves the studio's own address, no
-traceback reaches the page, and the studio process never loads torch and stays small.
+loss and utilisation charts gain points, the training charts against the step → reload mid-run
+lands on the Monitor, charts complete → the log opens at its newest lines → stop → resume from
+the checkpoint → export, with the exported path, the prompt and a generated reply → the Runs
+table and overlay. A run that fails before its first checkpoint offers to run again instead of a
+resume. Screenshots of every step go to test-artifacts/ui/flow/ and ui/run-again/. Along the way:
+no request leaves the studio's own address, no traceback reaches the page, and the studio process
+never loads torch and stays small.
 """
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import pytest
 pytest.importorskip("playwright")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from studio_server import Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
+from studio_server import REPO, Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -33,8 +38,30 @@ POINTS_JS = """(id) => {
 }"""
 
 
+# The x axis of a chart and the x values of its last trace.
+AXIS_JS = """(id) => {
+  const el = document.querySelector(`#${id} .js-plotly-plot`);
+  if (!el || !el.layout) return null;
+  const last = el.data.length ? el.data[el.data.length - 1] : {x: []};
+  return {type: el.layout.xaxis.type, title: el.layout.xaxis.title ? el.layout.xaxis.title.text : null,
+          x: Array.from(last.x || [])};
+}"""
+# Whether a text box shows its last line (scrolled to the bottom).
+AT_BOTTOM_JS = """(selector) => {
+  const box = document.querySelector(selector);
+  return box.scrollHeight > box.clientHeight && box.scrollTop + box.clientHeight >= box.scrollHeight - 2;
+}"""
+# The rendered height of each Runs table column header: one line each, or fragments of a word.
+HEADER_HEIGHTS_JS = """() => Object.fromEntries([...document.querySelectorAll('#runs-table th.header-cell')]
+  .map(th => [th.title, th.querySelector('.header').getBoundingClientRect().height]))"""
+
+
 def points(page, chart: str) -> int:
     return page.evaluate(POINTS_JS, chart)
+
+
+def axis(page, chart: str) -> dict:
+    return page.evaluate(AXIS_JS, chart)
 
 
 def wait_points(page, chart: str, more_than: int, timeout_s: float = 120) -> int:
@@ -91,7 +118,7 @@ def test_full_flow(studio):
 
         # 2. An invalid layout shows its error next to the field, and clears when fixed.
         tp = page.locator("#f-tensor_model_parallel_size")
-        tp.locator("input").fill("2")
+        tp.locator("input").fill("3")  # world 2 is no multiple of TP 3
         expect(tp).to_have_class(re.compile("field-error"), timeout=15000)
         shot(page, "invalid-layout")
         tp.locator("input").fill("1")
@@ -113,14 +140,25 @@ def test_full_flow(studio):
         util = wait_points(page, "chart-util-lines", 0)
         wait_points(page, "chart-loss", first)
         wait_points(page, "chart-util-lines", util)
-        assert points(page, "chart-util-heatmap") > 0
+        # One CPU node: its utilisation is drawn as a line; a heatmap of one row is not drawn.
+        expect(page.locator("#chart-util-heatmap")).to_be_hidden()
+        # The training charts are drawn against the step (logged every step), time is in the hover.
+        loss_axis = axis(page, "chart-loss")
+        assert loss_axis["type"] == "linear" and loss_axis["title"] == "step", loss_axis
+        assert len(loss_axis["x"]) >= 2 and loss_axis["x"] == list(range(1, len(loss_axis["x"]) + 1)), loss_axis
+        assert axis(page, "chart-lr")["title"] == "step"
         shot(page, "charts-live")
+        page.locator("#monitor-x-axis").get_by_text("time").click()
+        page.wait_for_function("() => document.querySelector('#chart-loss .js-plotly-plot').layout.xaxis.type === 'date'")
+        shot(page, "charts-against-time")
+        page.locator("#monitor-x-axis").get_by_text("step").click()
+        page.wait_for_function("() => document.querySelector('#chart-loss .js-plotly-plot').layout.xaxis.type === 'linear'")
         rss_watching = rss_mib(studio.proc.pid)
 
-        # 5. Reload mid-run: the Monitor re-attaches with the charts complete.
+        # 5. Reload mid-run: the page opens on the Monitor of the running run, charts complete.
         before = points(page, "chart-loss")
         page.reload()
-        page.get_by_role("tab", name="Monitor").click()
+        expect(page.get_by_role("tab", name="Monitor")).to_have_attribute("aria-selected", "true", timeout=30000)
         expect(page.locator("#monitor-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=30000)
         assert wait_points(page, "chart-loss", before - 1, timeout_s=30) >= before
         shot(page, "reloaded")
@@ -135,16 +173,26 @@ def test_full_flow(studio):
         assert complete and complete[-1] >= 4, complete
         stopped_at = step_shown(page)
         assert 4 <= stopped_at < 200
+        # The live log opens at its newest lines (by now more than the box shows).
+        page.get_by_text("Logs", exact=True).click()
+        expect(page.locator("#monitor-log textarea")).to_have_value(re.compile(r"step \d+/200"), timeout=30000)
+        page.wait_for_function(AT_BOTTOM_JS, arg="#monitor-log textarea", timeout=10000)
+        page.get_by_text("Logs", exact=True).click()
         page.locator("#monitor-full-log").click()
         expect(page.locator("#monitor-log-full textarea")).to_have_value(re.compile(r"\[rank0\].*step \d+"), timeout=30000)
         shot(page, "stopped")
 
         # 7. Resume continues from the latest complete checkpoint, not from step 0; stop again.
+        expect(page.locator("#monitor-resume")).to_have_text("▶ Resume from checkpoint")
         page.locator("#monitor-resume").click()
+        expect(page.locator("#monitor-action")).to_contain_text(f"from the checkpoint of step {complete[-1]}")
         expect(page.locator("#monitor-status")).to_contain_text(
             f"Resumed from the checkpoint of step {complete[-1]}", timeout=RUN_TIMEOUT_MS)
         wait_step(page, max(stopped_at, complete[-1]) + 2, timeout_s=RUN_TIMEOUT_MS / 1000)
         assert points(page, "chart-loss") > before
+        # Running again: the status line says so, the "Resuming …" line is gone.
+        expect(page.locator("#monitor-status")).to_contain_text("running")
+        expect(page.locator("#monitor-action")).not_to_contain_text("Resuming", timeout=10000)
         shot(page, "resumed")
         page.locator("#monitor-stop").click()
         expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=60000)
@@ -158,22 +206,66 @@ def test_full_flow(studio):
         expect(page.locator("#export-result")).to_contain_text(str(studio.output_dir / run_id / "export"))
         assert (studio.output_dir / run_id / "export" / "config.json").is_file()
         assert page.locator("#export-sample textarea").input_value() != ""
+        prompt = page.locator("#export-prompt textarea").input_value()
         shot(page, "exported")
 
         # 9. The Runs tab lists the run with its state and overlays its loss curve.
         page.get_by_role("tab", name="Runs").click()
         expect(page.locator("#runs-table")).to_contain_text(run_id, timeout=30000)
         expect(page.locator("#runs-table")).to_contain_text("stopped")
+        heights = page.evaluate(HEADER_HEIGHTS_JS)
+        assert heights["attempts"] == heights["run"], heights  # one line, not "at/te/mp/ts"
         page.locator("#runs-overlay input").click()
         page.get_by_role("option", name=re.compile(re.escape(run_id))).click()
         wait_points(page, "chart-overlay", 0, timeout_s=30)
+        overlay = axis(page, "chart-overlay")
+        assert overlay["title"] == "step" and overlay["x"][:3] == [1, 2, 3], overlay
         shot(page, "runs")
 
         content = page.content()
         browser.close()
 
     assert "Traceback" not in content
+    # Beside the reply, the prompt it answers: a user turn of the demo's training data.
+    assert json.dumps(prompt) in (REPO / "assets" / "demo" / "train.jsonl").read_text(), prompt
     assert foreign_requests(requests, studio.url) == []
     assert loaded_worker_libs(studio.proc.pid) == []
     assert rss_watching < 350, f"studio resident {rss_watching:.0f} MiB while watching a run"
     print(f"studio: first HTTP answer {studio.startup_s:.1f} s, {rss_watching:.0f} MiB while watching a run")
+
+
+def broken_model(where: Path) -> Path:
+    """The demo model with unreadable weights: the form's checks read its config.json and pass,
+    the worker fails loading it, before any step or checkpoint."""
+    model = where / "broken-model"
+    shutil.copytree(REPO / "assets" / "demo" / "model", model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    return model
+
+
+def test_a_failed_run_without_a_checkpoint_offers_to_run_again(studio, tmp_path):
+    shot = Shots("run-again")
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = open_studio(browser, studio.url)
+        page.locator("#f-model textarea, #f-model input").first.fill(str(broken_model(tmp_path)))
+        expect(page.locator("#train-commands")).to_contain_text("broken-model", timeout=15000)
+        page.locator("#launch").click()
+        expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
+        status = page.locator("#monitor-status")
+        expect(status).to_contain_text("failed", timeout=RUN_TIMEOUT_MS)
+        # Nothing to resume from: the button and its message say what it does instead.
+        resume = page.locator("#monitor-resume")
+        expect(resume).to_have_text("▶ Run again", timeout=15000)
+        expect(resume).to_be_enabled()
+        shot(page, "failed-no-checkpoint")
+        resume.click()
+        expect(page.locator("#monitor-action")).to_contain_text("No checkpoint", timeout=15000)
+        expect(page.locator("#monitor-action")).to_contain_text("from step 0")
+        expect(status).to_contain_text(re.compile(r"failed · run \S+ · attempt 2"), timeout=RUN_TIMEOUT_MS)
+        expect(resume).to_have_text("▶ Run again")
+        shot(page, "failed-again")
+        content = page.content()
+        browser.close()
+    # The failure panel shows the worker's own last log lines (its traceback); none of the studio's.
+    assert "failed unexpectedly" not in content

@@ -9,7 +9,7 @@ from backend.spec import FIELDS, JobSpec, Problem
 from studio.cluster_view import node_rows, put_node, remove_node
 from studio.context import Studio
 from studio.form import GROUPS, VIEWS, default_form, form_to_data, problems_by_field, spec_to_form
-from studio.train_view import check_form
+from studio.train_view import check_form, check_key, groups_with_errors, launch_refusal_md, problem_lines
 
 
 def test_every_spec_field_is_on_the_form_once_with_its_flag():
@@ -151,3 +151,31 @@ def test_missing_deepspeed_json_is_a_field_error_not_a_crash(tmp_path):
     assert any(missing in p.message for p in view.field_problems["deepspeed"])
     assert view.memory_md.startswith("**Memory per GPU**: not estimated:")
     assert missing in view.memory_md
+
+
+def test_problem_list_links_each_field_errors_first():
+    cluster = local_cluster()
+    values = default_form() | spec_to_form(demo_spec().model_dump()) | {
+        "model": "/nonexistent/model", "attn_impl": "bogus", "save_steps": 1000, "max_steps": 10}
+    view = check_form(values, cluster)
+    lines = problem_lines(view)
+    errors = problem_lines(view, errors_only=True)
+    assert lines[: len(errors)] == errors and all("✖" in line for line in errors)
+    assert errors[0].startswith("- ✖ [Model · model](#f-model): ")
+    assert errors[-1].startswith("- ✖ [Attention kernel · attn_impl](#f-attn_impl): ")
+    assert lines[len(errors)].startswith("- ⚠ [Save steps · save_steps](#f-save_steps): ")  # a warning, after them
+    refusal = launch_refusal_md(view)
+    assert refusal.startswith(f"✖ **Not launched**: fix these {len(errors)} problems first.\n\n{errors[0]}")
+    # "Advanced" starts collapsed: a refusal opens it so that the mark can be seen; a warning opens nothing.
+    assert groups_with_errors(view) == ["Model and data", "Advanced"]
+
+
+def test_a_fill_echoed_back_by_the_browser_is_the_same_check():
+    # A fill sets the widgets from the spec; the browser reports them back as strings and floats.
+    cluster = local_cluster()
+    filled = default_form() | spec_to_form(demo_spec().model_dump())
+    echoed = {name: (float(v) if isinstance(v, int) and not isinstance(v, bool) else v) for name, v in filled.items()}
+    echoed |= {"deepspeed": None, "save_total_limit": 2.0}
+    assert check_key(echoed, cluster) == check_key(filled, cluster)
+    assert check_key(filled | {"model": "/other"}, cluster) != check_key(filled, cluster)
+    assert check_key(filled, Cluster(nodes=(Node(host="a", slots=4),))) != check_key(filled, cluster)

@@ -15,6 +15,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 from studio_server import REPO  # noqa: E402
 
+from backend.cluster import usable_cores  # noqa: E402
+
 DEMO_MODEL, DEMO_DATA = str(REPO / "assets/demo/model"), str(REPO / "assets/demo/train.jsonl")
 IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DATA} "
             "--train_type lora --lora_rank 4 --learning_rate 3e-4 --max_length 128 --max_steps 6 --bogus_flag 1")
@@ -57,11 +59,11 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(page.locator("#train-memory")).to_contain_text("Memory per GPU")
     shot(page, "imported")
 
-    # Oversubscribing the CPU slots is legal but flagged; TP=2 on one process is impossible; TP=0 is
+    # More ranks than the node's CPU cores is refused; TP=2 on one process is impossible; TP=0 is
     # rejected by the spec itself.
-    field(page, "nproc_per_node").locator("input").fill("4")
-    expect(field(page, "nproc_per_node")).to_have_class(re.compile("field-warning"), timeout=15000)
-    expect(field(page, "nproc_per_node")).to_contain_text("⚠")
+    field(page, "nproc_per_node").locator("input").fill(str(usable_cores() + 1))
+    expect(field(page, "nproc_per_node")).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(field(page, "nproc_per_node")).to_contain_text("CPU cores")
     field(page, "nproc_per_node").locator("input").fill("1")
     field(page, "tensor_model_parallel_size").locator("input").fill("2")
     expect(field(page, "tensor_model_parallel_size")).to_have_class(re.compile("field-error"), timeout=15000)
@@ -72,7 +74,7 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(field(page, "tensor_model_parallel_size")).to_contain_text("greater than or equal to 1", timeout=15000)
     field(page, "tensor_model_parallel_size").locator("input").fill("1")
     expect(field(page, "tensor_model_parallel_size")).not_to_have_class(re.compile("field-error"), timeout=15000)
-    expect(field(page, "nproc_per_node")).not_to_have_class(re.compile("field-warning"))
+    expect(field(page, "nproc_per_node")).not_to_have_class(re.compile("field-error"))
     expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run")
 
     # Save a preset, change the form, load the preset back.
@@ -90,6 +92,62 @@ def test_train_form_live_checks_import_presets(studio, page):
 
     assert "Traceback" not in page.content()
     assert foreign_requests(page.requests, studio.url) == []
+
+
+def paste(page, locator, text: str) -> None:
+    """A real paste: the text on the system clipboard, then Ctrl+V into the focused, selected box."""
+    page.evaluate("(text) => navigator.clipboard.writeText(text)", text)
+    locator.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.press("Control+V")
+
+
+def test_pasted_values_are_checked_and_a_refused_launch_links_to_its_fields(studio, page):
+    shot = Shots("paste")
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=studio.url.rstrip("/"))
+    model = field(page, "model").locator("textarea, input")
+    missing = "/nonexistent/pasted-model"
+    paste(page, model, missing)
+    expect(model).to_have_value(missing)
+    # The pasted path is checked like a typed one: marked, listed, and the previews follow it.
+    expect(field(page, "model")).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(field(page, "model")).to_contain_text(f"directory not found: {missing}")
+    expect(page.locator("#train-problems a[href='#f-model']")).to_be_visible()
+    page.get_by_role("tab", name="YAML").click()
+    expect(page.locator("#train-yaml")).to_contain_text(missing)
+    shot(page, "pasted-missing-model")
+
+    # An error in a collapsed group: the fill opens the group, so its mark can be seen.
+    page.get_by_text("Import ms-swift command").click()
+    page.locator("#import-text textarea").fill(IMPORTED.replace(DEMO_MODEL, missing) + " --attn_impl bogus")
+    page.locator("#import-button").click()
+    expect(field(page, "attn_impl")).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(field(page, "attn_impl")).to_be_visible()
+    page.get_by_text("Advanced", exact=True).click()  # the user folds it away again
+    expect(field(page, "attn_impl")).to_be_hidden()
+
+    # Launch refuses, at the button, naming each field with a link to it; the group opens again.
+    page.evaluate("window.scrollTo(0, 0)")
+    page.locator("#launch").click()
+    status = page.locator("#launch-status")
+    expect(status).to_contain_text("Not launched: fix these 2 problems first", timeout=15000)
+    expect(status.locator("a")).to_have_count(2)
+    expect(field(page, "attn_impl")).to_be_visible()
+    shot(page, "launch-refused", full_page=False)
+    status.locator("a[href='#f-attn_impl']").click()
+    expect(field(page, "attn_impl")).to_be_in_viewport()
+    shot(page, "followed-link-to-attn_impl", full_page=False)
+    status.locator("a[href='#f-model']").scroll_into_view_if_needed()
+    status.locator("a[href='#f-model']").click()
+    expect(field(page, "model")).to_be_in_viewport()
+
+    # Pasting the right path clears the mark and the launch list is no longer the form's state.
+    paste(page, model, DEMO_MODEL)
+    expect(field(page, "model")).not_to_have_class(re.compile("field-error"), timeout=15000)
+    expect(page.locator("#train-problems a[href='#f-model']")).to_have_count(0)
+    expect(page.locator("#train-yaml")).to_contain_text(f"model: {DEMO_MODEL}")
+    shot(page, "pasted-demo-model")
+    assert "Traceback" not in page.content()
 
 
 def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
