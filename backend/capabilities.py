@@ -44,6 +44,12 @@ class TpPlan:
         return self.fsdp * self.replicate
 
 
+def same_data_ranks(spec: JobSpec) -> int:
+    """Consecutive ranks that compute on the same batches (a TP group, a Ulysses SP group): the
+    data-parallel rank is rank // this, and their tokens count once."""
+    return spec.tensor_model_parallel_size * spec.sequence_parallel_size
+
+
 def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
     """The TP layout of a job on `world` ranks, or None without tensor parallelism."""
     tp = spec.tensor_model_parallel_size
@@ -92,11 +98,12 @@ def deepspeed_json_problems(config: dict, source: str) -> list[Problem]:
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
     for field in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                  "expert_tensor_parallel_size", "sequence_parallel_size"):
+                  "expert_tensor_parallel_size"):
         if getattr(spec, field) > 1:
-            problems.append(Problem(field, "not supported by this worker yet (data parallel: DDP, DeepSpeed ZeRO, "
-                                           "FSDP2; tensor parallel); set it to 1"))
+            problems.append(Problem(field, "not supported by this worker yet (it runs DDP, DeepSpeed ZeRO, FSDP2, "
+                                           "tensor parallel and Ulysses sequence parallel)"))
     problems += _tp_problems(spec)
+    problems += _sp_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -149,4 +156,55 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {TP} > 1 is not supported (no sharded grad scaler); "
                                           "use bfloat16"))
+    return out
+
+
+SP = "sequence_parallel_size"
+FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
+
+
+def _sp_problems(spec: JobSpec) -> list[Problem]:
+    """Ulysses sequence parallel is DeepSpeed's ALST for HF models (launcher/engines/zero.py); what
+    does not compose with it is refused by name."""
+    if spec.sequence_parallel_size <= 1:
+        return []
+    out = []
+    if not spec.deepspeed:
+        out.append(Problem("deepspeed", f"{SP} > 1 runs on DeepSpeed's Ulysses (ALST): choose a ZeRO stage "
+                                        "(zero0 to zero3) or a DeepSpeed JSON"))
+    if spec.tensor_model_parallel_size > 1:
+        out.append(Problem(SP, f"not with {TP} > 1 (transformers' TP and DeepSpeed's Ulysses do not compose "
+                               "in this worker); use one of them"))
+    if spec.attn_impl == "eager":
+        out.append(Problem("attn_impl", f"eager attention needs a 4D mask that Ulysses ({SP} > 1) cannot "
+                                        "split; use sdpa, flex_attention or flash_attention_2"))
+    if spec.packing and spec.attn_impl not in FLASH_IMPLS:
+        # DeepSpeed's Ulysses drops the attention mask; only flash-attention reads the sample
+        # boundaries from the position ids, sdpa and flex would attend across packed samples.
+        out.append(Problem("packing", f"packing with {SP} > 1 needs attn_impl flash_attention_2 or 3 (Ulysses "
+                                      "drops the mask; sdpa and flex_attention would attend across the packed "
+                                      "samples); turn packing off or use flash-attention"))
+    for field, why in (("torch_compile", "compiling through Ulysses' all-to-all is not tested"),
+                       ("use_liger_kernel", "Liger's fused loss is not wired to the sequence-sharded loss")):
+        if getattr(spec, field):
+            out.append(Problem(field, f"not with {SP} > 1 ({why}); turn it off"))
+    return out
+
+
+PARALLEL_FIELDS = (TP, SP, "context_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                   "expert_tensor_parallel_size")
+
+
+def parallel_refusals(spec: JobSpec) -> dict[str, str]:
+    """Why the worker would refuse each parallel dimension (left at 1) above 1, with the rest of the
+    job as it is: the refusals that setting it to 2 adds, as the form greys it out."""
+    before = {(p.field, p.message) for p in unsupported(spec)}
+    out = {}
+    for field in PARALLEL_FIELDS:
+        if getattr(spec, field) > 1:
+            continue
+        added = [p for p in unsupported(spec.model_copy(update={field: 2}))
+                 if p.severity == "error" and (p.field, p.message) not in before]
+        if added:
+            out[field] = "; ".join(p.message if p.field == field else f"{p.field}: {p.message}" for p in added)
     return out

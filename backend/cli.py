@@ -302,4 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m backend.cli` this module is __main__, and backend.runcli raises the CliError
+    # of the imported backend.cli: run that module's main so its except clause catches it.
+    from backend.cli import main as _main
+
+    sys.exit(_main())

@@ -32,6 +32,12 @@ class Layout:
         degrees = " ".join(f"{name}={getattr(self, name.lower())}" for name in ("DP", "TP", "PP", "CP", "EP", "SP"))
         return f"{self.nnodes} node(s) x {self.nproc_per_node} proc = world {self.world}: {degrees}"
 
+    def name(self) -> str:
+        """The ranks as the product of their dimensions, DP×TP×SP×CP, with PP and EP where used."""
+        dims = [("DP", self.dp), ("TP", self.tp), ("SP", self.sp), ("CP", self.cp)]
+        dims += [(name, value) for name, value in (("PP", self.pp), ("EP", self.ep)) if value > 1]
+        return "×".join(f"{name}{value}" for name, value in dims)
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 

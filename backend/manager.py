@@ -32,6 +32,7 @@ from backend import lifecycle, logclass, metrics_export, nodes, remote, ssh
 from backend.cluster import Cluster, Node
 from backend.db import create_db_and_tables, make_engine
 from backend.launch import NodeCommand, Started
+from backend.layout import Layout
 from backend.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.models import Attempt, NodeProcess, Run
 from backend.spec import JobSpec, absolute_dir
@@ -219,6 +220,15 @@ class RunManager:
     def processes(self, run_id: str) -> list[NodeProcess]:
         attempt = self.store.current_attempt(run_id)
         return self.store.processes(attempt.id) if attempt else []
+
+    def layout(self, run_id: str) -> Layout | None:
+        """The parallel layout the current attempt was planned with; None before its plan."""
+        attempt = self.store.current_attempt(run_id)
+        found = json.loads(attempt.plan_json).get("layout") if attempt else None
+        try:
+            return Layout(**found) if found else None
+        except TypeError:  # a plan stored by a version whose Layout had other fields
+            return None
 
     def notices(self, run_id: str) -> list[str]:
         """Connection notices of the watch (a node not answering, answering again)."""

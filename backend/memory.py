@@ -280,6 +280,9 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     if layout.tp > 1:
         notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
                      f"divided by {layout.tp}")
+    if layout.sp > 1:
+        notes.append(f"Ulysses SP={layout.sp}: each rank keeps the activations of 1/{layout.sp} of every sequence; "
+                     "ZeRO shards over all ranks")
     if spec.train_type == "lora":
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
     if model.vision_tower:

@@ -93,6 +93,10 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
                                f"the other (KV heads are split over TP, or replicated when TP is a multiple)"))
     if sp > 1 and model.num_heads % (tp * sp):
         out.append(Problem(SP, f"the model's {model.num_heads} attention heads are not divisible by TP x SP = {tp * sp} (Ulysses splits heads)"))
+    if sp > 1 and model.num_kv_heads % sp and sp % model.num_kv_heads:
+        # DeepSpeed's Ulysses splits the KV heads over the group, or replicates them when SP is a multiple.
+        out.append(Problem(SP, f"the model's {model.num_kv_heads} key/value heads and SP={sp}: one must divide the "
+                               "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
     if model.num_layers % pp:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
     if tp > 1 and spec.fsdp and model.tie_word_embeddings:

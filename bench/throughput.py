@@ -33,6 +33,7 @@ from typing import NamedTuple
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # backend.memory, for the estimates beside the measured peaks
 DEFAULT_BASELINE = ROOT.parent / "shared" / "bench" / "hf_baseline.py"
 # The shapes of hf_baseline.py (kept identical so the figures compare).
 SHAPES = {
@@ -164,9 +165,24 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
     useful = sum(e["tokens_per_s"] for e in train[1:]) / max(len(train) - 1, 1)  # non-padding tokens
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
+            "estimated_gib": estimated_gib(run_dir, shape, nproc),
             "useful_tokens_per_s": round(useful),
             "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
             "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2)}
+
+
+def estimated_gib(run_dir: Path, shape: str, nproc: int) -> float:
+    """backend.memory's estimate for the run's job, comparable with the measured peak (allocated
+    memory: without the CUDA context)."""
+    from backend.layout import compute_layout
+    from backend.memory import estimate_memory
+    from backend.modelcfg import parse_model_config
+    from backend.spec import load_spec
+
+    spec, _ = load_spec(run_dir / "job.yaml")
+    spec = spec.model_copy(update={"nproc_per_node": nproc})
+    est = estimate_memory(spec, parse_model_config(SHAPES[shape], shape), compute_layout(spec))
+    return round(est.total_gib - est.other_gib, 2)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
@@ -266,6 +282,14 @@ SINGLE_TARGETS = (
     Target("agent", "telemetry agent at 1 Hz: tokens/s with / without (mean of two pairs)", 0.99,
            (("agent_on_1", "agent_off_1"), ("agent_on_2", "agent_off_2")), alone=True),
 )
+# Long context on one GPU: the activations of one long sequence, kept in bounds by activation
+# checkpointing and Liger's fused loss on both sides (the stock stack's best for long sequences).
+# Ulysses SP needs two GPUs or more: its figures belong to the multi-GPU benchmark.
+LONG_SEQS = (8192, 16384, 32768)
+SINGLE_TARGETS += tuple(
+    Target("long", f"long context llama3.2-1b {seq}x1 full + GC (FSDP2 shard_grad_op + compile) vs HF+Liger+GC", 1.0,
+           ((f"long_{seq}", f"hf_long_{seq}"),), memory=True)
+    for seq in LONG_SEQS)
 SINGLE_GROUPS = tuple(dict.fromkeys(t.group for t in SINGLE_TARGETS))
 # hf_baseline_multi.py's MODE -> our engine fields for the same engine.
 MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
@@ -357,6 +381,10 @@ class Suite:
             "packed": our_run(qwen, min_len=50, extra={"packing": True, "attn_impl": "flex_attention"}),
             "agent_off_1": full(), "agent_on_1": full(agent=True), "agent_on_2": full(agent=True), "agent_off_2": full(),
         }
+        for seq in LONG_SEQS:
+            jobs[f"hf_long_{seq}"] = hf("llama3.2-1b", seq, 1, False, True, True)
+            jobs[f"long_{seq}"] = our_run(("llama3.2-1b", seq, 1), engine=FAST_FULL["engine"],
+                                          extra={**FAST_FULL["extra"], "gradient_checkpointing": True})
         targets = [t for t in SINGLE_TARGETS if t.group in groups]
         needed = {name for t in targets for pair in t.pairs for name in pair}
         alone = [name for t in targets if t.alone for name in t.run_order()]
@@ -371,7 +399,8 @@ class Suite:
             extra = {"pairs": ratios} if len(ratios) > 1 else {}
             if t.memory:
                 (ours, theirs), = t.pairs
-                extra.update(peak_gib=r[ours].get("peak_mem_gib"), hf_peak_gib=r[theirs].get("peak_mem_gib"))
+                extra.update(peak_gib=r[ours].get("peak_mem_gib"), hf_peak_gib=r[theirs].get("peak_mem_gib"),
+                             estimated_gib=r[ours].get("estimated_gib"))
             self.target(t.name, None if None in ratios else round(sum(ratios) / len(ratios), 3), t.goal, extra)
 
     def multi(self, nproc: int, modes: list[str], repeat: int = 1) -> None:

@@ -142,12 +142,14 @@ def unpacked(samples: list[Sample]) -> list[Row]:
     return [Row(s.input_ids, s.labels, list(range(len(s))), 1) for s in samples]
 
 
-def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None) -> dict:
+def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1) -> dict:
     """Tensors for one micro-batch. Packed rows get no attention mask (the position ids carry the
-    sample boundaries; padding forms its own block); padded rows get one."""
+    sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
+    of `multiple` (a Ulysses SP group splits every row into that many equal parts)."""
     import torch
 
     width = pad_to or max(len(r.input_ids) for r in rows)
+    width = -(-width // multiple) * multiple
     ids, labels, pos, mask = [], [], [], []
     for r in rows:
         pad = width - len(r.input_ids)
@@ -166,8 +168,9 @@ class Batches:
     optimizer step so a resume continues at the exact data position."""
 
     def __init__(self, rows: list[Row], micro_batch: int, accumulation: int, steps_per_epoch: int,
-                 seed: int, pad_id: int, packed: bool, max_length: int):
+                 seed: int, pad_id: int, packed: bool, max_length: int, multiple: int = 1):
         self.rows, self.micro_batch, self.accumulation = rows, micro_batch, accumulation
+        self.multiple = multiple
         self.steps_per_epoch, self.seed, self.pad_id, self.packed = steps_per_epoch, seed, pad_id, packed
         self.max_length = max_length
         self._epoch: int | None = None
@@ -189,7 +192,7 @@ class Batches:
         for micro in range(self.accumulation):
             start = (within * self.accumulation + micro) * self.micro_batch
             rows = [self.rows[i] for i in order[start:start + self.micro_batch]]
-            batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None)
+            batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None, self.multiple)
             out.append((batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)))
         return out
 

@@ -21,8 +21,8 @@ class Dist:
     local_rank: int
     device: torch.device
     control: object  # gloo ProcessGroup
-    model_parallel: int = 1
-    """Consecutive ranks that hold one replica between them (TP) and so read the same data."""
+    same_data_ranks: int = 1
+    """Consecutive ranks that compute on the same batches (a TP or Ulysses SP group)."""
 
     @property
     def is_main(self) -> bool:
@@ -30,12 +30,12 @@ class Dist:
 
     @property
     def dp_rank(self) -> int:
-        """Which data shard this rank reads (transformers' mesh puts TP innermost)."""
-        return self.rank // self.model_parallel
+        """Which data shard this rank reads (TP and SP groups are consecutive ranks)."""
+        return self.rank // self.same_data_ranks
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.model_parallel
+        return self.world_size // self.same_data_ranks
 
     def all_reduce(self, values: list[float], op: str = "sum") -> tuple[list[float], float]:
         """Reduce a few host floats over the control group; returns (values, seconds waited)."""
@@ -54,7 +54,7 @@ class Dist:
         dist.barrier(group=self.control)
 
 
-def init(timeout_s: int, model_parallel: int = 1) -> Dist:
+def init(timeout_s: int, same_data_ranks: int = 1) -> Dist:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -68,7 +68,7 @@ def init(timeout_s: int, model_parallel: int = 1) -> Dist:
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return Dist(rank, world, local_rank, device, control, model_parallel)
+    return Dist(rank, world, local_rank, device, control, same_data_ranks)
 
 
 def close() -> None:

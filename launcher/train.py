@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # which node wrote the slot, also when all nodes share the run directory.
     where = {"rank": rank, "node": os.environ.get(remote.NODE_ENV), "pgid": os.getpgid(os.getppid())}
 
+    from backend.capabilities import same_data_ranks
     from launcher import dist
     from launcher.config import load_job
     from launcher.trainer import Stopped, Trainer
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # nothing started yet: report and leave
         end(None, "failed", 0, exc)
         return 1
-    ctx = dist.init(spec.ddp_timeout, model_parallel=spec.tensor_model_parallel_size)
+    ctx = dist.init(spec.ddp_timeout, same_data_ranks=same_data_ranks(spec))
     logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
                         format=f"[rank{ctx.rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True)
     trainer = Trainer(args.run_dir, spec, ctx, args.resume)

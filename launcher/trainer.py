@@ -125,7 +125,7 @@ class Trainer:
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
         self.batches, self.plan = self._load_data()
-        ds_config = (load_ds_config(self.run_dir, spec, self.dist.world_size, getattr(self.model_config, "hidden_size", None),
+        ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(self.model_config, "hidden_size", None),
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
@@ -158,7 +158,7 @@ class Trainer:
             raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
         # Ranks of one TP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
-        (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.model_parallel, dropped / d.model_parallel], "sum")
+        (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
         per_epoch = data.steps_per_epoch(int(min_rows), spec.per_device_train_batch_size, spec.gradient_accumulation_steps)
         if per_epoch < 1:
             need = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * d.dp_size
@@ -170,7 +170,8 @@ class Trainer:
                      spec.max_length, per_epoch)
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
         batches = data.Batches(rows, spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
-                               spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length)
+                               spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length,
+                               spec.sequence_parallel_size)
         return batches, plan
 
     def _resume_checkpoint(self) -> Path | None:
@@ -212,7 +213,8 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp / "tokenizer")
             shutil.copy(self.run_dir / "job.yaml", tmp / "job.yaml")
             state = {"step": step, "epoch": step / self.plan.steps_per_epoch, "steps_per_epoch": self.plan.steps_per_epoch,
-                     "max_steps": self.plan.max_steps, "world_size": d.world_size, "engine": self.engine.name,
+                     "max_steps": self.plan.max_steps, "world_size": d.world_size, **self._layout(),
+                     "engine": self.engine.name,
                      "train_type": self.spec.train_type, "base_model": self.spec.model}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         d.barrier()
@@ -226,11 +228,18 @@ class Trainer:
         d.barrier()
         return final
 
+    def _layout(self) -> dict[str, int]:
+        return {field: getattr(self.spec, field) for field in ("tensor_model_parallel_size", "sequence_parallel_size")}
+
     def _load(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
         if state["world_size"] != self.dist.world_size and not self.engine.reshards:
             raise ConfigError(f"resume: {path} was written by {state['world_size']} ranks and {self.engine.name} "
                               f"cannot reshard it onto {self.dist.world_size}; resume with the same number of GPUs")
+        written = {field: state.get(field, 1) for field in self._layout()}  # absent in files from before TP/SP
+        if written != self._layout() and not self.engine.reshards:
+            raise ConfigError(f"resume: {path} was written with {written} and {self.engine.name} cannot reshard it "
+                              f"onto {self._layout()}; resume with the layout it was written with")
         if state["train_type"] != self.spec.train_type:
             raise ConfigError(f"resume: {path} is a {state['train_type']} checkpoint but train_type is {self.spec.train_type}")
         try:
@@ -320,7 +329,7 @@ class Trainer:
         means = window.means()
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         # A TP group's ranks all process the same tokens: count them once.
-        (tokens, samples), _ = d.all_reduce([window.tokens / d.model_parallel, window.samples / d.model_parallel], "sum")
+        (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
         self.events.emit("timing", rank=d.rank, step=self.step, **means)
         if not d.is_main:
             return

@@ -102,7 +102,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = manager.progress(run_id)
-            out[c["status"]] = status_md(run, progress, manager.notices(run_id))
+            out[c["status"]] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)

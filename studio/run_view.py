@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from backend.layout import Layout
 from backend.logclass import HELP
 from studio.charts import NO_INDEX, format_duration
 from studio.cluster_view import STATUS_MARK
@@ -44,11 +45,13 @@ def duration_s(run: Any, now: float | None = None) -> float:
     return max(0.0, end - run.created_at)
 
 
-def status_md(run: Any, progress: dict | None, notices: list[str]) -> str:
-    """The Monitor's head: state, attempt, elapsed time, and for a failure the classified cause,
-    the node and the last log lines (never a traceback from the studio itself)."""
+def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None) -> str:
+    """The Monitor's head: state, attempt, the layout of the ranks, elapsed time, and for a failure
+    the classified cause, the node and the last log lines (never a traceback from the studio itself)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
-    lines = [f"**{STATE_MARK.get(run.state, '')} {run.state}** · run `{run.id}` · attempt {run.attempts} · "
+    ranks = (f" · {layout.name()} = {layout.world} ranks ({layout.nnodes} node{'s' if layout.nnodes > 1 else ''} × "
+             f"{layout.nproc_per_node})" if layout else "")
+    lines = [f"**{STATE_MARK.get(run.state, '')} {run.state}** · run `{run.id}` · attempt {run.attempts}{ranks} · "
              f"started {started} · {format_duration(duration_s(run))}"]
     if progress and progress.get("resumed_from") is not None:
         lines.append(f"Resumed from the checkpoint of step {progress['resumed_from']}.")

@@ -14,6 +14,7 @@ CSS = """
 .field-error input, .field-error textarea, .field-error .wrap { border-color: #b91c1c !important; }
 .field-error [data-testid="block-info"], .field-error .info { color: #b91c1c !important; font-weight: 600; }
 .field-warning [data-testid="block-info"], .field-warning .info { color: #a16207 !important; }
+.field-greyed [data-testid="block-info"], .field-greyed .info { color: #6b7280 !important; font-style: italic; }
 .status-line { font-size: 0.95em; }
 .problem-list ul { margin: 0; }
 .cmd-preview textarea, .cmd-preview pre { font-size: 0.85em; }

@@ -8,6 +8,7 @@ from typing import Any
 import gradio as gr
 import yaml
 
+from backend.capabilities import PARALLEL_FIELDS as PARALLEL
 from backend.cluster import Cluster
 from backend.msswift import CommandError, import_command
 from backend.spec import parse_spec
@@ -110,8 +111,12 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
                 text = "; ".join(f"{STATUS_MARK[p.severity]} {p.message}" for p in problems)
                 error = any(p.severity == "error" for p in problems)
                 update = dict(info=text, elem_classes=["field-error" if error else "field-warning"])
+            elif name in view.greyed:
+                update = dict(info=f"⊘ {view.greyed[name]}", elem_classes=["field-greyed"])
             else:
                 update = dict(info=VIEWS[name].info, elem_classes=[])
+            if name in PARALLEL:
+                update["interactive"] = name not in view.greyed
             if values is not None:
                 update["value"] = values[name]
             updates[component] = gr.update(**update)

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.capabilities import PARALLEL_FIELDS, parallel_refusals
 from backend.cluster import Cluster
 from backend.dsconfig import DsConfigError
 from backend.layout import Layout, compute_layout
@@ -30,6 +31,8 @@ class TrainView:
     commands: str = ""
     yaml_text: str = ""
     ds_json: str = ""
+    greyed: dict[str, str] = field(default_factory=dict)
+    """Parallel dimensions this cluster and engine cannot run, with the reason (the form greys them)."""
 
     @property
     def ok(self) -> bool:
@@ -63,6 +66,7 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
         view.yaml_text = view.spec.to_yaml()
         layout = compute_layout(view.spec, cluster)
         view.layout_md = layout_md(layout)
+        view.greyed = greyed_dimensions(view.spec, layout)
         model, model_note = _model_config(view.spec.model)
         view.memory_md = memory_md(view.spec, layout, cluster, model, model_note)
         if not any(p.severity == "error" for p in problems):
@@ -72,6 +76,15 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
             view.commands = "# fix the problems marked on the form to see the launch commands"
     view.field_problems, view.other_problems = problems_by_field(problems)
     return view
+
+
+def greyed_dimensions(spec: JobSpec, layout: Layout) -> dict[str, str]:
+    """The parallel dimensions left at 1 that cannot go above it here: one rank has nothing to split;
+    otherwise what the worker refuses with this engine (backend.capabilities)."""
+    if layout.world == 1:
+        return {name: "this job has one rank on this cluster: nothing to split (raise nproc_per_node or nnodes)"
+                for name in PARALLEL_FIELDS if getattr(spec, name) == 1}
+    return parallel_refusals(spec)
 
 
 def problems_md(problems: list[Problem]) -> str:

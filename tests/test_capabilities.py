@@ -34,7 +34,7 @@ def test_supported_jobs_pass():
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
     (dict(context_parallel_size=2), "context_parallel_size", "not supported"),
     (dict(expert_model_parallel_size=2), "expert_model_parallel_size", "not supported"),
-    (dict(sequence_parallel_size=2), "sequence_parallel_size", "not supported"),
+    (dict(sequence_parallel_size=2), "deepspeed", "runs on DeepSpeed's Ulysses"),
     (dict(deepspeed="zero2", fsdp="full_shard"), "fsdp", "either DeepSpeed or FSDP"),
     (dict(fsdp="hybrid"), "fsdp", "unknown FSDP option"),
     (dict(fsdp="full_shard shard_grad_op"), "fsdp", "exclude each other"),
@@ -45,6 +45,19 @@ def test_refused_combinations_name_their_field(fields, field, text):
     problems = unsupported(spec(**fields))
     assert field in fields_of(problems)
     assert text in next(p.message for p in problems if p.field == field)
+
+
+def test_the_form_greys_what_this_engine_cannot_run():
+    from backend.capabilities import parallel_refusals
+
+    plain = parallel_refusals(spec())
+    assert "tensor_model_parallel_size" not in plain and "Ulysses" in plain["sequence_parallel_size"]
+    assert plain["pipeline_model_parallel_size"].startswith("not supported by this worker yet")
+    zero = parallel_refusals(spec(deepspeed="zero2"))
+    assert "sequence_parallel_size" not in zero and zero["tensor_model_parallel_size"].startswith("deepspeed: not with")
+    # A dimension already set is the field's error, not greyed; what it excludes is greyed.
+    tp = parallel_refusals(spec(tensor_model_parallel_size=2))
+    assert "tensor_model_parallel_size" not in tp and "sequence_parallel_size" in tp
 
 
 def test_backend_stays_torch_free():

@@ -131,3 +131,7 @@ def test_console_script_in_a_real_process(files):
     bad = subprocess.run([sys.executable, "-m", "backend.cli", "validate", "typo.yaml"],
                          cwd=files, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr == "typo.yaml: max_lenght: unknown field (did you mean 'max_length'?)\n"
+    # A run command's refusal (raised in backend.runcli) is one line too, not a traceback.
+    missing = subprocess.run([sys.executable, "-m", "backend.cli", "status", "no-such-run"], cwd=files,
+                             env={**env, "HOME": str(files)}, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and missing.stderr == "no run 'no-such-run'\n", missing.stderr

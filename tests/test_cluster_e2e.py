@@ -100,7 +100,7 @@ def wait_gone(pred, timeout=15.0):
 def test_run_restart_stop_resume_complete(env, sshd_nodes, capsys, monkeypatch):
     cluster, setups, spec_of, manager = env
     m = manager()
-    max_steps = 240
+    max_steps = 120
     run_id = m.launch(spec_of(max_steps, save_steps=1000), cluster, name="e2e main", setups=setups)
     wait_step(m, run_id, 3, timeout=150)
     assert m.run(run_id).state == "running"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from worker import ROOT, run_worker, worker_env, write_run
+from worker import ROOT, run_ok, worker_env, write_run
 
 pytestmark = pytest.mark.e2e
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
@@ -39,6 +39,27 @@ def export(run_dir, *args) -> dict:
     return json.loads(lines[0])
 
 
+def export_here(capsys, run_dir, *args) -> dict:
+    """The export CLI in this process (no interpreter start): its one JSON line."""
+    from launcher.export import main
+
+    code = main(["--run-dir", str(run_dir), *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    return json.loads(lines[0])
+
+
+def export_refusal(capsys, run_dir, *args) -> str:
+    from launcher.export import main
+
+    code = main(["--run-dir", str(run_dir), *args])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", (out, err[-3000:])
+    return err
+
+
 def export_error(run_dir, *args, preexec_fn=None) -> str:
     proc = export_proc(run_dir, *args, preexec_fn=preexec_fn)
     assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr[-3000:])
@@ -49,7 +70,7 @@ def export_error(run_dir, *args, preexec_fn=None) -> str:
 def lora_run(tmp_path_factory, tiny_model):
     """A LoRA run with checkpoints at steps 3 and 6."""
     run = write_run(tmp_path_factory.mktemp("lora") / "run", **job(tiny_model, train_type="lora", max_steps=6))
-    assert run_worker(run).returncode == 0
+    run_ok(run)
     return run
 
 
@@ -86,18 +107,21 @@ def ddp_full_weights(tmp_path_factory, tiny_model):
     the one independent of that path."""
     root = tmp_path_factory.mktemp("ddp")
     run = write_run(root / "run", **job(tiny_model, train_type="full"))
-    assert run_worker(run).returncode == 0
-    assert export(run, "--out", str(root / "export"))["checkpoint"] == str(run / "checkpoint-3")
+    run_ok(run)
+    from launcher.export import export as export_run
+
+    assert export_run(run, None, root / "export")["checkpoint"] == str(run / "checkpoint-3")
     return load_file(root / "export" / "model.safetensors")
 
 
 @pytest.mark.parametrize("engine,marker", [(dict(fsdp="full_shard"), "dcp"), (dict(deepspeed="zero3"), "engine")])
-def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model, ddp_full_weights, engine, marker):
+def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_model, ddp_full_weights, engine, marker,
+                                                              capsys):
     run = write_run(tmp_path / "sharded", **job(tiny_model, train_type="full", **engine))
-    assert run_worker(run).returncode == 0
+    run_ok(run)
     ckpt = run / "checkpoint-3"
     assert (ckpt / marker).is_dir() and not list((ckpt / "model").glob("*.safetensors"))  # really sharded
-    result = export(run, "--out", str(tmp_path / "export"))
+    result = export_here(capsys, run, "--out", str(tmp_path / "export"))
     assert result["checkpoint"] == str(ckpt)
     consolidated = load_file(tmp_path / "export" / "model.safetensors")
     reference = ddp_full_weights
@@ -118,7 +142,7 @@ def test_export_without_checkpoint_is_a_clear_error(tmp_path, tiny_model, capsys
     assert f"checkpoint {run / 'checkpoint-7'} does not exist" in capsys.readouterr().err
 
 
-def test_export_refuses_a_target_it_did_not_write(lora_run, tmp_path):
+def test_export_refuses_a_target_it_did_not_write(lora_run, tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
@@ -130,26 +154,26 @@ def test_export_refuses_a_target_it_did_not_write(lora_run, tmp_path):
                         (lora_run, f"is the run directory {lora_run} or holds it"),
                         (lora_run.parent, f"is the run directory {lora_run} or holds it"),
                         (lora_run / "checkpoint-3" / "model", f"is inside the checkpoint {lora_run / 'checkpoint-3'}")]:
-        assert f"error: {target}: {why}" in export_error(lora_run, "--out", str(target))
+        assert f"error: {target}: {why}" in export_refusal(capsys, lora_run, "--out", str(target))
     assert (other / "notes.txt").read_text() == "keep me" and a_file.read_text() == "keep me too"
     assert sorted(p.relative_to(lora_run) for p in lora_run.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "other"]
 
 
-def test_export_replaces_its_own_earlier_export(lora_run, tmp_path):
+def test_export_replaces_its_own_earlier_export(lora_run, tmp_path, capsys):
     run = shutil.copytree(lora_run, tmp_path / "run")
     out = run / "export"
-    first = export(run)
+    first = export_here(capsys, run)
     assert first["out"] == str(out) and (out / ".swift-studio-export").is_file()
     (out / "stale.txt").write_text("from the first export")
-    second = export(run, "--checkpoint", "3")
+    second = export_here(capsys, run, "--checkpoint", "3")
     assert second["checkpoint"] == str(run / "checkpoint-3") and not (out / "stale.txt").exists()
     assert (out / "model.safetensors").is_file() and (out / ".swift-studio-export").is_file()
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(("checkpoint-", "events", "logs"))) == [
         "export", "job.yaml"]  # no temporary directory left beside it
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert export(run, "--out", str(empty))["out"] == str(empty) and (empty / "model.safetensors").is_file()
+    assert export_here(capsys, run, "--out", str(empty))["out"] == str(empty) and (empty / "model.safetensors").is_file()
 
 
 def test_failed_export_leaves_nothing_behind(lora_run, tmp_path):
@@ -164,14 +188,14 @@ def test_failed_export_leaves_nothing_behind(lora_run, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_of_latest_passes_over_a_damaged_checkpoint(lora_run, tmp_path):
+def test_export_of_latest_passes_over_a_damaged_checkpoint(lora_run, tmp_path, capsys):
     run = shutil.copytree(lora_run, tmp_path / "run")
     adapter = run / "checkpoint-6" / "model" / "adapter_model.safetensors"
     size = adapter.stat().st_size
     with open(adapter, "r+b") as f:
         f.truncate(size - 100)
     damage = f"checkpoint-6/model/adapter_model.safetensors: size {size - 100} != recorded {size}"
-    result = export(run, "--out", str(tmp_path / "out"))
+    result = export_here(capsys, run, "--out", str(tmp_path / "out"))
     assert result["checkpoint"] == str(run / "checkpoint-3") and result["skipped"] == [damage]
-    assert f"error: checkpoint {run / 'checkpoint-6'} does not match what was saved: {damage}" in export_error(
-        run, "--checkpoint", "6", "--out", str(tmp_path / "out6"))
+    assert f"error: checkpoint {run / 'checkpoint-6'} does not match what was saved: {damage}" in export_refusal(
+        capsys, run, "--checkpoint", "6", "--out", str(tmp_path / "out6"))

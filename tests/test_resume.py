@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launcher import checkpoint
-from worker import ROOT, events, kill_tree, losses, run_worker, torchrun_argv, worker_env, write_run
+from worker import ROOT, events, kill_tree, losses, run_ok, run_worker, torchrun_argv, worker_env, write_run
 
 pytestmark = pytest.mark.e2e
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
@@ -49,7 +49,7 @@ def stop_after(run_dir, step: int) -> int:
 
 def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path, tiny_model):
     whole = write_run(tmp_path / "whole", **job(tiny_model))
-    assert run_worker(whole).returncode == 0
+    run_ok(whole)
     expected = losses(whole)
 
     cut = write_run(tmp_path / "cut", **job(tiny_model))
@@ -88,7 +88,7 @@ def test_dcp_checkpoint_resumes_on_other_world_size(tmp_path, tiny_model, engine
     """FSDP2, and DDP's full fine-tuning (FSDP2 with a replicate mesh), write DCP checkpoints."""
     run = write_run(tmp_path / "run", **job(tiny_model, train_type="full", max_steps=6, save_steps=3, logging_steps=3,
                                             **engine))
-    assert run_worker(run).returncode == 0
+    run_ok(run)
     assert (run / "checkpoint-3" / "dcp").is_dir()
     state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["engine"] == ("fsdp" if engine else "ddp")
@@ -104,7 +104,7 @@ def test_dcp_checkpoint_resumes_on_other_world_size(tmp_path, tiny_model, engine
 
 def test_deepspeed_refuses_other_world_size(tmp_path, tiny_model):
     zero = write_run(tmp_path / "zero", **job(tiny_model, deepspeed="zero2", max_steps=2, save_steps=2, logging_steps=2))
-    assert run_worker(zero).returncode == 0
+    run_ok(zero)
     proc = run_worker(zero, nproc=1, resume="latest")
     assert proc.returncode != 0
     assert "written by 2 ranks and deepspeed cannot reshard it onto 1" in proc.log
@@ -113,7 +113,7 @@ def test_deepspeed_refuses_other_world_size(tmp_path, tiny_model):
 
 def test_resume_latest_passes_over_a_damaged_checkpoint(tmp_path, tiny_model):
     run = write_run(tmp_path / "run", **job(tiny_model, max_steps=6, save_steps=3, logging_steps=3))
-    assert run_worker(run, nproc=1).returncode == 0
+    run_ok(run, nproc=1)
     newest = run / "checkpoint-6"
     adapter, optimizer = newest / "model" / "adapter_model.safetensors", newest / "optimizer.pt"
     size = adapter.stat().st_size
@@ -142,7 +142,7 @@ def test_checkpoint_of_the_previous_format_still_resumes(tmp_path, tiny_model):
     """Written before checksums and tensor-only RNG files: the marker holds the step alone and
     rng-rank0.pt numpy's own state tuple (an ndarray)."""
     run = write_run(tmp_path / "run", **job(tiny_model, max_steps=3, save_steps=3, logging_steps=3))
-    assert run_worker(run, nproc=1).returncode == 0
+    run_ok(run, nproc=1)
     old = run / "checkpoint-3"
     (old / "complete").write_text("3\n")
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},

@@ -191,6 +191,17 @@ def test_failure_status_names_cause_node_and_last_lines():
     assert "attempt 2" in text and "1m 30s" in text and "re-attached" in text
 
 
+def test_the_status_names_the_layout_of_the_ranks():
+    from backend.layout import compute_layout
+    from backend.spec import JobSpec
+
+    spec = JobSpec(model="m", dataset=["d"], nnodes=2, nproc_per_node=4, sequence_parallel_size=2, deepspeed="zero3")
+    text = status_md(run(), None, [], compute_layout(spec))
+    assert "attempt 2 · DP4×TP1×SP2×CP1 = 8 ranks (2 nodes × 4)" in text
+    tp = JobSpec(model="m", dataset=["d"], nproc_per_node=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert compute_layout(tp).name() == "DP2×TP2×SP1×CP1×PP2"
+
+
 def test_a_worker_error_is_shown_once_with_what_to_do_for_its_cause():
     message = "data error (node localhost, rank 1): /d/train.jsonl:7: unknown record format with fields ['foo']"
     text = status_md(run(cause="data_error", failed_node="localhost", message=message, log_tail=""), None, [])

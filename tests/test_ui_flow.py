@@ -133,6 +133,9 @@ def test_full_flow(studio):
         expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
         run_id = re.search(r"Launched run (\S+?)\.", page.locator("#launch-status").inner_text()).group(1)
         expect(page.get_by_role("tab", name="Monitor")).to_have_attribute("aria-selected", "true")
+        # The status names the layout the ranks were planned with.
+        expect(page.locator("#monitor-status")).to_contain_text(re.compile(r"DP\d+×TP1×SP1×CP1 = \d+ ranks"),
+                                                                timeout=30000)
         shot(page, "launched")
 
         # 4. The loss and utilisation charts gain points while the run trains.

@@ -69,6 +69,14 @@ def test_check_form_marks_bad_field_and_derives_layout():
     assert view.spec is not None
     assert "| 2 × 4 | 8 | 8 |" in view.layout_md
     assert "model: m" in view.yaml_text
+    # TP and SP can run here (SP with DeepSpeed); pipeline parallel cannot, nor anything on one rank.
+    assert "tensor_model_parallel_size" not in view.greyed and "pipeline_model_parallel_size" in view.greyed
+    assert "Ulysses" in view.greyed["sequence_parallel_size"]
+    assert "sequence_parallel_size" not in check_form(values | {"deepspeed": "zero2"}, cluster).greyed
+    one = check_form(values | {"nnodes": 1, "nproc_per_node": 1}, cluster)
+    assert "nothing to split" in one.greyed["tensor_model_parallel_size"]
+    refused = check_form(values | {"sequence_parallel_size": 2}, cluster)  # set anyway (a YAML): an error, not greyed
+    assert "sequence_parallel_size" not in refused.greyed and refused.commands.startswith("# fix the problems")
 
 
 def test_put_and_remove_nodes():

@@ -59,21 +59,27 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(page.locator("#train-memory")).to_contain_text("Memory per GPU")
     shot(page, "imported")
 
-    # More ranks than the node's CPU cores is refused; TP=2 on one process is impossible; TP=0 is
-    # rejected by the spec itself.
+    # More ranks than the node's CPU cores is refused; TP=0 is rejected by the spec itself.
     field(page, "nproc_per_node").locator("input").fill(str(usable_cores() + 1))
     expect(field(page, "nproc_per_node")).to_have_class(re.compile("field-error"), timeout=15000)
     expect(field(page, "nproc_per_node")).to_contain_text("CPU cores")
+    # One rank has nothing to split: the parallel dimensions are greyed out with the reason.
     field(page, "nproc_per_node").locator("input").fill("1")
-    field(page, "tensor_model_parallel_size").locator("input").fill("2")
-    expect(field(page, "tensor_model_parallel_size")).to_have_class(re.compile("field-error"), timeout=15000)
-    expect(field(page, "tensor_model_parallel_size")).to_contain_text("✖")
-    expect(page.locator("#train-commands")).to_contain_text("fix the problems")
+    tp, sp = field(page, "tensor_model_parallel_size"), field(page, "sequence_parallel_size")
+    expect(tp.locator("input")).to_be_disabled(timeout=15000)
+    expect(tp).to_contain_text("nothing to split")
+    shot(page, "one-rank-greyed")
+    field(page, "nproc_per_node").locator("input").fill("2")
+    expect(tp.locator("input")).to_be_enabled(timeout=15000)
+    # Ulysses runs on DeepSpeed: greyed until a ZeRO stage is chosen; pipeline parallel not at all.
+    expect(sp.locator("input")).to_be_disabled()
+    expect(sp).to_contain_text("DeepSpeed's Ulysses")
+    expect(field(page, "pipeline_model_parallel_size").locator("input")).to_be_disabled()
+    tp.locator("input").fill("0")
+    expect(tp).to_contain_text("greater than or equal to 1", timeout=15000)
     shot(page, "invalid-layout")
-    field(page, "tensor_model_parallel_size").locator("input").fill("0")
-    expect(field(page, "tensor_model_parallel_size")).to_contain_text("greater than or equal to 1", timeout=15000)
-    field(page, "tensor_model_parallel_size").locator("input").fill("1")
-    expect(field(page, "tensor_model_parallel_size")).not_to_have_class(re.compile("field-error"), timeout=15000)
+    tp.locator("input").fill("1")
+    expect(tp).not_to_have_class(re.compile("field-error"), timeout=15000)
     expect(field(page, "nproc_per_node")).not_to_have_class(re.compile("field-error"))
     expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run")
 

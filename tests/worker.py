@@ -60,6 +60,13 @@ def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout
     return proc
 
 
+def run_ok(run_dir: Path, **kw) -> subprocess.CompletedProcess:
+    """run_worker, asserting it succeeded; the failure shows the end of the run's log."""
+    proc = run_worker(run_dir, **kw)
+    assert proc.returncode == 0, proc.log[-4000:]
+    return proc
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill torchrun and its workers by pid (torchrun puts each worker in its own session)."""
     import psutil

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO 0-3 (with CPU optimizer / parameter offload) through `deepspeed.initialize`."""
+"""DeepSpeed ZeRO 0-3 (with CPU optimizer / parameter offload) through `deepspeed.initialize`, and
+Ulysses sequence parallel on it (DeepSpeed's ALST for HF models)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,16 +38,23 @@ class DeepSpeedEngine(Engine):
             config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
         scheduler = None if "scheduler" in config else (lambda opt: make_scheduler(opt, spec, total_steps))
         self.module = model
+        self.sp = UlyssesSP(model, spec) if spec.sequence_parallel_size > 1 else None
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=None if optimizer else param_groups(model, spec.weight_decay),
-            optimizer=optimizer, lr_scheduler=scheduler, config=config)
+            optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.sp and self.sp.mpu)
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         # DeepSpeed counts micro-batches itself and steps (and syncs) at the accumulation boundary.
-        loss = self.engine(**batch).loss
-        self.engine.backward(loss)
+        if self.sp:
+            loss, full_loss = self.sp.loss(self.engine, batch)
+            # DeepSpeed sums an SP group's gradients below ZeRO-3 (the group shares one sample, so
+            # the per-rank shares add up) but averages them at ZeRO-3, over data x sequence ranks.
+            self.engine.backward(loss * self.sp.size if self.stage == 3 else loss)
+        else:
+            loss = full_loss = self.engine(**batch).loss
+            self.engine.backward(loss)
         self.engine.step()
-        return loss.detach()
+        return full_loss.detach()
 
     def step(self):
         norm = self.engine.get_global_grad_norm()
@@ -77,6 +85,51 @@ class DeepSpeedEngine(Engine):
                                                        load_lr_scheduler_states=True)
         if load_path is None:  # DeepSpeed warns and loads nothing where its files are missing
             raise ValueError(f"{path}: no DeepSpeed state under '{TAG}/'")
+
+
+class UlyssesSP:
+    """DeepSpeed's Ulysses for HF models: its attention wrapper all-to-alls heads and sequence around
+    the model's own attention, and each rank of an SP group (consecutive ranks, reading the same
+    batches) runs its slice of every sequence through the rest of the model."""
+
+    def __init__(self, model, spec):
+        import deepspeed
+        import torch.distributed as dist
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the worker's process group
+        self.mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model, core_attn_implementation=model.config._attn_implementation,
+            sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=spec.per_device_train_batch_size,
+            seq_length_is_variable=True)
+        self.group = self.mpu.get_sequence_parallel_group()
+        self.size, self.rank = self.mpu.get_sequence_parallel_world_size(), self.mpu.get_sequence_parallel_rank()
+
+    def shard(self, batch: dict) -> tuple[dict, torch.Tensor]:
+        """This rank's slice of a micro-batch, with labels shifted over the whole sequence first (the
+        last token of a slice predicts the first of the next), and the group's count of predicted
+        tokens. Ulysses drops the attention mask: rows are right-padded, so no real token sees a pad."""
+        import torch.distributed as dist
+
+        labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        width = labels.shape[1] // self.size
+        part = slice(width * self.rank, width * (self.rank + 1))
+        local = {key: batch[key][:, part].contiguous() for key in ("input_ids", "position_ids")}
+        local["labels"] = local["shift_labels"] = labels[:, part].contiguous()
+        predicted = (local["labels"] != -100).sum()
+        dist.all_reduce(predicted, group=self.group)
+        return local, predicted
+
+    def loss(self, engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's share of the micro-batch's mean token loss, the whole mean)."""
+        import torch.distributed as dist
+
+        local, predicted = self.shard(batch)
+        # transformers' causal-LM loss with pre-shifted labels: sum over this slice / the group's tokens
+        share = engine(**local, num_items_in_batch=predicted.clamp(min=1)).loss
+        full = share.detach().clone()
+        dist.all_reduce(full, group=self.group)
+        return share, full
 
 
 def pickled_classes() -> list:
