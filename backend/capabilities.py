@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from backend.spec import JobSpec, Problem
 
+TP = "tensor_model_parallel_size"
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
 ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
 COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
@@ -51,9 +52,10 @@ def same_data_ranks(spec: JobSpec) -> int:
 
 
 def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
-    """The TP layout of a job on `world` ranks, or None without tensor parallelism."""
+    """The layout of transformers' TP for a job on `world` ranks; None without tensor parallelism,
+    and with DeepSpeed, whose AutoTP shards the model itself (`autotp`)."""
     tp = spec.tensor_model_parallel_size
-    if tp <= 1:
+    if tp <= 1 or spec.deepspeed:
         return None
     dp = max(1, world // tp)
     return TpPlan(tp, fsdp=dp, replicate=1) if spec.fsdp else TpPlan(tp, fsdp=1, replicate=dp)
@@ -73,26 +75,41 @@ def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
     return None
 
 
-def zero_problems(spec: JobSpec, stage: int) -> list[Problem]:
-    """What the worker refuses with a DeepSpeed config of this ZeRO stage. A user JSON shows its
-    stage only once read, so the backend (before launch) and the worker (its config) both ask here."""
+def autotp(spec: JobSpec) -> int:
+    """DeepSpeed AutoTP's degree (`tensor_parallel.autotp_size`): TP > 1 with DeepSpeed, else 0."""
+    tp = spec.tensor_model_parallel_size
+    return tp if spec.deepspeed and tp > 1 else 0
+
+
+def zero_problems(spec: JobSpec, stage: int, offload: bool = False) -> list[Problem]:
+    """What the worker refuses with a DeepSpeed config of this ZeRO stage (`offload`: optimizer or
+    parameters off the GPU). A user JSON shows its stage only once read, so the backend (before
+    launch) and the worker (its config) both ask here."""
+    where = "" if spec.deepspeed_preset else f" ({spec.deepspeed} sets stage {stage})"
+    out = []
     if spec.torch_compile and stage == 3:
-        where = "" if spec.deepspeed_preset else f" ({spec.deepspeed} sets stage 3)"
-        return [Problem("torch_compile", COMPILE_WITH_ZERO3 + where)]
-    return []
+        out.append(Problem("torch_compile", COMPILE_WITH_ZERO3 + where))
+    if autotp(spec) and stage == 3:
+        # DeepSpeed 0.19.8 checks the batch against two different world sizes under ZeRO-3 + AutoTP.
+        out.append(Problem("deepspeed", f"ZeRO-3 with {TP} > 1: DeepSpeed's AutoTP trains with ZeRO-0, 1 or 2{where}; "
+                                        "use zero1 or zero2"))
+    if autotp(spec) and offload:
+        out.append(Problem("deepspeed", f"offload with {TP} > 1 (DeepSpeed's AutoTP) is not tested; use zero1 or "
+                                        "zero2 without offload"))
+    return out
 
 
-def deepspeed_json_problems(config: dict, source: str) -> list[Problem]:
+def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Problem]:
     """What the worker refuses in a DeepSpeed JSON itself (`source`: the file it came from), beyond
-    its stage. backend.dsconfig asks while reading the file, so the plan and the worker refuse too."""
+    its stage. backend.dsconfig asks while reading the file, so the plan and the worker refuse too.
+    The TP degree is the job's: a JSON that sets another one would train another layout."""
     tp = config.get("tensor_parallel")
     size = tp.get("autotp_size") if isinstance(tp, dict) else None
-    if size in (None, 0, 1):
+    if size in (None, 0, 1, autotp(spec)):
         return []
-    return [Problem("deepspeed", f"{source}: tensor_parallel.autotp_size: {json.dumps(size)}: DeepSpeed AutoTP is not "
-                                 "supported by this worker yet (the ranks of a TP group must see the same batches, "
-                                 "but every rank gets its own data shard and the batch sizes count every rank as "
-                                 "data-parallel); remove it or set it to 1")]
+    return [Problem("deepspeed", f"{source}: tensor_parallel.autotp_size: {json.dumps(size)}, but the job's {TP} is "
+                                 f"{spec.tensor_model_parallel_size}; set {TP} to {size} (DeepSpeed AutoTP with it), or "
+                                 "remove autotp_size")]
 
 
 def unsupported(spec: JobSpec) -> list[Problem]:
@@ -126,8 +143,6 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                              "files and the studio", "warning"))
     return problems
 
-
-TP = "tensor_model_parallel_size"
 # transformers 5.24: under TP x FSDP2 a model with tied embeddings gets correct gradients but wrong
 # updates (tests/test_tensor_parallel.py pins it); untied models and TP with replicated data
 # parallel train exactly as without TP.
@@ -137,14 +152,14 @@ TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddi
 
 
 def _tp_problems(spec: JobSpec) -> list[Problem]:
-    """Tensor parallel runs on transformers' DistributedConfig; these engines and options do not
-    compose with it (yet), each refused by name."""
+    """Tensor parallel runs on transformers' DistributedConfig, or on DeepSpeed's AutoTP with a ZeRO
+    stage; these engines and options do not compose with it (yet), each refused by name."""
     if spec.tensor_model_parallel_size <= 1:
         return []
     out = []
-    if spec.deepspeed:
-        out.append(Problem("deepspeed", f"not with {TP} > 1: tensor parallel runs on transformers' TP with FSDP2 "
-                                        "for data parallel; remove deepspeed (fsdp full_shard shards the rest)"))
+    if spec.deepspeed and spec.train_type == "lora":
+        out.append(Problem("deepspeed", f"LoRA with {TP} > 1 runs on transformers' TP (peft's TP-LoRA); DeepSpeed's "
+                                        "AutoTP trains full fine-tuning only: remove deepspeed"))
     words = set((spec.fsdp or "").replace(",", " ").split())
     if words - {"full_shard"}:
         out.append(Problem("fsdp", f"with {TP} > 1 only 'full_shard' (transformers' FSDP2 under TP); "

@@ -223,7 +223,7 @@ def _problems(config: dict[str, Any], spec: JobSpec, source: str) -> list[str]:
     if spec.max_steps > 0:  # the run's length is known before launch
         values |= _step_values(spec, spec.max_steps)
     out += _mismatches(config, values, source)
-    return out + [p.message for p in capabilities.deepspeed_json_problems(config, source)]
+    return out + [p.message for p in capabilities.deepspeed_json_problems(config, source, spec)]
 
 
 def _device(section: Any) -> str | None:
@@ -242,11 +242,14 @@ def _auto(value: Any) -> bool:
 
 
 def batch_fields(spec: JobSpec, dp_size: int) -> dict[str, int]:
-    """The batch fields from the spec; DeepSpeed refuses a config where they do not multiply out."""
+    """The batch fields from the spec; DeepSpeed refuses a config where they do not multiply out.
+    Under AutoTP (ZeRO-0..2) DeepSpeed 0.19.8 checks them against every rank, the TP ranks too,
+    although a TP group trains on one batch (tests/test_tensor_parallel.py pins it)."""
+    counted = dp_size * (capabilities.autotp(spec) or 1)
     return {
         "train_micro_batch_size_per_gpu": spec.per_device_train_batch_size,
         "gradient_accumulation_steps": spec.gradient_accumulation_steps,
-        "train_batch_size": spec.per_device_train_batch_size * spec.gradient_accumulation_steps * dp_size,
+        "train_batch_size": spec.per_device_train_batch_size * spec.gradient_accumulation_steps * counted,
     }
 
 
@@ -266,6 +269,8 @@ def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None)
     if config is None:
         raise ValueError("the job does not use DeepSpeed")
     config.update(batch_fields(spec, dp_size))
+    if capabilities.autotp(spec):
+        config.setdefault("tensor_parallel", {})["autotp_size"] = capabilities.autotp(spec)
     # Left out, DeepSpeed would not clip and would train in fp32, whatever the job says.
     config.setdefault("gradient_clipping", "auto")
     for key in ("bf16", "fp16"):

@@ -132,7 +132,7 @@ def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list
     if layout.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
         out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
-    out += capabilities.zero_problems(spec, zero.stage)
+    out += capabilities.zero_problems(spec, zero.stage, bool(zero.offload_optimizer or zero.offload_param))
     if zero.offload_param and zero.stage != 3:
         out.append(Problem("deepspeed", f"parameter offload needs ZeRO-3 (the config has stage {zero.stage})"))
     if zero.uses_nvme and zero.stage != 3:

@@ -27,7 +27,7 @@ def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int 
     here from the preset or the user's JSON by the backend's own builder. The batch fields are set
     from the spec and the actual world size either way, so DeepSpeed's batch check always holds, and
     the scheduler's "auto" step counts from the run's `total_steps` (known once the data is read)."""
-    from backend.dsconfig import DsConfigError, batch_fields, build_ds_config, fill_steps
+    from backend.dsconfig import DsConfigError, ZeroSettings, batch_fields, build_ds_config, fill_steps
 
     path = Path(run_dir) / "ds_config.json"
     try:
@@ -40,7 +40,8 @@ def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int 
     except DsConfigError as exc:
         raise ConfigError(f"deepspeed: {exc}") from None
     # The backend refuses these before launch too; this guards workers started without it.
-    refused = zero_problems(spec, int(config.get("zero_optimization", {}).get("stage", 0)))
+    zero = ZeroSettings.of(config)
+    refused = zero_problems(spec, zero.stage, bool(zero.offload_optimizer or zero.offload_param))
     if refused:
         raise ConfigError("\n".join(str(p) for p in refused))
     return config

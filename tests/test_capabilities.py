@@ -29,7 +29,7 @@ def test_supported_jobs_pass():
 
 
 @pytest.mark.parametrize("fields,field,text", [
-    (dict(tensor_model_parallel_size=2, deepspeed="zero2"), "deepspeed", "tensor parallel runs on transformers' TP"),
+    (dict(tensor_model_parallel_size=2, deepspeed="zero2"), "deepspeed", "AutoTP trains full fine-tuning only"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size", "not supported by this worker yet"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
     (dict(context_parallel_size=2), "context_parallel_size", "not supported"),
@@ -53,8 +53,9 @@ def test_the_form_greys_what_this_engine_cannot_run():
     plain = parallel_refusals(spec())
     assert "tensor_model_parallel_size" not in plain and "Ulysses" in plain["sequence_parallel_size"]
     assert plain["pipeline_model_parallel_size"].startswith("not supported by this worker yet")
-    zero = parallel_refusals(spec(deepspeed="zero2"))
-    assert "sequence_parallel_size" not in zero and zero["tensor_model_parallel_size"].startswith("deepspeed: not with")
+    zero = parallel_refusals(spec(deepspeed="zero2"))  # LoRA: AutoTP is for full fine-tuning
+    assert "sequence_parallel_size" not in zero and "AutoTP" in zero["tensor_model_parallel_size"]
+    assert "tensor_model_parallel_size" not in parallel_refusals(spec(deepspeed="zero2", train_type="full"))
     # A dimension already set is the field's error, not greyed; what it excludes is greyed.
     tp = parallel_refusals(spec(tensor_model_parallel_size=2))
     assert "tensor_model_parallel_size" not in tp and "sequence_parallel_size" in tp

@@ -241,10 +241,11 @@ def test_a_config_without_zero_optimization_runs_as_stage_0(tmp_path):
 
 # ---- AutoTP --------------------------------------------------------------------------------------
 
-def test_autotp_is_refused_by_name_until_tensor_parallelism_lands(tmp_path):
+def test_a_json_autotp_size_must_be_the_jobs_tp(tmp_path):
     path = write(tmp_path, with_(MS_SWIFT_ZERO2_AUTOTP, "tensor_parallel.autotp_size", 2))
     problem, = deepspeed_problems(job(deepspeed=path))
-    assert problem.startswith(f"{path}: tensor_parallel.autotp_size: 2") and "data-parallel" in problem
+    assert problem.startswith(f"{path}: tensor_parallel.autotp_size: 2, but the job's tensor_model_parallel_size is 1")
+    assert deepspeed_problems(job(deepspeed=path, tensor_model_parallel_size=2, train_type="full")) == []
     # As ms-swift ships it (autotp_size 1: no TP) the file is fine.
     assert deepspeed_problems(job(deepspeed=write(tmp_path, MS_SWIFT_ZERO2_AUTOTP, "tp1.json"))) == []
 

@@ -24,13 +24,28 @@ def test_tp_plan_puts_the_data_parallel_ranks_beside_tp():
     assert tp_plan(spec(tensor_model_parallel_size=2), 8) == TpPlan(tp=2, fsdp=1, replicate=4)
     assert tp_plan(spec(tensor_model_parallel_size=4, fsdp="full_shard"), 8) == TpPlan(tp=4, fsdp=2, replicate=1)
     assert tp_plan(spec(tensor_model_parallel_size=2), 2).dp == 1
+    assert tp_plan(spec(tensor_model_parallel_size=2, deepspeed="zero2"), 8) is None  # AutoTP shards it
+
+
+def test_autotp_is_refused_where_deepspeed_does_not_run_it():
+    from backend.capabilities import zero_problems
+    from backend.dsconfig import build_ds_config
+
+    full = spec(tensor_model_parallel_size=2, deepspeed="zero2", train_type="full")
+    config = build_ds_config(full, dp_size=4)
+    # micro-batch 1 x accumulation 1 x 4 data-parallel ranks x 2 TP ranks (DeepSpeed's count)
+    assert config["tensor_parallel"] == {"autotp_size": 2} and config["train_batch_size"] == 1 * 1 * 4 * 2
+    assert [p.field for p in zero_problems(full, 3)] == ["deepspeed"]
+    assert [p.field for p in zero_problems(full, 2, offload=True)] == ["deepspeed"]
+    assert zero_problems(full, 2) == [] and zero_problems(spec(deepspeed="zero3"), 3) == []
 
 
 def test_what_tp_does_not_compose_with_is_refused_by_name():
     fields = lambda **kw: sorted(p.field for p in unsupported(spec(tensor_model_parallel_size=2, **kw)))  # noqa: E731
     assert fields() == []
     assert fields(fsdp="full_shard") == []
-    assert fields(deepspeed="zero2") == ["deepspeed"]
+    assert fields(deepspeed="zero2", train_type="full") == []  # DeepSpeed's AutoTP
+    assert fields(deepspeed="zero2", train_type="lora") == ["deepspeed"]
     assert fields(fsdp="shard_grad_op") == ["fsdp"]
     assert fields(torch_compile=True, use_liger_kernel=True) == ["torch_compile", "use_liger_kernel"]
     assert fields(torch_dtype="float16") == ["torch_dtype"]
@@ -112,6 +127,44 @@ def test_tp2_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model, trai
     tp_out = export(tp, None, tmp_path / "tp-export")
     plain_out = export(plain, None, tmp_path / "plain-export")
     torch.testing.assert_close(logits(tp_out["out"]), logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.e2e
+def test_autotp_on_zero1_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model):
+    """TP with DeepSpeed is DeepSpeed's AutoTP. Its batch check counts the TP ranks as data-parallel
+    (backend.dsconfig.batch_fields): were that fixed in DeepSpeed, this run would fail at start."""
+    spec_fields = job(tiny_model, train_type="full", deepspeed="zero1")
+    plain = trained(tmp_path, "plain", 1, **spec_fields)
+    tp = trained(tmp_path, "autotp", 2, **spec_fields, tensor_model_parallel_size=2)
+    assert_same_curve(losses(tp), losses(plain))
+    norms = {e["step"]: e["grad_norm"] for e in events(tp, 0, "train")}
+    for e in events(plain, 0, "train"):
+        assert norms[e["step"]] == pytest.approx(e["grad_norm"], rel=1e-3), e["step"]
+    assert "data: 256 sequences over 1 data-parallel ranks" in (tp / "logs" / "local.log").read_text()
+
+    resumed = write_run(tmp_path / "resumed", **spec_fields, tensor_model_parallel_size=2)
+    shutil.copytree(tp / "checkpoint-10", resumed / "checkpoint-10")
+    run_ok(resumed, nproc=2, resume="latest", timeout=400)
+    assert sorted(losses(resumed)) == list(range(11, STEPS + 1))
+    for step, value in losses(resumed).items():
+        assert value == pytest.approx(losses(tp)[step], rel=2e-4), step
+
+    from launcher.export import export
+
+    tp_out = export(tp, None, tmp_path / "tp-export")
+    plain_out = export(plain, None, tmp_path / "plain-export")
+    torch.testing.assert_close(logits(tp_out["out"]), logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.e2e
+def test_autotp2_by_dp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_model):
+    spec_fields = job(tiny_model, train_type="full", deepspeed="zero2", max_steps=8)
+    dp = trained(tmp_path, "dp", 2, **spec_fields)
+    both = trained(tmp_path, "autotp-dp", 4, **spec_fields, tensor_model_parallel_size=2)
+    a, b = losses(both), losses(dp)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=2e-4), (step, a[step], b[step])
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""DeepSpeed ZeRO 0-3 (with CPU optimizer / parameter offload) through `deepspeed.initialize`, and
-Ulysses sequence parallel on it (DeepSpeed's ALST for HF models)."""
+"""DeepSpeed ZeRO 0-3 (with CPU optimizer / parameter offload) through `deepspeed.initialize`, with
+its AutoTP for tensor parallel (`tensor_parallel.autotp_size` in the config) and Ulysses sequence
+parallel (DeepSpeed's ALST for HF models)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from backend.capabilities import autotp
 from launcher import checkpoint
 from launcher.engines.base import Engine, checkpoint_part, make_optimizer, make_scheduler, param_groups, save_pretrained
 
@@ -66,7 +68,12 @@ class DeepSpeedEngine(Engine):
     def save(self, path: Path, is_main: bool) -> None:
         self.engine.save_checkpoint(str(path), tag=TAG)
         lora = self.spec.train_type == "lora"
-        if lora or self.stage < 3:
+        if autotp(self.spec):
+            # AutoTP's layers hold shards: DeepSpeed gathers them (every rank takes part) for rank 0.
+            state = self.engine._consolidated_16bit_state_dict()
+            if is_main:
+                save_pretrained(self.module, path / "model", state_dict=state)
+        elif lora or self.stage < 3:
             # Adapters are small: gather them (a no-op below ZeRO-3) and write them for export.
             # Full weights below ZeRO-3 are whole on every rank. Full ZeRO-3 weights stay sharded
             # in `engine/`; launcher.export consolidates them.
