@@ -39,7 +39,8 @@ PRIORITY = {
     NODE_BUSY: 50, RENDEZVOUS_FAILED: 40, NCCL_TIMEOUT: 30, PEER_LOST: 20, UNKNOWN: 0,
 }
 
-# The worker's user errors (launcher.train.USER_ERRORS): their message says what to fix.
+# The worker's user errors (subclasses of backend.errors.UserError, by class name): their message
+# says what to fix.
 USER_ERRORS = {"DataError": DATA_ERROR, "ConfigError": CONFIG_ERROR, "ModelError": MODEL_ERROR, "Diverged": DIVERGED,
                "PeerFailed": PEER_LOST}
 

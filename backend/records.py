@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from backend.errors import UserError
 from backend.jsonfile import read_json
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A user-fixable problem with the data; the message names the file and line (or record)."""
 
 

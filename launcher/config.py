@@ -4,11 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from backend.capabilities import unsupported, zero_problems
+from backend.errors import UserError
 from backend.jsonfile import read_json
 from backend.spec import JobSpec, load_spec
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """The job cannot run as specified; the message lists every problem by field."""
 
 

@@ -6,13 +6,14 @@ import logging
 
 import torch
 
+from backend.errors import UserError
 from launcher.data import DEFAULT_CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class ModelError(Exception):
+class ModelError(UserError):
     """A user-fixable problem loading the model (bad path, missing files, unknown option)."""
 
 

@@ -20,8 +20,8 @@ import traceback
 from pathlib import Path
 
 from backend import remote
+from backend.errors import UserError
 
-USER_ERRORS = ("ConfigError", "DataError", "ModelError", "Diverged", "PeerFailed")
 SLOT_BYTES = 4096
 # A write that failed without saying why (torch.save reports "unexpected pos ...") on a file system
 # with less than this left is a full disk.
@@ -65,7 +65,7 @@ def error_report(exc: BaseException, run_dir: Path, rank: int) -> tuple[str, str
     whatever the exception that met it; torch.distributed.checkpoint's wrapper, the same on every
     rank, is unwrapped to this rank's own failure (else the first)."""
     kind = type(exc).__name__
-    if kind in USER_ERRORS:
+    if isinstance(exc, UserError):
         return kind, str(exc)
     inner = _checkpoint_failure(exc, rank)
     if inner:
@@ -124,10 +124,10 @@ def _size(n: int) -> str:
     return f"{n / 1024 ** exp:.1f} {('KiB', 'MiB', 'GiB')[exp - 1]}"
 
 
-def error_line(rank: int, error_type: str, error: str) -> str:
+def error_line(rank: int, exc: BaseException, error: str) -> str:
     """The log line of a failed rank. A user error's message does not name its type; the line
     does (`[rank1] error: DataError: ...`), so the log alone still tells bad data from a crash."""
-    return f"[rank{rank}] error: {error_type + ': ' if error_type in USER_ERRORS else ''}{error}"
+    return f"[rank{rank}] error: {type(exc).__name__ + ': ' if isinstance(exc, UserError) else ''}{error}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         # The log and the events file may be on the disk that just filled up: the slot has it all.
         try:
             if exc is not None:
-                if error_type not in USER_ERRORS:
+                if not isinstance(exc, UserError):
                     traceback.print_exception(exc)
-                print(error_line(rank, error_type, error), file=sys.stderr, flush=True)
+                print(error_line(rank, exc, error), file=sys.stderr, flush=True)
             if events is not None:
                 events.emit("end", **event)
                 events.close()

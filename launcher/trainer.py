@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from backend.capabilities import tp_plan
+from backend.errors import UserError
 from backend.spec import JobSpec
 from launcher import checkpoint, data
 from launcher.config import ConfigError, load_ds_config
@@ -31,11 +32,11 @@ NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is s
 STOP_GRACE_S = 25.0  # torchrun escalates SIGTERM to SIGKILL after 30 s
 
 
-class Diverged(Exception):
+class Diverged(UserError):
     """The loss was NaN/inf for NONFINITE_LIMIT consecutive steps."""
 
 
-class PeerFailed(Exception):
+class PeerFailed(UserError):
     """Another rank failed with a user error before training; this one stopped with it."""
 
 

@@ -221,6 +221,23 @@ def test_worker_error_line_names_the_user_error_and_its_rank():
     assert lc.describe(cause, "n1") == f"data error (node n1, rank 0): {cause.summary}"
 
 
+def test_every_worker_user_error_has_a_cause():
+    """The worker reports each UserError by its class name; a class the control plane does not know
+    would be filed as an unexplained exception."""
+    import importlib
+
+    from backend.errors import UserError
+
+    for module in ("backend.records", "launcher.config", "launcher.model", "launcher.trainer"):  # define them
+        importlib.import_module(module)
+
+    def subclasses(cls):
+        return {sub for direct in cls.__subclasses__() for sub in {direct} | subclasses(direct)}
+
+    names = {cls.__name__ for cls in subclasses(UserError)}
+    assert names == set(lc.USER_ERRORS), names ^ set(lc.USER_ERRORS)
+
+
 def test_a_full_disk_outranks_the_sigterm_torchrun_sends_the_other_rank():
     cause = lc.classify_tail(DISK_FULL_TAIL.splitlines(), exit_code=1)
     assert cause.kind == lc.DISK_FULL, cause
