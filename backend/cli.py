@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
-from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.spec import JobSpec, Problem, load_spec
-from backend.validate import errors, validate
+from backend.job.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
+from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.spec import JobSpec, Problem, load_spec
+from backend.job.validate import errors, validate
 
 
 class CliError(Exception):
@@ -84,7 +84,7 @@ def add_validate(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from backend.layout import compute_layout
+    from backend.job.layout import compute_layout
 
     spec, cluster, source = job_and_cluster(args)
     checked(spec, cluster, source)
@@ -102,8 +102,8 @@ def add_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from backend.manager import make_run_id
-    from backend.planner import DEFAULT_MASTER_PORT, PlanError, plan
+    from backend.runs.manager import make_run_id
+    from backend.job.planner import DEFAULT_MASTER_PORT, PlanError, plan
 
     spec, cluster, source = job_and_cluster(args)
     warnings = checked(spec, cluster, source)
@@ -131,7 +131,7 @@ def add_import(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from backend.msswift import CommandError, import_command
+    from backend.job.msswift import CommandError, import_command
 
     command = args.command[0] if len(args.command) == 1 else shlex.join(args.command)
     try:
@@ -160,9 +160,9 @@ def add_db_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def telemetry_engine(args: argparse.Namespace, run_id: str):
-    from backend.db import default_db_url, make_engine
-    from backend.metrics_export import has_data
-    from backend.telemetry_models import create_telemetry_tables
+    from backend.store.db import default_db_url, make_engine
+    from backend.telemetry.export import has_data
+    from backend.store.telemetry_models import create_telemetry_tables
 
     url = args.db or default_db_url()
     engine = make_engine(url)
@@ -181,7 +181,7 @@ def add_alerts(parser: argparse.ArgumentParser) -> None:
 def cmd_alerts(args: argparse.Namespace) -> int:
     import time
 
-    from backend.telemetry_query import alerts
+    from backend.telemetry.query import alerts
 
     found = alerts(telemetry_engine(args, args.run), args.run)
     for a in found:
@@ -208,7 +208,7 @@ def add_metrics(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from backend.metrics_export import ExportError, export
+    from backend.telemetry.export import ExportError, export
 
     engine = telemetry_engine(args, args.run)
     try:

@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
-from backend import lifecycle
+from backend.runs import lifecycle
 # backend.cli imports this module lazily, when one of these subcommands runs.
 from backend.cli import CliError, checked, load_cluster, load_job
 
 
 def _manager(args: argparse.Namespace, reattach: bool = True):
-    from backend.manager import RunManager
+    from backend.runs.manager import RunManager
     return RunManager(args.db, reattach=reattach)
 
 
@@ -40,7 +40,7 @@ def _add_db(parser: argparse.ArgumentParser) -> None:
 @contextmanager
 def _refused(*also: type[Exception]) -> Iterator[None]:
     """Errors the user fixes (unknown run, wrong state, and `also`, e.g. an unreachable host): a message, no traceback."""
-    from backend.manager import RunError
+    from backend.runs.manager import RunError
     try:
         yield
     except (RunError, *also) as exc:
@@ -246,7 +246,7 @@ def add_trust_host(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_trust_host(args: argparse.Namespace) -> int:
-    from backend.ssh import NodeError
+    from backend.cluster.ssh import NodeError
     cluster = load_cluster(args.hostfile)
     with _manager(args, reattach=False) as m, _refused(NodeError):
         fingerprint = m.host_key_fingerprint(cluster, args.host)

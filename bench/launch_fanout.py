@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.cluster import Cluster  # noqa: E402
-from backend.manager import LaunchPlan, RunManager, default_planner  # noqa: E402
-from backend.spec import JobSpec  # noqa: E402
+from backend.job.cluster import Cluster  # noqa: E402
+from backend.runs.manager import LaunchPlan, RunManager, default_planner  # noqa: E402
+from backend.job.spec import JobSpec  # noqa: E402
 from sshd import start_cluster  # noqa: E402
 
 

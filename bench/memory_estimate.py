@@ -1,4 +1,4 @@
-"""Measured peak GPU memory of one training step vs `backend.memory.estimate_memory`.
+"""Measured peak GPU memory of one training step vs `backend.job.memory.estimate_memory`.
 
 Runs on one CUDA GPU the way the worker's torch-DDP single-rank path does (fp32 weights, or a bf16
 LoRA base, autocast to bf16, AdamW fused, optional LoRA and gradient checkpointing), with a model
@@ -17,10 +17,10 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from backend.layout import compute_layout
-from backend.memory import estimate_memory
-from backend.modelcfg import BUNDLED_DIR, load_model_config
-from backend.spec import JobSpec
+from backend.job.layout import compute_layout
+from backend.job.memory import estimate_memory
+from backend.job.modelcfg import BUNDLED_DIR, load_model_config
+from backend.job.spec import JobSpec
 from launcher.engines.base import make_optimizer
 from launcher.model import add_lora, master_dtype
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.agent import GpuSampler  # noqa: E402
+from backend.telemetry.agent import GpuSampler  # noqa: E402
 
 QUERY = "index,utilization.gpu,memory.used,memory.total,power.draw,temperature.gpu,clocks.sm"
 LOAD = r"""

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import func, select  # noqa: E402
 
-from backend.db import make_engine  # noqa: E402
-from backend.ingest import Ingestor  # noqa: E402
-from backend.telemetry_models import MetricSample, RunEvent  # noqa: E402
+from backend.store.db import make_engine  # noqa: E402
+from backend.telemetry.ingest import Ingestor  # noqa: E402
+from backend.store.telemetry_models import MetricSample, RunEvent  # noqa: E402
 
 GPUS_PER_NODE = 8
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # backend.memory, for the estimates beside the measured peaks
+sys.path.insert(0, str(ROOT))  # backend.job.memory, for the estimates beside the measured peaks
 DEFAULT_BASELINE = ROOT.parent / "shared" / "bench" / "hf_baseline.py"
 # The shapes of hf_baseline.py (kept identical so the figures compare).
 SHAPES = {
@@ -138,7 +138,7 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     try:
         (run_dir / "pids").mkdir()
         (run_dir / "pids" / "localhost.pid").write_text(str(proc.pid))
-        watcher = (subprocess.Popen([sys.executable, "-m", "backend.agent", "--run-id", "bench", "--run-dir",
+        watcher = (subprocess.Popen([sys.executable, "-m", "backend.telemetry.agent", "--run-id", "bench", "--run-dir",
                                      str(run_dir), "--node", "localhost", "--interval", "1"], env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if agent else None)
         started = time.monotonic()
@@ -172,12 +172,12 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
 
 
 def estimated_gib(run_dir: Path, shape: str, nproc: int) -> float:
-    """backend.memory's estimate for the run's job, comparable with the measured peak (allocated
+    """backend.job.memory's estimate for the run's job, comparable with the measured peak (allocated
     memory: without the CUDA context)."""
-    from backend.layout import compute_layout
-    from backend.memory import estimate_memory
-    from backend.modelcfg import parse_model_config
-    from backend.spec import load_spec
+    from backend.job.layout import compute_layout
+    from backend.job.memory import estimate_memory
+    from backend.job.modelcfg import parse_model_config
+    from backend.job.spec import load_spec
 
     spec, _ = load_spec(run_dir / "job.yaml")
     spec = spec.model_copy(update={"nproc_per_node": nproc})

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 1 bench/zero3_bytes.py qwen2.5-0.5b     (on a GPU; bundled config name)
 
 Prints one JSON line: bytes per parameter after init, and per step before forward, at the forward/
-backward peak, after backward, at the step() peak and after the step. backend/memory.py's ZeRO-3
+backward peak, after backward, at the step() peak and after the step. backend/job/memory.py's ZeRO-3
 figures (16 held + the reduce bucket, plus step()'s sub-group transient) come from this script
 (H200, DeepSpeed 0.19.8: qwen2.5-0.5b 18.16 held / 24.16 in step(); qwen2.5-1.5b 16.69 / 20.58).
 """
@@ -13,9 +13,9 @@ import sys
 import torch
 import deepspeed
 from transformers import AutoConfig, AutoModelForCausalLM
-from backend.dsconfig import build_ds_config
-from backend.spec import JobSpec
-from backend.modelcfg import BUNDLED_DIR
+from backend.job.dsconfig import build_ds_config
+from backend.job.spec import JobSpec
+from backend.job.modelcfg import BUNDLED_DIR
 
 name = sys.argv[1]
 spec = JobSpec(model=name, dataset=["d"], train_type="full", deepspeed="zero3", nproc_per_node=1,

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.capabilities import unsupported, zero_problems
-from backend.errors import UserError
-from backend.jsonfile import read_json
-from backend.spec import JobSpec, load_spec
+from backend.job.capabilities import unsupported, zero_problems
+from backend.job.errors import UserError
+from backend.job.jsonfile import read_json
+from backend.job.spec import JobSpec, load_spec
 
 
 class ConfigError(UserError):
@@ -28,7 +28,7 @@ def load_ds_config(run_dir: Path, spec: JobSpec, dp_size: int, hidden_size: int 
     here from the preset or the user's JSON by the backend's own builder. The batch fields are set
     from the spec and the actual world size either way, so DeepSpeed's batch check always holds, and
     the scheduler's "auto" step counts from the run's `total_steps` (known once the data is read)."""
-    from backend.dsconfig import DsConfigError, ZeroSettings, batch_fields, build_ds_config, fill_steps
+    from backend.job.dsconfig import DsConfigError, ZeroSettings, batch_fields, build_ds_config, fill_steps
 
     path = Path(run_dir) / "ds_config.json"
     try:

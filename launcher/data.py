@@ -1,4 +1,4 @@
-"""Training data: records (read by `backend.records`) turned into token ids and labels, packed
+"""Training data: records (read by `backend.job.records`) turned into token ids and labels, packed
 or padded into micro-batches.
 
 Each rank reads only its shard (record i belongs to rank i % world_size) and tokenizes it before
@@ -10,7 +10,7 @@ import bisect
 import random
 from dataclasses import dataclass
 
-from backend.records import DataError, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
+from backend.job.records import DataError, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).

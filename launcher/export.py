@@ -101,7 +101,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
 def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    from backend.spec import load_spec
+    from backend.job.spec import load_spec
 
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "export"

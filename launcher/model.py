@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from backend.errors import UserError
+from backend.job.errors import UserError
 from launcher.data import DEFAULT_CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from backend import remote
-from backend.errors import UserError
+from backend.job.planner import NODE_ENV
+from backend.job.errors import UserError
 
 SLOT_BYTES = 4096
 # A write that failed without saying why (torch.save reports "unexpected pos ...") on a file system
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     slot = EndSlot(args.run_dir, rank)
     # The node and its torchrun group (pids/<node>.pid) tell the control plane which attempt on
     # which node wrote the slot, also when all nodes share the run directory.
-    where = {"rank": rank, "node": os.environ.get(remote.NODE_ENV), "pgid": os.getpgid(os.getppid())}
+    where = {"rank": rank, "node": os.environ.get(NODE_ENV), "pgid": os.getpgid(os.getppid())}
 
-    from backend.capabilities import same_data_ranks
+    from backend.job.capabilities import same_data_ranks
     from launcher import dist
     from launcher.config import load_job
     from launcher.trainer import Stopped, Trainer

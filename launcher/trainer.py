@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.capabilities import tp_plan
-from backend.errors import UserError
-from backend.spec import JobSpec
+from backend.job.capabilities import tp_plan
+from backend.job.errors import UserError
+from backend.job.spec import JobSpec
 from launcher import checkpoint, data
 from launcher.config import ConfigError, load_ds_config
 from launcher.dist import Dist

@@ -16,14 +16,14 @@ import plotly.graph_objects as go
 Point = tuple[float, float | None]
 Stepped = tuple[float, float | None, float]
 """(step, value, t) of a training series' point."""
-# backend.telemetry_models.NO_INDEX and backend.telemetry_query.STEP_SERIES, written out: those
+# backend.store.telemetry_models.NO_INDEX and backend.telemetry.query.STEP_SERIES, written out: those
 # modules load SQLAlchemy, which the page build leaves to the manager thread so that the page
 # answers sooner.
 NO_INDEX = -1
 STEP_SERIES = "train/step"
 
 # The series the Monitor's charts draw, and only those: every tick reads them (names as
-# backend.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
+# backend.telemetry.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
 MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
                   "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
                   "host/ram_used_gib", "rank/collective_wait_s")

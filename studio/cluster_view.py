@@ -1,6 +1,6 @@
 """Pure helpers behind the Cluster tab: edit a node list and turn it into table rows.
 
-Every edit goes through `backend.cluster.cluster_from_dicts`, so the tab accepts exactly what a
+Every edit goes through `backend.job.cluster.cluster_from_dicts`, so the tab accepts exactly what a
 hostfile accepts and reports problems the same way (HostfileError naming the node and key).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from backend.cluster import Cluster, cluster_from_dicts
+from backend.job.cluster import Cluster, cluster_from_dicts
 
 NODE_COLUMNS = ["host", "address", "slots", "device", "GPUs", "GPU memory (GiB)", "SSH", "python"]
 NODE_FORM_KEYS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device")
@@ -67,7 +67,7 @@ PREFLIGHT_COLOUR = {"ok": "#dcfce7", "warning": "#fef9c3", "error": "#fee2e2", "
 
 
 def preflight_html(report: Any) -> str:
-    """The node × check grid of a backend.preflight.PreflightReport: one row per check, one
+    """The node × check grid of a backend.cluster.preflight.PreflightReport: one row per check, one
     column per node, each cell the status, the reason and (for problems) the fix."""
     nodes, checks, cells = report.table()
     head = "".join(f"<th>{html.escape(n)}</th>" for n in nodes)

@@ -1,7 +1,7 @@
-"""The command preview of the Train tab: each node's torchrun line (from backend.planner) and
+"""The command preview of the Train tab: each node's torchrun line (from backend.job.planner) and
 the equivalent `swift sft` line, so a user can run the same job with ms-swift by hand.
 
-`swift_command` is the inverse of `backend.msswift.import_command` (a unit test round-trips it).
+`swift_command` is the inverse of `backend.job.msswift.import_command` (a unit test round-trips it).
 """
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from backend.cluster import Cluster
-from backend.modelcfg import ModelConfig
-from backend.msswift import ms_swift_defaults
-from backend.planner import Plan, PlanError, plan
-from backend.spec import JobSpec, absolute_dir
+from backend.job.cluster import Cluster
+from backend.job.modelcfg import ModelConfig
+from backend.job.msswift import ms_swift_defaults
+from backend.job.planner import Plan, PlanError, plan
+from backend.job.spec import JobSpec, absolute_dir
 
 PREVIEW_RUN_ID = "RUN_ID"
 # Fields ms-swift takes from the environment of `swift sft`, not as flags.

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from backend.cluster import Cluster, HostfileError, cluster_from_dicts, local_cluster
-from backend.spec import JobSpec, Problem, parse_spec
+from backend.job.cluster import Cluster, HostfileError, cluster_from_dicts, local_cluster
+from backend.job.spec import JobSpec, Problem, parse_spec
 
 log = logging.getLogger(__name__)
 PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -24,7 +24,7 @@ class Studio:
     data_dir: Path
     output_dir: Path
     manager_future: Future = field(default_factory=Future)
-    """Resolves to the backend.manager.RunManager; it is built while the page already answers."""
+    """Resolves to the backend.runs.manager.RunManager; it is built while the page already answers."""
 
     @property
     def manager(self) -> Any:
@@ -67,7 +67,7 @@ class Studio:
     def load_preset(self, name: str) -> tuple[dict[str, Any] | None, list[Problem]]:
         """A preset as a spec mapping. 'demo' is the bundled tiny model and dataset."""
         if name == "demo":
-            from backend.demo import demo_spec
+            from backend.job.demo import demo_spec
             spec = demo_spec(output_dir=str(self.output_dir))
             return spec.model_dump(), []
         path = self.presets_dir / f"{name}.yaml"

@@ -9,7 +9,7 @@ log = logging.getLogger("studio")
 
 
 def user_message(action: str, exc: BaseException) -> str:
-    from backend.manager import RunError
+    from backend.runs.manager import RunError
 
     if isinstance(exc, (RunError, ValueError, KeyError, FileNotFoundError, TimeoutError)):
         return f"✖ {action} failed: {exc}"

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from backend.spec import DEEPSPEED_PRESETS, FIELDS, JobSpec, Problem
+from backend.job.spec import DEEPSPEED_PRESETS, FIELDS, JobSpec, Problem
 
 Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 

@@ -77,7 +77,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
     charts = [c[name] for name in CHARTS]
 
     def choices(selected: str | None = None) -> dict:
-        from backend.lifecycle import ACTIVE
+        from backend.runs.lifecycle import ACTIVE
         options, value = run_picker(studio.manager.runs(), selected, prefer=ACTIVE)
         return gr.update(choices=options, value=value)
 
@@ -88,7 +88,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             return gr.update(label=user_message("Listing runs", exc))
 
     def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str) -> dict:
-        from backend.lifecycle import ACTIVE
+        from backend.runs.lifecycle import ACTIVE
         out: dict = {}
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
@@ -150,7 +150,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
     def show_if_active(run_id: str | None):
         """A page load picks the latest active run: a reload of a page watching a run shows it
         again (the launch shows the Monitor itself, a user's pick happens on it)."""
-        from backend.lifecycle import ACTIVE
+        from backend.runs.lifecycle import ACTIVE
         try:
             active = bool(run_id) and studio.manager.run(run_id).state in ACTIVE
         except Exception:  # noqa: BLE001 - the tick that follows shows why the run cannot be read

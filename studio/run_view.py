@@ -9,14 +9,14 @@ from typing import Any
 
 import yaml
 
-from backend.layout import Layout
-from backend.logclass import HELP
+from backend.job.layout import Layout
+from backend.telemetry.logclass import HELP
 from studio.charts import NO_INDEX, format_duration
 from studio.cluster_view import STATUS_MARK
 
 STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running": "▶", "succeeded": "✔",
               "failed": "✖", "stopped": "■"}
-# The states RunManager.resume takes (backend.lifecycle STOPPED and FAILED; that module loads the
+# The states RunManager.resume takes (backend.runs.lifecycle STOPPED and FAILED; that module loads the
 # database stack, which the page build leaves to the manager thread).
 RESTARTABLE = ("stopped", "failed")
 RESUME_LABEL = "▶ Resume from checkpoint"

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_manager(studio, db_url: str | None) -> None:
     try:
-        from backend.manager import RunManager
+        from backend.runs.manager import RunManager
 
         studio.manager_future.set_result(RunManager(db_url))
     except BaseException as exc:  # every handler that needs it reports this instead of hanging

@@ -8,10 +8,10 @@ from typing import Any
 import gradio as gr
 import yaml
 
-from backend.capabilities import PARALLEL_FIELDS as PARALLEL
-from backend.cluster import Cluster
-from backend.msswift import CommandError, import_command
-from backend.spec import parse_spec
+from backend.job.capabilities import PARALLEL_FIELDS as PARALLEL
+from backend.job.cluster import Cluster
+from backend.job.msswift import CommandError, import_command
+from backend.job.spec import parse_spec
 from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message

@@ -8,14 +8,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.capabilities import PARALLEL_FIELDS, parallel_refusals
-from backend.cluster import Cluster
-from backend.dsconfig import DsConfigError
-from backend.layout import Layout, compute_layout
-from backend.memory import estimate_memory
-from backend.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.spec import JobSpec, Problem, parse_spec
-from backend.validate import validate
+from backend.job.capabilities import PARALLEL_FIELDS, parallel_refusals
+from backend.job.cluster import Cluster
+from backend.job.dsconfig import DsConfigError
+from backend.job.layout import Layout, compute_layout
+from backend.job.memory import estimate_memory
+from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.spec import JobSpec, Problem, parse_spec
+from backend.job.validate import validate
 from studio.cluster_view import STATUS_MARK
 from studio.commands import preview
 from studio.form import GROUPS, VIEWS, form_to_data, problems_by_field
@@ -80,7 +80,7 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
 
 def greyed_dimensions(spec: JobSpec, layout: Layout) -> dict[str, str]:
     """The parallel dimensions left at 1 that cannot go above it here: one rank has nothing to split;
-    otherwise what the worker refuses with this engine (backend.capabilities)."""
+    otherwise what the worker refuses with this engine (backend.job.capabilities)."""
     if layout.world == 1:
         return {name: "this job has one rank on this cluster: nothing to split (raise nproc_per_node or nnodes)"
                 for name in PARALLEL_FIELDS if getattr(spec, name) == 1}

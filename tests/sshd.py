@@ -67,7 +67,7 @@ class SshdCluster:
 
     def nodes(self, user: str = "root") -> tuple:
         """The servers as cluster nodes: one CPU slot each, this interpreter, the cluster's key."""
-        from backend.cluster import Node
+        from backend.job.cluster import Node
 
         return tuple(Node(host=s.host, slots=1, ssh_port=s.port, ssh_user=user, ssh_key=str(self.key),
                           python=sys.executable, device="cpu") for s in self.servers)

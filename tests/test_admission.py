@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from backend.admission import busy_nodes, holding
-from backend.cluster import Cluster, GpuInfo, Node, local_cluster, parse_hostfile_text
-from backend.manager import RunManager
-from backend.spec import JobSpec
-from backend.validate import errors, validate
+from backend.cluster.admission import busy_nodes, holding
+from backend.job.cluster import Cluster, GpuInfo, Node, local_cluster, parse_hostfile_text
+from backend.runs.manager import RunManager
+from backend.job.spec import JobSpec
+from backend.job.validate import errors, validate
 from worker import ROOT
 
 GPU = Node(host="gpu-01", slots=8, device="cuda")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from backend.agent import SLOW_READ_S, GpuSampler, Tailer, flight_record
+from backend.telemetry.agent import SLOW_READ_S, GpuSampler, Tailer, flight_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def agent_cmd(run: Path, node: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "backend.agent", "--run-id", "r1", "--run-dir", str(run), "--node", node,
+    return [sys.executable, "-m", "backend.telemetry.agent", "--run-id", "r1", "--run-dir", str(run), "--node", node,
             "--interval", "0.2", "--tail-interval", "0.1", *extra]
 
 
@@ -149,7 +149,7 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
 
 
 def test_agent_never_imports_torch():
-    code = "import sys, backend.agent; print(sorted(m for m in ('torch', 'sqlalchemy', 'pydantic') if m in sys.modules))"
+    code = "import sys, backend.telemetry.agent; print(sorted(m for m in ('torch', 'sqlalchemy', 'pydantic') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -1,8 +1,8 @@
 """Every alert rule on recorded series: one case that fires, one that stays quiet."""
 from __future__ import annotations
 
-from backend import alerts
-from backend.alerts import AlertConfig, Window
+from backend.telemetry import alerts
+from backend.telemetry.alerts import AlertConfig, Window
 
 CFG = AlertConfig()
 T0 = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""What the worker refuses, shown before launch (backend.capabilities) and the bundled demo."""
+"""What the worker refuses, shown before launch (backend.job.capabilities) and the bundled demo."""
 from __future__ import annotations
 
 import hashlib
@@ -8,9 +8,9 @@ import sys
 import pytest
 import yaml
 
-from backend.capabilities import COMPILE_WITH_ZERO3, FsdpPlan, fsdp_plan, unsupported
-from backend.demo import DEMO_DIR, demo_spec
-from backend.spec import JobSpec, parse_spec
+from backend.job.capabilities import COMPILE_WITH_ZERO3, FsdpPlan, fsdp_plan, unsupported
+from backend.job.demo import DEMO_DIR, demo_spec
+from backend.job.spec import JobSpec, parse_spec
 from worker import ROOT
 
 
@@ -48,7 +48,7 @@ def test_refused_combinations_name_their_field(fields, field, text):
 
 
 def test_the_form_greys_what_this_engine_cannot_run():
-    from backend.capabilities import parallel_refusals
+    from backend.job.capabilities import parallel_refusals
 
     plain = parallel_refusals(spec())
     assert "tensor_model_parallel_size" not in plain and "Ulysses" in plain["sequence_parallel_size"]
@@ -62,7 +62,7 @@ def test_the_form_greys_what_this_engine_cannot_run():
 
 
 def test_backend_stays_torch_free():
-    code = "import sys, backend.capabilities, backend.demo; print('torch' in sys.modules)"
+    code = "import sys, backend.job.capabilities, backend.job.demo; print('torch' in sys.modules)"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

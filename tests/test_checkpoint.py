@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from backend import alerts
+from backend.telemetry import alerts
 from launcher import checkpoint
 from worker import ROOT, events, run_worker, write_run
 

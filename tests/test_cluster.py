@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from backend.cluster import (GpuInfo, HostfileError, cluster_from_dicts, local_cluster, parse_hostfile, usable_cores,
+from backend.job.cluster import (GpuInfo, HostfileError, cluster_from_dicts, local_cluster, parse_hostfile, usable_cores,
                              parse_hostfile_text)
 
 GOOD_FILES = {

@@ -18,11 +18,12 @@ import psutil
 import pytest
 from sqlmodel import Session, select
 
-from backend import cli, remote
-from backend.cluster import Cluster
-from backend.manager import LaunchPlan, RunManager
-from backend.spec import JobSpec
-from backend.telemetry_models import RunEvent
+from backend import cli
+from backend.cluster import remote
+from backend.job.cluster import Cluster
+from backend.runs.manager import LaunchPlan, RunManager
+from backend.job.spec import JobSpec
+from backend.store.telemetry_models import RunEvent
 from launcher import checkpoint
 from sshd import start_cluster
 
@@ -62,7 +63,7 @@ def agents(run_id: str) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "backend.agent" in cmd and run_id in cmd:
+        if "backend.telemetry.agent" in cmd and run_id in cmd:
             found.append(p.pid)
     return found
 

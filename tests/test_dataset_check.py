@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from backend.records import SAMPLE_HEAD, sample_problems
-from backend.spec import JobSpec
-from backend.validate import errors, validate
+from backend.job.records import SAMPLE_HEAD, sample_problems
+from backend.job.spec import JobSpec
+from backend.job.validate import errors, validate
 from worker import ROOT
 
 GOOD = {"query": "What is 2 + 2?", "response": "4"}

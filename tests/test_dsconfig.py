@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from backend import dsconfig
-from backend.cluster import parse_hostfile_text
-from backend.dsconfig import DsConfigError, build_ds_config
-from backend.modelcfg import find_model_config
-from backend.spec import JobSpec
-from backend.validate import errors, validate
+from backend.job import dsconfig
+from backend.job.cluster import parse_hostfile_text
+from backend.job.dsconfig import DsConfigError, build_ds_config
+from backend.job.modelcfg import find_model_config
+from backend.job.spec import JobSpec
+from backend.job.validate import errors, validate
 
 GPU_NODE = parse_hostfile_text("n0 slots=8\n")
 LLAMA8B = find_model_config("llama3.1-8b")

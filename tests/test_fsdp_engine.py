@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from backend.capabilities import FsdpPlan
-from backend.spec import JobSpec
+from backend.job.capabilities import FsdpPlan
+from backend.job.spec import JobSpec
 from launcher.dist import Dist
 from launcher.engines.fsdp import FSDPEngine
 from launcher.model import decoder_layers

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from backend.spec import JobSpec
+from backend.job.spec import JobSpec
 from launcher.engines.base import reduce_dtype
 from launcher.engines.ddp import compress_hook
 

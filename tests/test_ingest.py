@@ -10,11 +10,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import create_engine
 
-from backend.agent import Tailer
-from backend import ingest
-from backend.ingest import AGENT_SILENT_S, Downsampling, Ingestor
-from backend.telemetry_models import MetricSample, RunEvent
-from backend.telemetry_query import SeriesKey
+from backend.telemetry.agent import Tailer
+from backend.telemetry import ingest
+from backend.telemetry.ingest import AGENT_SILENT_S, Downsampling, Ingestor
+from backend.store.telemetry_models import MetricSample, RunEvent
+from backend.telemetry.query import SeriesKey
 
 S, E = MetricSample.__table__, RunEvent.__table__
 T0 = 1_700_000_000.0
@@ -438,5 +438,5 @@ def test_a_resumed_attempt_replaces_the_steps_it_did_again(engine):
     ([(None, None), (None, 30), (1, 30)], {0: 30}),   # rows from before attempts were recorded
 ])
 def test_superseded_steps(starts, cut):
-    from backend.telemetry_query import superseded
+    from backend.telemetry.query import superseded
     assert superseded(starts) == cut

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend import logclass as lc
+from backend.telemetry import logclass as lc
 
 TORCHRUN_SIGKILL = """\
 [rank0] 2026-11-30 04:10:26,570 INFO step 1/8 loss 5.6198 lr 9.62e-05
@@ -226,9 +226,9 @@ def test_every_worker_user_error_has_a_cause():
     would be filed as an unexplained exception."""
     import importlib
 
-    from backend.errors import UserError
+    from backend.job.errors import UserError
 
-    for module in ("backend.records", "launcher.config", "launcher.model", "launcher.trainer"):  # define them
+    for module in ("backend.job.records", "launcher.config", "launcher.model", "launcher.trainer"):  # define them
         importlib.import_module(module)
 
     def subclasses(cls):

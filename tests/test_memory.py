@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from backend.layout import compute_layout
-from backend.memory import GIB, estimate_memory, trainable_params
-from backend.cluster import parse_hostfile_text
-from backend.modelcfg import bundled_configs, find_model_config
-from backend.spec import JobSpec
+from backend.job.layout import compute_layout
+from backend.job.memory import GIB, estimate_memory, trainable_params
+from backend.job.cluster import parse_hostfile_text
+from backend.job.modelcfg import bundled_configs, find_model_config
+from backend.job.spec import JobSpec
 
 TOLERANCE = 0.15
 
@@ -231,7 +231,7 @@ def test_cpu_ranks_have_no_cuda_context():
 def test_a_hostfile_node_with_gpu_memory_gets_the_out_of_memory_warning():
     """Llama-3.1-70B full fine-tuning under ZeRO-3 on one 8-GPU node: well over 80 GiB per GPU.
     A hostfile could not say how much memory its GPUs have, so nothing warned."""
-    from backend.validate import validate
+    from backend.job.validate import validate
 
     spec = job(model="meta-llama/Llama-3.1-70B-Instruct", deepspeed="zero3", nproc_per_node=8)
     model = find_model_config(spec.model)

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from backend.memory import trainable_params
-from backend.modelcfg import (BUNDLED_DIR, MODEL_TYPE_DEFAULTS, ModelConfigError, bundled_configs, find_model_config,
+from backend.job.memory import trainable_params
+from backend.job.modelcfg import (BUNDLED_DIR, MODEL_TYPE_DEFAULTS, ModelConfigError, bundled_configs, find_model_config,
                               load_model_config, parse_model_config)
-from backend.spec import JobSpec
+from backend.job.spec import JobSpec
 
 # Shapes of families no bundled file covers, as their config.json files spell them (scaled down
 # where the real model is only a bigger copy of the same modules).

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend import capabilities
-from backend.cluster import parse_hostfile_text
-from backend.layout import compute_layout
-from backend.msswift import CommandError, import_command
-from backend.spec import JobSpec, parse_spec
-from backend.validate import errors, validate
+from backend.job import capabilities
+from backend.job.cluster import parse_hostfile_text
+from backend.job.layout import compute_layout
+from backend.job.msswift import CommandError, import_command
+from backend.job.spec import JobSpec, parse_spec
+from backend.job.validate import errors, validate
 from studio.commands import swift_command
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.cluster import GpuInfo, local_cluster, parse_hostfile_text
-from backend.dsconfig import build_ds_config
-from backend.modelcfg import find_model_config
-from backend.planner import CODE_ROOT, PlanError, plan
-from backend.spec import JobSpec, load_spec
+from backend.job.cluster import GpuInfo, local_cluster, parse_hostfile_text
+from backend.job.dsconfig import build_ds_config
+from backend.job.modelcfg import find_model_config
+from backend.job.planner import CODE_ROOT, PlanError, plan
+from backend.job.spec import JobSpec, load_spec
 
 RUN_ID = "20261130-041500-a1b2c3"
 
@@ -122,13 +122,14 @@ def test_plan_errors(tmp_path):
 
 
 @pytest.mark.parametrize("micro,accum,world,tp,sp,expected", [
-    (1, 1, 8, 1, 1, 8), (2, 8, 16, 1, 1, 256), (4, 2, 8, 2, 1, 32), (1, 16, 8, 1, 4, 32),
+    (1, 1, 8, 1, 1, 8), (2, 8, 16, 1, 1, 256), (1, 16, 8, 1, 4, 32),
+    (4, 2, 8, 2, 1, 64),  # AutoTP: DeepSpeed's batch check counts the TP ranks too (dsconfig.batch_fields)
 ])
 def test_train_batch_size_is_micro_accum_dp(micro, accum, world, tp, sp, expected, tmp_path):
     spec = job(per_device_train_batch_size=micro, gradient_accumulation_steps=accum, nproc_per_node=world,
-               tensor_model_parallel_size=tp, sequence_parallel_size=sp, deepspeed="zero1")
+               tensor_model_parallel_size=tp, sequence_parallel_size=sp, deepspeed="zero1", train_type="full")
     result = plan(spec, parse_hostfile_text(f"n slots={world}\n"), RUN_ID, tmp_path)
-    assert result.ds_config["train_batch_size"] == expected == micro * accum * result.layout.dp
+    assert result.ds_config["train_batch_size"] == expected == micro * accum * result.layout.dp * tp
 
 
 def test_ds_presets():

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from backend import preflight as pf
-from backend import ssh
-from backend.cluster import Cluster, Node
-from backend.nodes import Pool
-from backend.spec import JobSpec
+from backend.cluster import preflight as pf
+from backend.cluster import ssh
+from backend.job.cluster import Cluster, Node
+from backend.cluster.nodes import Pool
+from backend.job.spec import JobSpec
 from sshd import free_port
 
 

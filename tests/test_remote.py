@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from backend import remote
-from backend.cluster import Node
-from backend.launch import NodeCommand, probe, start_all, stop_all
-from backend.nodes import Pool
+from backend.cluster import remote
+from backend.job.cluster import Node
+from backend.cluster.launch import NodeCommand, probe, start_all, stop_all
+from backend.cluster.nodes import Pool
 
 # Names of the variables these tests send: a prefix no caller's environment has (VIRTUAL_ENV, say),
 # so what a child reports under it is what the test sent and nothing else.

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import func, select
 
 from backend import cli
-from backend.cluster import GpuInfo, local_cluster
-from backend.manager import RunManager
-from backend.spec import JobSpec
-from backend.telemetry_models import MetricSample
+from backend.job.cluster import GpuInfo, local_cluster
+from backend.runs.manager import RunManager
+from backend.job.spec import JobSpec
+from backend.store.telemetry_models import MetricSample
 from worker import ROOT, events, until
 
 pytestmark = pytest.mark.e2e

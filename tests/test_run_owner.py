@@ -14,12 +14,13 @@ import time
 import pytest
 import yaml
 
-from backend import lifecycle, nodes
-from backend.cluster import LOCAL_HOST, local_cluster
-from backend.db import create_db_and_tables, make_engine
-from backend.lifecycle import Owner, RunStore
-from backend.manager import RunManager
-from backend.models import Run
+from backend.runs import lifecycle
+from backend.cluster import nodes
+from backend.job.cluster import LOCAL_HOST, local_cluster
+from backend.store.db import create_db_and_tables, make_engine
+from backend.runs.lifecycle import Owner, RunStore
+from backend.runs.manager import RunManager
+from backend.store.models import Run
 from worker import ROOT, until
 
 pytestmark = pytest.mark.e2e

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from backend.capabilities import same_data_ranks, unsupported
-from backend.spec import JobSpec
+from backend.job.capabilities import same_data_ranks, unsupported
+from backend.job.spec import JobSpec
 from launcher.data import Row, collate
-from worker import ROOT, events, losses, run_ok, run_worker, write_run
+from worker import ROOT, events, losses, model_logits, run_ok, run_worker, write_run
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -73,15 +73,6 @@ def assert_same_training(sp_run, plain_run, steps=range(1, STEPS + 1)):
             assert a[step][key] == pytest.approx(b[step][key], rel=2e-4), (step, key, a[step][key], b[step][key])
 
 
-def logits(model_dir) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.arange(3, 35).reshape(2, 16)
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
 @pytest.mark.e2e
 def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model):
     """SP=2 on 2 ranks is one data-parallel rank: the same batches as one process. ZeRO-3 is where
@@ -116,7 +107,7 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
 
     sp_out = export(sp, None, tmp_path / "sp-export")
     plain_out = export(plain, None, tmp_path / "plain-export")
-    torch.testing.assert_close(logits(sp_out["out"]), logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model_logits(sp_out["out"]), model_logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.e2e

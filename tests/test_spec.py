@@ -1,7 +1,7 @@
 """The job spec: aliases, defaults, every user mistake as one named problem, YAML round trip."""
 from __future__ import annotations
 
-from backend.spec import JobSpec, dump_spec, load_spec, parse_spec
+from backend.job.spec import JobSpec, dump_spec, load_spec, parse_spec
 
 
 def test_minimal_spec_gets_defaults():

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from backend.cluster import Cluster
-from backend.lifecycle import FINAL
-from backend.manager import RunManager
-from backend.spec import parse_spec
-from backend.telemetry_models import MetricSample, RunEvent, RankPlacement
+from backend.job.cluster import Cluster
+from backend.runs.lifecycle import FINAL
+from backend.runs.manager import RunManager
+from backend.job.spec import parse_spec
+from backend.store.telemetry_models import MetricSample, RunEvent, RankPlacement
 from worker import ROOT
 
 pytestmark = pytest.mark.e2e

@@ -125,7 +125,7 @@ def test_ingested_series_carry_the_step_each_step_once_after_a_resume():
     """The step series from the ingestor (history and live tail) through to the Runs overlay."""
     from sqlmodel import create_engine
 
-    from backend.ingest import Ingestor
+    from backend.telemetry.ingest import Ingestor
 
     ing = Ingestor(create_engine("sqlite://"), autostart=False)
     offset = iter(range(1, 1000))
@@ -192,8 +192,8 @@ def test_failure_status_names_cause_node_and_last_lines():
 
 
 def test_the_status_names_the_layout_of_the_ranks():
-    from backend.layout import compute_layout
-    from backend.spec import JobSpec
+    from backend.job.layout import compute_layout
+    from backend.job.spec import JobSpec
 
     spec = JobSpec(model="m", dataset=["d"], nnodes=2, nproc_per_node=4, sequence_parallel_size=2, deepspeed="zero3")
     text = status_md(run(), None, [], compute_layout(spec))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
-from backend.demo import demo_spec
-from backend.spec import FIELDS, JobSpec, Problem
+from backend.job.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
+from backend.job.demo import demo_spec
+from backend.job.spec import FIELDS, JobSpec, Problem
 from studio.cluster_view import node_rows, put_node, remove_node
 from studio.context import Studio
 from studio.form import GROUPS, VIEWS, default_form, form_to_data, problems_by_field, spec_to_form
@@ -113,8 +113,8 @@ def test_presets_save_and_load(tmp_path):
 
 
 def test_swift_command_round_trips_through_the_importer():
-    from backend.msswift import import_command
-    from backend.spec import parse_spec
+    from backend.job.msswift import import_command
+    from backend.job.spec import parse_spec
     from studio.commands import swift_command
 
     spec = JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["a.jsonl", "b.jsonl#100"], deepspeed="zero3",

@@ -12,9 +12,9 @@ PROBE = r"""
 import json, sys
 from pathlib import Path
 from concurrent.futures import Future
-from backend.cluster import local_cluster
-from backend.demo import demo_spec
-from backend.manager import RunManager
+from backend.job.cluster import local_cluster
+from backend.job.demo import demo_spec
+from backend.runs.manager import RunManager
 from studio.app import build_app
 from studio.context import Studio
 from studio.form import spec_to_form, default_form

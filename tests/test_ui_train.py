@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 from studio_server import REPO  # noqa: E402
 
-from backend.cluster import usable_cores  # noqa: E402
+from backend.job.cluster import usable_cores  # noqa: E402
 
 DEMO_MODEL, DEMO_DATA = str(REPO / "assets/demo/model"), str(REPO / "assets/demo/train.jsonl")
 IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DATA} "

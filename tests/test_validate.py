@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from backend.cluster import GpuInfo, local_cluster, parse_hostfile_text
-from backend.modelcfg import find_model_config
-from backend.spec import JobSpec, Problem
-from backend.validate import errors, validate
+from backend.job.cluster import GpuInfo, local_cluster, parse_hostfile_text
+from backend.job.modelcfg import find_model_config
+from backend.job.spec import JobSpec, Problem
+from backend.job.validate import errors, validate
 
 GPU_NODES = "n0 slots=8\nn1 slots=8\n"
 QWEN7B = find_model_config("qwen2.5-7b")      # 28 heads, 4 KV heads, 28 layers
@@ -25,7 +25,7 @@ def job(**kw) -> JobSpec:
 
 def check(spec, cluster=None, model=LLAMA8B, layout_only=True) -> list[Problem]:
     """Problems of `spec`; `layout_only` drops what the worker itself refuses (capabilities)."""
-    from backend import capabilities
+    from backend.job import capabilities
 
     cluster = cluster or parse_hostfile_text(GPU_NODES)
     found = validate(spec, cluster, model)
@@ -224,7 +224,7 @@ def test_torch_compile_with_a_zero3_preset_is_reported_once():
 
 def test_user_deepspeed_json_is_read_once(tmp_path, monkeypatch):
     """Engine rules, batch conflicts and the memory estimate share one read of the file."""
-    from backend import dsconfig
+    from backend.job import dsconfig
 
     path = write_ds(tmp_path, {"zero_optimization": {"stage": 3}, "train_batch_size": 64})
     reads = []

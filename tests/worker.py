@@ -67,6 +67,16 @@ def run_ok(run_dir: Path, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
+def model_logits(model_dir: Path):
+    """Logits of a saved model (fp32, eval) on a fixed batch: two exports that should be the same model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.arange(3, 35).reshape(2, 16)).logits
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill torchrun and its workers by pid (torchrun puts each worker in its own session)."""
     import psutil
@@ -86,10 +96,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.CompletedProcess:
-    """Launch the way the backend does: backend.planner's files and argv for this machine (CPU)."""
-    from backend.cluster import GpuInfo, local_cluster
-    from backend.planner import plan
-    from backend.spec import parse_spec
+    """Launch the way the backend does: backend.job.planner's files and argv for this machine (CPU)."""
+    from backend.job.cluster import GpuInfo, local_cluster
+    from backend.job.planner import plan
+    from backend.job.spec import parse_spec
 
     job, problems = parse_spec(spec)
     assert job is not None, problems

@@ -1,7 +1,7 @@
 """Engines: DDP, DeepSpeed ZeRO, FSDP2, tensor parallel. `build_engine` picks one from the job spec."""
 from __future__ import annotations
 
-from backend.capabilities import fsdp_plan, tp_plan
+from backend.job.capabilities import fsdp_plan, tp_plan
 from launcher.engines.base import Engine
 
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from backend.capabilities import FsdpPlan
+from backend.job.capabilities import FsdpPlan
 from launcher import checkpoint
 from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler, reduce_dtype,
                                    save_pretrained)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.capabilities import TIED_UNDER_TP_FSDP, TpPlan
+from backend.job.capabilities import TIED_UNDER_TP_FSDP, TpPlan
 from launcher.config import ConfigError
 from launcher.engines.base import autocast, make_optimizer, make_scheduler
 from launcher.engines.fsdp import FSDPEngine

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from backend.capabilities import autotp
+from backend.job.capabilities import autotp
 from launcher import checkpoint
 from launcher.engines.base import Engine, checkpoint_part, make_optimizer, make_scheduler, param_groups, save_pretrained
 

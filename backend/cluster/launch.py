@@ -1,0 +1,227 @@
+"""Start and stop a run's workers on its nodes (the planner decides what; this executes it).
+
+Start: the run directory's files are written through the first node (the output directory is
+shared storage), then every node's torchrun command starts in parallel, detached in its own
+session and process group, with the run id in its environment and its group id in
+`pids/<node>.pid`. Stop: SIGTERM to each node's group (the worker checkpoints), SIGKILL after a
+grace period, then a check that no process carrying the run id is left on any node. Nothing is
+ever killed by a name pattern.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from backend.cluster import remote
+from backend.cluster import ssh
+from backend.job.cluster import Node
+from backend.cluster.nodes import Pool, address_of
+
+STOP_GRACE_S = 90.0      # SIGTERM → SIGKILL: time for the worker's checkpoint on stop
+KILL_WAIT_S = 10.0       # after SIGKILL, until the group is gone
+POLL_S = 0.5
+FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What one node runs: the node, its setup line, torchrun's argv and the extra environment."""
+
+    node: Node
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    setup: str | None = None
+
+
+@dataclass
+class Started:
+    node: Node
+    setup: str | None
+    pgid: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class StopReport:
+    """Per node: whether a process of the run was left after the stop (should be all False)."""
+
+    leftovers: dict[str, list[int]] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not any(self.leftovers.values()) and not self.unreachable
+
+    def detail(self) -> str:
+        """What kept the stop from being clean, one `host: why` per node."""
+        return "; ".join([*(f"{h}: could not verify ({why})" for h, why in self.unreachable.items()),
+                          *(f"{h}: pids {p} survived" for h, p in self.leftovers.items() if p)])
+
+
+async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
+    """A TCP port free on the node now (for the rendezvous on the master)."""
+    res = await pool.run(node, remote.quote_argv([node.python, "-c", FREE_PORT_PY]), setup)
+    if not res.ok or not res.stdout.strip().isdigit():
+        raise ssh.NodeError(address_of(node), f"could not pick a free port with {node.python}: {res.first_error_line()}")
+    return int(res.stdout.strip())
+
+
+# Writes {relative path: text} from stdin into the run directory, each file atomically. The files
+# hold the spec's env values (tokens, keys): 0600, and every directory it creates 0700, whatever
+# the umask (the workers on every node run as the same user). Directories that exist are left alone.
+WRITE_FILES_PY = (
+    "import json, os, sys\n"
+    "def makedirs(path):\n"
+    "    if not os.path.isdir(path):\n"
+    "        makedirs(os.path.dirname(path))\n"
+    "        try:\n"
+    "            os.mkdir(path, 0o700)\n"
+    "            os.chmod(path, 0o700)\n"
+    "        except FileExistsError:\n"
+    "            pass\n"
+    "root = sys.argv[1]\n"
+    "for rel, text in json.load(sys.stdin).items():\n"
+    "    path = os.path.join(root, rel)\n"
+    "    makedirs(os.path.dirname(path))\n"
+    "    fd = os.open(path + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
+    "    os.fchmod(fd, 0o600)\n"
+    "    with os.fdopen(fd, 'w') as f:\n"
+    "        f.write(text)\n"
+    "    os.replace(path + '.tmp', path)\n"
+)
+
+
+async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str]) -> None:
+    """Write the run directory's files (relative path → text) through one node, in one command."""
+    for rel in files:
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise ValueError(f"plan file path must stay inside the run directory: {rel!r}")
+    res = await pool.run(node, remote.quote_argv([node.python, "-c", WRITE_FILES_PY, run_dir]), setup,
+                         input=json.dumps(dict(files)))
+    if not res.ok:
+        raise ssh.NodeError(address_of(node), f"cannot write the run directory {run_dir}: {res.first_error_line()}")
+
+
+_PGID = re.compile(r"^\s*(\d+)\s*$")
+
+
+async def start_node(pool: Pool, cmd: NodeCommand, run_id: str, run_dir: str) -> Started:
+    paths = remote.NodePaths(run_dir, cmd.node.host)
+    text = remote.detached_start(cmd.argv, cmd.env, paths, run_id)
+    try:
+        res = await pool.run(cmd.node, text, cmd.setup, timeout=remote.PID_WAIT_S + ssh.COMMAND_TIMEOUT_S)
+    except ssh.NodeError as exc:
+        return Started(cmd.node, cmd.setup, error=str(exc))
+    lines = res.stdout.strip().splitlines()
+    m = _PGID.match(lines[-1]) if lines else None
+    if not res.ok or not m:
+        return Started(cmd.node, cmd.setup, error=f"{cmd.node.host}: start failed: {res.first_error_line()}")
+    return Started(cmd.node, cmd.setup, pgid=int(m.group(1)))
+
+
+async def start_all(pool: Pool, commands: Sequence[NodeCommand], run_id: str, run_dir: str) -> list[Started]:
+    """Start every node at once; on any failure the ones that did start are stopped again."""
+    started = list(await asyncio.gather(*(start_node(pool, c, run_id, run_dir) for c in commands)))
+    if any(s.error for s in started):
+        await stop_all(pool, [s for s in started if s.pgid], run_id, run_dir, grace_s=0)
+    return started
+
+
+async def probe(pool: Pool, node: Node, pgid: int | None, run_dir: str) -> tuple[bool, int | None]:
+    """(workers alive, torchrun's exit code or None) on one node."""
+    res = await pool.run(node, remote.probe(pgid, remote.NodePaths(run_dir, node.host)), None, timeout=10)
+    try:
+        return remote.parse_probe(res.stdout)
+    except ValueError:
+        raise ssh.NodeError(address_of(node), f"unexpected answer to a status check: {res.first_error_line()}") from None
+
+
+async def _signal(pool: Pool, s: Started, signal: str) -> None:
+    await pool.run(s.node, remote.signal_group(s.pgid, signal), None, timeout=10)
+
+
+async def _tagged(pool: Pool, node: Node, run_id: str) -> list[int]:
+    res = await pool.run(node, remote.tagged_pids(run_id), None, timeout=20)
+    return [int(x) for x in res.stdout.split() if x.isdigit()]
+
+
+async def stop_all(pool: Pool, started: Sequence[Started], run_id: str, run_dir: str,
+                   grace_s: float = STOP_GRACE_S, all_nodes: Sequence[Node] = ()) -> StopReport:
+    """SIGTERM every group, SIGKILL what is left after `grace_s`, then verify nothing remains.
+
+    `all_nodes` are checked for tagged leftovers too (e.g. a node whose start was not recorded).
+    """
+    report = StopReport()
+    loop = asyncio.get_running_loop()
+
+    async def gone_after(s: Started, signal: str, wait_s: float, poll_s: float) -> bool:
+        await _signal(pool, s, signal)
+        end = loop.time() + wait_s
+        while loop.time() < end:
+            alive, _ = await probe(pool, s.node, s.pgid, run_dir)
+            if not alive:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
+
+    async def one(s: Started) -> None:
+        try:
+            if not (grace_s > 0 and await gone_after(s, "TERM", grace_s, POLL_S)):
+                await gone_after(s, "KILL", KILL_WAIT_S, POLL_S / 5)
+        except ssh.NodeError as exc:
+            report.unreachable[s.node.host] = exc.reason
+
+    await asyncio.gather(*(one(s) for s in started if s.pgid))
+    nodes = {n.host: n for n in [*(s.node for s in started), *all_nodes]}
+    await asyncio.gather(*(_sweep(pool, node, run_id, report) for node in nodes.values()))
+    return report
+
+
+async def _sweep(pool: Pool, node: Node, run_id: str, report: StopReport) -> None:
+    """Kill processes carrying this run's id that escaped their group; record any that survive."""
+    try:
+        pids = await _tagged(pool, node, run_id)
+        if pids:
+            await pool.run(node, remote.kill_pids(pids, "KILL"), None, timeout=10)
+            await asyncio.sleep(0.2)
+            pids = await _tagged(pool, node, run_id)
+        report.leftovers[node.host] = pids
+    except ssh.NodeError as exc:
+        report.unreachable.setdefault(node.host, exc.reason)
+
+
+async def log_since(pool: Pool, node: Node, run_dir: str, offset: int, max_bytes: int = 1 << 20) -> bytes:
+    path = remote.NodePaths(run_dir, node.host).log
+    res = await pool.run(node, remote.read_from(path, offset, max_bytes), None, timeout=30)
+    return res.raw
+
+
+async def log_tail(pool: Pool, node: Node, run_dir: str, lines: int = 40) -> list[str]:
+    path = remote.NodePaths(run_dir, node.host).log
+    res = await pool.run(node, remote.tail(path, lines), None, timeout=15)
+    return res.stdout.splitlines()
+
+
+async def end_slots(pool: Pool, node: Node, run_dir: str) -> list[dict]:
+    """The `end` events in the ranks' slots (`events/rank-<N>.end`) the node can see: every rank's
+    in a shared run directory. Read with the shell, not the agent: it works when the agent is
+    down, and a slot survives a full disk where the log and the events file do not."""
+    res = await pool.run(node, f"cat -- {shlex.quote(run_dir)}/events/rank-*.end 2>/dev/null; true", None, timeout=15)
+    return parse_end_slots(res.stdout)
+
+
+def parse_end_slots(text: str) -> list[dict]:
+    """One JSON object per slot line; a slot still blank (the rank has not ended) or torn is skipped."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "end":
+            events.append(event)
+    return events

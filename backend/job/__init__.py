@@ -1,0 +1,1 @@
+"""The job contract, pure and torch-free: spec, problems, layout, engine rules, plan, DeepSpeed config, model configs, memory, ms-swift import. Imported by the worker and the control plane; imports nothing else of backend."""

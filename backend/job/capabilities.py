@@ -1,0 +1,225 @@
+"""What the training worker (launcher/) can run: the combinations it refuses, as Problems.
+
+Pure and torch-free, so the validator shows these on the form before launch; the worker calls it
+again at start and refuses the same list.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from backend.job.spec import JobSpec, Problem
+
+TP = "tensor_model_parallel_size"
+FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
+ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
+COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
+                      "or turn it off")
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    """How the worker uses FSDP2's machinery (launcher/engines/fsdp.py)."""
+
+    replicate: bool
+    """DDP's layout: every rank holds every parameter (shards of one rank), gradients all-reduced."""
+    reshard_after_forward: bool
+    offload: bool
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """Tensor parallel through transformers' DistributedConfig (the model's own `base_model_tp_plan`),
+    with its FSDP2 for the data-parallel dimension. transformers' mesh is (pp, dp_replicate, fsdp,
+    tp) with TP innermost: ranks r and r+1 of one node share a TP group, the data-parallel rank is
+    r // tp."""
+
+    tp: int
+    fsdp: int
+    """Ranks the parameters are sharded over (fsdp full_shard), else 1."""
+    replicate: int
+    """Ranks holding the same (TP-sharded) parameters with gradients all-reduced (no fsdp), else 1."""
+
+    @property
+    def dp(self) -> int:
+        return self.fsdp * self.replicate
+
+
+def same_data_ranks(spec: JobSpec) -> int:
+    """Consecutive ranks that compute on the same batches (a TP group, a Ulysses SP group): the
+    data-parallel rank is rank // this, and their tokens count once."""
+    return spec.tensor_model_parallel_size * spec.sequence_parallel_size
+
+
+def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
+    """The layout of transformers' TP for a job on `world` ranks; None without tensor parallelism,
+    and with DeepSpeed, whose AutoTP shards the model itself (`autotp`)."""
+    tp = spec.tensor_model_parallel_size
+    if tp <= 1 or spec.deepspeed:
+        return None
+    dp = max(1, world // tp)
+    return TpPlan(tp, fsdp=dp, replicate=1) if spec.fsdp else TpPlan(tp, fsdp=1, replicate=dp)
+
+
+def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
+    """The FSDP2 settings of a job, or None where the worker runs DeepSpeed or torch's DDP. Full
+    fine-tuning without DeepSpeed or FSDP runs DDP's layout on FSDP2; torch's
+    DistributedDataParallel stays for LoRA (a frozen 16-bit base needs no fp32 master copy) and
+    float16 (its gradient scaler)."""
+    if spec.fsdp:
+        words = set(spec.fsdp.replace(",", " ").split())
+        return FsdpPlan(False, "shard_grad_op" not in words, "offload" in words)
+    if not spec.deepspeed and spec.train_type == "full" and spec.torch_dtype != "float16":
+        # with one-rank shards there is nothing to re-gather for backward
+        return FsdpPlan(True, reshard_after_forward=False, offload=False)
+    return None
+
+
+def autotp(spec: JobSpec) -> int:
+    """DeepSpeed AutoTP's degree (`tensor_parallel.autotp_size`): TP > 1 with DeepSpeed, else 0."""
+    tp = spec.tensor_model_parallel_size
+    return tp if spec.deepspeed and tp > 1 else 0
+
+
+def zero_problems(spec: JobSpec, stage: int, offload: bool = False) -> list[Problem]:
+    """What the worker refuses with a DeepSpeed config of this ZeRO stage (`offload`: optimizer or
+    parameters off the GPU). A user JSON shows its stage only once read, so the backend (before
+    launch) and the worker (its config) both ask here."""
+    where = "" if spec.deepspeed_preset else f" ({spec.deepspeed} sets stage {stage})"
+    out = []
+    if spec.torch_compile and stage == 3:
+        out.append(Problem("torch_compile", COMPILE_WITH_ZERO3 + where))
+    if autotp(spec) and stage == 3:
+        # DeepSpeed 0.19.8 checks the batch against two different world sizes under ZeRO-3 + AutoTP.
+        out.append(Problem("deepspeed", f"ZeRO-3 with {TP} > 1: DeepSpeed's AutoTP trains with ZeRO-0, 1 or 2{where}; "
+                                        "use zero1 or zero2"))
+    if autotp(spec) and offload:
+        out.append(Problem("deepspeed", f"offload with {TP} > 1 (DeepSpeed's AutoTP) is not tested; use zero1 or "
+                                        "zero2 without offload"))
+    return out
+
+
+def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Problem]:
+    """What the worker refuses in a DeepSpeed JSON itself (`source`: the file it came from), beyond
+    its stage. backend.job.dsconfig asks while reading the file, so the plan and the worker refuse too.
+    The TP degree is the job's: a JSON that sets another one would train another layout."""
+    tp = config.get("tensor_parallel")
+    size = tp.get("autotp_size") if isinstance(tp, dict) else None
+    if size in (None, 0, 1, autotp(spec)):
+        return []
+    return [Problem("deepspeed", f"{source}: tensor_parallel.autotp_size: {json.dumps(size)}, but the job's {TP} is "
+                                 f"{spec.tensor_model_parallel_size}; set {TP} to {size} (DeepSpeed AutoTP with it), or "
+                                 "remove autotp_size")]
+
+
+def unsupported(spec: JobSpec) -> list[Problem]:
+    problems: list[Problem] = []
+    for field in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size"):
+        if getattr(spec, field) > 1:
+            problems.append(Problem(field, "not supported by this worker yet (it runs DDP, DeepSpeed ZeRO, FSDP2, "
+                                           "tensor parallel and Ulysses sequence parallel)"))
+    problems += _tp_problems(spec)
+    problems += _sp_problems(spec)
+    if spec.deepspeed and spec.fsdp:
+        problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
+    if spec.fsdp:
+        words = spec.fsdp.replace(",", " ").split()
+        bad = [w for w in words if w not in FSDP_WORDS]
+        if bad or not words:
+            problems.append(Problem("fsdp", f"unknown FSDP option(s) {bad}; use 'full_shard' or 'shard_grad_op', "
+                                            "optionally with 'offload'"))
+        if "full_shard" in words and "shard_grad_op" in words:
+            problems.append(Problem("fsdp", "'full_shard' and 'shard_grad_op' exclude each other"))
+        if spec.torch_dtype == "float16":
+            problems.append(Problem("torch_dtype", "float16 with FSDP is not supported (it needs a sharded grad "
+                                                   "scaler); use bfloat16"))
+    if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
+        problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
+    unknown_sinks = [s for s in spec.report_to if s not in ("none", "tensorboard")]
+    if unknown_sinks:
+        problems.append(Problem("report_to", f"{unknown_sinks} not supported (only 'tensorboard', written from the "
+                                             "recorded metrics when the run ends); metrics go to the run's event "
+                                             "files and the studio", "warning"))
+    return problems
+
+# transformers 5.24: under TP x FSDP2 a model with tied embeddings gets correct gradients but wrong
+# updates (tests/test_tensor_parallel.py pins it); untied models and TP with replicated data
+# parallel train exactly as without TP.
+TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddings wrongly in "
+                      "transformers' TP x FSDP2 (the updates differ from the same job without TP); leave fsdp "
+                      "empty (TP with replicated data parallel)")
+
+
+def _tp_problems(spec: JobSpec) -> list[Problem]:
+    """Tensor parallel runs on transformers' DistributedConfig, or on DeepSpeed's AutoTP with a ZeRO
+    stage; these engines and options do not compose with it (yet), each refused by name."""
+    if spec.tensor_model_parallel_size <= 1:
+        return []
+    out = []
+    if spec.deepspeed and spec.train_type == "lora":
+        out.append(Problem("deepspeed", f"LoRA with {TP} > 1 runs on transformers' TP (peft's TP-LoRA); DeepSpeed's "
+                                        "AutoTP trains full fine-tuning only: remove deepspeed"))
+    words = set((spec.fsdp or "").replace(",", " ").split())
+    if words - {"full_shard"}:
+        out.append(Problem("fsdp", f"with {TP} > 1 only 'full_shard' (transformers' FSDP2 under TP); "
+                                   f"not {' '.join(sorted(words - {'full_shard'}))}"))
+    for field, why in (("torch_compile", "compiling DTensor layers is not tested"),
+                       ("use_liger_kernel", "Liger's kernels take plain tensors, not DTensor shards")):
+        if getattr(spec, field):
+            out.append(Problem(field, f"not with {TP} > 1 ({why}); turn it off"))
+    if spec.torch_dtype == "float16":
+        out.append(Problem("torch_dtype", f"float16 with {TP} > 1 is not supported (no sharded grad scaler); "
+                                          "use bfloat16"))
+    return out
+
+
+SP = "sequence_parallel_size"
+FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
+
+
+def _sp_problems(spec: JobSpec) -> list[Problem]:
+    """Ulysses sequence parallel is DeepSpeed's ALST for HF models (launcher/engines/zero.py); what
+    does not compose with it is refused by name."""
+    if spec.sequence_parallel_size <= 1:
+        return []
+    out = []
+    if not spec.deepspeed:
+        out.append(Problem("deepspeed", f"{SP} > 1 runs on DeepSpeed's Ulysses (ALST): choose a ZeRO stage "
+                                        "(zero0 to zero3) or a DeepSpeed JSON"))
+    if spec.tensor_model_parallel_size > 1:
+        out.append(Problem(SP, f"not with {TP} > 1 (transformers' TP and DeepSpeed's Ulysses do not compose "
+                               "in this worker); use one of them"))
+    if spec.attn_impl == "eager":
+        out.append(Problem("attn_impl", f"eager attention needs a 4D mask that Ulysses ({SP} > 1) cannot "
+                                        "split; use sdpa, flex_attention or flash_attention_2"))
+    if spec.packing and spec.attn_impl not in FLASH_IMPLS:
+        # DeepSpeed's Ulysses drops the attention mask; only flash-attention reads the sample
+        # boundaries from the position ids, sdpa and flex would attend across packed samples.
+        out.append(Problem("packing", f"packing with {SP} > 1 needs attn_impl flash_attention_2 or 3 (Ulysses "
+                                      "drops the mask; sdpa and flex_attention would attend across the packed "
+                                      "samples); turn packing off or use flash-attention"))
+    for field, why in (("torch_compile", "compiling through Ulysses' all-to-all is not tested"),
+                       ("use_liger_kernel", "Liger's fused loss is not wired to the sequence-sharded loss")):
+        if getattr(spec, field):
+            out.append(Problem(field, f"not with {SP} > 1 ({why}); turn it off"))
+    return out
+
+
+PARALLEL_FIELDS = (TP, SP, "context_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                   "expert_tensor_parallel_size")
+
+
+def parallel_refusals(spec: JobSpec) -> dict[str, str]:
+    """Why the worker would refuse each parallel dimension (left at 1) above 1, with the rest of the
+    job as it is: the refusals that setting it to 2 adds, as the form greys it out."""
+    before = {(p.field, p.message) for p in unsupported(spec)}
+    out = {}
+    for field in PARALLEL_FIELDS:
+        if getattr(spec, field) > 1:
+            continue
+        added = [p for p in unsupported(spec.model_copy(update={field: 2}))
+                 if p.severity == "error" and (p.field, p.message) not in before]
+        if added:
+            out[field] = "; ".join(p.message if p.field == field else f"{p.field}: {p.message}" for p in added)
+    return out

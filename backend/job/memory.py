@@ -1,0 +1,302 @@
+"""Per-GPU memory estimate of a job (pure arithmetic on the model's shape; no torch).
+
+Public API:
+    MemoryEstimate                                   GiB per GPU, broken down; `.to_dict()`
+    estimate_memory(spec, model, layout=None, device="cuda", zero=None) -> MemoryEstimate
+    trainable_params(spec, model) -> int
+
+Model states follow what the worker's engines do (launcher/engines), in bytes per parameter with
+bf16/fp16 compute and AdamW:
+    DeepSpeed  weights 2, gradients 2 (16-bit) + 4 (fp32), optimizer 4 (fp32 master) + 8 (Adam):
+               ZeRO-1 shards the fp32 gradients and the optimizer, ZeRO-2 all gradients, as
+               DeepSpeed's ZeRO-2 estimator counts (2 + 18/N).
+               ZeRO-3 holds 16/N between steps: weights 2, its 16-bit gradient partition 2
+               (allocated at start), fp32 master 4, Adam 8. step() adds 6 bytes per element of one
+               optimizer sub-group (sub_group_size elements of the rank's partition, flattened in
+               16-bit, then copied to fp32) once backward has freed the activations, so they count
+               once with those. Gathered layers add 4 x the largest layer. Measured on an H200
+               (DeepSpeed 0.19.8; tests/test_memory.py MEASURED_ZERO3_H200): qwen2.5-0.5b held 18.2
+               bytes per parameter between steps (16 + its reduce bucket) and 24.2 in step().
+               DeepSpeed's estimator counts 18/N, neither of the two.
+    FSDP2      fp32 weights 4, gradients 4, Adam 8, all sharded; two blocks gathered in 16-bit.
+    DDP        full fine-tuning: FSDP2's with shards of one rank (compute-dtype copies kept through backward);
+               LoRA and float16: fp32 weights 4 + autocast's 16-bit weight cache 2, gradients 4 +
+               DDP bucket 4, Adam 8.
+LoRA: only the adapters have gradients and optimizer states; they are counted where peft puts them
+(on MoE models peft also adapts the router and the stacked experts). Offloaded states count in
+`offloaded_gib` (host memory per GPU), not on the GPU. Sharding is over the ranks that hold the
+same model slice: world / (TP x PP).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
+
+from backend.job.capabilities import FsdpPlan, fsdp_plan
+from backend.job.dsconfig import STAGE12_BUCKET, ZeroSettings, stage3_sizes, zero_settings
+from backend.job.layout import Layout, compute_layout
+from backend.job.modelcfg import ModelConfig
+from backend.job.spec import JobSpec
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 0.75 * GIB  # CUDA context + cuBLAS/NCCL workspaces + allocator slack
+# DeepSpeed docs: overlap_comm holds about 4.5 x the bucket sizes, in 16-bit, for both buckets.
+OVERLAP_COMM_FACTOR = 4.5
+# ZeRO-3's sub_group_size: the presets' value and DeepSpeed's default (a user JSON's is not read).
+STAGE3_SUB_GROUP = 1_000_000_000
+# peft on transformers >= 5 (peft/utils/transformers_weight_conversion.py; peft 0.21): for these MoE
+# model types the names LoRA targeted on transformers 4's layout, the router `gate` and each
+# expert's projections, are mapped onto the stacked parameters of transformers 5, and 'all-linear'
+# includes them. A mapped name then targets no nn.Linear (a dense MLP's or shared expert's
+# gate_proj is left alone); gate and up share gate_up_proj, at twice the rank. Qwen2-MoE itself is
+# not mapped: its experts and router stay without adapters.
+PEFT_EXPERT_NAMES = {
+    "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+}
+PEFT_EXPERT_TYPES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v2": "qwen2_moe", "deepseek_v3": "qwen2_moe"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    other_gib: float
+    offloaded_gib: float
+    """Host (CPU/NVMe) memory per GPU for offloaded states."""
+    overlap_gib: float
+    """Gradients allocated in backward (ZeRO-3: in step) while activations are freed: counted once in the total."""
+    total_params: int
+    trainable_params: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def model_states_gib(self) -> float:
+        return self.parameters_gib + self.gradients_gib + self.optimizer_gib
+
+    @property
+    def total_gib(self) -> float:
+        """The estimated peak: the parts, less what gradients and activations share in time."""
+        return self.model_states_gib + self.activations_gib + self.other_gib - self.overlap_gib
+
+    def to_dict(self) -> dict:
+        data = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        data["notes"] = list(self.notes)
+        data["model_states_gib"] = round(self.model_states_gib, 3)
+        data["total_gib"] = round(self.total_gib, 3)
+        return data
+
+    def summary(self) -> str:
+        return (f"~{self.total_gib:.1f} GiB per GPU (params {self.parameters_gib:.1f}, grads {self.gradients_gib:.1f}, "
+                f"optimizer {self.optimizer_gib:.1f}, activations {self.activations_gib:.1f}, other {self.other_gib:.1f})")
+
+
+class _Site(NamedTuple):
+    """`count` matrices of (fan_in, fan_out) that peft gives a LoRA of `ranks` x lora_rank."""
+
+    fan_in: int
+    fan_out: int
+    count: int
+    ranks: int = 1
+    linear: bool = True
+    """An nn.Linear (peft's lora.Linear keeps a dropout copy of its input); False for a parameter
+    peft wraps (lora.ParamWrapper, which takes no dropout): the router and the stacked experts."""
+
+
+def _lora_sites(spec: JobSpec, model: ModelConfig) -> list[_Site]:
+    """Where peft puts adapters for `spec.target_modules` (leaf names, or 'all-linear': every
+    nn.Linear but lm_head, and on the types of PEFT_EXPERT_TYPES the router and experts)."""
+    linears = model.linear_modules()
+    renamed = PEFT_EXPERT_NAMES.get(PEFT_EXPERT_TYPES.get(model.model_type, ""), {}) if model.is_moe else {}
+    if "all-linear" in spec.target_modules:
+        wanted = {name for name, _, _ in linears} | renamed.keys()
+    else:
+        wanted = set(spec.target_modules)
+    sites = [_Site(lin.fan_in, lin.fan_out, count) for name, lin, count in linears if name in wanted and name not in renamed]
+    mapped = [renamed[name] for name in wanted if name in renamed]
+    if "router" in mapped:
+        sites.append(_Site(model.router().fan_in, model.router().fan_out, model.moe_layers, linear=False))
+    for name, lin in model.expert_linears().items():
+        # A stacked (experts, out, in) parameter gets lora_A (r x experts, in) and lora_B (out, r x experts).
+        if name in mapped:
+            sites.append(_Site(lin.fan_in, lin.fan_out, model.moe_layers, model.num_experts * mapped.count(name), linear=False))
+    return sites
+
+
+def adapts_stacked_params(spec: JobSpec, model: ModelConfig) -> bool:
+    """Whether peft wraps stacked parameters (the router, the experts) for these LoRA targets."""
+    return spec.train_type == "lora" and any(not s.linear for s in _lora_sites(spec, model))
+
+
+def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
+    """Full fine-tuning: every parameter. LoRA: r x (in + out) per adapter, as peft builds them."""
+    if spec.train_type == "full":
+        return model.param_count()
+    return sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
+
+
+# Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
+# gradient. Measured on an H200 with transformers' loss (bench/memory_estimate.py): ~12 bytes.
+LOGIT_BYTES = 12
+
+
+def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> float:
+    """Activations kept for backward on one GPU for one micro-batch."""
+    tokens = spec.per_device_train_batch_size * spec.max_length / (layout.cp * layout.sp)
+    h = model.hidden_size
+    kv = model.num_kv_heads * model.head_dim
+    mlp_width = model.intermediate_size
+    if model.is_moe:
+        mlp_width = model.experts_per_token * model.moe_intermediate_size + model.shared_expert_intermediate_size
+    width = 2 if spec.torch_dtype != "float32" else 4
+    # Per token and layer: norms, residual, q/attn-out/o inputs (~6h), k and v, and the SwiGLU
+    # gate/up/activation/product (4 x intermediate). SDPA/flash attention keep no s x s matrix.
+    per_layer = width * (6 * h + 2 * kv + 4 * mlp_width)
+    if spec.train_type == "lora" and spec.lora_dropout > 0:
+        # peft applies dropout to each adapted layer's input separately and keeps the copy.
+        per_layer += width * sum(s.fan_in * s.count for s in _lora_sites(spec, model) if s.linear) / model.num_layers
+    per_layer /= layout.tp
+    layers_here = model.num_layers / layout.pp
+    if spec.gradient_checkpointing:
+        kept = tokens * (layers_here * width * h + per_layer)  # layer inputs + one layer recomputed
+    else:
+        kept = tokens * layers_here * per_layer
+    # Liger's fused linear-cross-entropy never materialises the logits.
+    logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES / layout.tp
+    return kept + logits
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Parameter counts on one GPU (after TP/PP/EP) and the sharding degree."""
+
+    local: float
+    trainable: float
+    shard: int
+    width: int
+    """Bytes of one value in the compute dtype."""
+    tp: int
+
+
+States = tuple[float, float, float, float, float, float, str]
+"""Bytes on one GPU: parameters, gradients, optimizer, offloaded to host, buffers, the part of the
+gradients first allocated while activations are being freed (in backward, or ZeRO-3's step); and a note."""
+
+
+def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSettings) -> States:
+    """DeepSpeed casts the module to the compute dtype and keeps fp32 master weights (of the
+    trainable parameters) in its optimizer: DeepSpeed's estimator multipliers, and ZeRO-3 as measured."""
+    stage, n = zero.stage, s.shard
+    n1, n2, n3 = (n if stage >= 1 else 1), (n if stage >= 2 else 1), (n if stage >= 3 else 1)
+    mixed = s.width == 2
+    gathered = 4 * model.largest_layer_params() / s.tp if stage == 3 else 0.0  # DeepSpeed: 4 bytes x largest layer
+    params = s.width * s.local / n3 + gathered
+    optim = (4 * mixed + 8) * s.trainable / n1
+    if stage == 3:
+        # The gradient partition in the compute dtype; step() flattens one sub-group of it and
+        # converts that to fp32 (a no-op in fp32), after the activations are gone.
+        transient = (s.width + 4 * mixed) * min(STAGE3_SUB_GROUP, s.trainable / n)
+        grads = s.width * s.trainable / n + transient
+    else:
+        # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
+        # DeepSpeed allocates them and its buckets up front: no overlap with activations.
+        transient = 0.0
+        grads = 2 * s.trainable / n2 + 4 * s.trainable / n1 if mixed else 4 * s.trainable / n2
+    offloaded = 0.0
+    if zero.offload_optimizer:
+        offloaded, grads, optim, transient = grads + optim, 0.0, 0.0, 0.0
+    if zero.offload_param and stage == 3:
+        offloaded += params - gathered
+        params = gathered
+    if stage in (1, 2):
+        buffers = OVERLAP_COMM_FACTOR * 2 * 2 * min(STAGE12_BUCKET, s.trainable)
+    elif stage == 3:
+        # The reduce bucket is allocated at start in the gradients' dtype (measured: 2 bytes per
+        # element with bf16); prefetched parameters are gathered in the compute dtype.
+        sizes = stage3_sizes(model.hidden_size)
+        buffers = s.width * (sizes["stage3_prefetch_bucket_size"] + sizes["reduce_bucket_size"])
+    else:
+        buffers = 0.0
+    where = "".join(f", {what} on {dev}" for what, dev in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param)) if dev)
+    return params, grads, optim, offloaded, buffers, transient, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
+
+
+def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes, plan: FsdpPlan) -> States:
+    """The worker's FSDP2: fp32 storage sharded, compute-dtype copies of one block (plus the
+    prefetched one) gathered at a time; fp32 gradients reduce-scattered. DDP's layout on FSDP2
+    (`plan.replicate`): shards of one rank, the compute-dtype copies kept from forward to backward."""
+    if plan.replicate:
+        s = replace(s, shard=1)
+    gathered = 2 * s.width * model.layer_params(model.is_moe) / s.tp
+    params, grads, optim = 4 * s.local / s.shard, 4 * s.trainable / s.shard, 8 * s.trainable / s.shard
+    offloaded = 0.0
+    if plan.offload:
+        offloaded, params, grads, optim = params + grads + optim, 0.0, 0.0, 0.0
+    params += gathered + (0 if plan.reshard_after_forward else s.width * s.local)
+    transient = grads
+    if spec.gradient_accumulation_steps > 1:
+        grads += 4 * s.trainable  # micro-batches before the last accumulate unsharded gradients
+    note = "DDP (on FSDP2): every rank holds the full model states" if plan.replicate else \
+        f"FSDP2, sharded over {s.shard} ranks" + (", offloaded to CPU" if plan.offload else "")
+    return params, grads, optim, offloaded, 0.0, transient, note
+
+
+def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
+    """torch's DDP (LoRA, and full fine-tuning in float16; other full fine-tuning runs on FSDP2):
+    fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
+    is frozen and kept in the compute dtype (`launcher.model.master_dtype`). Autocast caches
+    16-bit copies of trainable weights; without checkpointing backward keeps them."""
+    weights = 4 * s.trainable + s.width * (s.local - s.trainable)  # frozen only with LoRA
+    cached = s.width * s.trainable if s.width == 2 and not spec.gradient_checkpointing else 0.0
+    grads = 4 * s.trainable * (2 if world > 1 else 1)
+    # param.grad is allocated in backward; DDP's buckets (world > 1) exist from the start.
+    return weights + cached, grads, 8 * s.trainable, 0.0, 0.0, 4 * s.trainable, "DDP: every rank holds the full model states"
+
+
+def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = None,
+                    device: str = "cuda", zero: ZeroSettings | None = None) -> MemoryEstimate:
+    """Estimated peak memory per GPU (GiB) with its parts; `layout` defaults to the spec alone.
+    `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces. `zero`: the job's
+    DeepSpeed settings where the caller has them, so a user JSON is not read again."""
+    layout = layout or compute_layout(spec)
+    total = model.param_count()
+    trainable = trainable_params(spec, model)
+    expert_params = model.moe_layers * model.routed_expert_params() if model.is_moe else 0
+    model_parallel = layout.tp * layout.pp
+    local = (total - expert_params) / model_parallel + expert_params / (model_parallel * layout.ep)
+    shard = max(1, layout.world // model_parallel)
+    sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
+                   width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
+    if spec.deepspeed:
+        states = _deepspeed_states(spec, model, sizes, zero or zero_settings(spec))
+    elif plan := fsdp_plan(spec):
+        states = _fsdp_states(spec, model, sizes, plan)
+    else:
+        states = _ddp_states(spec, sizes, layout.world)
+    params, grads, optim, offloaded, buckets, transient, note = states
+    notes = [note]
+    if layout.tp > 1:
+        notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
+                     f"divided by {layout.tp}")
+    if layout.sp > 1:
+        notes.append(f"Ulysses SP={layout.sp}: each rank keeps the activations of 1/{layout.sp} of every sequence; "
+                     "ZeRO shards over all ranks")
+    if spec.train_type == "lora":
+        notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
+    if model.vision_tower:
+        notes.append("the language model only: its vision tower is not counted")
+    activations = _activation_bytes(spec, model, layout)
+    return MemoryEstimate(
+        overlap_gib=min(activations, transient) / GIB,
+        parameters_gib=params / GIB,
+        gradients_gib=grads / GIB,
+        optimizer_gib=optim / GIB,
+        activations_gib=activations / GIB,
+        other_gib=((CUDA_CONTEXT_BYTES if device == "cuda" else 0.0) + buckets) / GIB,
+        offloaded_gib=offloaded / GIB,
+        total_params=total,
+        trainable_params=trainable,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,392 @@
+"""Dataset records: where they come from, how they are read, which formats they may have.
+
+Shared by the worker (which tokenizes them) and the validator (which checks a sample of each local
+file before launch), so both read a file the same way. Stdlib only at module level: the studio
+imports it on every form change.
+
+Public API:
+    parse_source(entry) -> Source         'data.jsonl', 'org/name', 'org/name#500'
+    read_records(source, rank, world, seed) -> Iterator[Record]
+    to_messages(record) / pretokenized(record)   the record's content, or DataError naming it
+    check_record(record)                   raises DataError where the worker would
+"""
+from __future__ import annotations
+
+import codecs
+import csv
+import functools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from backend.job.errors import UserError
+from backend.job.jsonfile import read_json
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataError(UserError):
+    """A user-fixable problem with the data; the message names the file and line (or record)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One `dataset` entry: a local file or a hub id, optionally limited to `limit` samples."""
+
+    name: str
+    limit: int | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.name).suffix.lower() in LOCAL_SUFFIXES or Path(self.name).exists()
+
+
+def parse_source(entry: str) -> Source:
+    """'data.jsonl', 'org/name', 'org/name#500' (first 500 after a seeded shuffle, as ms-swift)."""
+    name, sep, count = entry.rpartition("#")
+    if not sep:
+        return Source(entry)
+    if not count.isdigit() or int(count) < 1:
+        raise DataError(f"dataset '{entry}': the part after '#' must be a positive sample count")
+    return Source(name, int(count))
+
+
+@dataclass(frozen=True)
+class Record:
+    where: str  # "file:line" or "hub-id[index]", for messages
+    data: Any
+
+
+def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
+    """This rank's records of one source. JSON-lines and CSV files are streamed (twice: once to
+    count) and only this rank's JSON lines are parsed; JSON and parquet files are read whole."""
+    if not source.is_local:
+        yield from _hub_records(source, rank, world, seed)
+        return
+    path = Path(source.name)
+    if not path.is_file():
+        raise DataError(f"dataset file {path} not found")
+    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower(), _jsonl)
+    entries, decode = reader(path)
+    indices = _selected(len(entries), source.limit, seed)
+    for index, (where, raw) in enumerate(entries):
+        if index in indices and indices[index] % world == rank:
+            yield Record(where, decode(where, raw))
+
+
+def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
+    """Record index → position in the selection (positions decide the rank)."""
+    order = list(range(total))
+    if limit is not None and limit < total:
+        random.Random(seed).shuffle(order)
+        order = sorted(order[:limit])
+    return {index: pos for pos, index in enumerate(order)}
+
+
+class Entries(Protocol):
+    """(where, raw record) pairs that can be counted, then read."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]: ...
+
+
+Decode = Callable[[str, Any], Any]
+
+
+class _FileRows:
+    """A file's records as (where, raw), read from disk on each pass (the file may not fit in
+    memory); `rows` splits the open file into them."""
+
+    def __init__(self, path: Path, rows: Callable[[Path, Any], Iterator[tuple[str, Any]]]):
+        self.path, self.rows = path, rows
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        with open(self.path, encoding="utf-8", newline="") as f:
+            yield from self.rows(self.path, f)
+
+
+def _jsonl_rows(path: Path, f) -> Iterator[tuple[str, str]]:
+    for lineno, line in enumerate(f, 1):
+        if line.strip():
+            yield f"{path}:{lineno}", line
+
+
+def _csv_rows(path: Path, f) -> Iterator[tuple[str, dict]]:
+    reader = csv.DictReader(f)
+    for row in reader:
+        yield f"{path}:{reader.line_num}", row
+
+
+def _json_line(where: str, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _as_read(where: str, record: Any) -> Any:
+    return record
+
+
+def _jsonl(path: Path) -> tuple[Entries, Decode]:
+    return _FileRows(path, _jsonl_rows), _json_line
+
+
+def _json(path: Path) -> tuple[Entries, Decode]:
+    data = read_json(path, "dataset", DataError)
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    return [(f"{path}: record {index + 1}", item) for index, item in enumerate(data)], _as_read
+
+
+def _csv(path: Path) -> tuple[Entries, Decode]:
+    return _FileRows(path, _csv_rows), _as_read
+
+
+def _parquet(path: Path) -> tuple[Entries, Decode]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise DataError(f"{path}: cannot read parquet ({exc})") from None
+    return [(f"{path}: row {index + 1}", row) for index, row in enumerate(table.to_pylist())], _as_read
+
+
+def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.name, split="train")
+    except Exception as exc:  # network, missing dataset, auth: all user-facing
+        raise DataError(f"dataset '{source.name}': cannot load from the hub ({exc})") from None
+    if source.limit is not None and source.limit < len(ds):
+        ds = ds.shuffle(seed=seed).select(range(source.limit))
+    for index in range(rank, len(ds), world):
+        yield Record(f"{source.name}[{index}]", ds[index])
+
+
+# ---- formats -------------------------------------------------------------------------------
+
+
+def to_messages(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
+    """(chat messages, None) for chat-like records or (None, text) for plain text records."""
+    data = record.data
+    if not isinstance(data, dict):
+        raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
+    if "messages" in data or "conversations" in data:
+        return _chat(record, data.get("messages", data.get("conversations"))), None
+    system = data.get("system")
+    prefix = [{"role": "system", "content": str(system)}] if system else []
+    if "instruction" in data and "output" in data:
+        prompt = str(data["instruction"])
+        if data.get("input"):
+            prompt += "\n" + str(data["input"])
+        return prefix + [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(data["output"])}], None
+    if "query" in data and "response" in data:
+        return prefix + [{"role": "user", "content": str(data["query"])},
+                         {"role": "assistant", "content": str(data["response"])}], None
+    if "text" in data:
+        if not isinstance(data["text"], str) or not data["text"]:
+            raise DataError(f"{record.where}: 'text' must be a non-empty string")
+        return None, data["text"]
+    raise DataError(f"{record.where}: unknown record format with fields {sorted(data)}; expected 'messages', "
+                    "'instruction'+'output', 'query'+'response', 'text' or 'input_ids'")
+
+
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def _chat(record: Record, messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{record.where}: 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{record.where}: message {i + 1} must be an object with 'role' and 'content'")
+        role = m.get("role", _SHAREGPT_ROLES.get(m.get("from", ""), None))
+        content = m.get("content", m.get("value"))
+        if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+            raise DataError(f"{record.where}: message {i + 1} needs a 'role' (system/user/assistant/tool) "
+                            f"and a string 'content'")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(f"{record.where}: no assistant message, nothing to learn from")
+    return out
+
+
+def is_pretokenized(record: Record) -> bool:
+    return isinstance(record.data, dict) and "input_ids" in record.data
+
+
+def pretokenized(record: Record) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a record that already holds token ids (`labels` optional, -100 = no loss)."""
+    ids, labels = record.data["input_ids"], record.data.get("labels", record.data["input_ids"])
+    if not (isinstance(ids, list) and isinstance(labels, list) and len(ids) == len(labels) and ids
+            and all(isinstance(t, int) for t in ids + labels)):
+        raise DataError(f"{record.where}: 'input_ids' (and 'labels') must be equally long, non-empty lists of integers")
+    return ids, labels
+
+
+def check_record(record: Record) -> None:
+    """Raise the DataError the worker would raise for this record (before tokenizing it)."""
+    if is_pretokenized(record):
+        pretokenized(record)
+    else:
+        to_messages(record)
+
+
+# ---- a bounded check of a local file before launch -------------------------------------------
+
+SAMPLE_HEAD = 200                 # records read from the start of a file
+SAMPLE_RANDOM = 16                # JSON-lines records read at seeded random offsets after those
+WHOLE_FILE_LIMIT = 64 * 2**20     # JSON files are parsed whole (as the worker does) up to this size;
+                                  # JSON-lines files get exact line numbers for random samples up to it
+MAX_REPORTED = 3
+_SNIFF = 8192
+
+
+def sample_problems(entry: str) -> list[str]:
+    """Problems in a bounded sample of a local dataset file (its first records and a few at random
+    offsets), each naming `file:line` (or the byte offset in a large file); [] for hub ids and
+    files that do not exist here. Cached per file version: the studio calls it on every edit."""
+    try:
+        source = parse_source(entry)
+    except DataError as exc:
+        return [str(exc)]
+    path = Path(source.name).expanduser()
+    if not source.is_local or not path.is_file():
+        return []
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        return [f"{path}: cannot read ({exc.strerror})"]
+    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_problems(path_text: str, size: int, mtime_ns: int) -> tuple[str, ...]:
+    path = Path(path_text)
+    if size == 0:
+        return (f"{path}: the file is empty (no records)",)
+    suffix = path.suffix.lower()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF)
+    except OSError as exc:
+        return (f"{path}: cannot read ({exc.strerror})",)
+    if suffix == ".parquet":
+        return tuple(_parquet_sample(path, head))
+    binary = _binary_at(head, complete=size <= _SNIFF)
+    if binary is not None:
+        return (f"{path}: not a text file (binary data at byte {binary}); expected JSON lines, JSON, CSV or parquet",)
+    try:
+        records = {".json": _json_sample, ".csv": _csv_sample}.get(suffix, _jsonl_sample)(path, size)
+        return tuple(_first_problems(path, records))
+    except DataError as exc:
+        return (str(exc),)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        return (f"{path}: cannot read: {exc}",)
+
+
+def _binary_at(head: bytes, complete: bool) -> int | None:
+    """Byte offset of the first NUL or invalid UTF-8 in the file's first bytes, else None."""
+    if b"\0" in head:
+        return head.index(b"\0")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=complete)
+    except UnicodeDecodeError as exc:
+        return exc.start
+    return None
+
+
+def _first_problems(path: Path, records: Iterator[Record]) -> list[str]:
+    problems, checked = [], 0
+    for record in records:
+        checked += 1
+        try:
+            check_record(record)
+        except DataError as exc:
+            problems.append(str(exc))
+    if checked == 0:
+        return [f"{path}: no records (only blank lines)"]
+    if len(problems) > MAX_REPORTED:
+        more = len(problems) - MAX_REPORTED
+        problems = problems[:MAX_REPORTED] + [f"{path}: {more} more bad records among the {checked} checked"]
+    return problems
+
+
+def _jsonl_sample(path: Path, size: int) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        read = 0
+        for lineno, raw in enumerate(f, 1):
+            if lineno > SAMPLE_HEAD:
+                break
+            read += len(raw)
+            if raw.strip():
+                where = f"{path}:{lineno}"
+                yield Record(where, _decoded_line(where, raw))
+        if read >= size:
+            return
+        rng = random.Random(size)  # the same offsets for the same file on every check
+        for offset in sorted({rng.randrange(read, size) for _ in range(SAMPLE_RANDOM)}):
+            f.seek(offset)
+            f.readline()  # the rest of the line the offset fell into
+            start = f.tell()
+            raw = f.readline()
+            if not raw.strip():
+                continue
+            where = (f"{path}:{_line_at(path, start)}" if size <= WHOLE_FILE_LIMIT
+                     else f"{path}: the line at byte {start}")
+            yield Record(where, _decoded_line(where, raw))
+
+
+def _line_at(path: Path, offset: int) -> int:
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def _decoded_line(where: str, raw: bytes) -> Any:
+    try:
+        return _json_line(where, raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: not UTF-8 text (byte {exc.start} of the line)") from None
+
+
+def _json_sample(path: Path, size: int) -> Iterator[Record]:
+    if size > WHOLE_FILE_LIMIT:
+        return iter(())
+    entries, _ = _json(path)
+    chosen = list(range(min(SAMPLE_HEAD, len(entries))))
+    if len(entries) > SAMPLE_HEAD:
+        chosen += sorted(random.Random(size).sample(range(SAMPLE_HEAD, len(entries)),
+                                                    min(SAMPLE_RANDOM, len(entries) - SAMPLE_HEAD)))
+    return (Record(*entries[i]) for i in chosen)
+
+
+def _csv_sample(path: Path, size: int) -> Iterator[Record]:
+    # CSV fields may span lines, so only the head is read (a random offset can land inside a field).
+    with open(path, encoding="utf-8", newline="") as f:
+        for count, (where, row) in enumerate(_csv_rows(path, f)):
+            if count >= SAMPLE_HEAD:
+                break
+            yield Record(where, row)
+
+
+def _parquet_sample(path: Path, head: bytes) -> list[str]:
+    if not head.startswith(b"PAR1"):
+        return [f"{path}: not a parquet file (it does not start with the PAR1 magic bytes)"]
+    try:
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=SAMPLE_HEAD), None)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        return [f"{path}: cannot read parquet ({exc})"]
+    rows = batch.to_pylist() if batch is not None else []
+    return _first_problems(path, (Record(f"{path}: row {i + 1}", row) for i, row in enumerate(rows)))

@@ -1,0 +1,242 @@
+"""Cross-field and cluster rules for a job: every problem at once, each naming its field.
+
+Public API:
+    validate(spec, cluster=None, model_config=None) -> list[Problem]
+        cluster None = the local machine; model_config None = looked up from spec.model
+        (local directory, bundled config, hub cache); errors have severity "error", risky but
+        legal choices "warning". Includes `backend.job.capabilities.unsupported(spec)` (what the
+        worker refuses).
+    errors(problems) -> list[Problem]
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from backend.job import capabilities
+from backend.job import records
+from backend.job.cluster import Cluster, local_cluster
+from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
+from backend.job.layout import Layout, compute_layout
+from backend.job.memory import adapts_stacked_params, estimate_memory
+from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.spec import JobSpec, Problem
+
+LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
+
+TP, PP, CP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"
+EP, SP = "expert_model_parallel_size", "sequence_parallel_size"
+
+
+def errors(problems: list[Problem]) -> list[Problem]:
+    return [p for p in problems if p.severity == "error"]
+
+
+def _warn(field: str, message: str) -> Problem:
+    return Problem(field, message, "warning")
+
+
+def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Problem]:
+    out: list[Problem] = []
+    nodes = cluster.nodes[: spec.nnodes]
+    if spec.nnodes > 1 and cluster.is_local:
+        out.append(Problem("nnodes", f"{spec.nnodes} nodes asked for, but no cluster was given: use a hostfile (--hostfile) or a node list"))
+    elif spec.nnodes > len(cluster.nodes):
+        out.append(Problem("nnodes", f"{spec.nnodes} nodes asked for, the cluster ({cluster.source}) has {len(cluster.nodes)}"))
+    elif spec.nnodes < len(cluster.nodes):
+        unused = ", ".join(n.host for n in cluster.nodes[spec.nnodes:])
+        out.append(_warn("nnodes", f"uses the first {spec.nnodes} of {len(cluster.nodes)} nodes; not used: {unused}"))
+    for node in nodes:
+        # torchrun starts nproc_per_node ranks on every node: more than its GPUs leaves ranks without
+        # a device, more than a CPU node's cores makes every rank wait on the others.
+        if layout.nproc_per_node > node.slots:
+            unit = "GPUs" if node.device == "cuda" else "CPU cores"
+            out.append(Problem("nproc_per_node", f"{layout.nproc_per_node} processes per node, but {node.host} has "
+                                                 f"{node.slots} slot(s) ({unit})"))
+    if spec.nproc_per_node is None and len({n.slots for n in nodes}) > 1:
+        out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
+    if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
+        out.append(Problem(TP, f"TP={spec.tensor_model_parallel_size} must divide the {layout.nproc_per_node} processes of one node (a TP group must not cross nodes)"))
+    return out
+
+
+def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
+    out: list[Problem] = []
+    tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
+    if layout.world % (tp * pp * cp):
+        out.append(Problem(TP, f"TP x PP x CP = {tp}x{pp}x{cp} = {tp * pp * cp} does not divide the world size {layout.world}"))
+    elif layout.world % (tp * pp * cp * sp):
+        out.append(Problem(SP, f"TP x PP x CP x SP = {tp * pp * cp * sp} does not divide the world size {layout.world}"))
+    etp = layout.etp
+    if layout.world % (etp * ep * pp):
+        # Megatron builds the experts' grid (ETP x EP x PP x expert-DP) apart from the dense one.
+        out.append(Problem(EP, f"ETP x EP x PP = {etp}x{ep}x{pp} = {etp * ep * pp} does not divide the world size "
+                               f"{layout.world} (the experts' grid: Megatron's world % (ETP x EP x PP) == 0)"))
+    if cp > 1:
+        if spec.max_length % cp:
+            out.append(Problem("max_length", f"{spec.max_length} is not divisible by CP={cp}"))
+        elif spec.max_length % (2 * cp):
+            # Causal ring attention balances load by giving each rank a head and a tail chunk.
+            out.append(Problem("max_length", f"{spec.max_length} is not divisible by 2 x CP = {2 * cp} (load-balanced causal ring attention)"))
+    if sp > 1 and spec.max_length % sp:
+        out.append(Problem("max_length", f"{spec.max_length} is not divisible by SP={sp} (Ulysses splits each sequence)"))
+    return out
+
+
+def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
+    out: list[Problem] = []
+    tp, pp, ep, sp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size, spec.sequence_parallel_size
+    if model.num_heads % tp:
+        out.append(Problem(TP, f"the model's {model.num_heads} attention heads are not divisible by TP={tp}"))
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        # Megatron's TransformerConfig: query groups are split over TP, or replicated when TP is a
+        # multiple of them.
+        out.append(Problem(TP, f"the model's {model.num_kv_heads} key/value heads and TP={tp}: one must divide "
+                               f"the other (KV heads are split over TP, or replicated when TP is a multiple)"))
+    if sp > 1 and model.num_heads % (tp * sp):
+        out.append(Problem(SP, f"the model's {model.num_heads} attention heads are not divisible by TP x SP = {tp * sp} (Ulysses splits heads)"))
+    if sp > 1 and model.num_kv_heads % sp and sp % model.num_kv_heads:
+        # DeepSpeed's Ulysses splits the KV heads over the group, or replicates them when SP is a multiple.
+        out.append(Problem(SP, f"the model's {model.num_kv_heads} key/value heads and SP={sp}: one must divide the "
+                               "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
+    if model.num_layers % pp:
+        out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
+    if tp > 1 and spec.fsdp and model.tie_word_embeddings:
+        out.append(Problem("fsdp", capabilities.TIED_UNDER_TP_FSDP))
+    if model.max_position_embeddings and spec.max_length > model.max_position_embeddings:
+        scaled = (f"its config scales rope ({model.rope_scaling}), so this may work, but quality past the trained "
+                  "length is not guaranteed" if model.rope_scaling else
+                  "positions past it were never trained; add rope scaling to the model config or lower max_length")
+        out.append(_warn("max_length", f"{spec.max_length} is above the model's max_position_embeddings "
+                                       f"({model.max_position_embeddings}): {scaled}"))
+    if spec.lora_dropout > 0 and adapts_stacked_params(spec, model):
+        # peft's ParamWrapper (LoRA on a stacked parameter) refuses dropout when the model is built.
+        out.append(Problem("lora_dropout", f"LoRA on {model.model_type}'s router and stacked experts (which "
+                                           f"{', '.join(spec.target_modules)} reaches) takes no dropout in peft: set "
+                                           "lora_dropout to 0, or name attention targets only"))
+    if ep > 1 and not model.is_moe:
+        out.append(Problem(EP, f"EP={ep} needs a mixture-of-experts model; {spec.model} is dense"))
+    elif ep > 1 and model.num_experts % ep:
+        out.append(Problem(EP, f"the model's {model.num_experts} experts are not divisible by EP={ep}"))
+    return out
+
+
+def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list[Problem]:
+    """`ds_config`: the job's DeepSpeed config from `base_config`, None without (usable) DeepSpeed."""
+    out: list[Problem] = []
+    if spec.fsdp and spec.deepspeed:
+        out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
+    if spec.fsdp and layout.pp > 1:
+        out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; use PP with DeepSpeed ZeRO-0/1 or no engine"))
+    if ds_config is None:
+        return out
+    zero = ZeroSettings.of(ds_config)
+    if layout.pp > 1 and zero.stage >= 2:
+        # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; ZeRO-3 partitions the very layers PP places.
+        out.append(Problem("deepspeed", f"ZeRO-{zero.stage} cannot be combined with pipeline parallelism (PP={layout.pp}); use ZeRO-1 or PP=1"))
+    out += capabilities.zero_problems(spec, zero.stage, bool(zero.offload_optimizer or zero.offload_param))
+    if zero.offload_param and zero.stage != 3:
+        out.append(Problem("deepspeed", f"parameter offload needs ZeRO-3 (the config has stage {zero.stage})"))
+    if zero.uses_nvme and zero.stage != 3:
+        out.append(Problem("deepspeed", f"NVMe offload needs ZeRO-3 (the config has stage {zero.stage})"))
+    if zero.uses_nvme and spec.torch_dtype != "bfloat16":
+        out.append(Problem("torch_dtype", f"NVMe offload needs bfloat16, not {spec.torch_dtype}"))
+    if zero.offload_optimizer and zero.offload_param:
+        out.append(_warn("deepspeed", "optimizer and parameter offload together need about 18 bytes per parameter of host RAM on every node"))
+    if zero.stage == 3 and spec.nnodes > 1:
+        out.append(_warn("deepspeed", "ZeRO-3 across nodes gathers every layer over the network each step; on slower than ~100 Gb/s links prefer ZeRO-2"))
+    for conflict in user_batch_conflicts(ds_config, spec, layout.dp):
+        out.append(_warn("deepspeed", f"the DeepSpeed JSON sets {conflict}; the job's value is used"))
+    return out
+
+
+def _spec_rules(spec: JobSpec) -> list[Problem]:
+    out: list[Problem] = []
+    if spec.max_steps == 0 or spec.max_steps < -1:
+        out.append(Problem("max_steps", f"must be -1 (use num_train_epochs) or a positive number, got {spec.max_steps}"))
+    if not spec.dataset:
+        out.append(Problem("dataset", "at least one dataset is required"))
+    if spec.train_type == "lora" and not spec.target_modules:
+        out.append(Problem("target_modules", "LoRA needs at least one target module (e.g. all-linear)"))
+    if not spec.gradient_checkpointing and spec.max_length > LONG_SEQUENCE:
+        out.append(_warn("gradient_checkpointing", f"off with max_length {spec.max_length}: activations grow with every layer; turn it on unless memory is plentiful"))
+    if spec.torch_dtype == "float16":
+        out.append(_warn("torch_dtype", "float16 training needs loss scaling and may overflow; prefer bfloat16 on GPUs that have it"))
+    if spec.save_steps and spec.max_steps > 0 and spec.save_steps > spec.max_steps:
+        out.append(_warn("save_steps", f"{spec.save_steps} > max_steps {spec.max_steps}: only the final checkpoint is saved"))
+    return out
+
+
+def _local_path_rules(spec: JobSpec) -> list[Problem]:
+    """Files the job names on this machine must exist when the job runs here."""
+    out: list[Problem] = []
+    for i, item in enumerate(spec.dataset):
+        try:
+            source = records.parse_source(item)
+        except records.DataError:
+            continue  # reported by _dataset_rules
+        path = Path(source.name).expanduser()
+        looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
+        if looks_local and not path.exists():
+            out.append(Problem(f"dataset[{i}]", f"file not found: {path}"))
+    model = Path(spec.model).expanduser()
+    if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
+        out.append(Problem("model", f"directory not found: {model}"))
+    return out
+
+
+def _dataset_rules(spec: JobSpec) -> list[Problem]:
+    """A bounded sample of every dataset file this machine can read (the cluster's shared storage
+    usually is mounted here too), so a bad record shows before launch instead of after it."""
+    return [Problem(f"dataset[{i}]", message) for i, item in enumerate(spec.dataset)
+            for message in records.sample_problems(item)]
+
+
+def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> list[Problem]:
+    """Every problem of `spec` on `cluster`: errors first-class, warnings for risky but legal choices."""
+    cluster = cluster or local_cluster()
+    layout = compute_layout(spec, cluster)
+    problems = _spec_rules(spec)
+    problems += _cluster_rules(spec, cluster, layout)
+    problems += _layout_rules(spec, layout)
+    # A user JSON is read once here, for the engine rules and the memory estimate alike.
+    try:
+        ds_config = base_config(spec)
+    except DsConfigError as exc:
+        ds_config = None
+        problems.append(Problem("deepspeed", str(exc)))
+    problems += _engine_rules(spec, layout, ds_config)
+    zero = ZeroSettings.of(ds_config) if ds_config else None
+    if cluster.is_local:
+        problems += _local_path_rules(spec)
+    problems += _dataset_rules(spec)
+    model = model_config
+    if model is None:
+        try:
+            model = find_model_config(spec.model)
+        except ModelConfigError as exc:
+            problems.append(Problem("model", str(exc)))
+    if model is not None:
+        problems += _model_rules(spec, model)
+        problems += _memory_rules(spec, cluster, layout, model, zero, problems)
+    # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
+    # error here keeps just that one line, so the user is not told twice about one value.
+    failed = {p.field for p in errors(problems)}
+    problems += [p for p in capabilities.unsupported(spec) if p.field not in failed]
+    return problems
+
+
+def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, zero: ZeroSettings | None,
+                  found: list[Problem]) -> list[Problem]:
+    """Warn when the estimate exceeds the smallest known GPU: NVML's on the local machine, a
+    hostfile's `gpu_mem_gib=` on other nodes (no warning where no node's GPU memory is known)."""
+    known = [n for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
+    if not known or errors(found):
+        return []
+    smallest = min(known, key=lambda n: n.gpu_mem_gib)
+    estimate = estimate_memory(spec, model, layout, zero=zero)
+    if estimate.total_gib <= smallest.gpu_mem_gib:
+        return []
+    return [_warn("per_device_train_batch_size",
+                  f"estimated {estimate.total_gib:.1f} GiB per GPU exceeds the {smallest.gpu_mem_gib:.1f} GiB of "
+                  f"{smallest.host}'s GPUs; lower the micro-batch or max_length, turn on gradient_checkpointing, "
+                  "shard more (ZeRO-2/3, FSDP) or offload")]

@@ -1,0 +1,669 @@
+"""`RunManager`: the one object the UI and the CLI call.
+
+It owns an asyncio loop on a background thread (all SSH work happens there) and offers plain,
+blocking methods. Several managers (the studio, CLI commands, in other processes) share one
+database; each active run is driven by one of them, its owner, which refreshes the run's heartbeat
+every `lifecycle.HEARTBEAT_S`. On construction, and then with every heartbeat, a manager adopts
+the active runs whose owner is gone (`lifecycle.owner_gone`): it asks their nodes whether the
+workers still live and resumes watching them (or records how they ended while nobody was
+watching). A run another live process drives is left to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from sqlalchemy import select
+
+from backend.cluster import admission
+from backend.cluster import launch as launch_ops
+from backend.runs import lifecycle
+from backend.telemetry import logclass
+from backend.telemetry import export as metrics_export
+from backend.cluster import nodes
+from backend.cluster import remote
+from backend.cluster import ssh
+from backend.job.cluster import Cluster, Node
+from backend.store.db import create_db_and_tables, make_engine
+from backend.cluster.launch import NodeCommand, Started
+from backend.job.layout import Layout
+from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
+from backend.store.models import Attempt, NodeProcess, Run
+from backend.job.spec import JobSpec, absolute_dir
+from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
+
+log = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 1800.0
+CLOSE_TIMEOUT_S = 30.0
+
+
+class RunError(Exception):
+    """A request the manager cannot carry out (unknown run, wrong state); the message says why."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    run_id: str
+    run_dir: str
+    master_port: int
+    resume: str | None          # None, "latest" or a checkpoint directory
+
+
+@dataclass
+class LaunchPlan:
+    """What the planner decided: files for the run directory and one command per node (in order)."""
+
+    files: dict[str, str]
+    commands: list[tuple[list[str], dict[str, str]]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+Planner = Callable[[JobSpec, Cluster, PlanRequest], LaunchPlan]
+
+
+def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> LaunchPlan:
+    """`backend.job.planner.plan` in the shape the manager executes."""
+    from backend.job.modelcfg import ModelConfigError, find_model_config
+    from backend.job.planner import plan
+
+    try:
+        model_config = find_model_config(spec.model)
+    except ModelConfigError:
+        model_config = None
+    result = plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
+                  model_config=model_config)
+    return LaunchPlan(dict(result.files), [(list(n.argv), dict(n.env)) for n in result.nodes], result.to_dict())
+
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def make_run_id(name: str | None, taken: Callable[[str], bool]) -> str:
+    """`YYYYmmdd-HHMMSS-<6 hex>`, or the user's name made safe (a suffix when taken)."""
+    if name and name.strip():
+        base = _SAFE_NAME.sub("-", name.strip()).strip(".-")[:64] or "run"
+        candidate = base
+        while taken(candidate):
+            candidate = f"{base}-{secrets.token_hex(3)}"
+        return candidate
+    return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+
+
+class RunManager:
+    def __init__(self, db_url: str | None = None, known_hosts: str | Path | None = None,
+                 planner: Planner | None = None, sink: TelemetrySink | None = None,
+                 reattach: bool = True):
+        self.engine = make_engine(db_url)
+        create_db_and_tables(self.engine)
+        self.store = RunStore(self.engine)
+        self.owner = Owner.this_process()
+        self.known_hosts = Path(known_hosts) if known_hosts else ssh.default_known_hosts()
+        self.planner = planner or default_planner
+        self.sink = sink if sink is not None else _default_sink(self.engine)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="swift-studio-control", daemon=True)
+        self._thread.start()
+        self.pool = nodes.Pool(self.known_hosts)
+        self._tasks: dict[str, Future] = {}
+        self._watchers: dict[str, AttemptWatcher] = {}
+        self._notices: dict[str, list[str]] = {}
+        self._closed = False
+        asyncio.run_coroutine_threadsafe(self._heartbeat(adopt=reattach), self._loop)
+        if reattach:
+            self._call(self._reattach_all())
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _spawn(self, run_id: str, coro) -> Future:
+        fut = asyncio.run_coroutine_threadsafe(self._guarded(run_id, coro), self._loop)
+        self._tasks[run_id] = fut
+        return fut
+
+    async def _guarded(self, run_id: str, coro) -> None:
+        """A bug in the control code must not leave a run looking alive forever."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except TransitionError as exc:
+            # Another process moved the run first (a stop, a manager that took it over): its
+            # record stands, and this task has nothing left to drive.
+            log.info("run %s: %s", run_id, exc)
+        except Exception as exc:
+            log.exception("run %s: control task failed", run_id)
+            run = self.store.get(run_id)
+            if run is not None and run.state not in lifecycle.FINAL:
+                failure = Failure(None, None, "internal_error", f"swift-studio error: {type(exc).__name__}: {exc}")
+                try:
+                    self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
+                except TransitionError as lost:
+                    log.info("run %s: %s", run_id, lost)
+
+    async def _heartbeat(self, adopt: bool) -> None:
+        """Keep this manager's runs marked as driven; with `adopt`, take over orphaned runs."""
+        while True:
+            await asyncio.sleep(lifecycle.HEARTBEAT_S)
+            try:
+                self.store.heartbeat(self.owner, time.time())
+                if adopt:
+                    for run in self._adopt_orphans():
+                        self._spawn(run.id, self._reattach(run))
+            except Exception:  # a busy or unreachable database: beat again next time
+                log.exception("heartbeat failed")
+
+    def close(self) -> None:
+        """Stop watching (runs keep running on their nodes; another manager re-attaches them)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> int:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + CLOSE_TIMEOUT_S
+            while loop.time() < end:
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+                if not tasks:
+                    break
+                for t in tasks:
+                    t.cancel()
+                # Cancel again whatever is still going: asyncio.wait_for swallows a cancellation
+                # that arrives as its inner call completes (Python < 3.12), and the task goes on.
+                await asyncio.wait(tasks, timeout=1.0)
+            await self.pool.close()
+            return len([t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()])
+
+        try:
+            left = self._call(shutdown(), timeout=CLOSE_TIMEOUT_S + 30)
+        except FutureTimeoutError:
+            left = -1
+        if left:
+            log.warning("control tasks did not end within %.0f s; they end with the process", CLOSE_TIMEOUT_S)
+        try:
+            # After the tasks: nothing of this manager drives the runs any more, and no agent
+            # line arrives after the sink's last flush.
+            self.store.release(self.owner)
+            if hasattr(self.sink, "close"):
+                self.sink.close()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self.engine.dispose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- queries -------------------------------------------------------------------------------
+    def runs(self) -> list[Run]:
+        return self.store.runs()
+
+    def run(self, run_id: str) -> Run:
+        run = self.store.get(run_id)
+        if run is None:
+            raise RunError(f"no run {run_id!r}")
+        return run
+
+    def attempts(self, run_id: str):
+        return self.store.attempts(run_id)
+
+    def processes(self, run_id: str) -> list[NodeProcess]:
+        attempt = self.store.current_attempt(run_id)
+        return self.store.processes(attempt.id) if attempt else []
+
+    def layout(self, run_id: str) -> Layout | None:
+        """The parallel layout the current attempt was planned with; None before its plan."""
+        attempt = self.store.current_attempt(run_id)
+        found = json.loads(attempt.plan_json).get("layout") if attempt else None
+        try:
+            return Layout(**found) if found else None
+        except TypeError:  # a plan stored by a version whose Layout had other fields
+            return None
+
+    def notices(self, run_id: str) -> list[str]:
+        """Connection notices of the watch (a node not answering, answering again)."""
+        return list(self._notices.get(run_id, []))
+
+    def wait(self, run_id: str, timeout: float | None = None, states: tuple[str, ...] = lifecycle.FINAL) -> Run:
+        """Block until the run reaches one of `states` (default: finished); returns it."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.run(run_id)
+            if run.state in states:
+                return run
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"run {run_id} still {run.state} after {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def settle(self, run_id: str, timeout: float = 15.0) -> Run:
+        """After a re-attach: wait until the run's nodes have been asked once (or it ended). A run
+        another process drives is as that process records it."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            run = self.run(run_id)
+            watcher = self._watchers.get(run_id)
+            if (run.state not in lifecycle.ACTIVE or run.owner != self.owner.id
+                    or (watcher is not None and watcher.first_pass.is_set())):
+                return run
+            time.sleep(0.1)
+        return self.run(run_id)
+
+    def nodes_of(self, run_id: str) -> list[str]:
+        return [n.host for n, _ in _members(self.store.current_attempt(run_id))]
+
+    def _log_node(self, run_id: str, node: str | None):
+        members = _members(self.store.current_attempt(run_id))
+        if not members:
+            return None
+        chosen = next((n for n, _ in members if n.host == node), None) if node else members[0][0]
+        if chosen is None:
+            raise RunError(f"run {run_id} has no node {node!r}; nodes: {', '.join(n.host for n, _ in members)}")
+        return chosen
+
+    def log_tail(self, run_id: str, node: str | None = None, lines: int = 100) -> list[str]:
+        """The last lines of a node's torchrun log (the first node when none is named)."""
+        run = self.run(run_id)
+        chosen = self._log_node(run_id, node)
+        if chosen is None:
+            return []
+        return self._call(launch_ops.log_tail(self.pool, chosen, run.run_dir, lines), timeout=60)
+
+    def log_since(self, run_id: str, node: str | None = None, offset: int = 0) -> tuple[str, int]:
+        """(text, next offset): what a node's log gained after byte `offset` (for following it)."""
+        run = self.run(run_id)
+        chosen = self._log_node(run_id, node)
+        if chosen is None:
+            return "", offset
+        raw = self._call(launch_ops.log_since(self.pool, chosen, run.run_dir, offset), timeout=60)
+        return raw.decode(errors="replace"), offset + len(raw)
+
+    def series(self, run_id: str, names, since: int | None = None, max_points: int = 1000):
+        """Metric series of a run (the ingestor's live tail over the stored history)."""
+        return self.sink.series(run_id, names, since=since, max_points=max_points)
+
+    def alerts(self, run_id: str):
+        return self.sink.alerts(run_id)
+
+    def progress(self, run_id: str) -> dict | None:
+        """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
+        resumed_from of the latest `start` event (all attempts; a resumed attempt's start sets
+        the step back to its checkpoint); None before the first event."""
+        self.sink.flush()
+        latest = self._events(run_id, ("train", "start"), limit=1)
+        train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
+        if train is None and start is None:
+            return None
+        out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps")}
+        if train:
+            out.update({k: train.get(k) for k in ("step", "eta_s", "loss", "tokens_per_s", "epoch")})
+            out["t"] = train.get("time")
+        return out
+
+    def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
+        """(step, path) of every checkpoint the workers reported, newest first (all attempts;
+        not one past the checkpoint a later attempt resumed from: that attempt could not use it)."""
+        self.sink.flush()
+        seen: dict[int, str] = {}
+        for event in self._events(run_id, ("checkpoint",))["checkpoint"]:
+            if isinstance(event.get("step"), int):
+                seen.setdefault(event["step"], str(event.get("path")))
+        return sorted(seen.items(), reverse=True)
+
+    def _events(self, run_id: str, etypes: tuple[str, ...], limit: int | None = None) -> dict[str, list[dict]]:
+        """The run's recorded events of each type, newest first, without those of steps that a
+        later attempt did again."""
+        from backend.store.telemetry_models import RunEvent
+        from backend.telemetry.query import current
+        E = RunEvent.__table__
+        with self.engine.connect() as conn:
+            cond = current(conn, E, run_id)
+            return {etype: [json.loads(data) for data in conn.execute(
+                select(E.c.data).where(E.c.run_id == run_id, E.c.type == etype, cond)
+                .order_by(E.c.t.desc(), E.c.id.desc()).limit(limit)).scalars()] for etype in etypes}
+
+    # -- node inventory ------------------------------------------------------------------------
+    def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
+        nodes.save_nodes(self.engine, cluster, setups)
+
+    def inventory(self):
+        return nodes.inventory(self.engine)
+
+    def remove_node(self, host: str) -> bool:
+        return nodes.remove_node(self.engine, host)
+
+    def host_key_fingerprint(self, cluster: Cluster, host: str) -> str:
+        node = _find_node(cluster, host)
+        return self._call(ssh.host_key_fingerprint(nodes.address_of(node)), timeout=30)
+
+    def trust_host(self, cluster: Cluster, host: str, expected_fingerprint: str | None = None) -> str:
+        """Trust the node's current host key (an explicit choice, recorded in the database)."""
+        node = _find_node(cluster, host)
+        address = nodes.address_of(node)
+        fingerprint = self._call(ssh.trust_host_key(address, self.known_hosts, expected_fingerprint), timeout=30)
+        nodes.record_trust(self.engine, address, fingerprint, self.known_hosts)
+        return fingerprint
+
+    # -- pre-flight ----------------------------------------------------------------------------
+    def preflight(self, cluster: Cluster, spec: JobSpec | None = None, setups: Mapping[str, str] | None = None,
+                  bandwidth: bool = True):
+        from backend.cluster import preflight
+        setups = nodes.setups_for(self.engine, cluster, setups)
+        return self._call(preflight.run_preflight(self.pool, cluster, spec, setups, bandwidth=bandwidth))
+
+    # -- launch / stop / resume / export -------------------------------------------------------
+    def launch(self, spec: JobSpec, cluster: Cluster, name: str | None = None,
+               setups: Mapping[str, str] | None = None) -> str:
+        """Create the run and start it in the background; returns the run id at once."""
+        run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
+        output_dir = absolute_dir(spec.output_dir)
+        spec = spec.model_copy(update={"output_dir": output_dir})
+        run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
+                  run_dir=f"{output_dir.rstrip('/')}/{run_id}")
+        self.store.create(run)
+        setups = nodes.setups_for(self.engine, cluster, setups)
+        self._start_attempt(run_id, spec, cluster, setups, resume=None)
+        return run_id
+
+    def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
+        """A new attempt of a stopped or failed run from its latest complete checkpoint."""
+        run = self.run(run_id)
+        if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
+            raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
+        spec = _spec_of(run)
+        if cluster is None:
+            members = _members(self.store.current_attempt(run_id))
+            cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
+            setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
+        else:
+            setups = nodes.setups_for(self.engine, cluster, setups)
+        try:
+            self._start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
+        except TransitionError as exc:  # another process resumed it first
+            raise RunError(str(exc)) from None
+        return run_id
+
+    def stop(self, run_id: str, wait: bool = True, grace_s: float = launch_ops.STOP_GRACE_S) -> Run:
+        run = self.run(run_id)
+        if run.state in lifecycle.FINAL:
+            return run
+        self.store.request_stop(run_id)
+        fut = asyncio.run_coroutine_threadsafe(self._stop(run_id, grace_s), self._loop)
+        if wait:
+            fut.result()
+            return self.run(run_id)
+        return run
+
+    def export(self, run_id: str, checkpoint: str | None = None, out: str | None = None) -> dict:
+        """Run the worker's export on the run's first node; returns its JSON result."""
+        run = self.run(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None:
+            raise RunError(f"run {run_id} never started; nothing to export")
+        node, setup = _members(attempt)[0]
+        argv = [node.python, "-m", "launcher.export", "--run-dir", run.run_dir]
+        if checkpoint:
+            argv += ["--checkpoint", str(checkpoint)]
+        if out:
+            argv += ["--out", str(out)]
+        res = self._call(self.pool.run(node, remote.run_in(None, run.run_dir, argv), setup,
+                                       timeout=EXPORT_TIMEOUT_S))
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith("{")]
+        if not res.ok or not lines:
+            raise RunError(f"export on {node.host} failed (exit code {res.rc}): {res.first_error_line()}")
+        return json.loads(lines[-1])
+
+    # -- the control loop's side ---------------------------------------------------------------
+    def _start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
+                       resume: str | None) -> None:
+        """Record the new attempt (the run is `checking`, driven by this manager, when this
+        returns), then start it."""
+        self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
+        # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
+        cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
+        members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
+        attempt = self.store.new_attempt(run_id, members, resume)
+        self._spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume))
+
+    async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
+                       setups: dict[str, str], resume: str | None) -> None:
+        run = self.store.get(run_id)
+        try:
+            failure = await self._check(spec, cluster, setups, attempt)
+            if failure:
+                self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
+                return
+            if self._stop_requested(run_id):
+                return
+            self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
+            master = cluster.nodes[0]
+            port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
+            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume))
+            self.store.set_plan(attempt.id, json.dumps(plan.summary))
+            files = {**plan.files, "plan.json": json.dumps(plan.summary, indent=2)}
+            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, files)
+            commands = [NodeCommand(n, argv, env, setups.get(n.host))
+                        for n, (argv, env) in zip(cluster.nodes, plan.commands)]
+            started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
+        except (ssh.NodeError, ValueError, RunError) as exc:
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(getattr(getattr(exc, "address", None), "host", None), None,
+                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"), by=self.owner)
+            return
+        errors = [s for s in started if s.error]
+        for rank, s in enumerate(started):
+            self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=s.node.host, node_rank=rank,
+                                               pgid=s.pgid, state="running" if s.pgid else "failed"))
+        if errors:
+            first = errors[0]
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"),
+                                  by=self.owner)
+            return
+        if self._stop_requested(run_id):
+            # A stop arrived while starting: the stopper may have run before these groups existed.
+            await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=launch_ops.STOP_GRACE_S,
+                                      all_nodes=cluster.nodes)
+            self._record_stop(run_id, None)
+            return
+        self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+        await self._watch(run_id, attempt, started)
+
+    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
+                     attempt: Attempt) -> Failure | None:
+        """What must hold before anything starts: a valid layout, slots that no earlier run holds,
+        and every node reachable."""
+        problems = _validate(spec, cluster)
+        errors = [p for p in problems if getattr(p, "severity", "error") == "error"]
+        if errors:
+            return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
+        holdings = [admission.holding(run.id, other.id, _spec_of(run), [n for n, _ in _members(other)])
+                    for run, other in self.store.active_attempts()]
+        busy = admission.busy_nodes(admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes),
+                                    cluster.nodes, holdings)
+        if busy:
+            return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
+
+        async def login(node):
+            try:
+                res = await self.pool.check_python(node, setups.get(node.host))
+            except ssh.NodeError as exc:
+                return Failure(node.host, None, exc.kind, str(exc))
+            if not res.ok:
+                return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
+                               f"{node.host}: {node.python} does not run: {res.first_error_line()}")
+            return None
+
+        results = await asyncio.gather(*(login(n) for n in cluster.nodes))
+        return next((r for r in results if r), None)
+
+    def _stop_requested(self, run_id: str) -> bool:
+        run = self.store.get(run_id)
+        return bool(run and run.stop_requested)
+
+    def _notice(self, run_id: str, message: str) -> None:
+        self._notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
+
+    async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
+        run = self.store.get(run_id)
+        procs = {p.node: p for p in self.store.processes(attempt.id)}
+        watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
+
+        def on_update(n: NodeWatch) -> None:
+            state = "running" if n.alive else "exited"
+            self.store.update_process(n.proc_id, state=state, exit_code=n.exit_code, last_seen=n.last_seen,
+                                      ended_at=None if n.alive else time.time())
+
+        watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
+                                 stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
+                                 sink=_AttemptSink(self.sink, attempt.number),
+                                 on_notice=lambda m: self._notice(run_id, m))
+        self._watchers[run_id] = watcher
+        outcome: Outcome | None = await watcher.run()
+        # None: a stop was requested, and `_stop` records the end.
+        if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
+            try:
+                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+            except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
+                log.info("run %s: %s", run_id, exc)
+        await watcher.drain()
+        self._report(run_id)
+
+    def _report(self, run_id: str) -> None:
+        """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
+        written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
+        run = self.store.get(run_id)
+        report_to = _spec_of(run).report_to
+        if report_to:
+            for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
+                self._notice(run_id, line)
+
+    async def _stop(self, run_id: str, grace_s: float) -> None:
+        run = self.store.get(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None or run.state in lifecycle.FINAL:
+            return
+        members, processes = _members(attempt), self.store.processes(attempt.id)
+        report = await launch_ops.stop_all(self.pool, _started(members, processes), run_id,
+                                           run.run_dir, grace_s=grace_s, all_nodes=[n for n, _ in members])
+        for p in processes:
+            self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
+                                      ended_at=time.time())
+        run = self.store.get(run_id)
+        if run.state in lifecycle.FINAL:
+            return
+        failure = None
+        if not report.clean:
+            failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
+                              f"stopped; cleanup incomplete: {report.detail()}")
+        self._record_stop(run_id, failure)
+
+    def _record_stop(self, run_id: str, failure: Failure | None) -> None:
+        """Record a requested stop. It is the user's word, so any process records it, not only the
+        run's owner; a move that lands first (the owner recording how the workers ended, or
+        moving on to launching) is kept and the stop recorded from there."""
+        # Each lost race means the run moved on (checking → launching → running → an end).
+        for _ in range(len(lifecycle.ACTIVE) + 1):
+            if self.store.get(run_id).state in lifecycle.FINAL:
+                return
+            try:
+                self.store.transition(run_id, lifecycle.STOPPED, failure)
+                return
+            except TransitionError as exc:
+                log.info("run %s: %s", run_id, exc)
+
+    def _adopt_orphans(self) -> list[Run]:
+        """Take over the active runs whose owner is gone; of several managers adopting one, the
+        compare-and-set lets one win."""
+        now, here = time.time(), self.owner.host
+        return [self.store.get(run.id) for run in self.store.runs(states=lifecycle.ACTIVE)
+                if run.owner != self.owner.id and lifecycle.owner_gone(run, now, here, lifecycle.pid_alive)
+                and self.store.claim(run, self.owner, now)]
+
+    async def _reattach_all(self) -> None:
+        for run in self._adopt_orphans():
+            await self._reattach(run)
+
+    async def _reattach(self, run: Run) -> None:
+        """Drive a run just adopted from a manager that went away."""
+        attempt = self.store.current_attempt(run.id)
+        members = _members(attempt)
+        if run.state != lifecycle.RUNNING or not members:
+            # Its manager went away while checking or launching: nothing is watched, so clean up
+            # whatever of the run may have started and record it.
+            if members:
+                await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run.id,
+                                          run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
+            try:
+                self.store.transition(run.id, lifecycle.FAILED, Failure(
+                    None, None, "interrupted", f"the studio or CLI starting it stopped while the run was {run.state}"),
+                    by=self.owner)
+            except TransitionError as exc:
+                log.info("run %s: %s", run.id, exc)
+            return
+        if run.stop_requested:
+            self._spawn(run.id, self._stop(run.id, launch_ops.STOP_GRACE_S))
+            return
+        self._notice(run.id, "re-attached: the process that watched it is gone")
+        self._spawn(run.id, self._watch(run.id, attempt, _started(members, self.store.processes(attempt.id))))
+
+
+@dataclass(frozen=True)
+class _AttemptSink:
+    """The telemetry sink as one attempt's watch feeds it: each agent line carries the attempt,
+    so the steps a resumed attempt does again replace the earlier attempt's, never add to them."""
+
+    sink: TelemetrySink
+    attempt: int
+
+    def offsets(self, run_id: str, node: str) -> dict[str, int]:
+        return self.sink.offsets(run_id, node)
+
+    def on_agent_line(self, run_id: str, node: str, obj: dict) -> None:
+        self.sink.on_agent_line(run_id, node, obj, attempt=self.attempt)
+
+
+def _members(attempt: Attempt | None) -> list[tuple[Node, str | None]]:
+    """The attempt's nodes in rank order, each with its setup line."""
+    return [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+
+
+def _started(members: list[tuple[Node, str | None]], procs: list[NodeProcess]) -> list[Started]:
+    """The recorded processes of the attempt's nodes, as `launch` handles them."""
+    by_host = {n.host: (n, s) for n, s in members}
+    return [Started(*by_host[p.node], pgid=p.pgid) for p in procs if p.node in by_host]
+
+
+def _find_node(cluster: Cluster, host: str):
+    for node in cluster.nodes:
+        if node.host == host:
+            return node
+    raise RunError(f"no node {host!r} in the cluster")
+
+
+def _validate(spec: JobSpec, cluster: Cluster) -> list:
+    from backend.job.validate import validate
+    return list(validate(spec, cluster))
+
+
+def _default_sink(engine) -> TelemetrySink:
+    from backend.telemetry.ingest import Ingestor
+    return Ingestor(engine)
+
+
+def _spec_of(run: Run) -> JobSpec:
+    return JobSpec.model_validate(yaml.safe_load(run.spec_yaml))

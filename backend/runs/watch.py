@@ -1,0 +1,288 @@
+"""Watch one attempt's node processes until the run ends.
+
+Every `WATCH_INTERVAL_S` each node is asked whether its torchrun group is alive and, once it
+ended, for its exit code (`pids/<node>.exit`). A failed node stops the others (no orphans left
+holding GPUs); a node that does not answer is retried with backoff and reported as unreachable
+once it has been silent for `NODE_SILENT_S`. Next to the workers the node agent streams telemetry
+over its own SSH channel; a dropped channel is reopened from the acknowledged offsets, so
+training never depends on the connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import asyncssh
+
+from backend.cluster import launch
+from backend.telemetry import logclass
+from backend.cluster import remote
+from backend.cluster import ssh
+from backend.cluster.launch import Started
+from backend.runs.lifecycle import Failure
+from backend.cluster.nodes import Pool
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 2.0
+NODE_SILENT_S = 15.0         # + one interval and a probe timeout stays within the 30 s promise
+PROBE_TIMEOUT_S = 8.0
+SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
+FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
+TAIL_LINES = 40
+CAUSE_LINES = 200            # of the log, read for a cause when no rank reported one (torchrun's summary is ~45)
+AGENT_RETRY_MAX_S = 8.0
+AGENT_DRAIN_S = 15.0         # after the workers end, time for the agents' last lines
+
+
+class TelemetrySink(Protocol):
+    """Where agent lines go (the Ingestor); offsets let a new agent continue without gaps."""
+
+    def offsets(self, run_id: str, node: str) -> dict[str, int]: ...
+
+    def on_agent_line(self, run_id: str, node: str, obj: dict) -> None: ...
+
+
+@dataclass
+class NodeWatch:
+    started: Started
+    proc_id: int | None = None
+    last_seen: float = field(default_factory=time.time)
+    alive: bool = True
+    exit_code: int | None = None
+    next_probe: float = 0.0
+    backoff: float = WATCH_INTERVAL_S
+    unreachable_since: float | None = None
+
+    @property
+    def host(self) -> str:
+        return self.started.node.host
+
+    @property
+    def done(self) -> bool:
+        return not self.alive
+
+
+@dataclass
+class Outcome:
+    state: str                      # succeeded / failed / stopped
+    failure: Failure | None = None
+
+
+def failure_from(node: str, exit_code: int | None, tail: list[str],
+                 ends: Sequence[dict] = ()) -> tuple[logclass.Cause, Failure]:
+    """A node's failure: from its ranks' own reports (`ends`, their `end` events) when one
+    failed, the strongest and then the earliest; else from its log tail and exit code."""
+    reported = [(c, e) for e in ends if (c := logclass.classify_end(e))]
+    if reported:
+        cause = max(reported, key=lambda ce: (ce[0].priority, -_number(ce[1].get("time"))))[0]
+        # The worker's message is the text; the exit code (the UI shows it) would only repeat it.
+        message = logclass.describe(cause, node)
+    else:
+        cause = logclass.classify_tail(tail, exit_code)
+        if exit_code is None and cause.kind == logclass.UNKNOWN:
+            cause = logclass.Cause(logclass.KILLED, "the node's torchrun ended without an exit code (killed)")
+        message = logclass.describe(cause, node, exit_code)
+    return cause, Failure(node, exit_code, cause.kind, message, "\n".join(tail[-TAIL_LINES:]))
+
+
+def ends_of(node: NodeWatch, slots: list[dict]) -> list[dict]:
+    """The slots this attempt's ranks on `node` wrote: same torchrun group, same node name (a
+    shared run directory holds every node's, and an earlier attempt's until overwritten)."""
+    name = remote.node_file_name(node.host)
+    return [e for e in slots if e.get("pgid") == node.started.pgid and e.get("node") in (name, None)]
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def choose_root(failures: list[tuple[logclass.Cause, Failure, float]]) -> Failure:
+    """The failure most likely to be the cause: strongest cause first, then earliest."""
+    return max(failures, key=lambda f: (f[0].priority, -f[2]))[1]
+
+
+class AttemptWatcher:
+    def __init__(self, pool: Pool, run_id: str, run_dir: str, nodes: list[NodeWatch],
+                 stop_requested: Callable[[], bool], on_update: Callable[[NodeWatch], None],
+                 sink: TelemetrySink | None = None, on_notice: Callable[[str], None] | None = None):
+        self.pool, self.run_id, self.run_dir, self.nodes = pool, run_id, run_dir, nodes
+        self.stop_requested = stop_requested
+        self.on_update = on_update
+        self.on_notice = on_notice or (lambda msg: log.warning("%s: %s", run_id, msg))
+        self.sink = sink
+        self._agents: list[asyncio.Task] = []
+        self._ended = asyncio.Event()
+        # Set once every node has answered (or the attempt ended): the state shown is current.
+        self.first_pass = asyncio.Event()
+
+    async def run(self) -> Outcome | None:
+        """Watch until the attempt ends; None when a stop was requested (the stopper finishes it)."""
+        if self.sink is not None:
+            self._agents = [asyncio.create_task(self._agent(n)) for n in self.nodes]
+        try:
+            return await self._watch()
+        finally:
+            self.first_pass.set()
+            self._ended.set()
+
+    async def drain(self) -> None:
+        """After the outcome is recorded: let the agents send their last lines, then end them."""
+        if self._agents:
+            await asyncio.wait(self._agents, timeout=AGENT_DRAIN_S)
+            for task in self._agents:
+                task.cancel()
+            await asyncio.gather(*self._agents, return_exceptions=True)
+
+    async def _watch(self) -> Outcome | None:
+        while True:
+            if self.stop_requested():
+                return None
+            now = time.time()
+            due = [n for n in self.nodes if not n.done and now >= n.next_probe]
+            await asyncio.gather(*(self._probe(n) for n in due))
+            if self.stop_requested():
+                return None
+            now = time.time()
+            lost = [n for n in self.nodes if n.unreachable_since is not None
+                    and now - n.unreachable_since >= NODE_SILENT_S]
+            failed = [n for n in self.nodes if n.done and n.exit_code != 0]
+            if lost or failed:
+                return await self._fail(lost, failed)
+            if all(n.done for n in self.nodes):
+                return Outcome("succeeded")
+            if all(n.unreachable_since is None for n in self.nodes):
+                self.first_pass.set()
+            next_probe = min(n.next_probe for n in self.nodes if not n.done)
+            await asyncio.sleep(max(0.05, next_probe - time.time()))
+
+    async def _probe(self, n: NodeWatch) -> None:
+        asked = time.time()
+        try:
+            alive, code = await asyncio.wait_for(
+                launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir),
+                PROBE_TIMEOUT_S)
+        except (ssh.NodeError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ssh.Unreachable):
+                # A slow answer keeps the connection (keepalives find dead ones); a lost one is reopened.
+                await self.pool.drop(n.started.node)
+            if n.unreachable_since is None:
+                n.unreachable_since = asked
+                self.on_notice(f"node {n.host} is not answering ({_why(exc)}); retrying")
+            n.backoff = min(n.backoff * 2, 8.0)
+            # Never back off past the moment the node must be declared lost.
+            n.next_probe = min(time.time() + n.backoff, n.unreachable_since + NODE_SILENT_S)
+            return
+        if n.unreachable_since is not None:
+            self.on_notice(f"node {n.host} answers again after {time.time() - n.unreachable_since:.0f} s")
+        n.unreachable_since = None
+        n.backoff = WATCH_INTERVAL_S
+        n.last_seen = time.time()
+        n.next_probe = n.last_seen + WATCH_INTERVAL_S
+        changed = (n.alive, n.exit_code) != (alive, code)
+        n.alive, n.exit_code = alive, code
+        if not alive and code is None:
+            # The group is gone without its wrapper writing an exit code: killed (or the file
+            # is on storage not yet visible); give the file one more look.
+            await asyncio.sleep(0.3)
+            try:
+                _, n.exit_code = await launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir)
+            except ssh.NodeError:
+                pass
+        if changed:
+            self.on_update(n)
+
+    async def _fail(self, lost: list[NodeWatch], failed: list[NodeWatch]) -> Outcome:
+        # Let the consequences land (the other nodes' exits) so the root cause can be told apart.
+        await asyncio.sleep(SETTLE_S)
+        pending = [n for n in self.nodes if not n.done and n not in lost]
+        await asyncio.gather(*(self._probe(n) for n in pending))
+        failed = [n for n in self.nodes if n.done and n.exit_code != 0]
+        reads = await asyncio.gather(*(self._read_failure(n) for n in failed))
+        slots = [e for _, ends in reads for e in ends]
+        candidates = []
+        for n, (tail, _) in zip(failed, reads):
+            cause, failure = failure_from(n.host, n.exit_code, tail, ends_of(n, slots))
+            candidates.append((cause, failure, n.last_seen))
+        for n in lost:
+            cause = logclass.Cause(logclass.NODE_UNREACHABLE,
+                                   f"no answer over SSH for {time.time() - (n.unreachable_since or n.last_seen):.0f} s")
+            candidates.append((cause, Failure(n.host, None, cause.kind, logclass.describe(cause, n.host), ""), n.last_seen))
+        root = choose_root(candidates)
+        # Stop whatever is still running anywhere; a lost node is tried too (it may answer again).
+        others = [n.started for n in self.nodes if n.started.pgid]
+        report = await launch.stop_all(self.pool, others, self.run_id, self.run_dir, grace_s=FAIL_STOP_GRACE_S)
+        for n in self.nodes:
+            if n.alive and n.host not in report.unreachable:
+                n.alive = False
+                self.on_update(n)
+        if not report.clean:
+            root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {report.detail()}]",
+                           root.log_tail)
+        return Outcome("failed", root)
+
+    async def _read_failure(self, n: NodeWatch) -> tuple[list[str], list[dict]]:
+        """(log tail, end slots) as the node sees them; what cannot be read is empty."""
+        async def read(coro):
+            try:
+                return await coro
+            except ssh.NodeError:
+                return []
+
+        node = n.started.node
+        tail, slots = await asyncio.gather(read(launch.log_tail(self.pool, node, self.run_dir, CAUSE_LINES)),
+                                           read(launch.end_slots(self.pool, node, self.run_dir)))
+        return tail, slots
+
+    async def _agent(self, n: NodeWatch) -> None:
+        """Keep one agent streaming from the node for as long as the attempt runs."""
+        node, name = n.started.node, remote.node_file_name(n.host)
+        delay = 0.5
+        last_try = False
+        while True:
+            offsets = self.sink.offsets(self.run_id, name)
+            argv = [node.python, "-m", "backend.telemetry.agent", "--run-id", self.run_id, "--run-dir", self.run_dir,
+                    "--node", name, "--offsets", json.dumps(offsets)]
+            try:
+                shell = await self.pool.shell(node)
+                errlog = f"{self.run_dir}/logs/agent-{name}.log"
+                command = f"{remote.quote_argv(argv)} 2>> {shlex.quote(errlog)}"
+                stream = await shell.stream(remote.with_setup(n.started.setup, command))
+            except ssh.NodeError:
+                stream = None
+            if stream is not None:
+                try:
+                    async for line in stream:
+                        try:
+                            obj = json.loads(line)
+                        except ValueError:
+                            continue
+                        if isinstance(obj, dict):
+                            self.sink.on_agent_line(self.run_id, name, obj)
+                            delay = 0.5
+                            if obj.get("kind") == "bye":
+                                return
+                except (ssh.NodeError, OSError, asyncssh.Error) as exc:
+                    log.info("agent stream from %s ended: %s", n.host, exc)
+                finally:
+                    await stream.close()
+            if self._ended.is_set():
+                if last_try or n.unreachable_since is not None:
+                    return
+                # The attempt is over but this stream ended without its final lines: one more
+                # agent reads what is left (it exits at once, the workers being gone).
+                last_try = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, AGENT_RETRY_MAX_S)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, ssh.NodeError):
+        return exc.reason
+    return "no answer within %.0f s" % PROBE_TIMEOUT_S

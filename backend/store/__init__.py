@@ -1,0 +1,1 @@
+"""The database: engine, the run/node tables and the telemetry tables."""

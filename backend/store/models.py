@@ -1,0 +1,97 @@
+"""Control-plane tables: runs, their attempts, the node inventory and the processes on nodes."""
+from __future__ import annotations
+
+import time
+
+from sqlmodel import Field, SQLModel
+
+
+class FailureColumns(SQLModel):
+    """Why an attempt failed (a run copies its failing attempt's): which node, exit code,
+    classified cause, message and last log lines."""
+
+    failed_node: str | None = None
+    exit_code: int | None = None
+    cause: str | None = None
+    message: str | None = None
+    log_tail: str | None = None
+
+
+class Run(FailureColumns, table=True):
+    """One training job. State follows `backend.runs.lifecycle`; a resume adds an `Attempt`."""
+
+    id: str = Field(primary_key=True)
+    name: str
+    state: str = Field(default="created", index=True)
+    spec_yaml: str
+    output_dir: str
+    run_dir: str
+    attempts: int = 0
+    stop_requested: bool = False
+    # The manager driving the run (`lifecycle.Owner.id`: host, pid, token) and when it last said
+    # so; a manager takes over only a run whose owner is gone (`lifecycle.owner_gone`).
+    owner: str | None = None
+    heartbeat_at: float | None = None
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    ended_at: float | None = None
+
+
+class Attempt(FailureColumns, table=True):
+    """One launch of a run on a set of nodes (the first launch or a resume)."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    number: int
+    state: str = "created"
+    resume_from: str | None = None
+    cluster_json: str = "[]"   # the nodes (address, slots, setup) this attempt ran on
+    plan_json: str = "{}"
+    started_at: float = Field(default_factory=time.time)
+    ended_at: float | None = None
+
+
+class NodeProcess(SQLModel, table=True):
+    """The torchrun process group of one attempt on one node."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    attempt_id: int = Field(foreign_key="attempt.id", index=True)
+    node: str
+    node_rank: int
+    pgid: int | None = None
+    state: str = "starting"    # starting / running / exited / unreachable / gone
+    exit_code: int | None = None
+    started_at: float = Field(default_factory=time.time)
+    ended_at: float | None = None
+    last_seen: float | None = None
+
+
+class NodeRecord(SQLModel, table=True):
+    """A node of the inventory (from the UI or a hostfile): `backend.job.cluster.Node` fields plus the
+    node's setup line. No passwords: keys by path."""
+
+    __tablename__ = "node"
+    id: int | None = Field(default=None, primary_key=True)
+    host: str = Field(unique=True, index=True)
+    slots: int = 1
+    addr: str | None = None
+    ssh_user: str | None = None
+    ssh_port: int = 22
+    ssh_key: str | None = None
+    python: str = "python3"
+    device: str = "cuda"
+    local: bool = False
+    setup: str | None = None
+    created_at: float = Field(default_factory=time.time)
+
+
+class HostKeyTrust(SQLModel, table=True):
+    """An explicit decision to trust a node's host key (who trusted what, when, and where)."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    host: str
+    port: int
+    fingerprint: str
+    known_hosts: str
+    trusted_at: float = Field(default_factory=time.time)

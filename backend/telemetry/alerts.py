@@ -1,0 +1,324 @@
+"""Alert rules: pure functions over a window of a run's recorded series.
+
+Each rule takes a `Window` (what the ingestor has recorded recently for one run) and the
+`AlertConfig`, and returns `Finding`s. A finding's `key` names the condition within the run;
+the ingestor stores one row per key, so a rule that keeps firing on the same condition does not
+flood the table. Log lines are classified with `backend.telemetry.logclass.classify_line`.
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.telemetry import logclass
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    low_util_pct: float = 60.0
+    """GPU utilisation below this ..."""
+    low_util_s: float = 60.0
+    """... for longer than this (seconds) while the run is running."""
+    wait_share: float = 0.25
+    """Share of step time in collective (or data) wait that names the bottleneck."""
+    spike_ratio: float = 2.0
+    """A loss above this multiple of the median of the previous losses is a spike ..."""
+    spike_sigmas: float = 4.0
+    """... and also this many robust standard deviations above that median."""
+    spike_history: int = 10
+    """How many previous losses form the baseline (at least half of them must be present)."""
+    hang_s: float = 300.0
+    """No training step for this long (or 5x the usual time between logged steps, if longer)."""
+    startup_s: float = 900.0
+    """Allowed time from the start event to the first logged step (model load, compile)."""
+    straggler_ratio: float = 1.3
+    """A rank whose step time (less collective wait) exceeds this multiple of the median."""
+    straggler_min_s: float = 0.05
+    """... by at least this many seconds (ignores noise on tiny steps)."""
+    mem_pct: float = 95.0
+    """GPU memory used above this share of the total."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    key: str
+    severity: str  # "warning" | "error"
+    t: float
+    message: str
+    node: str | None = None
+    rank: int | None = None
+    gpu: int | None = None
+    detail: str | None = None
+    collective: str | None = None
+    """The collective this finding reports stuck, with where it ran (what `hang` then names)."""
+
+
+@dataclass
+class Window:
+    """The recent record of one run, as the rules see it.
+
+    util:  (node, gpu) -> [(t, util_pct)] in time order
+    mem:   (node, gpu) -> (t, mem_used_gib, mem_total_gib), the latest sample
+    train: rank 0's `train` events in step order (dicts with step, time, loss, grad_norm, ...)
+    timing: rank -> that rank's `timing` events in step order
+    placement: rank -> (node, gpu or None)
+    """
+
+    now: float
+    running: bool
+    started_t: float | None = None
+    util: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    mem: dict[tuple[str, int], tuple[float, float, float]] = field(default_factory=dict)
+    train: list[dict[str, Any]] = field(default_factory=list)
+    timing: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    placement: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    checkpoint: tuple[int, str] | None = None
+    """(step, path) of the last checkpoint event."""
+    last_collective: str | None = None
+    """The collective last reported stuck: by a NCCL watchdog line in a log, or a flight recorder dump."""
+
+
+def _where(rank: int, node: str | None, gpu: int | None) -> str:
+    parts = [f"rank {rank}"]
+    if node is not None:
+        parts.append(f"node {node}")
+    if gpu is not None:
+        parts.append(f"GPU {gpu}")
+    return ", ".join(parts)
+
+
+def number(x: Any) -> float | None:
+    """x as a float (NaN and inf included) when it is a JSON number, else None."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _wait_shares(w: Window, since: float) -> tuple[float, float] | None:
+    """Mean share of step time spent in collective wait and in data wait, over all ranks' timing
+    events newer than `since` (the last event of each rank when none is that recent)."""
+    cw = dw = st = 0.0
+    for events in w.timing.values():
+        recent = [e for e in events if (number(e.get("time")) or 0) >= since] or events[-1:]
+        for e in recent:
+            step_t = number(e.get("step_time_s"))
+            if not step_t or step_t <= 0:
+                continue
+            st += step_t
+            cw += number(e.get("collective_wait_s")) or 0.0
+            dw += number(e.get("data_wait_s")) or 0.0
+    return (cw / st, dw / st) if st > 0 else None
+
+
+def low_utilisation(w: Window, cfg: AlertConfig) -> list[Finding]:
+    if not w.running:
+        return []
+    low = []
+    for (node, gpu), pts in sorted(w.util.items()):
+        recent = [u for t, u in pts if t >= w.now - cfg.low_util_s]
+        before = [(t, u) for t, u in pts if t < w.now - cfg.low_util_s]
+        # low for the whole window: the last sample before it (taken after the start) and every
+        # sample inside it
+        if not recent or not before or w.started_t is None or before[-1][0] < w.started_t:
+            continue
+        if before[-1][1] < cfg.low_util_pct and all(u < cfg.low_util_pct for u in recent):
+            low.append((node, gpu, statistics.fmean(recent)))
+    if not low:
+        return []
+    shares = _wait_shares(w, w.now - cfg.low_util_s)
+    if shares is None:
+        why = "no timing events from the workers to tell communication from input"
+    else:
+        cw, dw = shares
+        if cw >= cfg.wait_share and cw >= dw:
+            why = f"communication-bound: {cw:.0%} of step time waiting in collectives (data wait {dw:.0%})"
+        elif dw >= cfg.wait_share:
+            why = f"input-bound: {dw:.0%} of step time waiting for data (collective wait {cw:.0%})"
+        else:
+            why = (f"neither collectives ({cw:.0%}) nor data loading ({dw:.0%}) explain it: "
+                   "small batch or CPU-side work per step")
+    gpus = ", ".join(f"{n}:{g} ({u:.0f}%)" for n, g, u in low[:16]) + (" …" if len(low) > 16 else "")
+    one = low[0] if len(low) == 1 else None
+    return [Finding(
+        "low_utilisation", "low_utilisation", "warning", w.now,
+        f"GPU utilisation below {cfg.low_util_pct:.0f}% for over {cfg.low_util_s:.0f} s on {len(low)} GPU(s) "
+        f"[{gpus}]; {why}",
+        node=one[0] if one else None, gpu=one[1] if one else None)]
+
+
+def non_finite(w: Window, cfg: AlertConfig) -> list[Finding]:
+    out = []
+    for name in ("loss", "grad_norm"):
+        for e in w.train:
+            # The worker writes JSON without NaN/inf: the value is null and `nonfinite` says what it was.
+            v = (e.get("nonfinite") or {}).get(name)
+            if v is not None:
+                ck = (f"last checkpoint: step {w.checkpoint[0]} ({w.checkpoint[1]})" if w.checkpoint
+                      else "no checkpoint yet")
+                out.append(Finding(
+                    "non_finite", f"non_finite:{name}", "error", number(e.get("time")) or w.now,
+                    f"{name} is {v} at step {e.get('step')}; stop the run and lower the learning rate or "
+                    f"check the data and dtype (fp16 overflow); {ck}", rank=0))
+                break
+    return out
+
+
+def loss_spike(w: Window, cfg: AlertConfig) -> list[Finding]:
+    out = []
+    losses = [(e.get("step"), number(e.get("loss")), number(e.get("time"))) for e in w.train]
+    losses = [(s, v, t) for s, v, t in losses if v is not None and math.isfinite(v)]
+    need = max(3, cfg.spike_history // 2)
+    for i in range(need, len(losses)):
+        step, v, t = losses[i]
+        base = [x for _, x, _ in losses[max(0, i - cfg.spike_history):i]]
+        med = statistics.median(base)
+        sigma = 1.4826 * statistics.median(abs(x - med) for x in base)
+        if med > 0 and v > cfg.spike_ratio * med and v - med > cfg.spike_sigmas * sigma:
+            out.append(Finding(
+                "loss_spike", f"loss_spike:{step}", "warning", t or w.now,
+                f"loss spiked to {v:.4g} at step {step} ({v / med:.1f}x the median {med:.4g} of the previous "
+                f"{len(base)} logged steps)", rank=0))
+    return out
+
+
+def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
+    if not w.running or w.started_t is None:
+        return []
+    progress = [(number(e.get("time")), e.get("step")) for e in w.train]
+    for events in w.timing.values():
+        progress += [(number(e.get("time")), e.get("step")) for e in events]
+    progress = [(t, s) for t, s in progress if t is not None and t >= w.started_t]
+    if progress:
+        last_t, last_step = max(progress, key=lambda p: p[0])
+        times = sorted(number(e.get("time")) for e in w.train if number(e.get("time")) is not None)
+        gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+        limit = max(cfg.hang_s, 5 * statistics.median(gaps)) if gaps else cfg.hang_s
+    else:
+        last_t, last_step, limit = w.started_t, None, cfg.startup_s
+    idle = w.now - last_t
+    if idle <= limit:
+        return []
+    what = f"no training step for {idle:.0f} s" + (f" (last logged step {last_step})" if last_step is not None
+                                                 else " since the start (no step logged yet)")
+    stuck = _stuck_rank(w)
+    rank = node = gpu = None
+    if stuck is not None:
+        rank, behind, ahead = stuck
+        node, gpu = w.placement.get(rank, (None, None))
+        what += (f"; {_where(rank, node, gpu)} last reported step {behind} while other ranks reached {ahead}: "
+                 "likely stuck")
+    if w.last_collective:
+        what += f"; last collective reported stuck: {w.last_collective}"
+    else:
+        what += ("; set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the job's env "
+                 "to record which collective hangs")
+    return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank, gpu=gpu)]
+
+
+def _stuck_rank(w: Window) -> tuple[int, Any, Any] | None:
+    last = {r: ev[-1].get("step") for r, ev in w.timing.items() if ev and isinstance(ev[-1].get("step"), int)}
+    if len(last) < 2:
+        return None
+    lo = min(last.values())
+    hi = max(last.values())
+    behind = [r for r, s in last.items() if s == lo]
+    if lo == hi or len(behind) != 1:
+        return None
+    return behind[0], lo, hi
+
+
+def straggler(w: Window, cfg: AlertConfig) -> list[Finding]:
+    """In synchronous training every rank's wall step time is the same (the fast ones wait for the
+    slow one in the collectives), so ranks are compared on step time less collective wait."""
+    busy: dict[int, float] = {}
+    for rank, events in w.timing.items():
+        vals = []
+        for e in events[-3:]:
+            st = number(e.get("step_time_s"))
+            if st is None:
+                continue
+            vals.append(st - (number(e.get("collective_wait_s")) or 0.0))
+        if vals:
+            busy[rank] = statistics.fmean(vals)
+    if len(busy) < 2:
+        return []
+    med = statistics.median(busy.values())
+    out = []
+    for rank, b in sorted(busy.items()):
+        if med > 0 and b > cfg.straggler_ratio * med and b - med >= cfg.straggler_min_s:
+            node, gpu = w.placement.get(rank, (None, None))
+            out.append(Finding(
+                "straggler", f"straggler:{rank}", "warning", w.now,
+                f"straggler: {_where(rank, node, gpu)} takes {b:.3g} s per step outside collectives, "
+                f"{b / med:.2f}x the median {med:.3g} s of {len(busy)} ranks "
+                "(thermal throttling, another process on the GPU, or a slow NIC)",
+                node=node, rank=rank, gpu=gpu))
+    return out
+
+
+def gpu_memory(w: Window, cfg: AlertConfig) -> list[Finding]:
+    out = []
+    for (node, gpu), (t, used, total) in sorted(w.mem.items()):
+        if total and total > 0 and used / total * 100 > cfg.mem_pct:
+            out.append(Finding(
+                "gpu_memory", f"gpu_memory:{node}:{gpu}", "warning", t,
+                f"GPU memory at {used / total:.1%} ({used:.1f} of {total:.1f} GiB) on node {node} GPU {gpu}: "
+                "close to out of memory",
+                node=node, gpu=gpu))
+    return out
+
+
+RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory)
+
+
+def evaluate(w: Window, cfg: AlertConfig = AlertConfig()) -> list[Finding]:
+    """Every rule's findings for one run's window."""
+    return [f for rule in RULES for f in rule(w, cfg)]
+
+
+def flight_dump(rec: dict[str, Any], node: str, placement: dict[int, tuple[str, int | None]]) -> Finding:
+    """A finding for an agent `flight` line: the collective a rank was in when PyTorch's flight
+    recorder dumped (on a collective timeout)."""
+    rank = int(rec["rank"])
+    where_node, gpu = placement.get(rank, (node, None))
+    what = f"{rec.get('collective') or 'unknown collective'} #{rec.get('seq')} ({rec.get('state') or 'unknown state'})"
+    collective = f"{_where(rank, where_node, gpu)}: {what}"
+    return Finding("collective_stuck", f"flight:{rank}:{rec.get('seq')}", "error", number(rec.get("t")) or 0.0,
+                   f"flight recorder of {collective}", node=where_node, rank=rank, gpu=gpu,
+                   detail=str(rec.get("file")), collective=collective)
+
+
+_OP = re.compile(r"OpType=(\w+)")
+_TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)")
+
+
+def collective_of(line: str) -> str | None:
+    """The collective and timeout named by a NCCL watchdog line
+    (`WorkNCCL(SeqNum=12, OpType=ALLREDUCE, ..., Timeout(ms)=600000)`), if it names one."""
+    m = _OP.search(line)
+    if not m:
+        return None
+    t = _TIMEOUT_MS.search(line)
+    return m.group(1) + (f" (timeout {int(t.group(1)) / 1000:.0f} s)" if t else "")
+
+
+def log_line(node: str, line: str, t: float) -> Finding | None:
+    """A finding for a node's torchrun log line that names a failure (OOM, NCCL timeout, Python
+    exception in rank N, ...), with the line itself as detail; None for an ordinary line."""
+    cause = logclass.classify_line(line)
+    if cause is None:
+        return None
+    message = logclass.describe(cause, node=node)
+    op = collective_of(line) if cause.kind == logclass.NCCL_TIMEOUT else None
+    if op:
+        message += f" [collective: {op}]"
+    hint = logclass.HELP.get(cause.kind)
+    if hint:
+        message += f" ({hint})"
+    severity = "warning" if cause.kind == logclass.PEER_LOST else "error"
+    rank = "" if cause.rank is None else cause.rank
+    return Finding("log", f"log:{node}:{cause.kind}:{rank}", severity, t, message,
+                   node=node, rank=cause.rank, detail=line.strip()[:2000],
+                   collective=f"{op} on node {node}" if op else None)
