@@ -102,8 +102,8 @@ def add_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from backend.runs.manager import make_run_id
     from backend.job.planner import DEFAULT_MASTER_PORT, PlanError, plan
+    from backend.runs.manager import make_run_id
 
     spec, cluster, source = job_and_cluster(args)
     warnings = checked(spec, cluster, source)
@@ -161,8 +161,8 @@ def add_db_arg(parser: argparse.ArgumentParser) -> None:
 
 def telemetry_engine(args: argparse.Namespace, run_id: str):
     from backend.store.db import default_db_url, make_engine
-    from backend.telemetry.export import has_data
     from backend.store.telemetry_models import create_telemetry_tables
+    from backend.telemetry.export import has_data
 
     url = args.db or default_db_url()
     engine = make_engine(url)

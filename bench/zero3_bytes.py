@@ -14,8 +14,8 @@ import torch
 import deepspeed
 from transformers import AutoConfig, AutoModelForCausalLM
 from backend.job.dsconfig import build_ds_config
-from backend.job.spec import JobSpec
 from backend.job.modelcfg import BUNDLED_DIR
+from backend.job.spec import JobSpec
 
 name = sys.argv[1]
 spec = JobSpec(model=name, dataset=["d"], train_type="full", deepspeed="zero3", nproc_per_node=1,

@@ -19,8 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from backend.job.planner import NODE_ENV
 from backend.job.errors import UserError
+from backend.job.planner import NODE_ENV
 
 SLOT_BYTES = 4096
 # A write that failed without saying why (torch.save reports "unexpected pos ...") on a file system

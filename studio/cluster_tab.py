@@ -8,7 +8,7 @@ from typing import Any
 
 import gradio as gr
 
-from backend.job.cluster import DEVICES, Cluster, HostfileError, local_cluster, parse_hostfile_text
+from backend.job.cluster import Cluster, DEVICES, HostfileError, local_cluster, parse_hostfile_text
 from studio.cluster_view import (NODE_COLUMNS, NODE_FORM_KEYS, cluster_summary, node_rows, preflight_html, put_node,
                                  remove_node)
 from studio.context import Studio

@@ -8,9 +8,9 @@ import pytest
 
 from backend.cluster.admission import busy_nodes, holding
 from backend.job.cluster import Cluster, GpuInfo, Node, local_cluster, parse_hostfile_text
-from backend.runs.manager import RunManager
 from backend.job.spec import JobSpec
 from backend.job.validate import errors, validate
+from backend.runs.manager import RunManager
 from worker import ROOT
 
 GPU = Node(host="gpu-01", slots=8, device="cuda")

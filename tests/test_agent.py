@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from backend.telemetry.agent import SLOW_READ_S, GpuSampler, Tailer, flight_record
+from backend.telemetry.agent import GpuSampler, SLOW_READ_S, Tailer, flight_record
 
 REPO = Path(__file__).resolve().parent.parent
 

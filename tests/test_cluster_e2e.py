@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -21,8 +22,8 @@ from sqlmodel import Session, select
 from backend import cli
 from backend.cluster import remote
 from backend.job.cluster import Cluster
-from backend.runs.manager import LaunchPlan, RunManager
 from backend.job.spec import JobSpec
+from backend.runs.manager import RunManager, default_planner
 from backend.store.telemetry_models import RunEvent
 from launcher import checkpoint
 from sshd import start_cluster
@@ -194,9 +195,10 @@ def test_unreachable_node_is_reported_within_30_s(sshd_nodes, tmp_path):
         nodes = (sshd_nodes.nodes()[0], *lonely.nodes())
         (tmp_path / "known_hosts").write_text(sshd_nodes.known_hosts.read_text() + lonely.known_hosts.read_text())
 
-        def planner(spec, cluster, req):  # a stand-in worker: the watch is what is tested
-            return LaunchPlan({"standin.py": STANDIN},
-                              [([sys.executable, f"{req.run_dir}/standin.py"], {}) for _ in cluster.nodes])
+        def planner(spec, cluster, req):  # the real plan with a stand-in worker: the watch is what is tested
+            real = default_planner(spec, cluster, req)
+            nodes = tuple(replace(n, argv=(sys.executable, f"{req.run_dir}/standin.py")) for n in real.nodes)
+            return replace(real, nodes=nodes, files={**real.files, "standin.py": STANDIN})
 
         m = RunManager(f"sqlite:///{tmp_path / 'db.sqlite'}", known_hosts=tmp_path / "known_hosts", planner=planner)
         try:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from backend.job import records
 from backend.cluster import remote
-from backend.job.cluster import LOCAL_ADDR, LOCAL_HOST, Cluster, Node
-from backend.runs.manager import RunManager
+from backend.job import records
+from backend.job.cluster import Cluster, LOCAL_ADDR, LOCAL_HOST, Node
 from backend.job.spec import JobSpec
+from backend.runs.manager import RunManager
 from worker import ROOT
 
 LOCAL = Cluster(nodes=(Node(host=LOCAL_HOST, addr=LOCAL_ADDR, slots=2, python=sys.executable, local=True,

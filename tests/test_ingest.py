@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import create_engine
 
-from backend.telemetry.agent import Tailer
-from backend.telemetry import ingest
-from backend.telemetry.ingest import AGENT_SILENT_S, Downsampling, Ingestor
 from backend.store.telemetry_models import MetricSample, RunEvent
+from backend.telemetry import ingest
+from backend.telemetry.agent import Tailer
+from backend.telemetry.ingest import AGENT_SILENT_S, Downsampling, Ingestor
 from backend.telemetry.query import SeriesKey
 
 S, E = MetricSample.__table__, RunEvent.__table__

@@ -8,11 +8,11 @@ import pytest
 from sqlalchemy import inspect, text
 
 from backend.runs import lifecycle as lc
-from backend.telemetry import logclass
-from backend.store.db import create_db_and_tables, make_engine
 from backend.runs.manager import make_run_id
-from backend.store.models import NodeProcess, Run
 from backend.runs.watch import choose_root, failure_from
+from backend.store.db import create_db_and_tables, make_engine
+from backend.store.models import NodeProcess, Run
+from backend.telemetry import logclass
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
+from backend.job.cluster import parse_hostfile_text
 from backend.job.layout import compute_layout
 from backend.job.memory import GIB, estimate_memory, trainable_params
-from backend.job.cluster import parse_hostfile_text
 from backend.job.modelcfg import bundled_configs, find_model_config
 from backend.job.spec import JobSpec
 

@@ -11,8 +11,8 @@ import pytest
 from sqlmodel import create_engine
 
 from backend import cli
-from backend.telemetry.ingest import Ingestor
 from backend.telemetry.export import ExportError, export, report_sinks, write_csv, write_json, write_tensorboard
+from backend.telemetry.ingest import Ingestor
 
 T0 = 1_700_000_000.0
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from backend.cluster import preflight as pf
 from backend.cluster import ssh
-from backend.job.cluster import Cluster, Node
+from backend.cluster import preflight as pf
 from backend.cluster.nodes import Pool
+from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec
 from sshd import free_port
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from backend.cluster import remote
-from backend.job.cluster import Node
 from backend.cluster.launch import NodeCommand, probe, start_all, stop_all
 from backend.cluster.nodes import Pool
+from backend.job.cluster import Node
 
 # Names of the variables these tests send: a prefix no caller's environment has (VIRTUAL_ENV, say),
 # so what a child reports under it is what the test sent and nothing else.

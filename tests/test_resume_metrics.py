@@ -14,8 +14,8 @@ from sqlalchemy import func, select
 
 from backend import cli
 from backend.job.cluster import GpuInfo, local_cluster
-from backend.runs.manager import RunManager
 from backend.job.spec import JobSpec
+from backend.runs.manager import RunManager
 from backend.store.telemetry_models import MetricSample
 from worker import ROOT, events, until
 

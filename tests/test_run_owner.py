@@ -14,12 +14,12 @@ import time
 import pytest
 import yaml
 
-from backend.runs import lifecycle
 from backend.cluster import nodes
 from backend.job.cluster import LOCAL_HOST, local_cluster
-from backend.store.db import create_db_and_tables, make_engine
+from backend.runs import lifecycle
 from backend.runs.lifecycle import Owner, RunStore
 from backend.runs.manager import RunManager
+from backend.store.db import create_db_and_tables, make_engine
 from backend.store.models import Run
 from worker import ROOT, until
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from backend.job.cluster import local_cluster
 from backend.cluster.launch import write_files
-from backend.runs.manager import RunManager
 from backend.cluster.nodes import Pool
+from backend.job.cluster import local_cluster
+from backend.runs.manager import RunManager
 from studio_server import start_studio
 
 

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import func, select
 
 from backend.job.cluster import Cluster
+from backend.job.spec import parse_spec
 from backend.runs.lifecycle import FINAL
 from backend.runs.manager import RunManager
-from backend.job.spec import parse_spec
-from backend.store.telemetry_models import MetricSample, RunEvent, RankPlacement
+from backend.store.telemetry_models import MetricSample, RankPlacement, RunEvent
 from worker import ROOT
 
 pytestmark = pytest.mark.e2e

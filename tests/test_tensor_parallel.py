@@ -159,9 +159,9 @@ def test_tp2_with_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, untied_mod
 
 
 def test_tied_embeddings_under_tp_and_fsdp_are_refused():
+    from backend.job.cluster import parse_hostfile_text
     from backend.job.modelcfg import find_model_config
     from backend.job.validate import validate
-    from backend.job.cluster import parse_hostfile_text
 
     tied = find_model_config("qwen2.5-0.5b")  # ties its embeddings
     cluster = parse_hostfile_text("n0 slots=4\n")

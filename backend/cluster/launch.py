@@ -16,10 +16,9 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from backend.cluster import remote
-from backend.cluster import ssh
-from backend.job.cluster import Node
+from backend.cluster import remote, ssh
 from backend.cluster.nodes import Pool, address_of
+from backend.job.cluster import Node
 
 STOP_GRACE_S = 90.0      # SIGTERM → SIGKILL: time for the worker's checkpoint on stop
 KILL_WAIT_S = 10.0       # after SIGKILL, until the group is gone

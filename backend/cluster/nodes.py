@@ -14,8 +14,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from backend.cluster import remote
-from backend.cluster import ssh
+from backend.cluster import remote, ssh
 from backend.job.cluster import Cluster, Node, cluster_from_dicts
 from backend.store.models import HostKeyTrust, NodeRecord
 

@@ -19,11 +19,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from backend.cluster import launch
-from backend.cluster import remote
-from backend.cluster import ssh
-from backend.job.cluster import Cluster, Node
+from backend.cluster import launch, remote, ssh
 from backend.cluster.nodes import Pool, address_of
+from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec, absolute_dir
 
 Status = Literal["ok", "warning", "error", "skipped"]

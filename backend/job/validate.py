@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.job import capabilities
-from backend.job import records
+from backend.job import capabilities, records
 from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout

@@ -19,29 +19,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, TimeoutError as FutureTimeoutError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 from sqlalchemy import select
 
-from backend.cluster import admission
+from backend.cluster import admission, nodes, remote, ssh
 from backend.cluster import launch as launch_ops
+from backend.cluster.launch import NodeCommand, Started
+from backend.job.cluster import Cluster, Node
+from backend.job.layout import Layout
+from backend.job.planner import Plan
+from backend.job.spec import JobSpec, absolute_dir
 from backend.runs import lifecycle
+from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
+from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
+from backend.store.db import create_db_and_tables, make_engine
+from backend.store.models import Attempt, NodeProcess, Run
 from backend.telemetry import logclass
 from backend.telemetry import export as metrics_export
-from backend.cluster import nodes
-from backend.cluster import remote
-from backend.cluster import ssh
-from backend.job.cluster import Cluster, Node
-from backend.store.db import create_db_and_tables, make_engine
-from backend.cluster.launch import NodeCommand, Started
-from backend.job.layout import Layout
-from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
-from backend.store.models import Attempt, NodeProcess, Run
-from backend.job.spec import JobSpec, absolute_dir
-from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +58,11 @@ class PlanRequest:
     resume: str | None          # None, "latest" or a checkpoint directory
 
 
-@dataclass
-class LaunchPlan:
-    """What the planner decided: files for the run directory and one command per node (in order)."""
-
-    files: dict[str, str]
-    commands: list[tuple[list[str], dict[str, str]]]
-    summary: dict[str, Any] = field(default_factory=dict)
+Planner = Callable[[JobSpec, Cluster, PlanRequest], Plan]
 
 
-Planner = Callable[[JobSpec, Cluster, PlanRequest], LaunchPlan]
-
-
-def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> LaunchPlan:
-    """`backend.job.planner.plan` in the shape the manager executes."""
+def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> Plan:
+    """`backend.job.planner.plan` for a launch request, with the model's config where it is found."""
     from backend.job.modelcfg import ModelConfigError, find_model_config
     from backend.job.planner import plan
 
@@ -82,9 +70,8 @@ def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> Launch
         model_config = find_model_config(spec.model)
     except ModelConfigError:
         model_config = None
-    result = plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
-                  model_config=model_config)
-    return LaunchPlan(dict(result.files), [(list(n.argv), dict(n.env)) for n in result.nodes], result.to_dict())
+    return plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
+                model_config=model_config)
 
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -453,11 +440,10 @@ class RunManager:
             master = cluster.nodes[0]
             port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
             plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume))
-            self.store.set_plan(attempt.id, json.dumps(plan.summary))
-            files = {**plan.files, "plan.json": json.dumps(plan.summary, indent=2)}
-            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, files)
-            commands = [NodeCommand(n, argv, env, setups.get(n.host))
-                        for n, (argv, env) in zip(cluster.nodes, plan.commands)]
+            self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
+            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files)
+            commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
+                        for n, p in zip(cluster.nodes, plan.nodes)]
             started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
         except (ssh.NodeError, ValueError, RunError) as exc:
             self.store.transition(run_id, lifecycle.FAILED,

@@ -20,13 +20,11 @@ from typing import Protocol
 
 import asyncssh
 
-from backend.cluster import launch
-from backend.telemetry import logclass
-from backend.cluster import remote
-from backend.cluster import ssh
+from backend.cluster import launch, remote, ssh
 from backend.cluster.launch import Started
-from backend.runs.lifecycle import Failure
 from backend.cluster.nodes import Pool
+from backend.runs.lifecycle import Failure
+from backend.telemetry import logclass
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import IO, Iterable, Iterator
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
+from backend.store.telemetry_models import MetricSample, NO_INDEX, RunEvent
 from backend.telemetry import query
-from backend.store.telemetry_models import NO_INDEX, MetricSample, RunEvent
 
 S, E = MetricSample.__table__, RunEvent.__table__
 FORMATS = ("csv", "json", "tensorboard")

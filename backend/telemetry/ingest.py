@@ -28,8 +28,8 @@ from sqlalchemy import case, delete, func, insert, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.engine import Engine
 
-from backend.telemetry import alerts as rules
 from backend.telemetry import query
+from backend.telemetry import alerts as rules
 from backend.telemetry.query import SeriesKey, SeriesResult
 from backend.store.telemetry_models import (NO_INDEX, Alert, IngestOffset, MetricSample, RankPlacement, RunEvent,
                                       create_telemetry_tables)

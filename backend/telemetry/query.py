@@ -15,7 +15,7 @@ from typing import Iterable, NamedTuple
 from sqlalchemy import Integer, Table, and_, cast, func, or_, select, true
 from sqlalchemy.engine import Connection, Engine
 
-from backend.store.telemetry_models import NO_INDEX, Alert, MetricSample, RunEvent
+from backend.store.telemetry_models import Alert, MetricSample, NO_INDEX, RunEvent
 
 S, A, E = MetricSample.__table__, Alert.__table__, RunEvent.__table__
 # The step of each `train` event, at the event's time, node and rank: charts draw the train/*
