@@ -241,17 +241,13 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def cluster_command(name: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
-    """add/run of a cluster-backend subcommand, which lives in backend/runcli.py."""
-    def add(parser: argparse.ArgumentParser) -> None:
-        from backend import runcli
-        getattr(runcli, f"add_{name.replace('-', '_')}")(parser)
+def _runs():
+    """backend.runcli (imported as the parser is built). Its module level is light: each of its
+    subcommands imports the database and SSH stack when it runs, which `validate`, `plan`, `import`
+    and `studio` do not need before they answer."""
+    from backend import runcli
 
-    def run(args: argparse.Namespace) -> int:
-        from backend import runcli
-        return getattr(runcli, f"cmd_{name.replace('-', '_')}")(args)
-
-    return add, run
+    return runcli
 
 
 COMMANDS = [
@@ -261,15 +257,24 @@ COMMANDS = [
     Command("alerts", "list a run's alerts (time, severity, rule, message, log line)", add_alerts, cmd_alerts),
     Command("metrics", "export a run's recorded metrics as CSV, JSON or TensorBoard files", add_metrics, cmd_metrics),
     Command("studio", "start the web studio on 127.0.0.1:7860 (what `swift-studio` alone does)", add_studio, cmd_studio),
-    Command("preflight", "check every node before a run: SSH, clocks, versions, GPUs, shared storage, ports, bandwidth", *cluster_command("preflight")),
-    Command("run", "launch a job on this machine or the hostfile's nodes and follow it (--detach to return)", *cluster_command("run")),
-    Command("runs", "list runs with their state", *cluster_command("runs")),
-    Command("status", "a run's state, nodes, failure cause and alerts", *cluster_command("status")),
-    Command("logs", "a node's torchrun log of a run (--follow to keep printing)", *cluster_command("logs")),
-    Command("stop", "stop a run: SIGTERM (checkpoint), SIGKILL after a grace period, verify nothing is left", *cluster_command("stop")),
-    Command("resume", "resume a stopped or failed run from its latest complete checkpoint", *cluster_command("resume")),
-    Command("export", "merge and export a run's checkpoint (the worker's export), then a sample generation", *cluster_command("export")),
-    Command("trust-host", "trust a node's SSH host key after checking its fingerprint (recorded)", *cluster_command("trust-host")),
+    Command("preflight", "check every node before a run: SSH, clocks, versions, GPUs, shared storage, ports, bandwidth", lambda p: _runs().add_preflight(p),
+            lambda a: _runs().cmd_preflight(a)),
+    Command("run", "launch a job on this machine or the hostfile's nodes and follow it (--detach to return)", lambda p: _runs().add_run(p),
+            lambda a: _runs().cmd_run(a)),
+    Command("runs", "list runs with their state", lambda p: _runs().add_runs(p),
+            lambda a: _runs().cmd_runs(a)),
+    Command("status", "a run's state, nodes, failure cause and alerts", lambda p: _runs().add_status(p),
+            lambda a: _runs().cmd_status(a)),
+    Command("logs", "a node's torchrun log of a run (--follow to keep printing)", lambda p: _runs().add_logs(p),
+            lambda a: _runs().cmd_logs(a)),
+    Command("stop", "stop a run: SIGTERM (checkpoint), SIGKILL after a grace period, verify nothing is left", lambda p: _runs().add_stop(p),
+            lambda a: _runs().cmd_stop(a)),
+    Command("resume", "resume a stopped or failed run from its latest complete checkpoint", lambda p: _runs().add_resume(p),
+            lambda a: _runs().cmd_resume(a)),
+    Command("export", "merge and export a run's checkpoint (the worker's export), then a sample generation", lambda p: _runs().add_export(p),
+            lambda a: _runs().cmd_export(a)),
+    Command("trust-host", "trust a node's SSH host key after checking its fingerprint (recorded)", lambda p: _runs().add_trust_host(p),
+            lambda a: _runs().cmd_trust_host(a)),
 ]
 
 

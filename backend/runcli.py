@@ -22,9 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
-from backend.runs import lifecycle
 # backend.cli imports this module lazily, when one of these subcommands runs.
-from backend.cli import CliError, checked, load_cluster, load_job
+from backend.cli import CliError, add_db_arg, checked, load_cluster, load_job
 
 
 def _manager(args: argparse.Namespace, reattach: bool = True):
@@ -33,7 +32,7 @@ def _manager(args: argparse.Namespace, reattach: bool = True):
 
 
 def _add_db(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", help="database URL (default: $SWIFT_STUDIO_DB or the studio's SQLite file)")
+    add_db_arg(parser)
     parser.epilog = "Host keys are checked against $SWIFT_STUDIO_KNOWN_HOSTS or ~/.ssh/known_hosts."
 
 
@@ -52,6 +51,8 @@ def _when(t: float | None) -> str:
 
 
 def _describe(run) -> list[str]:
+    from backend.runs import lifecycle
+
     lines = [f"{run.id}: {run.state} (attempt {run.attempts}, created {_when(run.created_at)}, run dir {run.run_dir})"]
     if run.state == lifecycle.FAILED or run.message:
         lines.append(f"  {run.message or run.cause}")
@@ -88,6 +89,8 @@ def add_run(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from backend.runs import lifecycle
+
     spec = load_job(args.job)
     cluster = load_cluster(args.hostfile)
     checked(spec, cluster, args.job)
@@ -126,6 +129,8 @@ def add_runs(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    from backend.runs import lifecycle
+
     with _manager(args) as m:
         for run in m.runs():
             if run.state in lifecycle.ACTIVE:
@@ -167,6 +172,8 @@ def add_logs(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from backend.runs import lifecycle
+
     with _manager(args, reattach=args.follow) as m, _refused():
         try:
             for line in m.log_tail(args.run, args.node, args.lines):
@@ -191,6 +198,8 @@ def add_stop(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from backend.runs import lifecycle
+
     with _manager(args, reattach=False) as m, _refused():
         run = m.stop(args.run)
     for line in _describe(run):
@@ -206,6 +215,8 @@ def add_resume(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from backend.runs import lifecycle
+
     cluster = load_cluster(args.hostfile) if args.hostfile else None
     with _manager(args) as m:
         with _refused():
