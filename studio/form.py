@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from backend.job.capabilities import ATTN_IMPLS
 from backend.job.spec import DEEPSPEED_PRESETS, FIELDS, JobSpec, Problem
 
 Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
@@ -44,7 +45,7 @@ GROUPS = tuple((title, is_open, names + _UNPLACED if title == "Advanced" else na
 OPEN_CHOICES: dict[str, tuple[str, ...]] = {
     "deepspeed": ("", *DEEPSPEED_PRESETS),
     "fsdp": ("", "full_shard", "shard_grad_op", "full_shard offload", "shard_grad_op offload"),
-    "attn_impl": ("", "sdpa", "flex_attention", "flash_attention_2", "eager"),
+    "attn_impl": ("", *ATTN_IMPLS),
 }
 
 TITLES = {
