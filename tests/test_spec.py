@@ -68,3 +68,13 @@ def test_missing_empty_and_broken_yaml(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     _, problems = load_spec(tmp_path / "list.yaml")
     assert "expected a mapping" in problems[0].message
+
+
+def test_true_means_what_hf_means_or_is_refused_by_name():
+    """`fsdp: true` is FSDP's default sharding and `resume_from_checkpoint: true` the latest
+    checkpoint, as in HF's arguments; `deepspeed: true` or `attn_impl: true` names nothing."""
+    spec, problems = parse_spec({"model": "m", "dataset": ["d"], "fsdp": True, "resume_from_checkpoint": True})
+    assert problems == [] and (spec.fsdp, spec.resume_from_checkpoint) == ("full_shard", "latest")
+    spec, problems = parse_spec({"model": "m", "dataset": ["d"], "deepspeed": True, "attn_impl": True})
+    assert spec is None and [p.field for p in problems] == ["deepspeed", "attn_impl"]
+    assert "a preset (zero0" in problems[0].message

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 DEEPSPEED_PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -68,6 +68,11 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
+
+
+TRUE_MEANS = {"fsdp": "full_shard", "resume_from_checkpoint": "latest"}
+TRUE_IS_NOT = {"deepspeed": "a preset (zero0 ... zero3, zero2_offload, zero3_offload) or a DeepSpeed JSON path",
+               "attn_impl": "an attention implementation (sdpa, flex_attention, flash_attention_2, ...)"}
 
 
 class JobSpec(BaseModel):
@@ -158,11 +163,15 @@ class JobSpec(BaseModel):
 
     @field_validator("deepspeed", "fsdp", "attn_impl", "resume_from_checkpoint", mode="before")
     @classmethod
-    def _empty_is_none(cls, value: Any) -> Any:
+    def _empty_is_none(cls, value: Any, info: ValidationInfo) -> Any:
         if value is False or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
             return None
         if value is True:
-            return "full_shard"
+            # What `true` means where HF's arguments take it: FSDP's default sharding, the latest
+            # checkpoint; elsewhere it names nothing.
+            if info.field_name in TRUE_MEANS:
+                return TRUE_MEANS[info.field_name]
+            raise ValueError("true names nothing here: give " + TRUE_IS_NOT[info.field_name])
         return value
 
     @property
