@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.config import load_job
     from launcher.trainer import Stopped, Trainer
 
-    def end(events, status: str, step: int, exc: BaseException | None = None) -> None:
-        error_type, error = error_report(exc, args.run_dir, rank) if exc is not None else (None, None)
+    def end(events, status: str, step: int, exc: BaseException | None = None, note: str | None = None) -> None:
+        error_type, error = error_report(exc, args.run_dir, rank) if exc is not None else (None, note)
         event = {"status": status, "step": step, "error": error, "error_type": error_type, **where}
         slot.write({"type": "end", "time": time.time(), **event})
         # The log and the events file may be on the disk that just filled up: the slot has it all.
@@ -176,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer.setup()
         trainer.train()
         end(trainer.events, "succeeded", trainer.step)
-    except Stopped:
-        end(trainer.events, "stopped", trainer.step)
+    except Stopped as stopped:
+        end(trainer.events, "stopped", trainer.step, note=str(stopped) or None)
+        if str(stopped):
+            print(f"[rank{rank}] {stopped}", file=sys.stderr, flush=True)
         code = 143
     except BaseException as exc:
         # torch.distributed.checkpoint's CheckpointException is a BaseException.

@@ -18,6 +18,7 @@ import torch
 
 from backend.job.capabilities import tp_plan
 from backend.job.errors import UserError
+from backend.job.planner import STOP_BUDGET_ENV, STOP_BUDGET_S
 from backend.job.spec import JobSpec
 from launcher import checkpoint, data
 from launcher.config import ConfigError, load_ds_config
@@ -29,7 +30,7 @@ from launcher.model import flops_per_token, peak_flops, prepare
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
-STOP_GRACE_S = 25.0  # torchrun escalates SIGTERM to SIGKILL after 30 s
+STOP_MARGIN_S = 3.0  # of the stop budget: for leaving the loop, the end event and the exit
 
 
 class Diverged(UserError):
@@ -41,7 +42,8 @@ class PeerFailed(UserError):
 
 
 class Stopped(Exception):
-    """SIGTERM: a checkpoint was written (when possible) and the worker should exit 143."""
+    """SIGTERM: the worker should exit 143; the message says why no checkpoint was written, where
+    none was."""
 
 
 @dataclass
@@ -51,20 +53,30 @@ class Plan:
 
 
 class StopSignal:
-    """Turns SIGTERM into a flag checked at the step boundary; a watchdog bounds the wait."""
+    """Turns SIGTERM into a flag checked at the step boundary. The stop budget (the planner's, from
+    the environment) bounds the rest: a watchdog ends the rank when no boundary comes in time, and
+    `too_late` says when the checkpoint would not be written before the budget ends."""
 
-    def __init__(self, on_timeout):
+    def __init__(self, on_timeout, budget_s: float):
         self.requested = False
+        self.budget_s = budget_s
         self._on_timeout = on_timeout
+        self._deadline = math.inf
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         if self.requested:
             return
         self.requested = True
-        timer = threading.Timer(STOP_GRACE_S, self._on_timeout)
+        self._deadline = time.monotonic() + self.budget_s - STOP_MARGIN_S
+        timer = threading.Timer(self.budget_s - STOP_MARGIN_S, self._on_timeout)
         timer.daemon = True
         timer.start()
+
+    def too_late(self, save_s: float | None) -> bool:
+        """A checkpoint taking `save_s` (the last one's time; None before the first) would not be
+        complete before the budget ends."""
+        return self.requested and save_s is not None and time.monotonic() + save_s > self._deadline
 
 
 def seed_everything(seed: int) -> None:
@@ -113,7 +125,9 @@ class Trainer:
         self.resume_ref = resume
         self.skipped_checkpoints: list[str] = []  # newer checkpoints that resume passed over as damaged
         self.step = 0
-        self.stop = StopSignal(self._stop_timed_out)
+        self.stop = StopSignal(self._stop_timed_out,
+                               float(os.environ.get(STOP_BUDGET_ENV, STOP_BUDGET_S)))
+        self.last_save_s: float | None = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -276,7 +290,9 @@ class Trainer:
             # copies queue behind it), before anything below waits for the device.
             if self.step < plan.max_steps:
                 upcoming, data_wait = self._fetch(self.step)
-            (stop_votes,), wait = d.all_reduce([float(self.stop.requested)], "max")
+            # A stop is one decision of all ranks: to stop, and whether the checkpoint still fits.
+            (stop_votes, late), wait = d.all_reduce([float(self.stop.requested),
+                                                     float(self.stop.too_late(self.last_save_s))], "max")
             window.add(time.perf_counter() - started, wait, step_data_wait, sum(m[1] for m in micro),
                        sum(m[2] for m in micro))
             is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps
@@ -293,11 +309,15 @@ class Trainer:
                 self._log(window, window_losses)
                 window, window_losses = Window(), []
             due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
+            if stop_votes and late:
+                raise Stopped(self._no_checkpoint_message(f"a checkpoint takes about {self.last_save_s:.0f} s, more "
+                                                          "than is left of the"))
             if stop_votes or due:
                 saving = time.perf_counter()
                 self._save()
+                self.last_save_s = time.perf_counter() - saving
                 # tokens/s and MFU measure training, not checkpoint writes.
-                window.started += time.perf_counter() - saving
+                window.started += self.last_save_s
             if stop_votes:
                 raise Stopped()
 
@@ -356,11 +376,17 @@ class Trainer:
             self.events.emit("end", status=status, step=self.step, error=error)
         self.events.close()
 
+    def _no_checkpoint_message(self, why: str) -> str:
+        last = checkpoint.latest(self.run_dir)
+        return (f"stopped at step {self.step} without a checkpoint: {why} {self.stop.budget_s:.0f} s stop budget; "
+                f"a resume starts from {last or 'step 0 (no complete checkpoint)'}")
+
     def _stop_timed_out(self) -> None:
-        """SIGTERM could not be honoured at a step boundary within STOP_GRACE_S (a long step or a
-        peer that is gone): record it and leave without a checkpoint."""
-        log.error("stop requested but no step boundary reached within %.0f s; exiting without a checkpoint", STOP_GRACE_S)
+        """SIGTERM could not be honoured at a step boundary within the stop budget (a long step or
+        a peer that is gone): record it and leave without a checkpoint."""
+        message = self._no_checkpoint_message("no step boundary came within the")
+        log.error("%s", message)
         try:
-            self.end("stopped", f"terminated after {STOP_GRACE_S:.0f} s without reaching a step boundary")
+            self.end("stopped", message)
         finally:
             os._exit(143)

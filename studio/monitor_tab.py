@@ -3,6 +3,7 @@ backend's series cursor) into this browser session's SeriesBuffer and redraws th
 reload starts with an empty buffer, so the first tick reads the whole history."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import gradio as gr
@@ -29,6 +30,18 @@ SCROLL_LOG_JS = """() => requestAnimationFrame(() => {
   if (box) box.scrollTop = box.scrollHeight;
 })"""
 
+
+STOP_OUTCOME_WAIT_S = 5.0
+
+
+def until_found(what, timeout_s: float, every_s: float = 0.25):
+    """`what()` once it is not None, polled until `timeout_s`; None after that."""
+    end = time.monotonic() + timeout_s
+    while True:
+        found = what()
+        if found is not None or time.monotonic() >= end:
+            return found
+        time.sleep(every_s)
 
 def build() -> dict[str, Any]:
     c: dict[str, Any] = {}
@@ -183,10 +196,14 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         if not run_id:
             return "Pick a run first."
         try:
+            since = time.time()
             run = studio.manager.stop(run_id)
+            # The workers' own word on the checkpoint reaches the database a moment after they exit.
+            outcome = until_found(lambda: studio.manager.stop_outcome(run_id, since), STOP_OUTCOME_WAIT_S)
         except Exception as exc:  # noqa: BLE001
             return user_message("Stop", exc)
-        return f"Run `{run_id}` is {run.state}: its workers saved a checkpoint and exited."
+        return f"Run `{run_id}` is {run.state}: " + (outcome or "its workers exited (their report on the checkpoint "
+                                                                "has not arrived yet; Resume names the latest one)")
 
     def on_resume(run_id: str | None) -> str:
         if not run_id:

@@ -151,3 +151,21 @@ def test_checkpoint_of_the_previous_format_still_resumes(tmp_path, tiny_model):
     assert proc.returncode == 0, proc.log[-4000:]
     assert events(run, 0, "start")[-1]["resumed_from"] == 3
     assert f"resume: {old}/complete has no checksums (an older format); loading it unverified" in proc.log
+
+
+def test_a_stop_keeps_to_its_budget():
+    """The ranks skip a checkpoint that would not be written before the stop budget ends (torchrun
+    would kill them part-way), and say so."""
+    import signal as sig
+
+    from launcher.trainer import StopSignal
+
+    previous = sig.getsignal(sig.SIGTERM)
+    try:
+        stop = StopSignal(on_timeout=lambda: None, budget_s=30.0)
+        assert not stop.too_late(100.0)  # no stop requested
+        stop._handle(sig.SIGTERM, None)
+        assert stop.requested and not stop.too_late(None) and not stop.too_late(5.0)
+        assert stop.too_late(28.0)  # more than the 27 s left once 3 s are kept for leaving
+    finally:
+        sig.signal(sig.SIGTERM, previous)

@@ -174,6 +174,9 @@ def test_full_flow(studio):
         run_dir = studio.output_dir / run_id
         complete = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if (p / "complete").exists())
         assert complete and complete[-1] >= 4, complete
+        # The stop message is the workers' own account: the checkpoint they saved at the stop.
+        expect(page.locator("#monitor-action")).to_contain_text(
+            f"saved {run_dir / f'checkpoint-{complete[-1]}'} (step {complete[-1]})", timeout=15000)
         stopped_at = step_shown(page)
         assert 4 <= stopped_at < 200
         # The live log opens at its newest lines (by now more than the box shows).

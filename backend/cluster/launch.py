@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from backend.cluster import remote, ssh
 from backend.cluster.nodes import Pool, address_of
 from backend.job.cluster import Node
+from backend.job.planner import STOP_BUDGET_S
 
-STOP_GRACE_S = 90.0      # SIGTERM → SIGKILL: time for the worker's checkpoint on stop
+# SIGTERM → SIGKILL of a node's group: the workers' stop budget, then time for torchrun to see them
+# exit (or kill them at the budget) and for the wrapper to record its exit code.
+STOP_GRACE_S = STOP_BUDGET_S + 15.0
 KILL_WAIT_S = 10.0       # after SIGKILL, until the group is gone
 POLL_S = 0.5
 FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"

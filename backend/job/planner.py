@@ -32,6 +32,11 @@ DEFAULT_MASTER_PORT = 29500
 # name it runs under (the workers write it into their end slot).
 RUN_ID_ENV = "SWIFT_STUDIO_RUN_ID"
 NODE_ENV = "SWIFT_STUDIO_NODE"
+STOP_BUDGET_ENV = "SWIFT_STUDIO_STOP_BUDGET_S"
+# The time a stop gives the workers, from the SIGTERM to their exit: reaching a step boundary and
+# writing the checkpoint must fit in it. torchrun kills its workers 30 s after its own SIGTERM
+# (torch.distributed.elastic's PContext.close), so that is the budget.
+STOP_BUDGET_S = 30.0
 LOOPBACK_IFNAME = "lo"
 WORKER_MODULE = "launcher.train"
 # The directory holding backend/ and launcher/: workers on the local machine import from it even
@@ -157,7 +162,8 @@ def plan(spec: JobSpec, cluster: Cluster, run_id: str, run_dir: str | Path, mast
 
     node_plans = []
     for rank, node in enumerate(nodes):
-        env = {RUN_ID_ENV: run_id, "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        env = {RUN_ID_ENV: run_id, "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+               STOP_BUDGET_ENV: f"{STOP_BUDGET_S:g}"}
         if loopback:
             # Every node is an address on this machine: keep gloo/NCCL on the loopback interface.
             env.update(GLOO_SOCKET_IFNAME=LOOPBACK_IFNAME, NCCL_SOCKET_IFNAME=LOOPBACK_IFNAME)

@@ -311,6 +311,21 @@ class RunManager:
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
 
+    def stop_outcome(self, run_id: str, since: float) -> str | None:
+        """What the workers did with a stop requested at `since` (epoch seconds): the checkpoint they
+        saved, or their note on why there is none; None until their `end` event has arrived."""
+        self.sink.flush()
+        for end in self._events(run_id, ("end",), limit=1)["end"]:
+            if end.get("status") != "stopped" or end.get("time", 0) < since:
+                continue
+            if end.get("error"):
+                return end["error"]
+            saved = self.checkpoints(run_id)
+            if saved and saved[0][0] == end.get("step"):
+                return f"saved {saved[0][1]} (step {saved[0][0]})"
+            return f"stopped at step {end.get('step')} without a new checkpoint"
+        return None
+
     def _events(self, run_id: str, etypes: tuple[str, ...], limit: int | None = None) -> dict[str, list[dict]]:
         """The run's recorded events of each type, newest first, without those of steps that a
         later attempt did again."""
