@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from sqlalchemy import select
 
 from backend.cluster import admission, nodes, remote, ssh
 from backend.cluster import launch as launch_ops
@@ -34,7 +33,8 @@ from backend.job.planner import Plan
 from backend.job.spec import JobSpec, absolute_dir
 from backend.runs import lifecycle
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
-from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome, TelemetrySink
+from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
+from backend.telemetry.ingest import TelemetrySink
 from backend.store.db import create_db_and_tables, make_engine
 from backend.store.models import Attempt, NodeProcess, Run
 from backend.telemetry import logclass
@@ -290,8 +290,7 @@ class RunManager:
         """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
         resumed_from of the latest `start` event (all attempts; a resumed attempt's start sets
         the step back to its checkpoint); None before the first event."""
-        self.sink.flush()
-        latest = self._events(run_id, ("train", "start"), limit=1)
+        latest = self.sink.events(run_id, ("train", "start"), limit=1)
         train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
         if train is None and start is None:
             return None
@@ -304,9 +303,8 @@ class RunManager:
     def checkpoints(self, run_id: str) -> list[tuple[int, str]]:
         """(step, path) of every checkpoint the workers reported, newest first (all attempts;
         not one past the checkpoint a later attempt resumed from: that attempt could not use it)."""
-        self.sink.flush()
         seen: dict[int, str] = {}
-        for event in self._events(run_id, ("checkpoint",))["checkpoint"]:
+        for event in self.sink.events(run_id, ("checkpoint",))["checkpoint"]:
             if isinstance(event.get("step"), int):
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
@@ -314,8 +312,7 @@ class RunManager:
     def stop_outcome(self, run_id: str, since: float) -> str | None:
         """What the workers did with a stop requested at `since` (epoch seconds): the checkpoint they
         saved, or their note on why there is none; None until their `end` event has arrived."""
-        self.sink.flush()
-        for end in self._events(run_id, ("end",), limit=1)["end"]:
+        for end in self.sink.events(run_id, ("end",), limit=1)["end"]:
             if end.get("status") != "stopped" or end.get("time", 0) < since:
                 continue
             if end.get("error"):
@@ -325,18 +322,6 @@ class RunManager:
                 return f"saved {saved[0][1]} (step {saved[0][0]})"
             return f"stopped at step {end.get('step')} without a new checkpoint"
         return None
-
-    def _events(self, run_id: str, etypes: tuple[str, ...], limit: int | None = None) -> dict[str, list[dict]]:
-        """The run's recorded events of each type, newest first, without those of steps that a
-        later attempt did again."""
-        from backend.store.telemetry_models import RunEvent
-        from backend.telemetry.query import current
-        E = RunEvent.__table__
-        with self.engine.connect() as conn:
-            cond = current(conn, E, run_id)
-            return {etype: [json.loads(data) for data in conn.execute(
-                select(E.c.data).where(E.c.run_id == run_id, E.c.type == etype, cond)
-                .order_by(E.c.t.desc(), E.c.id.desc()).limit(limit)).scalars()] for etype in etypes}
 
     # -- node inventory ------------------------------------------------------------------------
     def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
@@ -531,8 +516,7 @@ class RunManager:
 
         watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
                                  stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
-                                 sink=_AttemptSink(self.sink, attempt.number),
-                                 on_notice=lambda m: self._notice(run_id, m))
+                                 sink=self.sink, on_notice=lambda m: self._notice(run_id, m), attempt=attempt.number)
         self._watchers[run_id] = watcher
         outcome: Outcome | None = await watcher.run()
         # None: a stop was requested, and `_stop` records the end.
@@ -621,21 +605,6 @@ class RunManager:
             return
         self._notice(run.id, "re-attached: the process that watched it is gone")
         self._spawn(run.id, self._watch(run.id, attempt, _started(members, self.store.processes(attempt.id))))
-
-
-@dataclass(frozen=True)
-class _AttemptSink:
-    """The telemetry sink as one attempt's watch feeds it: each agent line carries the attempt,
-    so the steps a resumed attempt does again replace the earlier attempt's, never add to them."""
-
-    sink: TelemetrySink
-    attempt: int
-
-    def offsets(self, run_id: str, node: str) -> dict[str, int]:
-        return self.sink.offsets(run_id, node)
-
-    def on_agent_line(self, run_id: str, node: str, obj: dict) -> None:
-        self.sink.on_agent_line(run_id, node, obj, attempt=self.attempt)
 
 
 def _members(attempt: Attempt | None) -> list[tuple[Node, str | None]]:

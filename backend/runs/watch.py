@@ -16,7 +16,6 @@ import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import asyncssh
 
@@ -25,6 +24,7 @@ from backend.cluster.launch import Started
 from backend.cluster.nodes import Pool
 from backend.runs.lifecycle import Failure
 from backend.telemetry import logclass
+from backend.telemetry.ingest import TelemetrySink
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,6 @@ TAIL_LINES = 40
 CAUSE_LINES = 200            # of the log, read for a cause when no rank reported one (torchrun's summary is ~45)
 AGENT_RETRY_MAX_S = 8.0
 AGENT_DRAIN_S = 15.0         # after the workers end, time for the agents' last lines
-
-
-class TelemetrySink(Protocol):
-    """Where agent lines go (the Ingestor); offsets let a new agent continue without gaps."""
-
-    def offsets(self, run_id: str, node: str) -> dict[str, int]: ...
-
-    def on_agent_line(self, run_id: str, node: str, obj: dict) -> None: ...
 
 
 @dataclass
@@ -109,8 +101,12 @@ def choose_root(failures: list[tuple[logclass.Cause, Failure, float]]) -> Failur
 class AttemptWatcher:
     def __init__(self, pool: Pool, run_id: str, run_dir: str, nodes: list[NodeWatch],
                  stop_requested: Callable[[], bool], on_update: Callable[[NodeWatch], None],
-                 sink: TelemetrySink | None = None, on_notice: Callable[[str], None] | None = None):
+                 sink: TelemetrySink | None = None, on_notice: Callable[[str], None] | None = None,
+                 attempt: int | None = None):
+        """`sink` takes the agents' lines (offsets let a new agent continue without gaps), each with
+        `attempt`, so the steps a resumed attempt does again replace the earlier attempt's."""
         self.pool, self.run_id, self.run_dir, self.nodes = pool, run_id, run_dir, nodes
+        self.attempt = attempt
         self.stop_requested = stop_requested
         self.on_update = on_update
         self.on_notice = on_notice or (lambda msg: log.warning("%s: %s", run_id, msg))
@@ -262,7 +258,7 @@ class AttemptWatcher:
                         except ValueError:
                             continue
                         if isinstance(obj, dict):
-                            self.sink.on_agent_line(self.run_id, name, obj)
+                            self.sink.on_agent_line(self.run_id, name, obj, attempt=self.attempt)
                             delay = 0.5
                             if obj.get("kind") == "bye":
                                 return

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 from sqlalchemy import case, delete, func, insert, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -110,6 +110,26 @@ def _value(x: Any) -> float | None:
     become None."""
     v = rules.number(x)
     return v if v is not None and math.isfinite(v) else None
+
+
+class TelemetrySink(Protocol):
+    """What the control plane asks of the telemetry it feeds and reads (the Ingestor): a run's
+    watch feeds agent lines, the manager facade reads series, alerts and events."""
+
+    def offsets(self, run_id: str, node: str) -> dict[str, int]: ...
+
+    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None) -> None: ...
+
+    def flush(self) -> int: ...
+
+    def series(self, run_id: str, names: Iterable[str], since: int | None = None,
+               max_points: int = 1000) -> SeriesResult: ...
+
+    def alerts(self, run_id: str) -> list[Alert]: ...
+
+    def events(self, run_id: str, etypes: Iterable[str], limit: int | None = None) -> dict[str, list[dict]]: ...
+
+    def close(self) -> None: ...
 
 
 class Ingestor:
@@ -400,6 +420,11 @@ class Ingestor:
         """Stored alerts of a run, oldest first (flushes pending ones first)."""
         self.flush()
         return query.alerts(self.engine, run_id)
+
+    def events(self, run_id: str, etypes: Iterable[str], limit: int | None = None) -> dict[str, list[dict]]:
+        """query.events after a flush: every line taken so far is in the answer."""
+        self.flush()
+        return query.events(self.engine, run_id, etypes, limit)
 
     def nodes(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Per node: agent status as last reported (last_seen, gpus, notices, ended)."""

@@ -147,6 +147,16 @@ def _steps(conn: Connection, run_id: str, max_points: int, start: float | None, 
     return out
 
 
+def events(engine: Engine, run_id: str, etypes: Iterable[str], limit: int | None = None) -> dict[str, list[dict]]:
+    """The run's recorded events of each type, newest first, without those of steps that a later
+    attempt did again."""
+    with engine.connect() as conn:
+        cond = current(conn, E, run_id)
+        return {etype: [json.loads(data) for data in conn.execute(
+            select(E.c.data).where(E.c.run_id == run_id, E.c.type == etype, cond)
+            .order_by(E.c.t.desc(), E.c.id.desc()).limit(limit)).scalars()] for etype in etypes}
+
+
 def alerts(engine: Engine, run_id: str) -> list[Alert]:
     """A run's stored alerts, oldest first."""
     with engine.connect() as conn:
