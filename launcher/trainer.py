@@ -363,7 +363,8 @@ class Trainer:
         values, nonfinite = split_nonfinite(loss=loss, grad_norm=self.last_grad_norm)
         self.events.emit("train", step=self.step, epoch=self.step / plan.steps_per_epoch, **values,
                          learning_rate=self.engine.lr(),
-                         tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed, step_time_s=means["step_time_s"],
+                         tokens=round(tokens), tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed,
+                         step_time_s=means["step_time_s"],
                          mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta,
                          nonfinite=nonfinite)
         log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3g %.0f tok/s eta %s", self.step, plan.max_steps, loss,

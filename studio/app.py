@@ -56,6 +56,7 @@ def build_app(studio: Studio) -> gr.Blocks:
         # again), and re-attaches the Monitor to the latest active run; its first tick reads the
         # whole history, so the charts are complete.
         app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"])
+        app.load(cluster["load_price"], None, [cluster["price"]])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     # Every handler belongs to the page: none is listed in the API info or offered to Gradio's
     # clients. Set here, once, so a listener added later cannot be public by default; the web

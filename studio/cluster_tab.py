@@ -49,6 +49,8 @@ def build() -> dict[str, Any]:
         c["bandwidth"] = gr.Checkbox(label="Measure all-reduce bandwidth", value=False, scale=1,
                                      info="Starts a short torchrun across the nodes (a few seconds more).")
     c["preflight_report"] = gr.HTML(elem_id="preflight-report")
+    c["price"] = gr.Number(label="Price per GPU-hour (optional, any currency)", minimum=0, elem_id="cluster-price",
+                           info="The Monitor and the Runs table show each run's cost at this price.")
     return c
 
 
@@ -131,4 +133,6 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)
     c["use_local"].click(lambda: show(local_cluster(), "Using this machine."), None, outputs)
     c["on_load"] = lambda: show_cluster(studio.load_cluster())
+    c["price"].input(studio.save_gpu_hour_price, [c["price"]], None)
+    c["load_price"] = lambda: studio.gpu_hour_price()
     c["outputs"] = outputs

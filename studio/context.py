@@ -60,6 +60,24 @@ class Studio:
         tmp.write_text(json.dumps(cluster.to_dicts(), indent=1))
         tmp.replace(self.cluster_file)
 
+    @property
+    def settings_file(self) -> Path:
+        return self.data_dir / "settings.json"
+
+    def gpu_hour_price(self) -> float | None:
+        """The price of one GPU-hour the user gave in the Cluster tab (any currency), else None."""
+        try:
+            value = json.loads(self.settings_file.read_text()).get("price_per_gpu_hour")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    def save_gpu_hour_price(self, price: float | None) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.settings_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"price_per_gpu_hour": price if price and price > 0 else None}))
+        tmp.replace(self.settings_file)
+
     def preset_names(self) -> list[str]:
         saved = sorted(p.stem for p in self.presets_dir.glob("*.yaml")) if self.presets_dir.is_dir() else []
         return ["demo", *[n for n in saved if n != "demo"]]

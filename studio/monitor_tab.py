@@ -13,7 +13,7 @@ from studio.charts import (MAX_POINTS, MONITOR_SERIES, X_AXES, SeriesBuffer, fig
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, restart_button, restart_message, run_picker,
-                             status_md)
+                             status_md, usage_line)
 
 TICK_S = 2.0
 LOG_TICK_S = 4.0
@@ -115,7 +115,8 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = manager.progress(run_id)
-            out[c["status"]] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id))
+            out[c["status"]] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id),
+                                         usage_line(manager.usage(run_id), studio.gpu_hour_price()))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from backend.job.layout import Layout
+from backend.runs.usage import Usage
 from backend.telemetry.logclass import HELP
 from studio.charts import NO_INDEX, format_duration
 from studio.cluster_view import STATUS_MARK
@@ -21,7 +22,8 @@ STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running"
 RESTARTABLE = ("stopped", "failed")
 RESUME_LABEL = "▶ Resume from checkpoint"
 RUN_AGAIN_LABEL = "▶ Run again"
-RUN_COLUMNS = ["run", "name", "status", "attempts", "started", "duration", "final loss", "tokens/s", "output"]
+RUN_COLUMNS = ["run", "name", "status", "attempts", "started", "duration", "final loss", "tokens/s", "GPU-h", "kWh",
+               "Wh/Mtok", "cost", "output"]
 
 
 def run_choice(run: Any) -> tuple[str, str]:
@@ -45,7 +47,36 @@ def duration_s(run: Any, now: float | None = None) -> float:
     return max(0.0, end - run.created_at)
 
 
-def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None) -> str:
+def usage_cells(usage: Usage | None, price: float | None) -> list[Any]:
+    """GPU-h, kWh, Wh per 1M tokens and cost of a run, blank where not known (no GPU, no price)."""
+    if usage is None:
+        return ["", "", "", ""]
+    wh = usage.wh_per_mtok
+    cost = usage.cost(price)
+    return [round(usage.gpu_hours, 3) if usage.gpu_hours else "", "" if usage.energy_kwh is None else round(usage.energy_kwh, 4),
+            "" if wh is None else round(wh, 1), "" if cost is None else round(cost, 2)]
+
+
+def usage_line(usage: Usage | None, price: float | None) -> str:
+    """The Monitor's line of what the run used so far."""
+    if usage is None:
+        return ""
+    if not usage.gpu_hours:
+        return "Used: no GPU (CPU nodes): no GPU-hours, no GPU energy counter."
+    parts = [f"{usage.gpu_hours:.2f} GPU-h"]
+    if usage.energy_kwh is None:
+        parts.append("energy not reported (no NVML energy counter)")
+    else:
+        wh = usage.wh_per_mtok
+        parts.append(f"{usage.energy_kwh:.3f} kWh" + (f" ({wh:.1f} Wh per 1M tokens)" if wh is not None else ""))
+    cost = usage.cost(price)
+    if cost is not None:
+        parts.append(f"cost {cost:.2f} at {price:g} per GPU-hour")
+    return "Used: " + " · ".join(parts)
+
+
+def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None,
+              usage: str = "") -> str:
     """The Monitor's head: state, attempt, the layout of the ranks, elapsed time, and for a failure
     the classified cause, the node and the last log lines (never a traceback from the studio itself)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
@@ -53,6 +84,8 @@ def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layou
              f"{layout.nproc_per_node})" if layout else "")
     lines = [f"**{STATE_MARK.get(run.state, '')} {run.state}** · run `{run.id}` · attempt {run.attempts}{ranks} · "
              f"started {started} · {format_duration(duration_s(run))}"]
+    if usage:
+        lines.append(usage)
     if progress and progress.get("resumed_from") is not None:
         lines.append(f"Resumed from the checkpoint of step {progress['resumed_from']}.")
     if run.cause or run.message:
@@ -89,7 +122,8 @@ def restart_message(run_id: str, checkpoints: list[tuple[int, str]]) -> str:
             "as a new attempt…")
 
 
-def run_rows(runs: list[Any], summaries: dict[str, dict]) -> list[list[Any]]:
+def run_rows(runs: list[Any], summaries: dict[str, dict], usages: dict[str, Usage] | None = None,
+             price: float | None = None) -> list[list[Any]]:
     rows = []
     for run in runs:
         s = summaries.get(run.id, {})
@@ -98,7 +132,8 @@ def run_rows(runs: list[Any], summaries: dict[str, dict]) -> list[list[Any]]:
         rows.append([run.id, run.name, run.state, run.attempts,
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(run.created_at)),
                      format_duration(duration_s(run)),
-                     "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1), run.run_dir])
+                     "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1),
+                     *usage_cells((usages or {}).get(run.id), price), run.run_dir])
     return rows
 
 

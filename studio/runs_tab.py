@@ -40,10 +40,11 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             manager = studio.manager
             runs = manager.runs()
             summaries = {r.id: manager.progress(r.id) or {} for r in runs}
+            usages = {r.id: manager.usage(r.id) for r in runs}
         except Exception as exc:  # noqa: BLE001
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Listing runs", exc)
         options = [run_choice(r) for r in runs]
-        return (run_rows(runs, summaries), gr.update(choices=options), gr.update(choices=options),
+        return (run_rows(runs, summaries, usages, studio.gpu_hour_price()), gr.update(choices=options), gr.update(choices=options),
                 gr.update(choices=options), f"{len(runs)} run(s).")
 
     def on_overlay(run_ids: list[str] | None, x_axis: str):

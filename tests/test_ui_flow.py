@@ -133,9 +133,10 @@ def test_full_flow(studio):
         expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
         run_id = re.search(r"Launched run (\S+?)\.", page.locator("#launch-status").inner_text()).group(1)
         expect(page.get_by_role("tab", name="Monitor")).to_have_attribute("aria-selected", "true")
-        # The status names the layout the ranks were planned with.
+        # The status names the layout the ranks were planned with, and what the run used.
         expect(page.locator("#monitor-status")).to_contain_text(re.compile(r"DP\d+×TP1×SP1×CP1 = \d+ ranks"),
                                                                 timeout=30000)
+        expect(page.locator("#monitor-status")).to_contain_text("Used: no GPU (CPU nodes)")
         shot(page, "launched")
 
         # 4. The loss and utilisation charts gain points while the run trains.
@@ -219,6 +220,7 @@ def test_full_flow(studio):
         page.get_by_role("tab", name="Runs").click()
         expect(page.locator("#runs-table")).to_contain_text(run_id, timeout=30000)
         expect(page.locator("#runs-table")).to_contain_text("stopped")
+        expect(page.locator("#runs-table")).to_contain_text("Wh/Mtok")  # GPU-h, kWh, Wh per 1M tokens, cost
         heights = page.evaluate(HEADER_HEIGHTS_JS)
         assert heights["attempts"] == heights["run"], heights  # one line, not "at/te/mp/ts"
         page.locator("#runs-overlay input").click()

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 from studio_server import REPO  # noqa: E402
 
 from backend.job.cluster import usable_cores  # noqa: E402
+from worker import until  # noqa: E402
 
 DEMO_MODEL, DEMO_DATA = str(REPO / "assets/demo/model"), str(REPO / "assets/demo/train.jsonl")
 IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DATA} "
@@ -186,5 +187,14 @@ def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     expect(page.locator("#train-layout")).to_contain_text(re.compile(r"2 × 8\s+16\s+16\s"), timeout=15000)
     expect(page.locator("#train-commands")).to_contain_text("--rdzv_endpoint 10.0.0.1:29500")
     shot(page, "layout-on-two-nodes")
+    # The price of a GPU-hour is kept for the runs' cost, also across a reload.
+    page.get_by_role("tab", name="Cluster").click()
+    page.locator("#cluster-price input").fill("2.5")
+    page.locator("#cluster-price input").press("Enter")
+    settings = studio.root / "data" / "swift-studio" / "settings.json"
+    until(lambda: settings.is_file() and '"price_per_gpu_hour": 2.5' in settings.read_text(), timeout=15)
+    page.reload()
+    page.get_by_role("tab", name="Cluster").click()
+    expect(page.locator("#cluster-price input")).to_have_value("2.5", timeout=15000)
     assert "Traceback" not in page.content()
     assert foreign_requests(page.requests, studio.url) == []

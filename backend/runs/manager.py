@@ -33,6 +33,7 @@ from backend.job.planner import Plan
 from backend.job.spec import JobSpec, absolute_dir
 from backend.runs import lifecycle
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
+from backend.runs.usage import Usage, usage_of, windows
 from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
 from backend.telemetry.ingest import TelemetrySink
 from backend.store.db import create_db_and_tables, make_engine
@@ -308,6 +309,15 @@ class RunManager:
             if isinstance(event.get("step"), int):
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
+
+    def usage(self, run_id: str) -> Usage:
+        """GPU-hours, energy and tokens of all the run's attempts (backend.runs.usage)."""
+        from backend.telemetry.query import energy_j, tokens_trained
+
+        attempts, now = self.store.attempts(run_id), time.time()
+        self.sink.flush()
+        return usage_of(attempts, now, energy_j(self.engine, run_id, windows(attempts, now)),
+                        tokens_trained(self.engine, run_id))
 
     def stop_outcome(self, run_id: str, since: float) -> str | None:
         """What the workers did with a stop requested at `since` (epoch seconds): the checkpoint they

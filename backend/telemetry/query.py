@@ -157,6 +157,34 @@ def events(engine: Engine, run_id: str, etypes: Iterable[str], limit: int | None
             .order_by(E.c.t.desc(), E.c.id.desc()).limit(limit)).scalars()] for etype in etypes}
 
 
+ENERGY_SERIES = "gpu/energy_j"
+
+
+def energy_j(engine: Engine, run_id: str, windows: Iterable[tuple[float, float]]) -> float | None:
+    """Joules the run's GPUs used: per attempt window (start, end) and GPU, how far NVML's total-energy
+    counter (`gpu/energy_j`, since the driver loaded) rose; None where no GPU reported it. Samples
+    older than an hour are minute means (Downsampling), so the first and last minute of a long run
+    count a little short."""
+    total, seen = 0.0, False
+    with engine.connect() as conn:
+        for start, end in windows:
+            rows = conn.execute(select(func.min(S.c.value), func.max(S.c.value)).where(
+                S.c.run_id == run_id, S.c.name == ENERGY_SERIES, S.c.t >= start, S.c.t <= end)
+                .group_by(S.c.node, S.c.gpu)).all()
+            for low, high in rows:
+                if low is not None and high is not None:
+                    total, seen = total + high - low, True
+    return total if seen else None
+
+
+def tokens_trained(engine: Engine, run_id: str) -> int:
+    """Tokens the workers trained on over all attempts (a step a resume did again counts again: it
+    was paid for), from the `train` events' window counts."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(E.c.data).where(E.c.run_id == run_id, E.c.type == "train")).scalars()
+        return sum(int(json.loads(data).get("tokens") or 0) for data in rows)
+
+
 def alerts(engine: Engine, run_id: str) -> list[Alert]:
     """A run's stored alerts, oldest first."""
     with engine.connect() as conn:
