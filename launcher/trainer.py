@@ -310,8 +310,9 @@ class Trainer:
                 window, window_losses = Window(), []
             due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
             if stop_votes and late:
-                raise Stopped(self._no_checkpoint_message(f"a checkpoint takes about {self.last_save_s:.0f} s, more "
-                                                          "than is left of the"))
+                # (every rank has saved as often: the vote is late only where the last save time is known)
+                raise Stopped(self._no_checkpoint_message(f"a checkpoint takes about {self.last_save_s or 0:.0f} s, "
+                                                          "more than is left of the"))
             if stop_votes or due:
                 saving = time.perf_counter()
                 self._save()
