@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from backend.job.capabilities import same_data_ranks, unsupported
 from backend.job.spec import JobSpec
 from launcher.data import Row, collate
-from worker import ROOT, events, losses, model_logits, run_ok, run_worker, write_run
+from worker import ROOT, assert_same_export, events, losses, run_ok, run_worker, write_run
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -103,11 +102,7 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
     assert proc.returncode == 1
     assert "'sequence_parallel_size': 2" in proc.log and "resume with the layout it was written with" in proc.log
 
-    from launcher.export import export
-
-    sp_out = export(sp, None, tmp_path / "sp-export")
-    plain_out = export(plain, None, tmp_path / "plain-export")
-    torch.testing.assert_close(model_logits(sp_out["out"]), model_logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+    assert_same_export(sp, plain, tmp_path)
 
 
 @pytest.mark.e2e

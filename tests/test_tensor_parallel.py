@@ -9,7 +9,7 @@ import torch
 
 from backend.job.capabilities import TIED_UNDER_TP_FSDP, TpPlan, tp_plan, unsupported
 from backend.job.spec import JobSpec
-from worker import ROOT, events, losses, model_logits, run_ok, run_worker, write_run
+from worker import ROOT, assert_same_export, events, losses, run_ok, run_worker, write_run
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
 STEPS = 20
@@ -116,12 +116,7 @@ def test_tp2_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model, trai
         for step, value in losses(onto_one).items():
             assert value == pytest.approx(losses(tp)[step], rel=2e-4), step
 
-    # Export both: one HF directory each, the same logits.
-    from launcher.export import export
-
-    tp_out = export(tp, None, tmp_path / "tp-export")
-    plain_out = export(plain, None, tmp_path / "plain-export")
-    torch.testing.assert_close(model_logits(tp_out["out"]), model_logits(plain_out["out"]), rtol=1e-4, atol=1e-4)
+    assert_same_export(tp, plain, tmp_path)
 
 
 @pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 from sqlmodel import Session, create_engine
 
 from backend.runs.usage import Usage, attempt_gpus, usage_of
-from backend.store.telemetry_models import MetricSample, RunEvent, create_telemetry_tables
+from backend.store.telemetry_models import MetricSample, create_telemetry_tables
 from backend.telemetry.query import energy_j, tokens_trained
 from studio.run_view import usage_cells, usage_line
 
@@ -51,8 +51,7 @@ def test_energy_is_the_counters_rise_within_each_attempt(engine):
         rows += [MetricSample(run_id="r", node=node, gpu=gpu, name="gpu/energy_j", t=T0 + s, value=base + 2e6 + 50 * s)
                  for s in (1000, 1020)]                                 # attempt 2: +1,000 J per GPU
     rows.append(MetricSample(run_id="other", node="a", gpu=0, name="gpu/energy_j", t=T0 + 10, value=9e9))
-    rows += [RunEvent(run_id="r", node="a", file="events/rank-0.jsonl", offset=i, type="train", t=T0 + i,
-                      data=json.dumps({"step": i, "tokens": 1000})) for i in range(1, 4)]
+    rows += [MetricSample(run_id="r", node="a", name="train/tokens", t=T0 + i, value=1000.0, step=i) for i in range(1, 4)]
     with Session(engine) as s:
         s.add_all(rows)
         s.commit()
@@ -81,3 +80,18 @@ def test_the_price_per_gpu_hour_is_kept(tmp_path):
     assert studio.gpu_hour_price() is None
     studio.settings_file.write_text("not json")
     assert studio.gpu_hour_price() is None
+
+
+def test_the_workers_train_events_give_the_token_count(engine):
+    """The worker's `train` event carries its window's tokens; the ingestor keeps them as the
+    train/tokens series that tokens_trained sums."""
+    from backend.telemetry.ingest import Ingestor
+
+    ing = Ingestor(engine, autostart=False)
+    for i, step in enumerate((5, 10, 15)):
+        ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 100 * (i + 1), "rank": 0,
+                                       "data": {"type": "train", "time": T0 + i, "step": step, "loss": 1.0,
+                                                "tokens": 2048}}))
+    ing.flush()
+    assert tokens_trained(engine, "r") == 3 * 2048
+    ing.close()

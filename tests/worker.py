@@ -67,14 +67,21 @@ def run_ok(run_dir: Path, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def model_logits(model_dir: Path):
-    """Logits of a saved model (fp32, eval) on a fixed batch: two exports that should be the same model."""
+def assert_same_export(run_a: Path, run_b: Path, tmp_path: Path) -> None:
+    """Both runs' latest checkpoints exported to HF directories give the same logits (fp32, eval, a
+    fixed batch): the same model, however each run was laid out."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.arange(3, 35).reshape(2, 16)).logits
+    from launcher.export import export
+
+    def logits(run: Path):
+        out = export(run, None, tmp_path / f"{run.name}-export")["out"]
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(input_ids=torch.arange(3, 35).reshape(2, 16)).logits
+
+    torch.testing.assert_close(logits(run_a), logits(run_b), rtol=1e-4, atol=1e-4)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

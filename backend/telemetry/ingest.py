@@ -40,8 +40,8 @@ S, E, A, O, P = (m.__table__ for m in (MetricSample, RunEvent, Alert, IngestOffs
 
 # Fields of agent lines that are not metrics.
 _NOT_METRIC = {"kind", "t", "gpu", "run_pids"}
-TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "samples_per_s", "step_time_s", "mfu",
-                "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
+TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens", "tokens_per_s", "samples_per_s", "step_time_s",
+                "mfu", "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
 SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s", "attempt")
