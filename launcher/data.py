@@ -145,7 +145,7 @@ def unpacked(samples: list[Sample]) -> list[Row]:
 def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1) -> dict:
     """Tensors for one micro-batch. Packed rows get no attention mask (the position ids carry the
     sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
-    of `multiple` (a Ulysses SP group splits every row into that many equal parts)."""
+    of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly)."""
     import torch
 
     width = pad_to or max(len(r.input_ids) for r in rows)

@@ -48,7 +48,10 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     loaded straight into its TP (and FSDP2) shards."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=master_dtype, attn_implementation=attn_implementation(spec.attn_impl))
+    requested = spec.attn_impl
+    if spec.context_parallel_size > 1 and requested in (None, "", "auto"):
+        requested = "sdpa"  # torch's ring attention replaces SDPA only
+    kwargs = dict(dtype=master_dtype, attn_implementation=attn_implementation(requested))
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.job.capabilities import tp_plan
+from backend.job.capabilities import seq_multiple, tp_plan
 from backend.job.errors import UserError
 from backend.job.planner import STOP_BUDGET_ENV, STOP_BUDGET_S
 from backend.job.spec import JobSpec
@@ -171,7 +171,7 @@ class Trainer:
             raise data.DataError(error)
         if found:
             raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
-        # Ranks of one TP group read the same shard: count each shard once.
+        # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
         (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
         per_epoch = data.steps_per_epoch(int(min_rows), spec.per_device_train_batch_size, spec.gradient_accumulation_steps)
@@ -186,7 +186,7 @@ class Trainer:
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
         batches = data.Batches(rows, spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
                                spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length,
-                               spec.sequence_parallel_size)
+                               seq_multiple(spec))
         return batches, plan
 
     def _resume_checkpoint(self) -> Path | None:
@@ -244,7 +244,8 @@ class Trainer:
         return final
 
     def _layout(self) -> dict[str, int]:
-        return {field: getattr(self.spec, field) for field in ("tensor_model_parallel_size", "sequence_parallel_size")}
+        return {field: getattr(self.spec, field)
+                for field in ("tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size")}
 
     def _load(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
@@ -350,7 +351,7 @@ class Trainer:
         d, plan = self.dist, self.plan
         means = window.means()
         elapsed = max(time.perf_counter() - window.started, 1e-9)
-        # A TP group's ranks all process the same tokens: count them once.
+        # A TP, SP or CP group's ranks all process the same tokens: count them once.
         (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
         self.events.emit("timing", rank=d.rank, step=self.step, **means)
         if not d.is_main:

@@ -66,7 +66,7 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
         view.yaml_text = view.spec.to_yaml()
         layout = compute_layout(view.spec, cluster)
         view.layout_md = layout_md(layout)
-        view.greyed = greyed_dimensions(view.spec, layout)
+        view.greyed = greyed_dimensions(view.spec, layout, cluster)
         model, model_note = _model_config(view.spec.model)
         view.memory_md = memory_md(view.spec, layout, cluster, model, model_note)
         if not any(p.severity == "error" for p in problems):
@@ -78,13 +78,13 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
     return view
 
 
-def greyed_dimensions(spec: JobSpec, layout: Layout) -> dict[str, str]:
+def greyed_dimensions(spec: JobSpec, layout: Layout, cluster: Cluster) -> dict[str, str]:
     """The parallel dimensions left at 1 that cannot go above it here: one rank has nothing to split;
-    otherwise what the worker refuses with this engine (backend.job.capabilities)."""
+    otherwise what the worker refuses with this engine on these nodes (backend.job.capabilities)."""
     if layout.world == 1:
         return {name: "this job has one rank on this cluster: nothing to split (raise nproc_per_node or nnodes)"
                 for name in PARALLEL_FIELDS if getattr(spec, name) == 1}
-    return parallel_refusals(spec)
+    return parallel_refusals(spec, {n.host: n.device for n in cluster.nodes[: spec.nnodes]})
 
 
 def problems_md(problems: list[Problem]) -> str:

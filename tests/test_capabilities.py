@@ -32,7 +32,7 @@ def test_supported_jobs_pass():
     (dict(tensor_model_parallel_size=2, deepspeed="zero2"), "deepspeed", "AutoTP trains full fine-tuning only"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size", "not supported by this worker yet"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
-    (dict(context_parallel_size=2), "context_parallel_size", "not supported"),
+    (dict(context_parallel_size=2), "fsdp", "runs on FSDP2 (torch's context_parallel)"),
     (dict(expert_model_parallel_size=2), "expert_model_parallel_size", "not supported"),
     (dict(sequence_parallel_size=2), "deepspeed", "runs on DeepSpeed's Ulysses"),
     (dict(deepspeed="zero2", fsdp="full_shard"), "fsdp", "either DeepSpeed or FSDP"),
@@ -96,6 +96,8 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
 @pytest.mark.parametrize("fields,message", [
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: not supported by this worker yet"),
     (dict(torch_dtype="float16"), "torch_dtype: float16 needs a GPU"),
+    (dict(context_parallel_size=2, fsdp="full_shard"),
+     "context_parallel_size: ring attention (torch's context_parallel) runs on CUDA GPUs only"),
     # A user JSON's stage is only known once it is read; the backend checks it too, before launch.
     (dict(deepspeed="zero3.json", torch_compile=True), f"torch_compile: {COMPILE_WITH_ZERO3}"),
 ])

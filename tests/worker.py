@@ -15,15 +15,25 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def build_tiny_model(out: Path) -> Path:
-    """The demo tokenizer with a 2-layer, 64-wide Qwen2 model (random, seeded) in `out`."""
+def build_tiny_model(out: Path, family: str = "qwen2", **shape) -> Path:
+    """The demo tokenizer with a 2-layer, 64-wide model (random, seeded) in `out`: the demo's Qwen2,
+    or another transformers family (llama, mistral, qwen3, ...) of the same sizes; `shape` overrides
+    TINY's sizes."""
     sys.path.insert(0, str(ROOT / "assets"))
+    import torch
     from build_demo import build_model
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
     tokenizer.save_pretrained(out)
-    build_model(tokenizer, seed=0, **TINY).save_pretrained(out)
+    if family == "qwen2":
+        model = build_model(tokenizer, seed=0, **{**TINY, **shape})
+    else:
+        config = AutoConfig.for_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**TINY, **shape})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
     return out
 
 
@@ -42,7 +52,8 @@ def torchrun_argv(run_dir: Path, nproc: int = 2, resume: str | None = None) -> l
 
 
 def worker_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout: int = 240,

@@ -46,9 +46,23 @@ class TpPlan:
 
 
 def same_data_ranks(spec: JobSpec) -> int:
-    """Consecutive ranks that compute on the same batches (a TP group, a Ulysses SP group): the
-    data-parallel rank is rank // this, and their tokens count once."""
-    return spec.tensor_model_parallel_size * spec.sequence_parallel_size
+    """Consecutive ranks that compute on the same batches (a TP group, a Ulysses SP group, a ring CP
+    group): the data-parallel rank is rank // this, and their tokens count once."""
+    return spec.tensor_model_parallel_size * spec.sequence_parallel_size * spec.context_parallel_size
+
+
+def seq_multiple(spec: JobSpec) -> int:
+    """What every row's width is padded to a multiple of: a Ulysses group splits each row into SP
+    equal parts; ring CP into 2 x CP chunks, a head and a tail per rank (torch's load balancer)."""
+    cp = spec.context_parallel_size
+    if cp <= 1:
+        return spec.sequence_parallel_size
+    # torch's ring over the memory-efficient kernel (the one float32 runs on) merges each step's
+    # log-sum-exp, which that kernel pads to a multiple of 32 rows, with the unpadded running one, and
+    # fails on shorter chunks (seen with torch 2.11 on an H200; tests/test_context_parallel.py runs
+    # float32 rows of other widths). Chunks of a multiple of 32 tokens have no padding.
+    chunk = 32 if spec.torch_dtype == "float32" else 1
+    return spec.sequence_parallel_size * 2 * cp * chunk
 
 
 def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
@@ -114,13 +128,13 @@ def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Pr
 
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
-    for field in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                  "expert_tensor_parallel_size"):
+    for field in ("pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
         if getattr(spec, field) > 1:
             problems.append(Problem(field, "not supported by this worker yet (it runs DDP, DeepSpeed ZeRO, FSDP2, "
-                                           "tensor parallel and Ulysses sequence parallel)"))
+                                           "tensor parallel, Ulysses sequence parallel and ring context parallel)"))
     problems += _tp_problems(spec)
     problems += _sp_problems(spec)
+    problems += _cp_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -206,19 +220,87 @@ def _sp_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-PARALLEL_FIELDS = (TP, SP, "context_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+CP = "context_parallel_size"
+RING_ATTN_IMPLS = (None, "", "auto", "sdpa")
+CP_NEEDS_CUDA = ("ring attention (torch's context_parallel) runs on CUDA GPUs only: torch has no ring rule for "
+                 "the CPU attention kernel; use sequence_parallel_size (Ulysses, which runs on CPU too) or GPU nodes")
+
+
+def _cp_problems(spec: JobSpec) -> list[Problem]:
+    """Ring context parallel is torch's `context_parallel` over FSDP2 (launcher/engines/cp.py): it
+    rewrites SDPA into ring attention with the causal mask only; what does not compose is refused by
+    name. That it needs GPUs is the cluster's rule (`cp_device_problems`)."""
+    if spec.context_parallel_size <= 1:
+        return []
+    out = []
+    if spec.deepspeed or not spec.fsdp:
+        out.append(Problem("fsdp", f"{CP} > 1 runs on FSDP2 (torch's context_parallel): set fsdp to full_shard or "
+                                   "shard_grad_op" + (" and remove deepspeed (DeepSpeed's long-context path is "
+                                                      "sequence_parallel_size, Ulysses)" if spec.deepspeed else "")))
+    for field in (TP, SP):
+        if getattr(spec, field) > 1:
+            out.append(Problem(CP, f"not with {field} > 1 (they do not compose in this worker); use one of them"))
+    if spec.attn_impl not in RING_ATTN_IMPLS:
+        out.append(Problem("attn_impl", f"{spec.attn_impl} with {CP} > 1: torch's ring attention replaces SDPA "
+                                        "only; use sdpa"))
+    if spec.packing:
+        # The ring computes plain causal attention over the whole row: packed samples would see each other.
+        out.append(Problem("packing", f"packing with {CP} > 1: ring attention knows only the causal mask, so packed "
+                                      "samples would attend to each other; turn packing off (rows are padded at "
+                                      "the end, which the causal mask keeps out of every real token's view)"))
+    for field, why in (("torch_compile", "compiling the ring dispatch is not tested"),
+                       ("use_liger_kernel", "Liger's fused loss is not wired to the sequence-sharded loss")):
+        if getattr(spec, field):
+            out.append(Problem(field, f"not with {CP} > 1 ({why}); turn it off"))
+    return out
+
+
+def cp_device_problems(spec: JobSpec, devices: dict[str, str]) -> list[Problem]:
+    """Ring CP on the nodes' devices (`{host: "cuda" | "cpu"}`): refused where a node has no GPU."""
+    cpu = [host for host, device in devices.items() if device != "cuda"]
+    if spec.context_parallel_size <= 1 or not cpu:
+        return []
+    return [Problem(CP, f"{CP_NEEDS_CUDA} ({', '.join(cpu)} {'is a CPU node' if len(cpu) == 1 else 'are CPU nodes'})")]
+
+
+def sliding_window_problems(spec: JobSpec, sliding_window: int) -> list[Problem]:
+    """Ring CP drops the model's mask for plain causal attention: a sliding window
+    (`backend.job.modelcfg.sliding_window`) shorter than max_length would be trained as full attention."""
+    if spec.context_parallel_size <= 1 or not sliding_window or sliding_window >= spec.max_length:
+        return []
+    return [Problem(CP, f"the model attends over a sliding window of {sliding_window} tokens, shorter than max_length "
+                        f"{spec.max_length}; ring attention has no window and would train it as full attention: use "
+                        f"max_length <= {sliding_window}, or sequence_parallel_size")]
+
+
+def ring_kernel_problems(spec: JobSpec, num_heads: int, num_kv_heads: int) -> list[Problem]:
+    """torch's ring has rules for the flash, memory-efficient and cuDNN SDPA kernels, not for the
+    math fallback. In float32 only the memory-efficient kernel runs, and it has no grouped-query
+    attention, which transformers asks for when there is no mask: a GQA model would fall back."""
+    if spec.context_parallel_size <= 1 or spec.torch_dtype != "float32" or num_kv_heads >= num_heads:
+        return []
+    return [Problem("torch_dtype", f"float32 with {CP} > 1 and this model's grouped-query attention ({num_heads} "
+                                   f"heads, {num_kv_heads} key/value heads): the float32 SDPA kernel has no GQA and "
+                                   "its math fallback no ring rule; use bfloat16")]
+
+
+PARALLEL_FIELDS = (TP, SP, CP, "pipeline_model_parallel_size", "expert_model_parallel_size",
                    "expert_tensor_parallel_size")
 
 
-def parallel_refusals(spec: JobSpec) -> dict[str, str]:
+def parallel_refusals(spec: JobSpec, devices: dict[str, str] | None = None) -> dict[str, str]:
     """Why the worker would refuse each parallel dimension (left at 1) above 1, with the rest of the
-    job as it is: the refusals that setting it to 2 adds, as the form greys it out."""
-    before = {(p.field, p.message) for p in unsupported(spec)}
+    job as it is and on the nodes' devices (`{host: "cuda" | "cpu"}`, as `cp_device_problems`): the
+    refusals that setting it to 2 adds, as the form greys it out."""
+    def refused(job: JobSpec) -> list[Problem]:
+        return unsupported(job) + cp_device_problems(job, devices or {})
+
+    before = {(p.field, p.message) for p in refused(spec)}
     out = {}
     for field in PARALLEL_FIELDS:
         if getattr(spec, field) > 1:
             continue
-        added = [p for p in unsupported(spec.model_copy(update={field: 2}))
+        added = [p for p in refused(spec.model_copy(update={field: 2}))
                  if p.severity == "error" and (p.field, p.message) not in before]
         if added:
             out[field] = "; ".join(p.message if p.field == field else f"{p.field}: {p.message}" for p in added)

@@ -163,8 +163,10 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> floa
         kept = tokens * (layers_here * width * h + per_layer)  # layer inputs + one layer recomputed
     else:
         kept = tokens * layers_here * per_layer
-    # Liger's fused linear-cross-entropy never materialises the logits.
-    logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES / layout.tp
+    # Liger's fused linear-cross-entropy never materialises the logits. Under TP every rank holds
+    # all of them: the TP plans gather lm_head's output for the loss (transformers' colwise_gather_output;
+    # measured, bench/results/h200-layout-memory.jsonl).
+    logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES
     return kept + logits
 
 

@@ -119,6 +119,8 @@ class ModelConfig:
     max_position_embeddings: int = 0
     """The longest context the model was trained for; 0 when the config does not say."""
     rope_scaling: str = ""
+    sliding_window: int = 0
+    """The attention window of the layers that have one (`sliding_window` below); 0 when none do."""
     """The config's rope scaling type (yarn, linear, dynamic, llama3, ...), empty without."""
     source: str = ""
 
@@ -308,8 +310,25 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         vision_tower=isinstance(cfg.get("vision_config"), dict),
         max_position_embeddings=_int(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", default=0),
         rope_scaling=_rope_scaling(cfg),
+        sliding_window=sliding_window(cfg),
         source=source,
     )
+
+
+def sliding_window(cfg: dict[str, Any]) -> int:
+    """The window of the config's sliding-window layers, 0 when no layer has one: `layer_types`
+    where the config lists them (transformers 5), else Qwen2's `use_sliding_window` switch, else a
+    set `sliding_window` applies to every layer (Mistral). The worker asks the same of the model's
+    live config."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return window if any(t != "full_attention" for t in types) else 0
+    if "use_sliding_window" in cfg:
+        return window if cfg["use_sliding_window"] else 0
+    return window
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
             unit = "GPUs" if node.device == "cuda" else "CPU cores"
             out.append(Problem("nproc_per_node", f"{layout.nproc_per_node} processes per node, but {node.host} has "
                                                  f"{node.slots} slot(s) ({unit})"))
+    out += capabilities.cp_device_problems(spec, {n.host: n.device for n in nodes})
     if spec.nproc_per_node is None and len({n.slots for n in nodes}) > 1:
         out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
     if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
@@ -97,6 +98,8 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         # DeepSpeed's Ulysses splits the KV heads over the group, or replicates them when SP is a multiple.
         out.append(Problem(SP, f"the model's {model.num_kv_heads} key/value heads and SP={sp}: one must divide the "
                                "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
+    out += capabilities.sliding_window_problems(spec, model.sliding_window)
+    out += capabilities.ring_kernel_problems(spec, model.num_heads, model.num_kv_heads)
     if model.num_layers % pp:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
     if tp > 1 and spec.fsdp and model.tie_word_embeddings:

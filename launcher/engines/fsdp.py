@@ -1,5 +1,6 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer and the root sharded over
 all ranks; checkpoints through torch.distributed.checkpoint, so they reshard onto any world size.
+With ring context parallel (`launcher.engines.cp`) the shards span the CP ranks too.
 
 The same machinery runs DDP's layout for full fine-tuning (`FsdpPlan.replicate`): every rank holds
 every parameter (shards of one rank, HSDP's replicate dimension over all ranks) and gradients are
@@ -56,10 +57,17 @@ class FSDPEngine(TorchOptimizerEngine):
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulation = spec.gradient_accumulation_steps
+        self.cp = None
+        if spec.context_parallel_size > 1:
+            from launcher.engines.cp import RingCP
+
+            self.cp = RingCP(model, spec, dist)
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         # Reduce-scatter only on the last micro-batch; earlier ones accumulate unsharded grads.
         self.model.set_requires_gradient_sync(sync)
+        if self.cp:
+            return self.cp.forward_backward(self.model, batch, 1 / self.accumulation)
         loss = self.model(**batch).loss
         (loss / self.accumulation).backward()
         return loss.detach()

@@ -1,0 +1,75 @@
+"""Ring context parallel: torch's `context_parallel` (what accelerate's `cp_size` wraps) over FSDP2.
+The ranks of a CP group (consecutive ranks, reading the same batches) each keep two chunks of every
+sequence, a head and a tail (torch's load balancer), and torch rewrites SDPA into ring attention
+around them; the rest of the model runs on the local chunks. The parameters are FSDP2's over all
+ranks, so checkpoints are the plain FSDP2 ones and reshard onto any layout."""
+from __future__ import annotations
+
+import torch
+
+from backend.job.capabilities import CP, ring_kernel_problems, sliding_window_problems
+from backend.job.modelcfg import sliding_window
+from launcher.config import ConfigError
+
+
+class RingCP:
+    def __init__(self, model, spec, dist):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        config = model.config
+        heads = config.num_attention_heads
+        refused = (sliding_window_problems(spec, sliding_window(config.to_dict()))
+                   + ring_kernel_problems(spec, heads, getattr(config, "num_key_value_heads", None) or heads))
+        if refused:
+            raise ConfigError(f"{refused[0].field}: {refused[0].message}")
+        if config._attn_implementation != "sdpa":
+            raise ConfigError(f"attn_impl: {config._attn_implementation} with {CP} > 1: ring attention replaces SDPA only")
+        size = spec.context_parallel_size
+        # The CP dimension innermost: a group is consecutive ranks (backend.job.capabilities.same_data_ranks).
+        self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size), mesh_dim_names=("dp", CP))[CP]
+        _drop_masks(model)
+
+    def forward_backward(self, model, batch: dict, scale: float) -> torch.Tensor:
+        return ring_forward_backward(model, batch, self.mesh, scale)
+
+
+def ring_forward_backward(model, batch: dict, mesh, scale: float) -> torch.Tensor:
+    """Forward and backward of this rank's chunks of a micro-batch under torch's `context_parallel`
+    over `mesh` (the CP group), `scale` times its share of the loss; returns the micro-batch's whole
+    mean token loss. The share is the sum of the chunk's token losses over the group's count of
+    predicted tokens, so the group's shares add up to the mean; FSDP2 averages gradients over all
+    ranks, DP x CP, hence the factor CP."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import context_parallel
+
+    # Shift over the whole sequence first: a chunk's last token predicts the next chunk's first.
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
+    predicted = (labels != -100).sum().clamp(min=1)  # of the whole rows: every rank of the group has them
+    ids, positions = batch["input_ids"].clone(), batch["position_ids"].clone()
+    buffers = [ids, labels, positions]
+    # Sharded in place; backward runs inside too, its attention is the ring's as well.
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+        share = model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels,
+                      num_items_in_batch=predicted).loss
+        (share * mesh.size() * scale).backward()
+    full = share.detach().clone()
+    dist.all_reduce(full, group=mesh.get_group())
+    return full
+
+
+def _drop_masks(model) -> None:
+    """Ring attention takes no mask, only causality (torch refuses SDPA with one): transformers
+    builds one from the chunks' position ids (they jump from the head to the tail chunk, which it
+    reads as packed samples), so every attention module is called with none and `is_causal` instead,
+    as accelerate does. Rows are right-padded, so the causal mask alone keeps pads out of view."""
+    def hook(module, args, kwargs):
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+            kwargs["is_causal"] = True
+        return args, kwargs
+
+    attention = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not attention:
+        raise ConfigError(f"{CP}: cannot find the attention modules of this model (no '*.self_attn')")
+    for module in attention:
+        module.register_forward_pre_hook(hook, with_kwargs=True)
