@@ -28,9 +28,10 @@ from studio.theme import CSS, THEME  # noqa: E402
 
 def build_app(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="swift-studio", analytics_enabled=False) as app:
-        # The cluster last used, so that a page load that shows it again changes no state (and
-        # so does not check the Train form a second time).
-        cluster_state = gr.State(studio.load_cluster())
+        # The cluster last used where the run manager is up already, so that a page load that shows
+        # it again changes no state (and does not check the Train form a second time); the page is
+        # built before the manager otherwise, and its load shows the inventory.
+        cluster_state = gr.State(studio.load_cluster(wait=False)[0])
         gr.Markdown("## swift-studio", elem_id="title")
         with gr.Tabs(elem_id="tabs", selected="train") as tabs:
             with gr.Tab("Cluster", id="cluster"):

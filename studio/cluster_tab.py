@@ -37,6 +37,9 @@ def build() -> dict[str, Any]:
             c["ssh_port"] = gr.Number(label="SSH port · ssh_port", value=22, precision=0)
             c["ssh_key"] = gr.Textbox(label="SSH key file · ssh_key", info="Private key path; passwords are never stored.")
             c["python"] = gr.Textbox(label="Python · python", info="Interpreter on the node with swift-studio installed.", value="python3")
+        c["setup"] = gr.Textbox(label="Setup line", elem_id="cluster-setup",
+                                info="Shell run before every command on this node, e.g. 'source ~/venv/bin/activate' "
+                                     "or 'module load cuda'; empty = none.")
         c["add"] = gr.Button("Add / update node", variant="secondary")
     with gr.Accordion("Hostfile", open=False):
         c["hostfile"] = gr.Textbox(label="Hostfile", lines=4, elem_id="cluster-hostfile",
@@ -74,21 +77,22 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dic
     c["preflight"].click(on_preflight, {state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
 
 
-def show_cluster(cluster: Cluster, message: str = "") -> tuple:
-    """Every view of the cluster, from the cluster (also the state itself)."""
-    return (cluster, cluster_summary(cluster), node_rows(cluster), cluster.to_hostfile(),
+def show_cluster(cluster: Cluster, setups: dict[str, str], message: str = "") -> tuple:
+    """Every view of the cluster, from the cluster (also the state itself) and its setup lines."""
+    return (cluster, cluster_summary(cluster), node_rows(cluster, setups), cluster.to_hostfile(),
             gr.update(choices=[n.host for n in cluster.nodes], value=None), message)
 
 
 def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     outputs = [state, c["summary"], c["nodes"], c["hostfile"], c["remove_host"], c["message"]]
 
-    def show(cluster: Cluster, message: str = "") -> tuple:
+    def show(cluster: Cluster, message: str = "", setups: dict[str, str] | None = None) -> tuple:
         try:
-            studio.save_cluster(cluster)
-        except OSError as exc:
-            message += f" (not saved for the next start: {exc})"
-        return show_cluster(cluster, message)
+            stored = studio.save_cluster(cluster, setups)
+        except Exception as exc:  # noqa: BLE001 - the cluster is still used on this page
+            stored = {}
+            message += f" (not saved in the node inventory: {user_message('Saving the nodes', exc)})"
+        return show_cluster(cluster, stored, message)
 
     def refused(cluster: Cluster, message: str) -> tuple:
         return cluster, gr.skip(), gr.skip(), gr.skip(), gr.skip(), message
@@ -96,13 +100,14 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     def failed(cluster: Cluster, exc: HostfileError) -> tuple:
         return refused(cluster, "**Not applied:**\n" + problems_md(exc.problems))
 
-    def on_add(cluster: Cluster, *values) -> tuple:
+    def on_add(cluster: Cluster, setup: str, *values) -> tuple:
         row = dict(zip(NODE_FORM_KEYS, values))
         try:
             new = put_node(cluster, row)
         except HostfileError as exc:
             return failed(cluster, exc)
-        return show(new, f"Node `{row['host']}` saved.")
+        host = str(row["host"]).strip()
+        return show(new, f"Node `{host}` saved.", {host: (setup or "").strip()})
 
     def on_remove(cluster: Cluster, host: str | None) -> tuple:
         if not host:
@@ -127,12 +132,12 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
             return refused(cluster, f"Cannot read {path.name}: {exc}")
         return on_hostfile(cluster, text, source=path.name)
 
-    c["add"].click(on_add, [state, *(c[k] for k in NODE_FORM_KEYS)], outputs)
+    c["add"].click(on_add, [state, c["setup"], *(c[k] for k in NODE_FORM_KEYS)], outputs)
     c["remove"].click(on_remove, [state, c["remove_host"]], outputs)
     c["apply_hostfile"].click(on_hostfile, [state, c["hostfile"]], outputs)
     c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)
     c["use_local"].click(lambda: show(local_cluster(), "Using this machine."), None, outputs)
-    c["on_load"] = lambda: show_cluster(studio.load_cluster())
+    c["on_load"] = lambda: show_cluster(*studio.load_cluster())
     c["price"].input(studio.save_gpu_hour_price, [c["price"]], None)
     c["load_price"] = lambda: studio.gpu_hour_price()
     c["outputs"] = outputs

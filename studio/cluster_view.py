@@ -10,17 +10,18 @@ from typing import Any
 
 from backend.job.cluster import Cluster, cluster_from_dicts
 
-NODE_COLUMNS = ["host", "address", "slots", "device", "GPUs", "GPU memory (GiB)", "SSH", "python"]
+NODE_COLUMNS = ["host", "address", "slots", "device", "GPUs", "GPU memory (GiB)", "SSH", "python", "setup line"]
 NODE_FORM_KEYS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device")
 
 
-def node_rows(cluster: Cluster) -> list[list[Any]]:
+def node_rows(cluster: Cluster, setups: dict[str, str] | None = None) -> list[list[Any]]:
+    """The nodes table; `setups`: the inventory's setup line per host (run before every command there)."""
     rows = []
     for n in cluster.nodes:
         ssh = "local (no SSH)" if n.local else f"{n.ssh_user + '@' if n.ssh_user else ''}{n.address}:{n.ssh_port}"
         gpus = ", ".join(n.gpu_names) if n.gpu_names else ("CPU slots" if n.device == "cpu" else "not probed")
         mem = round(n.gpu_mem_gib, 1) if n.gpu_mem_gib else ""
-        rows.append([n.host, n.address, n.slots, n.device, gpus, mem, ssh, n.python])
+        rows.append([n.host, n.address, n.slots, n.device, gpus, mem, ssh, n.python, (setups or {}).get(n.host, "")])
     return rows
 
 

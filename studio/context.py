@@ -17,6 +17,7 @@ from backend.job.spec import JobSpec, Problem, parse_spec
 
 log = logging.getLogger(__name__)
 PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MANAGER_WAIT_S = 30  # for the run manager at the page build: it starts beside the (slower) Gradio import
 
 
 @dataclass
@@ -36,29 +37,48 @@ class Studio:
 
     @property
     def cluster_file(self) -> Path:
+        """Where studios before the node inventory kept the cluster; read once into the inventory."""
         return self.data_dir / "cluster.json"
 
-    def load_cluster(self) -> Cluster:
-        """The cluster last used in the studio (so a restart keeps it), else this machine. The
-        local node's GPUs are probed again; its slot count is kept."""
+    def load_cluster(self, wait: bool = True) -> tuple[Cluster, dict[str, str]]:
+        """The node inventory (the cluster last used, so a restart keeps it) and its setup lines,
+        else this machine. The local node's GPUs are probed again; its slot count is kept. Without
+        `wait`, this machine while the run manager (which holds the inventory) is still starting."""
         local = local_cluster()
+        if not wait and not self.manager_future.done():
+            return local, {}
         try:
-            rows = json.loads(self.cluster_file.read_text())
-            stored = cluster_from_dicts(rows, source=str(self.cluster_file))
-        except FileNotFoundError:
-            return local
-        except (OSError, ValueError, HostfileError) as exc:
-            log.warning("ignoring %s: %s", self.cluster_file, exc)
-            return local
+            found = self.manager_future.result(timeout=MANAGER_WAIT_S).node_inventory()
+            if found is None:
+                found = self._import_cluster_file()
+        except Exception as exc:  # noqa: BLE001 - the page still works on this machine
+            log.warning("the node inventory is not readable (%s); showing this machine", exc)
+            return local, {}
+        if found is None:
+            return local, {}
+        stored, setups = found
         here = local.nodes[0]
         nodes = tuple(replace(here, slots=n.slots) if n.local else n for n in stored.nodes)
-        return Cluster(nodes=nodes, source=stored.source)
+        return Cluster(nodes=nodes, source=stored.source), setups
 
-    def save_cluster(self, cluster: Cluster) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.cluster_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cluster.to_dicts(), indent=1))
-        tmp.replace(self.cluster_file)
+    def _import_cluster_file(self) -> tuple[Cluster, dict[str, str]] | None:
+        """An older studio's cluster.json into the inventory (the file is left as it is)."""
+        try:
+            stored = cluster_from_dicts(json.loads(self.cluster_file.read_text()), source=str(self.cluster_file))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, HostfileError) as exc:
+            log.warning("ignoring %s: %s", self.cluster_file, exc)
+            return None
+        self.manager.set_inventory(stored)
+        return stored, {}
+
+    def save_cluster(self, cluster: Cluster, setups: dict[str, str] | None = None) -> dict[str, str]:
+        """The cluster as the node inventory (`setups`: lines to set, "" clears one); returns every
+        stored setup line."""
+        self.manager.set_inventory(cluster, setups)
+        found = self.manager.node_inventory()
+        return found[1] if found else {}
 
     @property
     def settings_file(self) -> Path:

@@ -58,7 +58,7 @@ def test_status_runs_and_a_studio_leave_a_live_launch_alone(tmp_path, db, job):
     gate = tmp_path / "gate"
     # The node's setup line (a real inventory feature) holds the launch in `checking` until the
     # gate opens, so the second process surely meets it there.
-    nodes.save_nodes(engine, local_cluster(), {LOCAL_HOST: f"while [ ! -e {gate} ]; do sleep 0.1; done"})
+    nodes.set_inventory(engine, local_cluster(), {LOCAL_HOST: f"while [ ! -e {gate} ]; do sleep 0.1; done"})
     store = RunStore(engine)
     launching = subprocess.Popen(cli("run", job(5), "--db", url), cwd=tmp_path, env=ENV, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -36,7 +36,7 @@ def test_the_database_and_its_companions_are_private(tmp_path, umask022):
     for db in (tmp_path / "data" / "studio.db", tmp_path / "new-dir" / "studio.db"):
         manager = RunManager(f"sqlite:///{db}", reattach=False)
         try:
-            manager.save_nodes(local_cluster())  # a write: WAL and shared memory in use
+            manager.set_inventory(local_cluster())  # a write: WAL and shared memory in use
             assert {p.name: mode(p) for p in db.parent.iterdir()} == {
                 "studio.db": 0o600, "studio.db-wal": 0o600, "studio.db-shm": 0o600}
         finally:

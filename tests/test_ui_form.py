@@ -1,6 +1,8 @@
 """The studio's pure helpers: form <-> spec, field problems, cluster edits (no browser)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backend.job.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
@@ -137,17 +139,52 @@ def test_command_preview_shows_every_node_and_the_ds_config():
     assert "swift sft" in text and ds["train_batch_size"] == 2 * 8
 
 
-def test_cluster_survives_a_restart(tmp_path):
+def studio_with_db(tmp_path) -> Studio:
+    from backend.runs.manager import RunManager
+
     studio = Studio(data_dir=tmp_path, output_dir=tmp_path / "out")
-    assert studio.load_cluster().is_local
+    studio.manager_future.set_result(RunManager(f"sqlite:///{tmp_path / 'studio.db'}"))
+    return studio
+
+
+def test_cluster_survives_a_restart_in_the_node_inventory(tmp_path):
+    studio = studio_with_db(tmp_path)
+    cluster, setups = studio.load_cluster()
+    assert cluster.is_local and setups == {}
     cluster = put_node(put_node(local_cluster(), {"host": "localhost", "slots": 2}),
                        {"host": "gpu1", "slots": 8, "addr": "10.0.0.2", "ssh_key": "~/.ssh/id"})
-    studio.save_cluster(cluster)
-    again = Studio(data_dir=tmp_path, output_dir=tmp_path / "out").load_cluster()
-    assert [(n.host, n.slots, n.local) for n in again.nodes] == [("localhost", 2, True), ("gpu1", 8, False)]
-    assert again.nodes[1].ssh_key == "~/.ssh/id"
-    studio.cluster_file.write_text("not json")
-    assert studio.load_cluster().is_local
+    assert studio.save_cluster(cluster, {"gpu1": "source ~/venv/bin/activate"}) == {"gpu1": "source ~/venv/bin/activate"}
+    # A change of nodes keeps each node's setup line; the line is what launch and pre-flight use.
+    changed = put_node(cluster, {"host": "gpu1", "slots": 4, "addr": "10.0.0.2", "ssh_key": "~/.ssh/id"})
+    assert studio.save_cluster(changed) == {"gpu1": "source ~/venv/bin/activate"}
+    again, setups = studio_with_db(tmp_path).load_cluster()
+    assert [(n.host, n.slots, n.local) for n in again.nodes] == [("localhost", 2, True), ("gpu1", 4, False)]
+    assert again.nodes[1].ssh_key == "~/.ssh/id" and setups == {"gpu1": "source ~/venv/bin/activate"}
+    from backend.cluster.nodes import setups_for
+
+    assert setups_for(studio.manager.engine, again) == {"gpu1": "source ~/venv/bin/activate"}
+    # The nodes table shows the lines; a hostfile without gpu1 drops it and its line.
+    assert node_rows(again, setups)[1][-1] == "source ~/venv/bin/activate"
+    assert studio.save_cluster(remove_node(again, "gpu1")) == {}
+    assert [n.host for n in studio.load_cluster()[0].nodes] == ["localhost"]
+
+
+def test_an_older_studios_cluster_file_is_read_into_the_inventory_once(tmp_path):
+    (tmp_path / "cluster.json").write_text(json.dumps([{"host": "a", "slots": 2, "device": "cpu"},
+                                                       {"host": "b", "slots": 2, "device": "cpu"}]))
+    studio = studio_with_db(tmp_path)
+    assert [n.host for n in studio.load_cluster()[0].nodes] == ["a", "b"]
+    (tmp_path / "cluster.json").write_text("not json")  # read no more: the inventory has the nodes
+    assert [n.host for n in studio_with_db(tmp_path).load_cluster()[0].nodes] == ["a", "b"]
+    assert (tmp_path / "cluster.json").read_text() == "not json"  # left as it was
+
+
+def test_a_broken_cluster_file_or_no_manager_shows_this_machine(tmp_path):
+    (tmp_path / "cluster.json").write_text("not json")
+    assert studio_with_db(tmp_path).load_cluster()[0].is_local
+    alone = Studio(data_dir=tmp_path, output_dir=tmp_path / "out")
+    alone.manager_future.set_exception(RuntimeError("the database is locked"))
+    assert alone.load_cluster()[0].is_local
 
 
 def test_missing_deepspeed_json_is_a_field_error_not_a_crash(tmp_path):

@@ -177,6 +177,15 @@ def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     page.get_by_role("button", name="Use this hostfile").click()
     expect(page.locator("#cluster-summary")).to_contain_text("2 node(s) · 16 GPUs", timeout=15000)
     expect(page.locator("#cluster-nodes")).to_contain_text("10.0.0.2")
+    # A node's setup line is set in the node form and kept in the node inventory with the node.
+    page.get_by_text("Add or change a node (SSH)").click()
+    page.get_by_label("Host · host").fill("gpu2")
+    page.get_by_label("GPUs · slots").fill("8")
+    page.get_by_label("Address · addr").fill("10.0.0.2")
+    page.locator("#cluster-setup textarea").fill("source /opt/venv/bin/activate")
+    page.get_by_role("button", name="Add / update node").click()
+    expect(page.locator("#cluster-message")).to_contain_text("Node gpu2 saved.", timeout=15000)
+    expect(page.locator("#cluster-nodes")).to_contain_text("source /opt/venv/bin/activate")
     shot(page, "two-nodes")
     # The Train tab's layout follows the cluster.
     page.get_by_role("tab", name="Train").click()
@@ -196,5 +205,7 @@ def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
     page.reload()
     page.get_by_role("tab", name="Cluster").click()
     expect(page.locator("#cluster-price input")).to_have_value("2.5", timeout=15000)
+    expect(page.locator("#cluster-summary")).to_contain_text("2 node(s) · 16 GPUs", timeout=15000)
+    expect(page.locator("#cluster-nodes")).to_contain_text("source /opt/venv/bin/activate")
     assert "Traceback" not in page.content()
     assert foreign_requests(page.requests, studio.url) == []

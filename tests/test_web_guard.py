@@ -55,8 +55,14 @@ def client(server) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=30)
 
 
-def cluster_file(server):
-    return server.root / "data" / "swift-studio" / "cluster.json"
+def inventory_pythons(server) -> list[str]:
+    """The interpreters of the studio's node inventory (its database)."""
+    import sqlite3
+
+    with sqlite3.connect(server.root / "studio.db") as db:
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'node'").fetchall():
+            return []  # the run manager has not made its tables yet
+        return [row[0] for row in db.execute("SELECT python FROM node")]
 
 
 def test_a_foreign_host_is_refused_on_every_route(studio):
@@ -140,7 +146,7 @@ def test_a_page_elsewhere_cannot_write_the_cluster(studio):
         assert r.status_code == 403 and "not a public API" in r.text
         r = http.post("/gradio_api/run/on_hostfile", json={"data": [None, EVIL_HOSTFILE]})
         assert r.status_code == 403
-        assert "/tmp/evil" not in (cluster_file(studio).read_text() if cluster_file(studio).exists() else "")
+        assert "/tmp/evil" not in inventory_pythons(studio)
 
         # The same request from the studio's own page is served: the refusals above were the guard's.
         r = _join(http, port, fn_index, "own-page", {"Origin": f"http://127.0.0.1:{port}"})
@@ -149,7 +155,7 @@ def test_a_page_elsewhere_cannot_write_the_cluster(studio):
             for line in events.iter_lines():
                 if line.startswith("data:") and json.loads(line[5:]).get("msg") == "process_completed":
                     break
-    assert "/tmp/evil" in cluster_file(studio).read_text()
+    assert "/tmp/evil" in inventory_pythons(studio)
 
 
 def test_listed_names_are_served_and_others_refused(auth_studio):

@@ -28,31 +28,36 @@ def address_of(node: Node) -> ssh.Address:
 
 # -- inventory ---------------------------------------------------------------------------------
 
-_NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "local")
+_NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "local", "gpu_mem_gib")
 
 
-def save_nodes(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:
-    """Add or update the cluster's nodes in the inventory (keyed by host)."""
+def set_inventory(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:
+    """Make the inventory exactly the cluster's nodes, in its order. A node keeps its stored setup
+    line unless `setups` names its host ("" clears it)."""
     setups = setups or {}
     with Session(engine) as s:
-        for node in cluster.nodes:
-            row = s.exec(select(NodeRecord).where(NodeRecord.host == node.host)).first() or NodeRecord(host=node.host)
+        rows = {r.host: r for r in s.exec(select(NodeRecord))}
+        for host in rows.keys() - {n.host for n in cluster.nodes}:
+            s.delete(rows[host])
+        for position, node in enumerate(cluster.nodes):
+            row = rows.get(node.host) or NodeRecord(host=node.host)
             for key in _NODE_FIELDS:
                 setattr(row, key, getattr(node, key))
+            row.position = position
             if node.host in setups:
                 row.setup = setups[node.host] or None
             s.add(row)
         s.commit()
 
 
-def remove_node(engine: Engine, host: str) -> bool:
-    with Session(engine) as s:
-        row = s.exec(select(NodeRecord).where(NodeRecord.host == host)).first()
-        if row is None:
-            return False
-        s.delete(row)
-        s.commit()
-        return True
+def load_inventory(engine: Engine) -> tuple[Cluster, dict[str, str]] | None:
+    """The inventory as a cluster in its order, with the setup line of each host that has one; None
+    while it is empty."""
+    rows = sorted(inventory(engine), key=lambda r: (r.position is None, r.position or 0, r.id))
+    if not rows:
+        return None
+    nodes = [{key: getattr(r, key) for key in _NODE_FIELDS if getattr(r, key) is not None} for r in rows]
+    return cluster_from_dicts(nodes, source="inventory"), {r.host: r.setup for r in rows if r.setup}
 
 
 def inventory(engine: Engine) -> list[NodeRecord]:

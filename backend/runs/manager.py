@@ -334,14 +334,11 @@ class RunManager:
         return None
 
     # -- node inventory ------------------------------------------------------------------------
-    def save_nodes(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
-        nodes.save_nodes(self.engine, cluster, setups)
+    def set_inventory(self, cluster: Cluster, setups: Mapping[str, str] | None = None) -> None:
+        nodes.set_inventory(self.engine, cluster, setups)
 
-    def inventory(self):
-        return nodes.inventory(self.engine)
-
-    def remove_node(self, host: str) -> bool:
-        return nodes.remove_node(self.engine, host)
+    def node_inventory(self) -> tuple[Cluster, dict[str, str]] | None:
+        return nodes.load_inventory(self.engine)
 
     def host_key_fingerprint(self, cluster: Cluster, host: str) -> str:
         node = _find_node(cluster, host)

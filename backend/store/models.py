@@ -68,8 +68,8 @@ class NodeProcess(SQLModel, table=True):
 
 
 class NodeRecord(SQLModel, table=True):
-    """A node of the inventory (from the UI or a hostfile): `backend.job.cluster.Node` fields plus the
-    node's setup line. No passwords: keys by path."""
+    """A node of the inventory, the one list of nodes (the studio's Cluster tab, `backend.cluster.nodes`):
+    `backend.job.cluster.Node` fields plus the node's setup line. No passwords: keys by path."""
 
     __tablename__ = "node"
     id: int | None = Field(default=None, primary_key=True)
@@ -82,7 +82,10 @@ class NodeRecord(SQLModel, table=True):
     python: str = "python3"
     device: str = "cuda"
     local: bool = False
+    gpu_mem_gib: float | None = None
     setup: str | None = None
+    position: int | None = None
+    """The node's place in the cluster (the first is the rendezvous node); rows from before it by id."""
     created_at: float = Field(default_factory=time.time)
 
 
