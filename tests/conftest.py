@@ -28,3 +28,12 @@ def tiny_model(tmp_path_factory):
     from worker import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_families(tmp_path_factory):
+    """Tiny Llama, Mistral and Qwen3 models of tiny_model's sizes (grouped-query attention, untied)."""
+    from worker import build_tiny_model
+
+    return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in ("llama", "mistral", "qwen3")}
+

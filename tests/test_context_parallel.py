@@ -15,7 +15,8 @@ from backend.job.cluster import Cluster, Node
 from backend.job.modelcfg import parse_model_config, sliding_window
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
-from worker import ROOT, assert_same_export, events, losses, run_ok, run_worker, torchrun_argv, write_run
+from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
+                    losses, run_ok, run_worker, torchrun_argv, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -243,6 +244,7 @@ def test_cp2_trains_resumes_onto_one_rank_and_exports_like_one_rank(tmp_path, mh
     assert "data: 128 sequences over 1 data-parallel ranks" in (cp / "logs" / "local.log").read_text()
     tokens = lambda run: sum(e["tokens"] for e in events(run, 0, "train"))  # noqa: E731
     assert tokens(cp) == tokens(plain)  # counted once per CP group
+    assert_timing_from_every_rank(cp, 2, range(1, STEPS + 1))
 
     # Resume the CP run's step-10 checkpoint on CP=2 and, resharded by DCP, on one rank without CP.
     for name, nproc, extra in (("again", 2, {CP: 2}), ("one-rank", 1, {})):

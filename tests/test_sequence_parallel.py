@@ -9,7 +9,8 @@ import pytest
 from backend.job.capabilities import same_data_ranks, unsupported
 from backend.job.spec import JobSpec
 from launcher.data import Row, collate
-from worker import ROOT, assert_same_export, events, losses, run_ok, run_worker, write_run
+from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
+                    losses, run_ok, run_worker, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -85,6 +86,7 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
     per_step = lambda run: sorted(e["samples_per_s"] * e["step_time_s"] for e in events(run, 0, "train"))[STEPS // 2]  # noqa: E731
     assert per_step(sp) == pytest.approx(per_step(plain), rel=0.05)
     assert "data: 128 sequences over 1 data-parallel ranks" in (sp / "logs" / "local.log").read_text()
+    assert_timing_from_every_rank(sp, 2, range(1, STEPS + 1))
 
     # Resume the SP run from its step-10 checkpoint: steps 11..20 again, the same losses.
     resumed = write_run(tmp_path / "resumed", **spec_fields, sequence_parallel_size=2)

@@ -135,6 +135,15 @@ def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
     return [r for r in rows if type is None or r["type"] == type]
 
 
+def assert_timing_from_every_rank(run_dir: Path, nproc: int, steps) -> None:
+    """Every rank reported its step time and collective wait at every logged step (what the Monitor's
+    per-rank charts and the straggler alert read), whatever the layout."""
+    for rank in range(nproc):
+        timing = events(run_dir, rank, "timing")
+        assert [e["step"] for e in timing] == list(steps), rank
+        assert all(e["step_time_s"] > 0 and e["collective_wait_s"] >= 0 for e in timing), rank
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, 0, "train")}
 

@@ -175,6 +175,12 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("deepspeed", f"LoRA with {TP} > 1 runs on transformers' TP (peft's TP-LoRA); DeepSpeed's "
                                         "AutoTP trains full fine-tuning only: remove deepspeed"))
     words = set((spec.fsdp or "").replace(",", " ").split())
+    if spec.train_type == "lora" and "full_shard" in words and not spec.deepspeed:
+        # peft 0.21's TP-LoRA under transformers 5.24's FSDP2: the first forward fails with a shape
+        # error in an adapted projection (seen with Qwen2 and Qwen3 on 4 CPU ranks).
+        out.append(Problem("fsdp", f"LoRA with {TP} > 1 and full_shard fails in peft's TP-LoRA under transformers' "
+                                   "FSDP2 (a shape error in the first step); leave fsdp empty (TP with replicated "
+                                   "data parallel, which trains LoRA correctly)"))
     if words - {"full_shard"}:
         out.append(Problem("fsdp", f"with {TP} > 1 only 'full_shard' (transformers' FSDP2 under TP); "
                                    f"not {' '.join(sorted(words - {'full_shard'}))}"))
