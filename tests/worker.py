@@ -131,7 +131,9 @@ def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.Complet
 
 def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
     path = run_dir / "events" / f"rank-{rank}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    # A running worker may be mid-line: only the lines it has ended count.
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    rows = [json.loads(line) for line in lines if line]
     return [r for r in rows if type is None or r["type"] == type]
 
 
