@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.job.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
-from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
 from backend.job.spec import JobSpec, Problem, load_spec
-from backend.job.validate import errors, validate
+from backend.job.validate import Assessment, assess, errors
 
 
 class CliError(Exception):
@@ -49,23 +48,17 @@ def load_cluster(hostfile: str | None) -> Cluster:
         raise CliError(exc.problems) from None
 
 
-def model_config_of(spec: JobSpec) -> ModelConfig | None:
-    try:
-        return find_model_config(spec.model)
-    except ModelConfigError:
-        return None  # validate() reports it against the `model` field
-
-
-def checked(spec: JobSpec, cluster: Cluster, source: str) -> list[Problem]:
-    """Validate; raise CliError on errors, print warnings, return the warnings."""
-    problems = validate(spec, cluster)
-    warnings = [p for p in problems if p.severity == "warning"]
+def checked(spec: JobSpec, cluster: Cluster, source: str) -> Assessment:
+    """Assess; raise CliError on errors, print warnings, return the assessment (its problems are
+    the warnings) for the plan or the launch."""
+    assessed = assess(spec, cluster)
+    warnings = [p for p in assessed.problems if p.severity == "warning"]
     warning_lines = [f"warning: {line}" for line in _in_file(source, warnings)]
-    if errors(problems):
-        raise CliError(_in_file(source, errors(problems)) + warning_lines)
+    if errors(assessed.problems):
+        raise CliError(_in_file(source, errors(assessed.problems)) + warning_lines)
     for line in warning_lines:
         print(line, file=sys.stderr)
-    return warnings
+    return assessed
 
 
 def job_and_cluster(args: argparse.Namespace) -> tuple[JobSpec, Cluster, str]:
@@ -84,11 +77,8 @@ def add_validate(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from backend.job.layout import compute_layout
-
     spec, cluster, source = job_and_cluster(args)
-    checked(spec, cluster, source)
-    print(f"ok: {compute_layout(spec, cluster).summary()}")
+    print(f"ok: {checked(spec, cluster, source).layout.summary()}")
     return 0
 
 
@@ -106,16 +96,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from backend.runs.manager import make_run_id
 
     spec, cluster, source = job_and_cluster(args)
-    warnings = checked(spec, cluster, source)
+    assessed = checked(spec, cluster, source)
     run_id = args.run_id or make_run_id(None, lambda _: False)
     run_dir = Path(args.run_dir or Path(spec.output_dir) / run_id).expanduser().resolve()
     try:
         result = plan(spec, cluster, run_id, run_dir, master_port=args.master_port or DEFAULT_MASTER_PORT,
-                      model_config=model_config_of(spec))
+                      assessment=assessed)
     except PlanError as exc:
         raise CliError([str(exc)]) from None
     if args.json:
-        print(json.dumps({**result.to_dict(), "warnings": [str(w) for w in warnings]}, indent=2))
+        print(json.dumps({**result.to_dict(), "warnings": [str(w) for w in assessed.problems]}, indent=2))
         return 0
     print(result.summary())
     for node in result.nodes:

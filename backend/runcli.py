@@ -93,9 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     spec = load_job(args.job)
     cluster = load_cluster(args.hostfile)
-    checked(spec, cluster, args.job)
+    assessed = checked(spec, cluster, args.job)
     with _manager(args) as m:
-        run_id = m.launch(spec, cluster, name=args.name)
+        run_id = m.launch(spec, cluster, name=args.name, assessment=assessed)
         print(f"run {run_id}: {m.run(run_id).run_dir}", flush=True)
         run = m.wait(run_id, states=(lifecycle.RUNNING, *lifecycle.FINAL))
         if args.detach or run.state in lifecycle.FINAL:

@@ -9,11 +9,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from backend.job.cluster import Cluster
-from backend.job.modelcfg import ModelConfig
 from backend.job.msswift import ms_swift_defaults
 from backend.job.planner import Plan, PlanError, plan
 from backend.job.spec import JobSpec, absolute_dir
+from backend.job.validate import Assessment
 
 PREVIEW_RUN_ID = "RUN_ID"
 # Fields ms-swift takes from the environment of `swift sft`, not as flags.
@@ -68,11 +67,12 @@ def node_lines(result: Plan) -> str:
     return "\n\n".join(blocks)
 
 
-def preview(spec: JobSpec, cluster: Cluster, model_config: ModelConfig | None) -> tuple[str, dict | None]:
-    """(command preview text, DeepSpeed config or None) for a valid spec on the cluster."""
+def preview(assessed: Assessment) -> tuple[str, dict | None]:
+    """(command preview text, DeepSpeed config or None) for a valid spec on its cluster."""
+    spec, cluster = assessed.spec, assessed.cluster
     run_dir = Path(absolute_dir(spec.output_dir)) / PREVIEW_RUN_ID
     try:
-        result = plan(spec, cluster, PREVIEW_RUN_ID, run_dir, model_config=model_config)
+        result = plan(spec, cluster, PREVIEW_RUN_ID, run_dir, assessment=assessed)
     except PlanError as exc:
         return f"# no launch plan: {exc}", None
     others = " (node N: NODE_RANK=N)" if spec.nnodes > 1 else ""

@@ -239,7 +239,8 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
                 yield {c["launch_status"]: "✖ Not launched: pre-flight found errors.\n\n" + preflight_problems_md(report)}
                 return
             yield {c["launch_status"]: f"Pre-flight passed in {report.seconds:.1f} s. Launching…"}
-            run_id = studio.manager.launch(view.spec, cluster, name=(data[c["run_name"]] or "").strip() or None)
+            run_id = studio.manager.launch(view.spec, cluster, name=(data[c["run_name"]] or "").strip() or None,
+                                           assessment=view.assessment)
         except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
             yield {c["launch_status"]: user_message("Launch", exc)}
             return

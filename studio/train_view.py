@@ -10,12 +10,9 @@ from typing import Any
 
 from backend.job.capabilities import PARALLEL_FIELDS, parallel_refusals
 from backend.job.cluster import Cluster
-from backend.job.dsconfig import DsConfigError
-from backend.job.layout import Layout, compute_layout
-from backend.job.memory import estimate_memory
-from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.layout import Layout
 from backend.job.spec import JobSpec, Problem, parse_spec
-from backend.job.validate import validate
+from backend.job.validate import Assessment, assess
 from studio.cluster_view import STATUS_MARK
 from studio.commands import preview
 from studio.form import GROUPS, VIEWS, form_to_data, problems_by_field
@@ -33,6 +30,8 @@ class TrainView:
     ds_json: str = ""
     greyed: dict[str, str] = field(default_factory=dict)
     """Parallel dimensions this cluster and engine cannot run, with the reason (the form greys them)."""
+    assessment: Assessment | None = None
+    """What all of the above was computed from, once; a launch of this form reuses it."""
 
     @property
     def ok(self) -> bool:
@@ -62,15 +61,14 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
     problems += spec_problems
     view = TrainView(spec=None if problems else spec)
     if view.spec is not None:
-        problems += validate(view.spec, cluster)
+        view.assessment = assessed = assess(view.spec, cluster)
+        problems += assessed.problems
         view.yaml_text = view.spec.to_yaml()
-        layout = compute_layout(view.spec, cluster)
-        view.layout_md = layout_md(layout)
-        view.greyed = greyed_dimensions(view.spec, layout, cluster)
-        model, model_note = _model_config(view.spec.model)
-        view.memory_md = memory_md(view.spec, layout, cluster, model, model_note)
+        view.layout_md = layout_md(assessed.layout)
+        view.greyed = greyed_dimensions(view.spec, assessed.layout, cluster)
+        view.memory_md = memory_md(assessed)
         if not any(p.severity == "error" for p in problems):
-            view.commands, ds_config = preview(view.spec, cluster, model)
+            view.commands, ds_config = preview(assessed)
             view.ds_json = json.dumps(ds_config, indent=2) if ds_config else "// DeepSpeed is not used (deepspeed is empty)"
         else:
             view.commands = "# fix the problems marked on the form to see the launch commands"
@@ -133,26 +131,13 @@ def layout_md(layout: Layout) -> str:
     return "**Layout**\n\n" + head + row
 
 
-def _model_config(model: str) -> tuple[ModelConfig | None, str]:
-    try:
-        found = find_model_config(model)
-    except ModelConfigError as exc:
-        return None, f"cannot read the model's config.json: {exc}"
-    if found is None:
-        return None, f"unknown; no config.json found for `{model}` (a local directory, a bundled config or the hub cache)."
-    return found, ""
-
-
-def memory_md(spec: JobSpec, layout: Layout, cluster: Cluster, model: ModelConfig | None, note: str) -> str:
+def memory_md(assessed: Assessment) -> str:
     """The per-GPU memory estimate against the smallest GPU of the nodes in use."""
-    if model is None:
-        return f"**Memory per GPU**: {note}"
-    nodes = cluster.nodes[: spec.nnodes]
+    est = assessed.memory
+    if est is None:
+        return f"**Memory per GPU**: {assessed.memory_note}"
+    nodes = assessed.cluster.nodes[: assessed.spec.nnodes]
     cpu_only = all(n.device == "cpu" for n in nodes)
-    try:
-        est = estimate_memory(spec, model, layout, device="cpu" if cpu_only else "cuda")
-    except DsConfigError as exc:  # validate() already marks the deepspeed field; say why there is no estimate
-        return f"**Memory per GPU**: not estimated: {exc}"
     gpu_mems = [n.gpu_mem_gib for n in nodes if n.gpu_mem_gib]
     if cpu_only:
         against = "CPU run: held in host memory"

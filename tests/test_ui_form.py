@@ -8,6 +8,7 @@ import pytest
 from backend.job.cluster import Cluster, GpuInfo, HostfileError, Node, local_cluster
 from backend.job.demo import demo_spec
 from backend.job.spec import FIELDS, JobSpec, Problem
+from backend.job.validate import assess
 from studio.cluster_view import node_rows, put_node, remove_node
 from studio.context import Studio
 from studio.form import GROUPS, VIEWS, default_form, form_to_data, problems_by_field, spec_to_form
@@ -134,7 +135,7 @@ def test_command_preview_shows_every_node_and_the_ds_config():
 
     cluster = Cluster(nodes=(Node(host="a", slots=4), Node(host="b", slots=4, addr="10.0.0.2")))
     spec = JobSpec(model="m", dataset=["d.jsonl"], nnodes=2, deepspeed="zero2", per_device_train_batch_size=2)
-    text, ds = preview(spec, cluster, None)
+    text, ds = preview(assess(spec, cluster))
     assert "# node 0: a" in text and "# node 1: b" in text and "--node_rank 1" in text
     assert "swift sft" in text and ds["train_batch_size"] == 2 * 8
 
@@ -224,3 +225,36 @@ def test_a_fill_echoed_back_by_the_browser_is_the_same_check():
     assert check_key(echoed, cluster) == check_key(filled, cluster)
     assert check_key(filled | {"model": "/other"}, cluster) != check_key(filled, cluster)
     assert check_key(filled, Cluster(nodes=(Node(host="a", slots=4),))) != check_key(filled, cluster)
+
+
+def test_one_form_change_reads_each_file_and_estimates_once(tmp_path, monkeypatch):
+    """The check of a form state (problems, memory, plan preview) and the launch it leads to share one
+    assessment: one read of the model config and of the DeepSpeed JSON, one memory estimate."""
+    from backend.job import dsconfig, planner, validate
+    from backend.runs.manager import _assesses
+
+    calls = {"model": 0, "json": 0, "memory": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(validate, "find_model_config", counted("model", validate.find_model_config))
+    monkeypatch.setattr(dsconfig, "load_user_config", counted("json", dsconfig.load_user_config))
+    estimate = counted("memory", validate.estimate_memory)
+    monkeypatch.setattr(validate, "estimate_memory", estimate)
+    monkeypatch.setattr(planner, "estimate_memory", estimate)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}))
+    spec = demo_spec(output_dir=str(tmp_path / "out")).model_copy(update={"deepspeed": str(ds)})
+    cluster = local_cluster(GpuInfo())
+    view = check_form(default_form() | spec_to_form(spec.model_dump()), cluster)
+    assert view.ok, view.other_problems
+    assert "Memory per GPU: ~" in view.memory_md and "torch.distributed.run" in view.commands
+    assert '"stage": 2' in view.ds_json
+    assert calls == {"model": 1, "json": 1, "memory": 1}
+    # The launch of that form takes the same assessment (the manager plans from it, reading nothing).
+    assert _assesses(view.assessment, view.spec.model_copy(update={"output_dir": "/abs/out"}), cluster)
+    assert not _assesses(view.assessment, view.spec.model_copy(update={"learning_rate": 0.5}), cluster)

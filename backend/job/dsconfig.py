@@ -261,11 +261,13 @@ def stage3_sizes(hidden_size: int | None) -> dict[str, int]:
             "stage3_param_persistence_threshold": max(10 * (hidden_size or 0), STAGE3_PERSISTENCE)}
 
 
-def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None) -> dict[str, Any]:
+def build_ds_config(spec: JobSpec, dp_size: int, hidden_size: int | None = None,
+                    base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config the plan writes. The batch fields always come from the spec (validation
     warns where a user JSON disagrees); every other "auto" is filled from the job but the
-    scheduler's step counts, which the worker fills (`fill_steps`) once it has read the data."""
-    config = copy.deepcopy(base_config(spec))
+    scheduler's step counts, which the worker fills (`fill_steps`) once it has read the data.
+    `base`: `base_config(spec)` where the caller has read it already."""
+    config = copy.deepcopy(base if base is not None else base_config(spec))
     if config is None:
         raise ValueError("the job does not use DeepSpeed")
     config.update(batch_fields(spec, dp_size))

@@ -3,10 +3,12 @@
 Public API:
     NodePlan, Plan                                   frozen dataclasses; `Plan.to_dict()`, `Plan.summary()`
     plan(spec, cluster, run_id, run_dir, master_port=29500, resume=None, model_config=None,
-         base_dir=None) -> Plan
+         base_dir=None, assessment=None) -> Plan
         `run_dir` must be absolute. Relative local paths in the spec (model, dataset, DeepSpeed
         JSON, resume checkpoint) are made absolute against `base_dir` (default: the current
-        directory) when they exist there. `model_config` adds the memory estimate.
+        directory) when they exist there. `model_config` adds the memory estimate;
+        `assessment` (backend.job.validate.assess of the same spec and cluster) gives the model
+        config, the DeepSpeed config as read and the memory estimate, so nothing is read twice.
         Raises PlanError when the spec does not fit the cluster (run `validate` first).
     DEFAULT_MASTER_PORT
 
@@ -26,6 +28,7 @@ from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, estimate_memory
 from backend.job.modelcfg import ModelConfig
 from backend.job.spec import JobSpec
+from backend.job.validate import Assessment
 
 DEFAULT_MASTER_PORT = 29500
 # The environment every process of a run gets: the run it belongs to (its tag) and the node
@@ -143,7 +146,8 @@ def worker_argv(python: str, layout: Layout, node_rank: int, endpoint: str, run_
 
 
 def plan(spec: JobSpec, cluster: Cluster, run_id: str, run_dir: str | Path, master_port: int = DEFAULT_MASTER_PORT,
-         resume: str | None = None, model_config: ModelConfig | None = None, base_dir: str | Path | None = None) -> Plan:
+         resume: str | None = None, model_config: ModelConfig | None = None, base_dir: str | Path | None = None,
+         assessment: Assessment | None = None) -> Plan:
     run_dir = Path(run_dir)
     if not run_dir.is_absolute():
         raise PlanError(f"run directory must be an absolute path, got {run_dir}")
@@ -175,12 +179,18 @@ def plan(spec: JobSpec, cluster: Cluster, run_id: str, run_dir: str | Path, mast
         node_plans.append(NodePlan(host=node.host, address=node.address, node_rank=rank,
                                    nproc_per_node=layout.nproc_per_node, argv=tuple(argv), env=env, local=node.local))
 
+    if assessment is not None:
+        model_config = assessment.model
     ds_config = None
     if spec.deepspeed:
-        ds_config = build_ds_config(worker_spec, layout.dp, model_config.hidden_size if model_config else None)
-    device = "cuda" if used.backend == "nccl" else "cpu"
-    zero = ZeroSettings.of(ds_config) if ds_config else None
-    memory = estimate_memory(worker_spec, model_config, layout, device, zero) if model_config else None
+        ds_config = build_ds_config(worker_spec, layout.dp, model_config.hidden_size if model_config else None,
+                                    base=assessment.ds_config if assessment else None)
+    if assessment is not None:
+        memory = assessment.memory
+    else:
+        device = "cuda" if used.backend == "nccl" else "cpu"
+        zero = ZeroSettings.of(ds_config) if ds_config else None
+        memory = estimate_memory(worker_spec, model_config, layout, device, zero) if model_config else None
     result = Plan(run_id=run_id, run_dir=str(run_dir), layout=layout, master_addr=master_addr, master_port=master_port,
                   backend=used.backend, nodes=tuple(node_plans), spec=worker_spec, ds_config=ds_config, memory=memory)
     files = {"job.yaml": worker_spec.to_yaml(), "plan.json": json.dumps(result.to_dict(), indent=2) + "\n"}

@@ -1,22 +1,27 @@
 """Cross-field and cluster rules for a job: every problem at once, each naming its field.
 
 Public API:
+    assess(spec, cluster=None, model_config=None) -> Assessment
+        Everything a job on a cluster is judged by, computed once: the problems, the layout, the
+        model config (or why there is none), the DeepSpeed config as read, the memory estimate.
+        The form shows it, the planner and a launch reuse it. cluster None = the local machine;
+        model_config None = looked up from spec.model (local directory, bundled config, hub cache).
     validate(spec, cluster=None, model_config=None) -> list[Problem]
-        cluster None = the local machine; model_config None = looked up from spec.model
-        (local directory, bundled config, hub cache); errors have severity "error", risky but
-        legal choices "warning". Includes `backend.job.capabilities.unsupported(spec)` (what the
-        worker refuses).
+        `assess(...).problems`: errors have severity "error", risky but legal choices "warning".
+        Includes `backend.job.capabilities.unsupported(spec)` (what the worker refuses).
     errors(problems) -> list[Problem]
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from backend.job import capabilities, records
 from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
-from backend.job.memory import adapts_stacked_params, estimate_memory
+from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
 from backend.job.spec import JobSpec, Problem
 
@@ -193,49 +198,84 @@ def _dataset_rules(spec: JobSpec) -> list[Problem]:
             for message in records.sample_problems(item)]
 
 
-def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> list[Problem]:
-    """Every problem of `spec` on `cluster`: errors first-class, warnings for risky but legal choices."""
+@dataclass(frozen=True)
+class Assessment:
+    spec: JobSpec
+    cluster: Cluster
+    layout: Layout
+    problems: list[Problem]
+    model: ModelConfig | None
+    model_note: str
+    """Why there is no model config ("" when there is one)."""
+    ds_config: dict[str, Any] | None
+    """The DeepSpeed preset or user JSON as read (nothing filled), None without DeepSpeed or when unreadable."""
+    memory: MemoryEstimate | None
+    memory_note: str
+    """Why there is no memory estimate ("" when there is one)."""
+
+    @property
+    def ok(self) -> bool:
+        return not errors(self.problems)
+
+
+def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> Assessment:
+    """Every problem of `spec` on `cluster` (errors first-class, warnings for risky but legal
+    choices) and what they were found with; each file (model config, DeepSpeed JSON) read once."""
     cluster = cluster or local_cluster()
     layout = compute_layout(spec, cluster)
     problems = _spec_rules(spec)
     problems += _cluster_rules(spec, cluster, layout)
     problems += _layout_rules(spec, layout)
-    # A user JSON is read once here, for the engine rules and the memory estimate alike.
+    ds_config, ds_error = None, ""
     try:
         ds_config = base_config(spec)
     except DsConfigError as exc:
-        ds_config = None
-        problems.append(Problem("deepspeed", str(exc)))
+        ds_error = str(exc)
+        problems.append(Problem("deepspeed", ds_error))
     problems += _engine_rules(spec, layout, ds_config)
-    zero = ZeroSettings.of(ds_config) if ds_config else None
     if cluster.is_local:
         problems += _local_path_rules(spec)
     problems += _dataset_rules(spec)
-    model = model_config
+    model, model_note = model_config, ""
     if model is None:
         try:
             model = find_model_config(spec.model)
         except ModelConfigError as exc:
             problems.append(Problem("model", str(exc)))
+            model_note = f"cannot read the model's config.json: {exc}"
+        else:
+            if model is None:
+                model_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
+                              "or the hub cache).")
+    memory, memory_note = None, model_note
     if model is not None:
         problems += _model_rules(spec, model)
-        problems += _memory_rules(spec, cluster, layout, model, zero, problems)
+        if ds_error:
+            memory_note = f"not estimated: {ds_error}"
+        else:
+            # The planner's rule: a job with a CPU node runs gloo, its ranks without CUDA.
+            device = "cuda" if all(n.device == "cuda" for n in cluster.nodes[: spec.nnodes]) else "cpu"
+            memory = estimate_memory(spec, model, layout, device, ZeroSettings.of(ds_config) if ds_config else None)
+            problems += _memory_rules(spec, cluster, memory, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
     problems += [p for p in capabilities.unsupported(spec) if p.field not in failed]
-    return problems
+    return Assessment(spec, cluster, layout, problems, model, model_note, ds_config, memory, memory_note)
 
 
-def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, model: ModelConfig, zero: ZeroSettings | None,
-                  found: list[Problem]) -> list[Problem]:
+def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> list[Problem]:
+    """Every problem of `spec` on `cluster` (`assess`'s)."""
+    return assess(spec, cluster, model_config).problems
+
+
+def _memory_rules(spec: JobSpec, cluster: Cluster, estimate: MemoryEstimate, found: list[Problem]) -> list[Problem]:
     """Warn when the estimate exceeds the smallest known GPU: NVML's on the local machine, a
     hostfile's `gpu_mem_gib=` on other nodes (no warning where no node's GPU memory is known)."""
     known = [n for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
     if not known or errors(found):
         return []
     smallest = min(known, key=lambda n: n.gpu_mem_gib)
-    estimate = estimate_memory(spec, model, layout, zero=zero)
     if estimate.total_gib <= smallest.gpu_mem_gib:
         return []
     return [_warn("per_device_train_batch_size",

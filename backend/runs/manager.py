@@ -31,6 +31,7 @@ from backend.job.cluster import Cluster, Node
 from backend.job.layout import Layout
 from backend.job.planner import Plan
 from backend.job.spec import JobSpec, absolute_dir
+from backend.job.validate import Assessment, assess
 from backend.runs import lifecycle
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.runs.usage import Usage, usage_of, windows
@@ -57,22 +58,19 @@ class PlanRequest:
     run_dir: str
     master_port: int
     resume: str | None          # None, "latest" or a checkpoint directory
+    assessment: Assessment | None = None
+    """The job's assessment on this cluster (model config, DeepSpeed config, memory estimate)."""
 
 
 Planner = Callable[[JobSpec, Cluster, PlanRequest], Plan]
 
 
 def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> Plan:
-    """`backend.job.planner.plan` for a launch request, with the model's config where it is found."""
-    from backend.job.modelcfg import ModelConfigError, find_model_config
+    """`backend.job.planner.plan` for a launch request, from the job's assessment."""
     from backend.job.planner import plan
 
-    try:
-        model_config = find_model_config(spec.model)
-    except ModelConfigError:
-        model_config = None
     return plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
-                model_config=model_config)
+                assessment=req.assessment)
 
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -361,8 +359,10 @@ class RunManager:
 
     # -- launch / stop / resume / export -------------------------------------------------------
     def launch(self, spec: JobSpec, cluster: Cluster, name: str | None = None,
-               setups: Mapping[str, str] | None = None) -> str:
-        """Create the run and start it in the background; returns the run id at once."""
+               setups: Mapping[str, str] | None = None, assessment: Assessment | None = None) -> str:
+        """Create the run and start it in the background; returns the run id at once. `assessment`:
+        the job's `backend.job.validate.assess` on this cluster where the caller has it (the Train
+        form), so the launch does not read the model config and the DeepSpeed JSON again."""
         run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
         output_dir = absolute_dir(spec.output_dir)
         spec = spec.model_copy(update={"output_dir": output_dir})
@@ -370,7 +370,9 @@ class RunManager:
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
         self.store.create(run)
         setups = nodes.setups_for(self.engine, cluster, setups)
-        self._start_attempt(run_id, spec, cluster, setups, resume=None)
+        if assessment is not None and not _assesses(assessment, spec, cluster):
+            assessment = None  # of another job or cluster: this one is assessed at the start
+        self._start_attempt(run_id, spec, cluster, setups, resume=None, assessment=assessment)
         return run_id
 
     def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
@@ -423,7 +425,7 @@ class RunManager:
 
     # -- the control loop's side ---------------------------------------------------------------
     def _start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
-                       resume: str | None) -> None:
+                       resume: str | None, assessment: Assessment | None = None) -> None:
         """Record the new attempt (the run is `checking`, driven by this manager, when this
         returns), then start it."""
         self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
@@ -431,13 +433,14 @@ class RunManager:
         cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
         members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
         attempt = self.store.new_attempt(run_id, members, resume)
-        self._spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume))
+        self._spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume, assessment))
 
     async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
-                       setups: dict[str, str], resume: str | None) -> None:
+                       setups: dict[str, str], resume: str | None, assessment: Assessment | None) -> None:
         run = self.store.get(run_id)
         try:
-            failure = await self._check(spec, cluster, setups, attempt)
+            assessment = assessment or assess(spec, cluster)
+            failure = await self._check(spec, cluster, setups, attempt, assessment)
             if failure:
                 self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
                 return
@@ -446,7 +449,7 @@ class RunManager:
             self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
             master = cluster.nodes[0]
             port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
-            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume))
+            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume, assessment))
             self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
             await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files)
             commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
@@ -477,11 +480,10 @@ class RunManager:
         await self._watch(run_id, attempt, started)
 
     async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
-                     attempt: Attempt) -> Failure | None:
-        """What must hold before anything starts: a valid layout, slots that no earlier run holds,
-        and every node reachable."""
-        problems = _validate(spec, cluster)
-        errors = [p for p in problems if getattr(p, "severity", "error") == "error"]
+                     attempt: Attempt, assessment: Assessment) -> Failure | None:
+        """What must hold before anything starts: a valid layout (the assessment's), slots that no
+        earlier run holds, and every node reachable."""
+        errors = [p for p in assessment.problems if p.severity == "error"]
         if errors:
             return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
         holdings = [admission.holding(run.id, other.id, _spec_of(run), [n for n, _ in _members(other)])
@@ -632,9 +634,10 @@ def _find_node(cluster: Cluster, host: str):
     raise RunError(f"no node {host!r} in the cluster")
 
 
-def _validate(spec: JobSpec, cluster: Cluster) -> list:
-    from backend.job.validate import validate
-    return list(validate(spec, cluster))
+def _assesses(assessment: Assessment, spec: JobSpec, cluster: Cluster) -> bool:
+    """Whether `assessment` is of this job (its output directory aside: launch makes it absolute) on this cluster."""
+    return (assessment.cluster == cluster
+            and assessment.spec == spec.model_copy(update={"output_dir": assessment.spec.output_dir}))
 
 
 def _default_sink(engine) -> TelemetrySink:
