@@ -39,7 +39,8 @@ def build() -> dict[str, Any]:
             c["python"] = gr.Textbox(label="Python · python", info="Interpreter on the node with swift-studio installed.", value="python3")
         c["setup"] = gr.Textbox(label="Setup line", elem_id="cluster-setup",
                                 info="Shell run before every command on this node, e.g. 'source ~/venv/bin/activate' "
-                                     "or 'module load cuda'; empty = none.")
+                                     f"or 'module load cuda'; empty = keep the node's line (see the table), "
+                                     f"'{CLEAR_SETUP}' = none.")
         c["add"] = gr.Button("Add / update node", variant="secondary")
     with gr.Accordion("Hostfile", open=False):
         c["hostfile"] = gr.Textbox(label="Hostfile", lines=4, elem_id="cluster-hostfile",
@@ -77,6 +78,19 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dic
     c["preflight"].click(on_preflight, {state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
 
 
+CLEAR_SETUP = "-"  # typed as a node's setup line: remove it
+
+
+def put_in_inventory(studio: Studio, row: dict[str, Any], setup: str | None) -> tuple[Cluster, dict[str, str]]:
+    """Add or change one node (the node form's `row` and setup line) in the inventory as stored
+    now, not in a page's copy that another page or studio may have changed since; returns the
+    cluster and its setup lines. An empty line keeps the node's, CLEAR_SETUP removes it. Raises
+    HostfileError for a bad field, and where the inventory cannot be read, writing nothing."""
+    new = put_node(studio.read_inventory()[0], row)
+    host, line = str(row.get("host", "")).strip(), (setup or "").strip()
+    return new, studio.save_cluster(new, {host: "" if line == CLEAR_SETUP else line} if line else None)
+
+
 def show_cluster(cluster: Cluster, setups: dict[str, str], message: str = "") -> tuple:
     """Every view of the cluster, from the cluster (also the state itself) and its setup lines."""
     return (cluster, cluster_summary(cluster), node_rows(cluster, setups), cluster.to_hostfile(),
@@ -86,9 +100,9 @@ def show_cluster(cluster: Cluster, setups: dict[str, str], message: str = "") ->
 def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     outputs = [state, c["summary"], c["nodes"], c["hostfile"], c["remove_host"], c["message"]]
 
-    def show(cluster: Cluster, message: str = "", setups: dict[str, str] | None = None) -> tuple:
+    def show(cluster: Cluster, message: str = "") -> tuple:
         try:
-            stored = studio.save_cluster(cluster, setups)
+            stored = studio.save_cluster(cluster)
         except Exception as exc:  # noqa: BLE001 - the cluster is still used on this page
             stored = {}
             message += f" (not saved in the node inventory: {user_message('Saving the nodes', exc)})"
@@ -103,20 +117,23 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     def on_add(cluster: Cluster, setup: str, *values) -> tuple:
         row = dict(zip(NODE_FORM_KEYS, values))
         try:
-            new = put_node(cluster, row)
+            new, lines = put_in_inventory(studio, row, setup)
         except HostfileError as exc:
             return failed(cluster, exc)
-        host = str(row["host"]).strip()
-        return show(new, f"Node `{host}` saved.", {host: (setup or "").strip()})
+        except Exception as exc:  # noqa: BLE001 - nothing is written while the inventory is unknown
+            return refused(cluster, f"Not saved: {user_message('The node inventory', exc)}")
+        return show_cluster(new, lines, f"Node `{row['host'].strip()}` saved.")
 
     def on_remove(cluster: Cluster, host: str | None) -> tuple:
         if not host:
             return refused(cluster, "Pick the node to remove first.")
         try:
-            return show(remove_node(cluster, host), f"Node `{host}` removed.")
+            return show(remove_node(studio.read_inventory()[0], host), f"Node `{host}` removed.")
         except HostfileError:
             return refused(cluster, "A cluster needs at least one node; add another before removing this one, "
                                     "or use this machine only.")
+        except Exception as exc:  # noqa: BLE001 - nothing is written while the inventory is unknown
+            return refused(cluster, f"Not removed: {user_message('The node inventory', exc)}")
 
     def on_hostfile(cluster: Cluster, text: str, source: str = "hostfile") -> tuple:
         try:
@@ -137,7 +154,15 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
     c["apply_hostfile"].click(on_hostfile, [state, c["hostfile"]], outputs)
     c["upload_hostfile"].upload(on_upload, [state, c["upload_hostfile"]], outputs)
     c["use_local"].click(lambda: show(local_cluster(), "Using this machine."), None, outputs)
-    c["on_load"] = lambda: show_cluster(*studio.load_cluster())
+    def on_load() -> tuple:
+        try:
+            return show_cluster(*studio.read_inventory())
+        except Exception as exc:  # noqa: BLE001 - the page still works on this machine
+            why = user_message("Reading the node inventory", exc)
+            return show_cluster(local_cluster(), {}, f"Showing this machine: {why}. Node edits are not saved until "
+                                                     "it can be read.")
+
+    c["on_load"] = on_load
     c["price"].input(studio.save_gpu_hour_price, [c["price"]], None)
     c["load_price"] = lambda: studio.gpu_hour_price()
     c["outputs"] = outputs

@@ -41,19 +41,25 @@ class Studio:
         return self.data_dir / "cluster.json"
 
     def load_cluster(self, wait: bool = True) -> tuple[Cluster, dict[str, str]]:
-        """The node inventory (the cluster last used, so a restart keeps it) and its setup lines,
-        else this machine. The local node's GPUs are probed again; its slot count is kept. Without
+        """`read_inventory`, or this machine where the inventory cannot be read (logged). Without
         `wait`, this machine while the run manager (which holds the inventory) is still starting."""
-        local = local_cluster()
         if not wait and not self.manager_future.done():
-            return local, {}
+            return local_cluster(), {}
         try:
-            found = self.manager_future.result(timeout=MANAGER_WAIT_S).node_inventory()
-            if found is None:
-                found = self._import_cluster_file()
+            return self.read_inventory()
         except Exception as exc:  # noqa: BLE001 - the page still works on this machine
             log.warning("the node inventory is not readable (%s); showing this machine", exc)
-            return local, {}
+            return local_cluster(), {}
+
+    def read_inventory(self) -> tuple[Cluster, dict[str, str]]:
+        """The node inventory (the cluster last used, so a restart keeps it) and its setup lines,
+        else this machine. The local node's GPUs are probed again; its slot count is kept. Raises
+        where it cannot be read (the run manager did not start, the database is locked)."""
+        manager = self.manager_future.result(timeout=MANAGER_WAIT_S)
+        found = manager.node_inventory()
+        if found is None and self._import_cluster_file(manager):
+            found = manager.node_inventory()
+        local = local_cluster()
         if found is None:
             return local, {}
         stored, setups = found
@@ -61,17 +67,18 @@ class Studio:
         nodes = tuple(replace(here, slots=n.slots) if n.local else n for n in stored.nodes)
         return Cluster(nodes=nodes, source=stored.source), setups
 
-    def _import_cluster_file(self) -> tuple[Cluster, dict[str, str]] | None:
-        """An older studio's cluster.json into the inventory (the file is left as it is)."""
+    def _import_cluster_file(self, manager) -> bool:
+        """An older studio's cluster.json into the inventory, in its order, with the setup lines
+        stored for its hosts (the file is left as it is); whether there was one to read."""
         try:
             stored = cluster_from_dicts(json.loads(self.cluster_file.read_text()), source=str(self.cluster_file))
         except FileNotFoundError:
-            return None
+            return False
         except (OSError, ValueError, HostfileError) as exc:
             log.warning("ignoring %s: %s", self.cluster_file, exc)
-            return None
-        self.manager.set_inventory(stored)
-        return stored, {}
+            return False
+        manager.set_inventory(stored)
+        return True
 
     def save_cluster(self, cluster: Cluster, setups: dict[str, str] | None = None) -> dict[str, str]:
         """The cluster as the node inventory (`setups`: lines to set, "" clears one); returns every

@@ -174,10 +174,54 @@ def test_an_older_studios_cluster_file_is_read_into_the_inventory_once(tmp_path)
     (tmp_path / "cluster.json").write_text(json.dumps([{"host": "a", "slots": 2, "device": "cpu"},
                                                        {"host": "b", "slots": 2, "device": "cpu"}]))
     studio = studio_with_db(tmp_path)
-    assert [n.host for n in studio.load_cluster()[0].nodes] == ["a", "b"]
+    # A row an older version wrote (no place in the cluster) keeps its setup line through the import.
+    from backend.cluster.nodes import inventory
+    from backend.store.models import NodeRecord
+    from sqlmodel import Session
+
+    with Session(studio.manager.engine) as s:
+        s.add(NodeRecord(host="b", slots=2, device="cpu", setup="source /opt/b/venv/bin/activate"))
+        s.commit()
+    cluster, setups = studio.load_cluster()
+    assert [n.host for n in cluster.nodes] == ["a", "b"] and setups == {"b": "source /opt/b/venv/bin/activate"}
     (tmp_path / "cluster.json").write_text("not json")  # read no more: the inventory has the nodes
     assert [n.host for n in studio_with_db(tmp_path).load_cluster()[0].nodes] == ["a", "b"]
     assert (tmp_path / "cluster.json").read_text() == "not json"  # left as it was
+    assert len(inventory(studio.manager.engine)) == 2
+
+
+def test_node_edits_apply_to_the_stored_inventory_and_keep_setup_lines(tmp_path):
+    from studio.cluster_tab import CLEAR_SETUP, put_in_inventory
+
+    first, second = studio_with_db(tmp_path), studio_with_db(tmp_path)  # two pages, or two studios
+    first.save_cluster(put_node(local_cluster(), {"host": "gpu1", "slots": 8}))
+    # The second adds a node with a setup line; the first, whose page still shows one node, adds
+    # another: nothing of the second's is lost.
+    put_in_inventory(second, {"host": "gpu2", "slots": 8}, "module load cuda")
+    cluster, setups = put_in_inventory(first, {"host": "gpu3", "slots": 8}, "")
+    assert [n.host for n in cluster.nodes] == ["localhost", "gpu1", "gpu2", "gpu3"]
+    assert setups == {"gpu2": "module load cuda"}
+    # Changing a node with the line left empty keeps it; the clear mark removes it.
+    assert put_in_inventory(first, {"host": "gpu2", "slots": 4}, "")[1] == {"gpu2": "module load cuda"}
+    assert put_in_inventory(first, {"host": "gpu2", "slots": 4}, CLEAR_SETUP)[1] == {}
+    # A node left out (this machine only) keeps its line for the CLI's --hostfile runs, and has it
+    # again when it comes back.
+    put_in_inventory(first, {"host": "gpu1", "slots": 8}, "source ~/venv/bin/activate")
+    first.save_cluster(local_cluster())
+    from backend.cluster.nodes import setups_for
+
+    assert setups_for(first.manager.engine, put_node(local_cluster(), {"host": "gpu1", "slots": 8})) == {
+        "gpu1": "source ~/venv/bin/activate"}
+    assert [n.host for n in first.load_cluster()[0].nodes] == ["localhost"]
+
+
+def test_no_node_edit_is_written_while_the_inventory_cannot_be_read(tmp_path):
+    from studio.cluster_tab import put_in_inventory
+
+    alone = Studio(data_dir=tmp_path, output_dir=tmp_path / "out")
+    alone.manager_future.set_exception(RuntimeError("the database is locked"))
+    with pytest.raises(RuntimeError, match="locked"):
+        put_in_inventory(alone, {"host": "gpu1", "slots": 8}, "")
 
 
 def test_a_broken_cluster_file_or_no_manager_shows_this_machine(tmp_path):
@@ -231,7 +275,7 @@ def test_one_form_change_reads_each_file_and_estimates_once(tmp_path, monkeypatc
     """The check of a form state (problems, memory, plan preview) and the launch it leads to share one
     assessment: one read of the model config and of the DeepSpeed JSON, one memory estimate."""
     from backend.job import dsconfig, planner, validate
-    from backend.runs.manager import _assesses
+    from backend.runs.driver import assesses as _assesses
 
     calls = {"model": 0, "json": 0, "memory": 0}
 

@@ -32,13 +32,15 @@ _NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "pyt
 
 
 def set_inventory(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:
-    """Make the inventory exactly the cluster's nodes, in its order. A node keeps its stored setup
-    line unless `setups` names its host ("" clears it)."""
+    """Make the cluster's nodes the inventory's, in its order. A node keeps its stored setup line
+    unless `setups` names its host ("" clears it). Nodes left out stay as rows without a place
+    (their setup lines serve `swift-studio run --hostfile` on them), and come back with them."""
     setups = setups or {}
     with Session(engine) as s:
         rows = {r.host: r for r in s.exec(select(NodeRecord))}
         for host in rows.keys() - {n.host for n in cluster.nodes}:
-            s.delete(rows[host])
+            rows[host].position = None
+            s.add(rows[host])
         for position, node in enumerate(cluster.nodes):
             row = rows.get(node.host) or NodeRecord(host=node.host)
             for key in _NODE_FIELDS:
@@ -51,9 +53,9 @@ def set_inventory(engine: Engine, cluster: Cluster, setups: Setups | None = None
 
 
 def load_inventory(engine: Engine) -> tuple[Cluster, dict[str, str]] | None:
-    """The inventory as a cluster in its order, with the setup line of each host that has one; None
-    while it is empty."""
-    rows = sorted(inventory(engine), key=lambda r: (r.position is None, r.position or 0, r.id))
+    """The inventory's cluster in its order, with the setup line of each of its hosts that has one;
+    None while no node has a place in it (rows written before places existed have none)."""
+    rows = sorted((r for r in inventory(engine) if r.position is not None), key=lambda r: (r.position, r.id))
     if not rows:
         return None
     nodes = [{key: getattr(r, key) for key in _NODE_FIELDS if getattr(r, key) is not None} for r in rows]

@@ -6,7 +6,8 @@ database; each active run is driven by one of them, its owner, which refreshes t
 every `lifecycle.HEARTBEAT_S`. On construction, and then with every heartbeat, a manager adopts
 the active runs whose owner is gone (`lifecycle.owner_gone`): it asks their nodes whether the
 workers still live and resumes watching them (or records how they ended while nobody was
-watching). A run another live process drives is left to it.
+watching). A run another live process drives is left to it. The attempts themselves are driven by
+`backend.runs.driver.AttemptDriver`; this module is the blocking facade and the loop around it.
 """
 from __future__ import annotations
 
@@ -19,58 +20,27 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from backend.cluster import admission, nodes, remote, ssh
+from backend.cluster import nodes, remote, ssh
 from backend.cluster import launch as launch_ops
-from backend.cluster.launch import NodeCommand, Started
-from backend.job.cluster import Cluster, Node
+from backend.job.cluster import Cluster
 from backend.job.layout import Layout
-from backend.job.planner import Plan
 from backend.job.spec import JobSpec, absolute_dir
-from backend.job.validate import Assessment, assess
+from backend.job.validate import Assessment
 from backend.runs import lifecycle
+from backend.runs.driver import (AttemptDriver, Planner, RunError, assesses, attempt_nodes, default_planner,
+                                 spec_of)
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.runs.usage import Usage, usage_of, windows
-from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
-from backend.telemetry.ingest import TelemetrySink
 from backend.store.db import create_db_and_tables, make_engine
-from backend.store.models import Attempt, NodeProcess, Run
-from backend.telemetry import logclass
-from backend.telemetry import export as metrics_export
+from backend.store.models import NodeProcess, Run
+from backend.telemetry.ingest import TelemetrySink
 
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
 CLOSE_TIMEOUT_S = 30.0
-
-
-class RunError(Exception):
-    """A request the manager cannot carry out (unknown run, wrong state); the message says why."""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    run_id: str
-    run_dir: str
-    master_port: int
-    resume: str | None          # None, "latest" or a checkpoint directory
-    assessment: Assessment | None = None
-    """The job's assessment on this cluster (model config, DeepSpeed config, memory estimate)."""
-
-
-Planner = Callable[[JobSpec, Cluster, PlanRequest], Plan]
-
-
-def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> Plan:
-    """`backend.job.planner.plan` for a launch request, from the job's assessment."""
-    from backend.job.planner import plan
-
-    return plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
-                assessment=req.assessment)
 
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -103,12 +73,11 @@ class RunManager:
         self._thread.start()
         self.pool = nodes.Pool(self.known_hosts)
         self._tasks: dict[str, Future] = {}
-        self._watchers: dict[str, AttemptWatcher] = {}
-        self._notices: dict[str, list[str]] = {}
+        self.driver = AttemptDriver(self.store, self.owner, self.pool, self.planner, self.sink, self.engine, self._spawn)
         self._closed = False
         asyncio.run_coroutine_threadsafe(self._heartbeat(adopt=reattach), self._loop)
         if reattach:
-            self._call(self._reattach_all())
+            self._call(self.driver.reattach_all())
 
     # -- plumbing ------------------------------------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
@@ -146,8 +115,8 @@ class RunManager:
             try:
                 self.store.heartbeat(self.owner, time.time())
                 if adopt:
-                    for run in self._adopt_orphans():
-                        self._spawn(run.id, self._reattach(run))
+                    for run in self.driver.adopt_orphans():
+                        self._spawn(run.id, self.driver.reattach(run))
             except Exception:  # a busy or unreachable database: beat again next time
                 log.exception("heartbeat failed")
 
@@ -223,7 +192,7 @@ class RunManager:
 
     def notices(self, run_id: str) -> list[str]:
         """Connection notices of the watch (a node not answering, answering again)."""
-        return list(self._notices.get(run_id, []))
+        return list(self.driver.notices.get(run_id, []))
 
     def wait(self, run_id: str, timeout: float | None = None, states: tuple[str, ...] = lifecycle.FINAL) -> Run:
         """Block until the run reaches one of `states` (default: finished); returns it."""
@@ -242,7 +211,7 @@ class RunManager:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             run = self.run(run_id)
-            watcher = self._watchers.get(run_id)
+            watcher = self.driver.watchers.get(run_id)
             if (run.state not in lifecycle.ACTIVE or run.owner != self.owner.id
                     or (watcher is not None and watcher.first_pass.is_set())):
                 return run
@@ -250,10 +219,10 @@ class RunManager:
         return self.run(run_id)
 
     def nodes_of(self, run_id: str) -> list[str]:
-        return [n.host for n, _ in _members(self.store.current_attempt(run_id))]
+        return [n.host for n, _ in attempt_nodes(self.store.current_attempt(run_id))]
 
     def _log_node(self, run_id: str, node: str | None):
-        members = _members(self.store.current_attempt(run_id))
+        members = attempt_nodes(self.store.current_attempt(run_id))
         if not members:
             return None
         chosen = next((n for n, _ in members if n.host == node), None) if node else members[0][0]
@@ -370,9 +339,9 @@ class RunManager:
                   run_dir=f"{output_dir.rstrip('/')}/{run_id}")
         self.store.create(run)
         setups = nodes.setups_for(self.engine, cluster, setups)
-        if assessment is not None and not _assesses(assessment, spec, cluster):
+        if assessment is not None and not assesses(assessment, spec, cluster):
             assessment = None  # of another job or cluster: this one is assessed at the start
-        self._start_attempt(run_id, spec, cluster, setups, resume=None, assessment=assessment)
+        self.driver.start_attempt(run_id, spec, cluster, setups, resume=None, assessment=assessment)
         return run_id
 
     def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
@@ -380,15 +349,15 @@ class RunManager:
         run = self.run(run_id)
         if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
-        spec = _spec_of(run)
+        spec = spec_of(run)
         if cluster is None:
-            members = _members(self.store.current_attempt(run_id))
+            members = attempt_nodes(self.store.current_attempt(run_id))
             cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
             setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
         else:
             setups = nodes.setups_for(self.engine, cluster, setups)
         try:
-            self._start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
+            self.driver.start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
         except TransitionError as exc:  # another process resumed it first
             raise RunError(str(exc)) from None
         return run_id
@@ -398,7 +367,7 @@ class RunManager:
         if run.state in lifecycle.FINAL:
             return run
         self.store.request_stop(run_id)
-        fut = asyncio.run_coroutine_threadsafe(self._stop(run_id, grace_s), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self.driver.stop(run_id, grace_s), self._loop)
         if wait:
             fut.result()
             return self.run(run_id)
@@ -410,7 +379,7 @@ class RunManager:
         attempt = self.store.current_attempt(run_id)
         if attempt is None:
             raise RunError(f"run {run_id} never started; nothing to export")
-        node, setup = _members(attempt)[0]
+        node, setup = attempt_nodes(attempt)[0]
         argv = [node.python, "-m", "launcher.export", "--run-dir", run.run_dir]
         if checkpoint:
             argv += ["--checkpoint", str(checkpoint)]
@@ -423,210 +392,6 @@ class RunManager:
             raise RunError(f"export on {node.host} failed (exit code {res.rc}): {res.first_error_line()}")
         return json.loads(lines[-1])
 
-    # -- the control loop's side ---------------------------------------------------------------
-    def _start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
-                       resume: str | None, assessment: Assessment | None = None) -> None:
-        """Record the new attempt (the run is `checking`, driven by this manager, when this
-        returns), then start it."""
-        self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
-        # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
-        cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
-        members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
-        attempt = self.store.new_attempt(run_id, members, resume)
-        self._spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume, assessment))
-
-    async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
-                       setups: dict[str, str], resume: str | None, assessment: Assessment | None) -> None:
-        run = self.store.get(run_id)
-        try:
-            assessment = assessment or assess(spec, cluster)
-            failure = await self._check(spec, cluster, setups, attempt, assessment)
-            if failure:
-                self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
-                return
-            if self._stop_requested(run_id):
-                return
-            self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
-            master = cluster.nodes[0]
-            port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
-            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume, assessment))
-            self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
-            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files)
-            commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
-                        for n, p in zip(cluster.nodes, plan.nodes)]
-            started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
-        except (ssh.NodeError, ValueError, RunError) as exc:
-            self.store.transition(run_id, lifecycle.FAILED,
-                                  Failure(getattr(getattr(exc, "address", None), "host", None), None,
-                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"), by=self.owner)
-            return
-        errors = [s for s in started if s.error]
-        for rank, s in enumerate(started):
-            self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=s.node.host, node_rank=rank,
-                                               pgid=s.pgid, state="running" if s.pgid else "failed"))
-        if errors:
-            first = errors[0]
-            self.store.transition(run_id, lifecycle.FAILED,
-                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"),
-                                  by=self.owner)
-            return
-        if self._stop_requested(run_id):
-            # A stop arrived while starting: the stopper may have run before these groups existed.
-            await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=launch_ops.STOP_GRACE_S,
-                                      all_nodes=cluster.nodes)
-            self._record_stop(run_id, None)
-            return
-        self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
-        await self._watch(run_id, attempt, started)
-
-    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
-                     attempt: Attempt, assessment: Assessment) -> Failure | None:
-        """What must hold before anything starts: a valid layout (the assessment's), slots that no
-        earlier run holds, and every node reachable."""
-        errors = [p for p in assessment.problems if p.severity == "error"]
-        if errors:
-            return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
-        holdings = [admission.holding(run.id, other.id, _spec_of(run), [n for n, _ in _members(other)])
-                    for run, other in self.store.active_attempts()]
-        busy = admission.busy_nodes(admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes),
-                                    cluster.nodes, holdings)
-        if busy:
-            return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
-
-        async def login(node):
-            try:
-                res = await self.pool.check_python(node, setups.get(node.host))
-            except ssh.NodeError as exc:
-                return Failure(node.host, None, exc.kind, str(exc))
-            if not res.ok:
-                return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
-                               f"{node.host}: {node.python} does not run: {res.first_error_line()}")
-            return None
-
-        results = await asyncio.gather(*(login(n) for n in cluster.nodes))
-        return next((r for r in results if r), None)
-
-    def _stop_requested(self, run_id: str) -> bool:
-        run = self.store.get(run_id)
-        return bool(run and run.stop_requested)
-
-    def _notice(self, run_id: str, message: str) -> None:
-        self._notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
-
-    async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
-        run = self.store.get(run_id)
-        procs = {p.node: p for p in self.store.processes(attempt.id)}
-        watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
-
-        def on_update(n: NodeWatch) -> None:
-            state = "running" if n.alive else "exited"
-            self.store.update_process(n.proc_id, state=state, exit_code=n.exit_code, last_seen=n.last_seen,
-                                      ended_at=None if n.alive else time.time())
-
-        watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
-                                 stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
-                                 sink=self.sink, on_notice=lambda m: self._notice(run_id, m), attempt=attempt.number)
-        self._watchers[run_id] = watcher
-        outcome: Outcome | None = await watcher.run()
-        # None: a stop was requested, and `_stop` records the end.
-        if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
-            try:
-                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
-            except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
-                log.info("run %s: %s", run_id, exc)
-        await watcher.drain()
-        self._report(run_id)
-
-    def _report(self, run_id: str) -> None:
-        """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
-        written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
-        run = self.store.get(run_id)
-        report_to = _spec_of(run).report_to
-        if report_to:
-            for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
-                self._notice(run_id, line)
-
-    async def _stop(self, run_id: str, grace_s: float) -> None:
-        run = self.store.get(run_id)
-        attempt = self.store.current_attempt(run_id)
-        if attempt is None or run.state in lifecycle.FINAL:
-            return
-        members, processes = _members(attempt), self.store.processes(attempt.id)
-        report = await launch_ops.stop_all(self.pool, _started(members, processes), run_id,
-                                           run.run_dir, grace_s=grace_s, all_nodes=[n for n, _ in members])
-        for p in processes:
-            self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
-                                      ended_at=time.time())
-        run = self.store.get(run_id)
-        if run.state in lifecycle.FINAL:
-            return
-        failure = None
-        if not report.clean:
-            failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
-                              f"stopped; cleanup incomplete: {report.detail()}")
-        self._record_stop(run_id, failure)
-
-    def _record_stop(self, run_id: str, failure: Failure | None) -> None:
-        """Record a requested stop. It is the user's word, so any process records it, not only the
-        run's owner; a move that lands first (the owner recording how the workers ended, or
-        moving on to launching) is kept and the stop recorded from there."""
-        # Each lost race means the run moved on (checking → launching → running → an end).
-        for _ in range(len(lifecycle.ACTIVE) + 1):
-            if self.store.get(run_id).state in lifecycle.FINAL:
-                return
-            try:
-                self.store.transition(run_id, lifecycle.STOPPED, failure)
-                return
-            except TransitionError as exc:
-                log.info("run %s: %s", run_id, exc)
-
-    def _adopt_orphans(self) -> list[Run]:
-        """Take over the active runs whose owner is gone; of several managers adopting one, the
-        compare-and-set lets one win."""
-        now, here = time.time(), self.owner.host
-        return [self.store.get(run.id) for run in self.store.runs(states=lifecycle.ACTIVE)
-                if run.owner != self.owner.id and lifecycle.owner_gone(run, now, here, lifecycle.pid_alive)
-                and self.store.claim(run, self.owner, now)]
-
-    async def _reattach_all(self) -> None:
-        for run in self._adopt_orphans():
-            await self._reattach(run)
-
-    async def _reattach(self, run: Run) -> None:
-        """Drive a run just adopted from a manager that went away."""
-        attempt = self.store.current_attempt(run.id)
-        members = _members(attempt)
-        if run.state != lifecycle.RUNNING or not members:
-            # Its manager went away while checking or launching: nothing is watched, so clean up
-            # whatever of the run may have started and record it.
-            if members:
-                await launch_ops.stop_all(self.pool, _started(members, self.store.processes(attempt.id)), run.id,
-                                          run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
-            try:
-                self.store.transition(run.id, lifecycle.FAILED, Failure(
-                    None, None, "interrupted", f"the studio or CLI starting it stopped while the run was {run.state}"),
-                    by=self.owner)
-            except TransitionError as exc:
-                log.info("run %s: %s", run.id, exc)
-            return
-        if run.stop_requested:
-            self._spawn(run.id, self._stop(run.id, launch_ops.STOP_GRACE_S))
-            return
-        self._notice(run.id, "re-attached: the process that watched it is gone")
-        self._spawn(run.id, self._watch(run.id, attempt, _started(members, self.store.processes(attempt.id))))
-
-
-def _members(attempt: Attempt | None) -> list[tuple[Node, str | None]]:
-    """The attempt's nodes in rank order, each with its setup line."""
-    return [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
-
-
-def _started(members: list[tuple[Node, str | None]], procs: list[NodeProcess]) -> list[Started]:
-    """The recorded processes of the attempt's nodes, as `launch` handles them."""
-    by_host = {n.host: (n, s) for n, s in members}
-    return [Started(*by_host[p.node], pgid=p.pgid) for p in procs if p.node in by_host]
-
-
 def _find_node(cluster: Cluster, host: str):
     for node in cluster.nodes:
         if node.host == host:
@@ -634,16 +399,6 @@ def _find_node(cluster: Cluster, host: str):
     raise RunError(f"no node {host!r} in the cluster")
 
 
-def _assesses(assessment: Assessment, spec: JobSpec, cluster: Cluster) -> bool:
-    """Whether `assessment` is of this job (its output directory aside: launch makes it absolute) on this cluster."""
-    return (assessment.cluster == cluster
-            and assessment.spec == spec.model_copy(update={"output_dir": assessment.spec.output_dir}))
-
-
 def _default_sink(engine) -> TelemetrySink:
     from backend.telemetry.ingest import Ingestor
     return Ingestor(engine)
-
-
-def _spec_of(run: Run) -> JobSpec:
-    return JobSpec.model_validate(yaml.safe_load(run.spec_yaml))

@@ -1,0 +1,281 @@
+"""Driving a run's attempts on its nodes, on the run manager's event loop: the checks before
+anything starts, the launch, the watch until the workers end, a stop, and the re-attach of runs
+whose manager went away. Every state change goes through the run store's compare-and-set, so
+several drivers (in other processes) can meet on one run. `backend.runs.manager.RunManager`
+owns one and calls it from its blocking methods."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from sqlalchemy.engine import Engine
+
+from backend.cluster import admission, nodes, ssh
+from backend.cluster import launch as launch_ops
+from backend.cluster.launch import NodeCommand, Started
+from backend.job.cluster import Cluster, Node
+from backend.job.planner import Plan
+from backend.job.spec import JobSpec
+from backend.job.validate import Assessment, assess
+from backend.runs import lifecycle
+from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
+from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
+from backend.store.models import Attempt, NodeProcess, Run
+from backend.telemetry import export as metrics_export
+from backend.telemetry import logclass
+from backend.telemetry.ingest import TelemetrySink
+
+log = logging.getLogger(__name__)
+
+
+class RunError(Exception):
+    """A request the manager cannot carry out (unknown run, wrong state); the message says why."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    run_id: str
+    run_dir: str
+    master_port: int
+    resume: str | None          # None, "latest" or a checkpoint directory
+    assessment: Assessment | None = None
+    """The job's assessment on this cluster (model config, DeepSpeed config, memory estimate)."""
+
+
+Planner = Callable[[JobSpec, Cluster, PlanRequest], Plan]
+
+
+def default_planner(spec: JobSpec, cluster: Cluster, req: PlanRequest) -> Plan:
+    """`backend.job.planner.plan` for a launch request, from the job's assessment."""
+    from backend.job.planner import plan
+
+    return plan(spec, cluster, req.run_id, req.run_dir, master_port=req.master_port, resume=req.resume,
+                assessment=req.assessment)
+
+
+class AttemptDriver:
+    def __init__(self, store: RunStore, owner: Owner, pool: nodes.Pool, planner: Planner, sink: TelemetrySink,
+                 engine: Engine, spawn: Callable[[str, Coroutine], object]):
+        self.store, self.owner, self.pool, self.planner, self.sink, self.engine = store, owner, pool, planner, sink, engine
+        self.spawn = spawn
+        """Runs a coroutine of a run on the loop, failing the run where the coroutine raises."""
+        self.watchers: dict[str, AttemptWatcher] = {}
+        self.notices: dict[str, list[str]] = {}
+
+    def start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
+                       resume: str | None, assessment: Assessment | None = None) -> None:
+        """Record the new attempt (the run is `checking`, driven by this manager, when this
+        returns), then start it."""
+        self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
+        # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
+        cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
+        members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
+        attempt = self.store.new_attempt(run_id, members, resume)
+        self.spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume, assessment))
+
+    async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
+                       setups: dict[str, str], resume: str | None, assessment: Assessment | None) -> None:
+        run = self.store.get(run_id)
+        try:
+            assessment = assessment or assess(spec, cluster)
+            failure = await self._check(spec, cluster, setups, attempt, assessment)
+            if failure:
+                self.store.transition(run_id, lifecycle.FAILED, failure, by=self.owner)
+                return
+            if self._stop_requested(run_id):
+                return
+            self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
+            master = cluster.nodes[0]
+            port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
+            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume, assessment))
+            self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
+            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files)
+            commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
+                        for n, p in zip(cluster.nodes, plan.nodes)]
+            started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
+        except (ssh.NodeError, ValueError, RunError) as exc:
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(getattr(getattr(exc, "address", None), "host", None), None,
+                                          getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"), by=self.owner)
+            return
+        errors = [s for s in started if s.error]
+        for rank, s in enumerate(started):
+            self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=s.node.host, node_rank=rank,
+                                               pgid=s.pgid, state="running" if s.pgid else "failed"))
+        if errors:
+            first = errors[0]
+            self.store.transition(run_id, lifecycle.FAILED,
+                                  Failure(first.node.host, None, "launch_error", f"could not start: {first.error}"),
+                                  by=self.owner)
+            return
+        if self._stop_requested(run_id):
+            # A stop arrived while starting: the stopper may have run before these groups existed.
+            await launch_ops.stop_all(self.pool, started, run_id, run.run_dir, grace_s=launch_ops.STOP_GRACE_S,
+                                      all_nodes=cluster.nodes)
+            self.record_stop(run_id, None)
+            return
+        self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+        await self._watch(run_id, attempt, started)
+
+    async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
+                     attempt: Attempt, assessment: Assessment) -> Failure | None:
+        """What must hold before anything starts: a valid layout (the assessment's), slots that no
+        earlier run holds, and every node reachable."""
+        errors = [p for p in assessment.problems if p.severity == "error"]
+        if errors:
+            return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
+        holdings = [admission.holding(run.id, other.id, spec_of(run), [n for n, _ in attempt_nodes(other)])
+                    for run, other in self.store.active_attempts()]
+        busy = admission.busy_nodes(admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes),
+                                    cluster.nodes, holdings)
+        if busy:
+            return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
+
+        async def login(node):
+            try:
+                res = await self.pool.check_python(node, setups.get(node.host))
+            except ssh.NodeError as exc:
+                return Failure(node.host, None, exc.kind, str(exc))
+            if not res.ok:
+                return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
+                               f"{node.host}: {node.python} does not run: {res.first_error_line()}")
+            return None
+
+        results = await asyncio.gather(*(login(n) for n in cluster.nodes))
+        return next((r for r in results if r), None)
+
+    def _stop_requested(self, run_id: str) -> bool:
+        run = self.store.get(run_id)
+        return bool(run and run.stop_requested)
+
+    def notice(self, run_id: str, message: str) -> None:
+        self.notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
+
+    async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
+        run = self.store.get(run_id)
+        procs = {p.node: p for p in self.store.processes(attempt.id)}
+        watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
+
+        def on_update(n: NodeWatch) -> None:
+            state = "running" if n.alive else "exited"
+            self.store.update_process(n.proc_id, state=state, exit_code=n.exit_code, last_seen=n.last_seen,
+                                      ended_at=None if n.alive else time.time())
+
+        watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
+                                 stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
+                                 sink=self.sink, on_notice=lambda m: self.notice(run_id, m), attempt=attempt.number)
+        self.watchers[run_id] = watcher
+        outcome: Outcome | None = await watcher.run()
+        # None: a stop was requested, and `_stop` records the end.
+        if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
+            try:
+                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+            except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
+                log.info("run %s: %s", run_id, exc)
+        await watcher.drain()
+        self._report(run_id)
+
+    def _report(self, run_id: str) -> None:
+        """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
+        written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
+        run = self.store.get(run_id)
+        report_to = spec_of(run).report_to
+        if report_to:
+            for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
+                self.notice(run_id, line)
+
+    async def stop(self, run_id: str, grace_s: float) -> None:
+        run = self.store.get(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None or run.state in lifecycle.FINAL:
+            return
+        members, processes = attempt_nodes(attempt), self.store.processes(attempt.id)
+        report = await launch_ops.stop_all(self.pool, recorded(members, processes), run_id,
+                                           run.run_dir, grace_s=grace_s, all_nodes=[n for n, _ in members])
+        for p in processes:
+            self.store.update_process(p.id, state="exited" if p.node not in report.unreachable else "unreachable",
+                                      ended_at=time.time())
+        run = self.store.get(run_id)
+        if run.state in lifecycle.FINAL:
+            return
+        failure = None
+        if not report.clean:
+            failure = Failure(next(iter(report.unreachable), None), None, "stop_incomplete",
+                              f"stopped; cleanup incomplete: {report.detail()}")
+        self.record_stop(run_id, failure)
+
+    def record_stop(self, run_id: str, failure: Failure | None) -> None:
+        """Record a requested stop. It is the user's word, so any process records it, not only the
+        run's owner; a move that lands first (the owner recording how the workers ended, or
+        moving on to launching) is kept and the stop recorded from there."""
+        # Each lost race means the run moved on (checking → launching → running → an end).
+        for _ in range(len(lifecycle.ACTIVE) + 1):
+            if self.store.get(run_id).state in lifecycle.FINAL:
+                return
+            try:
+                self.store.transition(run_id, lifecycle.STOPPED, failure)
+                return
+            except TransitionError as exc:
+                log.info("run %s: %s", run_id, exc)
+
+    def adopt_orphans(self) -> list[Run]:
+        """Take over the active runs whose owner is gone; of several managers adopting one, the
+        compare-and-set lets one win."""
+        now, here = time.time(), self.owner.host
+        return [self.store.get(run.id) for run in self.store.runs(states=lifecycle.ACTIVE)
+                if run.owner != self.owner.id and lifecycle.owner_gone(run, now, here, lifecycle.pid_alive)
+                and self.store.claim(run, self.owner, now)]
+
+    async def reattach_all(self) -> None:
+        for run in self.adopt_orphans():
+            await self.reattach(run)
+
+    async def reattach(self, run: Run) -> None:
+        """Drive a run just adopted from a manager that went away."""
+        attempt = self.store.current_attempt(run.id)
+        members = attempt_nodes(attempt)
+        if run.state != lifecycle.RUNNING or not members:
+            # Its manager went away while checking or launching: nothing is watched, so clean up
+            # whatever of the run may have started and record it.
+            if members:
+                await launch_ops.stop_all(self.pool, recorded(members, self.store.processes(attempt.id)), run.id,
+                                          run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
+            try:
+                self.store.transition(run.id, lifecycle.FAILED, Failure(
+                    None, None, "interrupted", f"the studio or CLI starting it stopped while the run was {run.state}"),
+                    by=self.owner)
+            except TransitionError as exc:
+                log.info("run %s: %s", run.id, exc)
+            return
+        if run.stop_requested:
+            self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
+            return
+        self.notice(run.id, "re-attached: the process that watched it is gone")
+        self.spawn(run.id, self._watch(run.id, attempt, recorded(members, self.store.processes(attempt.id))))
+
+
+def attempt_nodes(attempt: Attempt | None) -> list[tuple[Node, str | None]]:
+    """The attempt's nodes in rank order, each with its setup line."""
+    return [nodes.node_from_dict(d) for d in json.loads(attempt.cluster_json)] if attempt else []
+
+
+def recorded(members: list[tuple[Node, str | None]], procs: list[NodeProcess]) -> list[Started]:
+    """The recorded processes of the attempt's nodes, as `launch` handles them."""
+    by_host = {n.host: (n, s) for n, s in members}
+    return [Started(*by_host[p.node], pgid=p.pgid) for p in procs if p.node in by_host]
+
+
+def assesses(assessment: Assessment, spec: JobSpec, cluster: Cluster) -> bool:
+    """Whether `assessment` is of this job (its output directory aside: launch makes it absolute) on this cluster."""
+    return (assessment.cluster == cluster
+            and assessment.spec == spec.model_copy(update={"output_dir": assessment.spec.output_dir}))
+
+
+def spec_of(run: Run) -> JobSpec:
+    return JobSpec.model_validate(yaml.safe_load(run.spec_yaml))
