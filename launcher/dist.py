@@ -22,7 +22,7 @@ class Dist:
     device: torch.device
     control: object  # gloo ProcessGroup
     same_data_ranks: int = 1
-    """Consecutive ranks that compute on the same batches (a TP or Ulysses SP group)."""
+    """Consecutive ranks that compute on the same batches (a TP, Ulysses SP or ring CP group)."""
 
     @property
     def is_main(self) -> bool:
@@ -30,7 +30,7 @@ class Dist:
 
     @property
     def dp_rank(self) -> int:
-        """Which data shard this rank reads (TP and SP groups are consecutive ranks)."""
+        """Which data shard this rank reads (TP, SP and CP groups are consecutive ranks)."""
         return self.rank // self.same_data_ranks
 
     @property

@@ -144,9 +144,10 @@ class Trainer:
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
-        # Different dropout masks per data shard from here on (the weights were initialised
-        # identically); the ranks of one TP group compute on the same activations and must agree.
-        seed_everything(spec.seed + 1000 * self.dist.dp_rank)
+        # Different dropout masks per rank from here on (the weights were initialised identically),
+        # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP
+        # ranks hold different tokens of a sequence.)
+        seed_everything(spec.seed + 1000 * (self.dist.rank // spec.tensor_model_parallel_size))
         ckpt = self._resume_checkpoint()
         self.resumed_from = None
         if ckpt is not None:

@@ -12,7 +12,7 @@ import pytest
 
 from backend.job.capabilities import parallel_refusals, same_data_ranks, seq_multiple, unsupported
 from backend.job.cluster import Cluster, Node
-from backend.job.modelcfg import parse_model_config, sliding_window
+from backend.job.modelcfg import parse_model_config, sequence_mixing
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
 from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
@@ -36,7 +36,7 @@ def test_what_cp_does_not_compose_with_is_refused_by_name():
     assert fields(fsdp=None) == ["fsdp"]
     assert fields(fsdp=None, deepspeed="zero2") == ["fsdp"]
     assert "sequence_parallel_size" in next(p.message for p in unsupported(spec(fsdp=None, deepspeed="zero2")))
-    assert fields(tensor_model_parallel_size=2) == [CP]
+    assert fields(tensor_model_parallel_size=2, train_type="full") == [CP]
     assert fields(attn_impl="flash_attention_2") == ["attn_impl"] and fields(attn_impl="sdpa") == []
     # The ring knows only the causal mask: packed samples would see each other.
     assert fields(packing=True) == ["packing"]
@@ -45,8 +45,8 @@ def test_what_cp_does_not_compose_with_is_refused_by_name():
 
 def test_a_cp_group_reads_one_shard_and_rows_split_into_head_and_tail_chunks():
     assert same_data_ranks(spec()) == 2 and same_data_ranks(spec(**{CP: 4})) == 4
-    assert seq_multiple(spec()) == 4 and seq_multiple(spec(**{CP: 1})) == 1
-    assert seq_multiple(spec(torch_dtype="float32")) == 128  # chunks of 32 tokens: see seq_multiple
+    # A head and a tail chunk per rank, of a multiple of 32 tokens each (see seq_multiple).
+    assert seq_multiple(spec()) == 128 and seq_multiple(spec(**{CP: 4})) == 256 and seq_multiple(spec(**{CP: 1})) == 1
     assert seq_multiple(JobSpec(model="m", dataset=["d"], sequence_parallel_size=2)) == 2
 
 
@@ -78,20 +78,37 @@ def test_float32_ring_attention_needs_a_model_without_grouped_query_attention():
     assert not [p for p in validate(spec(torch_dtype="float32"), one, mha) if "GQA" in p.message]
 
 
-def test_a_sliding_window_shorter_than_max_length_is_refused():
-    mistral = dict(model_type="mistral", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100,
-                   sliding_window=4096)
-    assert sliding_window(mistral) == 4096  # no layer_types: the window is every layer's
-    assert sliding_window({**mistral, "sliding_window": None}) == 0
-    assert sliding_window({**mistral, "use_sliding_window": False}) == 0  # Qwen2's switch
-    assert sliding_window({**mistral, "layer_types": ["full_attention"] * 2}) == 0
-    assert sliding_window({**mistral, "layer_types": ["full_attention", "sliding_attention"]}) == 4096
-    model = parse_model_config(mistral)
-    long = spec(max_length=8192)
-    problems = [p for p in validate(long, Cluster(nodes=(node("a", "cuda"),), source="t"), model) if p.field == CP]
-    assert len(problems) == 1 and "sliding window of 4096 tokens" in problems[0].message
-    assert not [p for p in validate(spec(max_length=4096), Cluster(nodes=(node("a", "cuda"),), source="t"), model)
-                if p.field == CP]
+def test_windows_chunks_and_other_sequence_mixers_are_refused():
+    base = dict(model_type="mistral", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    mistral = {**base, "sliding_window": 4096}
+    assert sequence_mixing(mistral) == (4096, 0, ())  # no layer_types: the window is every layer's
+    assert sequence_mixing({**mistral, "sliding_window": None}) == (0, 0, ())
+    assert sequence_mixing({**mistral, "use_sliding_window": False}) == (0, 0, ())  # Qwen2's switch
+    assert sequence_mixing({**mistral, "layer_types": ["full_attention"] * 2}) == (0, 0, ())
+    assert sequence_mixing({**mistral, "layer_types": ["full_attention", "sliding_attention"]}) == (4096, 0, ())
+    llama4 = {**base, "attention_chunk_size": 8192, "layer_types": ["chunked_attention", "full_attention"]}
+    assert sequence_mixing(llama4) == (0, 8192, ())
+    qwen3_next = {**base, "layer_types": ["linear_attention", "full_attention"]}
+    assert sequence_mixing(qwen3_next) == (0, 0, ("linear_attention",))
+    assert sequence_mixing({**base, "model_type": "jamba"}) == (0, 0, ("mamba",))
+    one = Cluster(nodes=(node("a", "cuda"),), source="t")
+
+    def refused(cfg, max_length):
+        return [p.message for p in validate(spec(max_length=max_length), one, parse_model_config(cfg)) if p.field == CP]
+
+    assert len(refused(mistral, 8192)) == 1 and "sliding window of 4096 tokens" in refused(mistral, 8192)[0]
+    assert refused(mistral, 4096) == []
+    assert "attention chunk of 8192 tokens" in refused(llama4, 16384)[0] and refused(llama4, 8192) == []
+    assert "linear_attention layers" in refused(qwen3_next, 1024)[0]
+    assert "mamba layers" in refused({**base, "model_type": "jamba"}, 1024)[0]
+
+
+def test_the_world_check_names_the_dimension_that_breaks_it():
+    from backend.job.capabilities import world_problems
+
+    assert [p.field for p in world_problems(spec(), 3)] == [CP] and world_problems(spec(), 4) == []
+    two = Cluster(nodes=(Node(host="a", slots=6, device="cuda"),), source="t")
+    assert [p.field for p in validate(spec(nproc_per_node=6, **{CP: 4}), two) if "does not divide" in p.message] == [CP]
 
 
 SHARDING = r'''

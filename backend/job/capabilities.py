@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from backend.job.spec import JobSpec, Problem
 
 TP = "tensor_model_parallel_size"
+SP = "sequence_parallel_size"
+CP = "context_parallel_size"
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
 ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
 COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
@@ -53,16 +55,23 @@ def same_data_ranks(spec: JobSpec) -> int:
 
 def seq_multiple(spec: JobSpec) -> int:
     """What every row's width is padded to a multiple of: a Ulysses group splits each row into SP
-    equal parts; ring CP into 2 x CP chunks, a head and a tail per rank (torch's load balancer)."""
+    equal parts; ring CP into 2 x CP chunks, a head and a tail per rank (torch's load balancer), of
+    a multiple of 32 tokens each: torch's ring over the memory-efficient SDPA kernel (float32's, and
+    bf16's where flash cannot run) merges each step's log-sum-exp, which that kernel pads to 32
+    rows, with the unpadded running one, and fails on other chunks (seen with torch 2.11 on an
+    H200; tests/test_context_parallel.py)."""
     cp = spec.context_parallel_size
-    if cp <= 1:
-        return spec.sequence_parallel_size
-    # torch's ring over the memory-efficient kernel (the one float32 runs on) merges each step's
-    # log-sum-exp, which that kernel pads to a multiple of 32 rows, with the unpadded running one, and
-    # fails on shorter chunks (seen with torch 2.11 on an H200; tests/test_context_parallel.py runs
-    # float32 rows of other widths). Chunks of a multiple of 32 tokens have no padding.
-    chunk = 32 if spec.torch_dtype == "float32" else 1
-    return spec.sequence_parallel_size * 2 * cp * chunk
+    return spec.sequence_parallel_size * (2 * cp * 32 if cp > 1 else 1)
+
+
+def world_problems(spec: JobSpec, world: int) -> list[Problem]:
+    """The worker's own check of its world size (the validator checks the layout before launch):
+    TP x SP x CP consecutive ranks form one group, so they must divide the ranks torchrun started."""
+    group = same_data_ranks(spec)
+    if world % group == 0:
+        return []
+    field = next(f for f in (CP, SP, TP) if getattr(spec, f) > 1)
+    return [Problem(field, f"TP x SP x CP = {group} does not divide the {world} ranks this job was started with")]
 
 
 def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
@@ -194,7 +203,6 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-SP = "sequence_parallel_size"
 FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 
 
@@ -226,7 +234,6 @@ def _sp_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-CP = "context_parallel_size"
 RING_ATTN_IMPLS = (None, "", "auto", "sdpa")
 CP_NEEDS_CUDA = ("ring attention (torch's context_parallel) runs on CUDA GPUs only: torch has no ring rule for "
                  "the CPU attention kernel; use sequence_parallel_size (Ulysses, which runs on CPU too) or GPU nodes")
@@ -269,14 +276,24 @@ def cp_device_problems(spec: JobSpec, devices: dict[str, str]) -> list[Problem]:
     return [Problem(CP, f"{CP_NEEDS_CUDA} ({', '.join(cpu)} {'is a CPU node' if len(cpu) == 1 else 'are CPU nodes'})")]
 
 
-def sliding_window_problems(spec: JobSpec, sliding_window: int) -> list[Problem]:
-    """Ring CP drops the model's mask for plain causal attention: a sliding window
-    (`backend.job.modelcfg.sliding_window`) shorter than max_length would be trained as full attention."""
-    if spec.context_parallel_size <= 1 or not sliding_window or sliding_window >= spec.max_length:
+def ring_model_problems(spec: JobSpec, sliding_window: int, attention_chunk: int,
+                        other_mixers: tuple[str, ...]) -> list[Problem]:
+    """Ring CP computes plain causal attention over the whole sequence and runs every other layer on
+    each rank's head and tail chunks as if they were one piece (`backend.job.modelcfg.sequence_mixing`
+    gives the arguments): a window or a chunk shorter than max_length would be trained as full
+    attention, and a layer that mixes the sequence otherwise (linear attention, SSM) would be wrong."""
+    if spec.context_parallel_size <= 1:
         return []
-    return [Problem(CP, f"the model attends over a sliding window of {sliding_window} tokens, shorter than max_length "
-                        f"{spec.max_length}; ring attention has no window and would train it as full attention: use "
-                        f"max_length <= {sliding_window}, or sequence_parallel_size")]
+    out = []
+    for kind, span in (("sliding window", sliding_window), ("attention chunk", attention_chunk)):
+        if span and span < spec.max_length:
+            out.append(Problem(CP, f"the model attends over a {kind} of {span} tokens, shorter than max_length "
+                                   f"{spec.max_length}; ring attention has none and would train it as full attention: "
+                                   f"use max_length <= {span}, or sequence_parallel_size"))
+    if other_mixers:
+        out.append(Problem(CP, f"the model has {', '.join(other_mixers)} layers, which mix the sequence outside "
+                               "attention and cannot run on ring CP's chunks; use sequence_parallel_size"))
+    return out
 
 
 def ring_kernel_problems(spec: JobSpec, num_heads: int, num_kv_heads: int) -> list[Problem]:

@@ -119,9 +119,13 @@ class ModelConfig:
     max_position_embeddings: int = 0
     """The longest context the model was trained for; 0 when the config does not say."""
     rope_scaling: str = ""
-    sliding_window: int = 0
-    """The attention window of the layers that have one (`sliding_window` below); 0 when none do."""
     """The config's rope scaling type (yarn, linear, dynamic, llama3, ...), empty without."""
+    sliding_window: int = 0
+    """The attention window of the layers that have one (`sequence_mixing`); 0 when none do."""
+    attention_chunk: int = 0
+    """The chunk of chunked-attention layers (Llama 4); 0 when none has one."""
+    other_mixers: tuple[str, ...] = ()
+    """Layer kinds that mix the sequence other than by attention (linear attention, SSM, ...)."""
     source: str = ""
 
     @property
@@ -310,25 +314,40 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         vision_tower=isinstance(cfg.get("vision_config"), dict),
         max_position_embeddings=_int(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", default=0),
         rope_scaling=_rope_scaling(cfg),
-        sliding_window=sliding_window(cfg),
+        **dict(zip(("sliding_window", "attention_chunk", "other_mixers"), sequence_mixing(cfg))),
         source=source,
     )
 
 
-def sliding_window(cfg: dict[str, Any]) -> int:
-    """The window of the config's sliding-window layers, 0 when no layer has one: `layer_types`
-    where the config lists them (transformers 5), else Qwen2's `use_sliding_window` switch, else a
-    set `sliding_window` applies to every layer (Mistral). The worker asks the same of the model's
-    live config."""
-    window = cfg.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return 0
+# Model types whose layers mix the sequence by state-space, recurrent or linear-attention blocks
+# beside (or instead of) attention, where the config names no layer_types for them.
+HYBRID_TYPES = {"jamba": "mamba", "falcon_h1": "mamba", "bamba": "mamba", "zamba": "mamba", "zamba2": "mamba",
+                "nemotron_h": "mamba", "granitemoehybrid": "mamba", "mamba": "mamba", "mamba2": "mamba",
+                "falcon_mamba": "mamba", "rwkv": "rwkv", "recurrent_gemma": "recurrent", "lfm2": "conv",
+                "qwen3_next": "linear_attention", "minimax": "linear_attention"}
+
+
+def sequence_mixing(cfg: dict[str, Any]) -> tuple[int, int, tuple[str, ...]]:
+    """How the config's layers mix the sequence: (the window of its sliding-window layers, the chunk
+    of its chunked-attention layers, the other kinds of layer: linear attention, mamba, ...), 0 and
+    () where there are none. `layer_types` where the config lists them (transformers 5), else Qwen2's
+    `use_sliding_window` switch, else a set `sliding_window` applies to every layer (Mistral). The
+    worker asks the same of the model's live config."""
+    def positive(key: str) -> int:
+        value = cfg.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    window, chunk = positive("sliding_window"), positive("attention_chunk_size")
     types = cfg.get("layer_types")
     if isinstance(types, list):
-        return window if any(t != "full_attention" for t in types) else 0
+        kinds = set(map(str, types))
+        others = kinds - {"full_attention", "sliding_attention", "chunked_attention"}
+        return (window if "sliding_attention" in kinds else 0, chunk if "chunked_attention" in kinds else 0,
+                tuple(sorted(others)))
+    others = (HYBRID_TYPES[cfg.get("model_type")],) if cfg.get("model_type") in HYBRID_TYPES else ()
     if "use_sliding_window" in cfg:
-        return window if cfg["use_sliding_window"] else 0
-    return window
+        window = window if cfg["use_sliding_window"] else 0
+    return window, chunk, others
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> str:

@@ -68,7 +68,9 @@ def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
     out: list[Problem] = []
     tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
     if layout.world % (tp * pp * cp):
-        out.append(Problem(TP, f"TP x PP x CP = {tp}x{pp}x{cp} = {tp * pp * cp} does not divide the world size {layout.world}"))
+        # The form marks the dimension that breaks it: TP, else PP, else CP.
+        field = TP if layout.world % tp else (PP if layout.world % (tp * pp) else CP)
+        out.append(Problem(field, f"TP x PP x CP = {tp}x{pp}x{cp} = {tp * pp * cp} does not divide the world size {layout.world}"))
     elif layout.world % (tp * pp * cp * sp):
         out.append(Problem(SP, f"TP x PP x CP x SP = {tp * pp * cp * sp} does not divide the world size {layout.world}"))
     etp = layout.etp
@@ -76,12 +78,9 @@ def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
         # Megatron builds the experts' grid (ETP x EP x PP x expert-DP) apart from the dense one.
         out.append(Problem(EP, f"ETP x EP x PP = {etp}x{ep}x{pp} = {etp * ep * pp} does not divide the world size "
                                f"{layout.world} (the experts' grid: Megatron's world % (ETP x EP x PP) == 0)"))
-    if cp > 1:
-        if spec.max_length % cp:
-            out.append(Problem("max_length", f"{spec.max_length} is not divisible by CP={cp}"))
-        elif spec.max_length % (2 * cp):
-            # Causal ring attention balances load by giving each rank a head and a tail chunk.
-            out.append(Problem("max_length", f"{spec.max_length} is not divisible by 2 x CP = {2 * cp} (load-balanced causal ring attention)"))
+    # Megatron's rule; the worker pads every row to its head and tail chunks (capabilities.seq_multiple).
+    if cp > 1 and spec.max_length % cp:
+        out.append(Problem("max_length", f"{spec.max_length} is not divisible by CP={cp}"))
     if sp > 1 and spec.max_length % sp:
         out.append(Problem("max_length", f"{spec.max_length} is not divisible by SP={sp} (Ulysses splits each sequence)"))
     return out
@@ -103,7 +102,7 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         # DeepSpeed's Ulysses splits the KV heads over the group, or replicates them when SP is a multiple.
         out.append(Problem(SP, f"the model's {model.num_kv_heads} key/value heads and SP={sp}: one must divide the "
                                "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
-    out += capabilities.sliding_window_problems(spec, model.sliding_window)
+    out += capabilities.ring_model_problems(spec, model.sliding_window, model.attention_chunk, model.other_mixers)
     out += capabilities.ring_kernel_problems(spec, model.num_heads, model.num_kv_heads)
     if model.num_layers % pp:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))

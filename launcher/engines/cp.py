@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from backend.job.capabilities import CP, ring_kernel_problems, sliding_window_problems
-from backend.job.modelcfg import sliding_window
+from backend.job.capabilities import CP, ring_kernel_problems, ring_model_problems
+from backend.job.modelcfg import sequence_mixing
 from launcher.config import ConfigError
+from launcher.model import decoder_layers
 
 
 class RingCP:
@@ -18,10 +19,10 @@ class RingCP:
 
         config = model.config
         heads = config.num_attention_heads
-        refused = (sliding_window_problems(spec, sliding_window(config.to_dict()))
+        refused = (ring_model_problems(spec, *sequence_mixing(config.to_dict()))
                    + ring_kernel_problems(spec, heads, getattr(config, "num_key_value_heads", None) or heads))
         if refused:
-            raise ConfigError(f"{refused[0].field}: {refused[0].message}")
+            raise ConfigError("\n".join(f"{p.field}: {p.message}" for p in refused))
         if config._attn_implementation != "sdpa":
             raise ConfigError(f"attn_impl: {config._attn_implementation} with {CP} > 1: ring attention replaces SDPA only")
         size = spec.context_parallel_size
@@ -68,8 +69,10 @@ def _drop_masks(model) -> None:
             kwargs["is_causal"] = True
         return args, kwargs
 
-    attention = [m for name, m in model.named_modules() if name.endswith("self_attn")]
-    if not attention:
-        raise ConfigError(f"{CP}: cannot find the attention modules of this model (no '*.self_attn')")
-    for module in attention:
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+    layers = decoder_layers(model)
+    without = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
+    if not layers or without:
+        raise ConfigError(f"{CP}: decoder layers {without[:5]} of this model have no self-attention module (they mix "
+                          "the sequence otherwise), which ring CP cannot split; use sequence_parallel_size")
+    for layer in layers:
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
