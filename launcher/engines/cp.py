@@ -10,11 +10,12 @@ import torch
 from backend.job.capabilities import CP, ring_kernel_problems, ring_model_problems
 from backend.job.modelcfg import sequence_mixing
 from launcher.config import ConfigError
-from launcher.model import decoder_layers
 
 
 class RingCP:
-    def __init__(self, model, spec, dist):
+    def __init__(self, model, spec, dist, layers: list):
+        """`layers`: the model's decoder layers (`launcher.model.decoder_layers`, found before
+        fully_shard renames their classes)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         config = model.config
@@ -28,7 +29,7 @@ class RingCP:
         size = spec.context_parallel_size
         # The CP dimension innermost: a group is consecutive ranks (backend.job.capabilities.same_data_ranks).
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size), mesh_dim_names=("dp", CP))[CP]
-        _drop_masks(model)
+        _drop_masks(layers)
 
     def forward_backward(self, model, batch: dict, scale: float) -> torch.Tensor:
         return ring_forward_backward(model, batch, self.mesh, scale)
@@ -58,7 +59,7 @@ def ring_forward_backward(model, batch: dict, mesh, scale: float) -> torch.Tenso
     return full
 
 
-def _drop_masks(model) -> None:
+def _drop_masks(layers: list) -> None:
     """Ring attention takes no mask, only causality (torch refuses SDPA with one): transformers
     builds one from the chunks' position ids (they jump from the head to the tail chunk, which it
     reads as packed samples), so every attention module is called with none and `is_causal` instead,
@@ -69,7 +70,6 @@ def _drop_masks(model) -> None:
             kwargs["is_causal"] = True
         return args, kwargs
 
-    layers = decoder_layers(model)
     without = [i for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")]
     if not layers or without:
         raise ConfigError(f"{CP}: decoder layers {without[:5]} of this model have no self-attention module (they mix "

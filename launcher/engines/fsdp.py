@@ -61,7 +61,7 @@ class FSDPEngine(TorchOptimizerEngine):
         if spec.context_parallel_size > 1:
             from launcher.engines.cp import RingCP
 
-            self.cp = RingCP(model, spec, dist)
+            self.cp = RingCP(model, spec, dist, layers)
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         # Reduce-scatter only on the last micro-batch; earlier ones accumulate unsharded grads.
