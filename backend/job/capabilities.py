@@ -174,6 +174,12 @@ TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddi
                       "empty (TP with replicated data parallel)")
 
 
+def _untested_with(spec: JobSpec, dimension: str, compiled: str, liger: str) -> list[Problem]:
+    """torch_compile and Liger, each refused with a parallel dimension above 1, and why."""
+    return [Problem(field, f"not with {dimension} > 1 ({why}); turn it off")
+            for field, why in (("torch_compile", compiled), ("use_liger_kernel", liger)) if getattr(spec, field)]
+
+
 def _tp_problems(spec: JobSpec) -> list[Problem]:
     """Tensor parallel runs on transformers' DistributedConfig, or on DeepSpeed's AutoTP with a ZeRO
     stage; these engines and options do not compose with it (yet), each refused by name."""
@@ -193,10 +199,8 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
     if words - {"full_shard"}:
         out.append(Problem("fsdp", f"with {TP} > 1 only 'full_shard' (transformers' FSDP2 under TP); "
                                    f"not {' '.join(sorted(words - {'full_shard'}))}"))
-    for field, why in (("torch_compile", "compiling DTensor layers is not tested"),
-                       ("use_liger_kernel", "Liger's kernels take plain tensors, not DTensor shards")):
-        if getattr(spec, field):
-            out.append(Problem(field, f"not with {TP} > 1 ({why}); turn it off"))
+    out += _untested_with(spec, TP, compiled="compiling DTensor layers is not tested",
+                          liger="Liger's kernels take plain tensors, not DTensor shards")
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {TP} > 1 is not supported (no sharded grad scaler); "
                                           "use bfloat16"))
@@ -227,10 +231,8 @@ def _sp_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("packing", f"packing with {SP} > 1 needs attn_impl flash_attention_2 or 3 (Ulysses "
                                       "drops the mask; sdpa and flex_attention would attend across the packed "
                                       "samples); turn packing off or use flash-attention"))
-    for field, why in (("torch_compile", "compiling through Ulysses' all-to-all is not tested"),
-                       ("use_liger_kernel", "Liger's fused loss is not wired to the sequence-sharded loss")):
-        if getattr(spec, field):
-            out.append(Problem(field, f"not with {SP} > 1 ({why}); turn it off"))
+    out += _untested_with(spec, SP, compiled="compiling through Ulysses' all-to-all is not tested",
+                          liger="Liger's fused loss is not wired to the sequence-sharded loss")
     return out
 
 
@@ -261,10 +263,8 @@ def _cp_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("packing", f"packing with {CP} > 1: ring attention knows only the causal mask, so packed "
                                       "samples would attend to each other; turn packing off (rows are padded at "
                                       "the end, which the causal mask keeps out of every real token's view)"))
-    for field, why in (("torch_compile", "compiling the ring dispatch is not tested"),
-                       ("use_liger_kernel", "Liger's fused loss is not wired to the sequence-sharded loss")):
-        if getattr(spec, field):
-            out.append(Problem(field, f"not with {CP} > 1 ({why}); turn it off"))
+    out += _untested_with(spec, CP, compiled="compiling the ring dispatch is not tested",
+                          liger="Liger's fused loss is not wired to the sequence-sharded loss")
     return out
 
 
