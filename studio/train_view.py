@@ -82,7 +82,7 @@ def greyed_dimensions(spec: JobSpec, layout: Layout, cluster: Cluster) -> dict[s
     if layout.world == 1:
         return {name: "this job has one rank on this cluster: nothing to split (raise nproc_per_node or nnodes)"
                 for name in PARALLEL_FIELDS if getattr(spec, name) == 1}
-    return parallel_refusals(spec, {n.host: n.device for n in cluster.nodes[: spec.nnodes]})
+    return parallel_refusals(spec, cluster.devices(spec.nnodes))
 
 
 def problems_md(problems: list[Problem]) -> str:

@@ -89,6 +89,10 @@ class Cluster:
         """The torch.distributed backend every node can run."""
         return "nccl" if all(n.device == "cuda" for n in self.nodes) else "gloo"
 
+    def devices(self, nnodes: int) -> dict[str, str]:
+        """The device ("cuda" or "cpu") of each of the first `nnodes` nodes, by host."""
+        return {n.host: n.device for n in self.nodes[:nnodes]}
+
     @property
     def is_local(self) -> bool:
         return len(self.nodes) == 1 and self.nodes[0].local

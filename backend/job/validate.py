@@ -56,7 +56,7 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
             unit = "GPUs" if node.device == "cuda" else "CPU cores"
             out.append(Problem("nproc_per_node", f"{layout.nproc_per_node} processes per node, but {node.host} has "
                                                  f"{node.slots} slot(s) ({unit})"))
-    out += capabilities.cp_device_problems(spec, {n.host: n.device for n in nodes})
+    out += capabilities.cp_device_problems(spec, cluster.devices(spec.nnodes))
     if spec.nproc_per_node is None and len({n.slots for n in nodes}) > 1:
         out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
     if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
@@ -204,13 +204,11 @@ class Assessment:
     layout: Layout
     problems: list[Problem]
     model: ModelConfig | None
-    model_note: str
-    """Why there is no model config ("" when there is one)."""
     ds_config: dict[str, Any] | None
     """The DeepSpeed preset or user JSON as read (nothing filled), None without DeepSpeed or when unreadable."""
     memory: MemoryEstimate | None
     memory_note: str
-    """Why there is no memory estimate ("" when there is one)."""
+    """Why there is no memory estimate, or no model config ("" when there is one)."""
 
     @property
     def ok(self) -> bool:
@@ -235,32 +233,32 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     if cluster.is_local:
         problems += _local_path_rules(spec)
     problems += _dataset_rules(spec)
-    model, model_note = model_config, ""
+    model, memory_note = model_config, ""
     if model is None:
         try:
             model = find_model_config(spec.model)
         except ModelConfigError as exc:
             problems.append(Problem("model", str(exc)))
-            model_note = f"cannot read the model's config.json: {exc}"
+            memory_note = f"cannot read the model's config.json: {exc}"
         else:
             if model is None:
-                model_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
+                memory_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
                               "or the hub cache).")
-    memory, memory_note = None, model_note
+    memory = None
     if model is not None:
         problems += _model_rules(spec, model)
         if ds_error:
             memory_note = f"not estimated: {ds_error}"
         else:
             # The planner's rule: a job with a CPU node runs gloo, its ranks without CUDA.
-            device = "cuda" if all(n.device == "cuda" for n in cluster.nodes[: spec.nnodes]) else "cpu"
+            device = "cuda" if set(cluster.devices(spec.nnodes).values()) == {"cuda"} else "cpu"
             memory = estimate_memory(spec, model, layout, device, ZeroSettings.of(ds_config) if ds_config else None)
             problems += _memory_rules(spec, cluster, memory, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
     problems += [p for p in capabilities.unsupported(spec) if p.field not in failed]
-    return Assessment(spec, cluster, layout, problems, model, model_note, ds_config, memory, memory_note)
+    return Assessment(spec, cluster, layout, problems, model, ds_config, memory, memory_note)
 
 
 def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelConfig | None = None) -> list[Problem]:
