@@ -302,3 +302,44 @@ def test_one_form_change_reads_each_file_and_estimates_once(tmp_path, monkeypatc
     # The launch of that form takes the same assessment (the manager plans from it, reading nothing).
     assert _assesses(view.assessment, view.spec.model_copy(update={"output_dir": "/abs/out"}), cluster)
     assert not _assesses(view.assessment, view.spec.model_copy(update={"learning_rate": 0.5}), cluster)
+
+
+def test_two_studios_adding_the_same_new_node_at_once_both_succeed(tmp_path, monkeypatch):
+    """Both read an inventory without the node, then both insert it: the second's unique-host
+    conflict is written again over the first's row, not shown as a failure."""
+    import threading
+
+    from backend.cluster import nodes
+    from backend.runs.manager import RunManager
+
+    managers = [RunManager(f"sqlite:///{tmp_path / 'studio.db'}", reattach=False) for _ in range(2)]
+    cluster = put_node(local_cluster(), {"host": "gpu9", "slots": 8})
+    both_read, waited, real_exec = threading.Barrier(2), set(), nodes.Session.exec
+
+    def read_then_wait(self, statement, *args, **kwargs):
+        rows = list(real_exec(self, statement, *args, **kwargs))
+        if threading.get_ident() not in waited:  # each writer's first read, before either writes
+            waited.add(threading.get_ident())
+            both_read.wait(timeout=10)
+        return rows
+
+    monkeypatch.setattr(nodes.Session, "exec", read_then_wait)
+    failed = []
+
+    def add(manager, line):
+        try:
+            manager.set_inventory(cluster, {"gpu9": line})
+        except Exception as exc:  # noqa: BLE001 - the assertion below names it
+            failed.append(exc)
+
+    threads = [threading.Thread(target=add, args=(m, line)) for m, line in zip(managers, ("one", "two"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    monkeypatch.undo()
+    assert failed == []
+    found, setups = managers[0].node_inventory()
+    assert [n.host for n in found.nodes] == ["localhost", "gpu9"] and setups["gpu9"] in ("one", "two")
+    for m in managers:
+        m.close()

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from backend.cluster import remote, ssh
@@ -34,8 +35,20 @@ _NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "pyt
 def set_inventory(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:
     """Make the cluster's nodes the inventory's, in its order. A node keeps its stored setup line
     unless `setups` names its host ("" clears it). Nodes left out stay as rows without a place
-    (their setup lines serve `swift-studio run --hostfile` on them), and come back with them."""
+    (their setup lines serve `swift-studio run --hostfile` on them), and come back with them.
+    Another process adding the same new host at the same moment makes this one write again over
+    its row (host names are unique), rather than fail."""
     setups = setups or {}
+    for last in (False, True):
+        try:
+            _write_inventory(engine, cluster, setups)
+            return
+        except IntegrityError:
+            if last:
+                raise
+
+
+def _write_inventory(engine: Engine, cluster: Cluster, setups: Setups) -> None:
     with Session(engine) as s:
         rows = {r.host: r for r in s.exec(select(NodeRecord))}
         for host in rows.keys() - {n.host for n in cluster.nodes}:
