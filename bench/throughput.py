@@ -5,6 +5,8 @@
     python bench/throughput.py --smoke          # tiny model on CPU, checks the pipeline end to end
     python bench/throughput.py --suite results.jsonl [--part single|multi|all] [--repeat 2] --baseline ../shared/bench/hf_baseline.py
                                                 # GPU: every target of docs/benchmarks.md, with its ratio
+    python bench/throughput.py --suite long.jsonl --part long --seqs 16384,32768 --steps 3 --warm 1
+                                                # GPU: 8B long-context LoRA, ours (as it is / tiled + offload) vs HF
     python bench/throughput.py --variants plan.jsonl --out results.jsonl --baseline ../shared/bench/hf_baseline.py
                                                 # GPU: the configurations listed in plan.jsonl (Suite.variants)
 
@@ -35,6 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # backend.job.memory, for the estimates beside the measured peaks
 DEFAULT_BASELINE = ROOT.parent / "shared" / "bench" / "hf_baseline.py"
+LONG_BASELINE = ROOT / "bench" / "hf_long_context.py"
 # The shapes of hf_baseline.py (kept identical so the figures compare).
 SHAPES = {
     "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -43,6 +46,10 @@ SHAPES = {
     "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
                         max_position_embeddings=8192),
+    # bench/hf_long_context.py's (the long-context baseline), identical.
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                        rope_theta=500000.0, max_position_embeddings=524288),
     "smoke": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256),
 }
@@ -161,7 +168,8 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
         return {**result, "error": reason}
     # Wall clock between the first and last timed train events (each logging step ends with a
     # device→host copy, so these times are synchronised); the events' own step_time_s is not.
-    step_s = (train[-1]["time"] - train[0]["time"]) / max(train[-1]["step"] - train[0]["step"], 1)
+    step_s = (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]) if len(train) > 1 \
+        else train[0]["step_time_s"]  # one timed step (the longest sequences): its own time
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
     useful = sum(e["tokens_per_s"] for e in train[1:]) / max(len(train) - 1, 1)  # non-padding tokens
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
@@ -291,6 +299,13 @@ SINGLE_TARGETS += tuple(
            ((f"long_{seq}", f"hf_long_{seq}"),), memory=True)
     for seq in LONG_SEQS)
 SINGLE_GROUPS = tuple(dict.fromkeys(t.group for t in SINGLE_TARGETS))
+# Long context on one GPU for the 8B shape (Suite.long_context): ours as it is, and with the
+# sequence-tiled MLP and activation offload (launcher/longseq.py).
+# The ones without tiling and offload are held to the 1.10x goal; tiling and offload report their cost.
+LONG_VARIANTS = {"as it is": {}, "torch_compile": {"torch_compile": True},
+                 "tiled MLP + offload": {"tiled_mlp": True, "activation_cpu_offload": True}}
+LONG_SAVERS = ("tiled_mlp", "activation_cpu_offload")
+LONG_CONTEXT_SEQS = (16384, 32768, 65536, 131072)
 # hf_baseline_multi.py's MODE -> our engine fields for the same engine.
 MULTI_ENGINES = {"ddp": {}, "zero2": {"deepspeed": "zero2"}, "zero3": {"deepspeed": "zero3"},
                  "fsdp": {"fsdp": "full_shard"}}
@@ -343,9 +358,10 @@ class Suite:
             self.out.flush()
         return row
 
-    def target(self, name: str, value, goal: float, extra: dict | None = None) -> None:
-        self.targets.append(self.emit({"target": name, "ratio": value, "goal": goal,
-                                       "met": value is not None and value >= goal, **(extra or {})}))
+    def target(self, name: str, value, goal: float | None, extra: dict | None = None) -> None:
+        """A ratio and its goal; without a goal, a figure to report (`met` None)."""
+        met = None if goal is None else value is not None and value >= goal
+        self.targets.append(self.emit({"target": name, "ratio": value, "goal": goal, "met": met, **(extra or {})}))
 
     def model(self, shape: str) -> Path:
         if shape not in self.models:
@@ -456,9 +472,41 @@ class Suite:
                 self.ours(run["shape"], run["seq"], run["bsz"], run.get("lora", False), nproc=run.get("nproc", 1),
                           engine=run.get("engine"), extra=run.get("extra"), min_len=run.get("min_len"))
 
+    def long_context(self, seqs: list[int], variants: list[str]) -> None:
+        """LoRA r16 on the Llama-3.1-8B shape, micro-batch 1, gradient checkpointing and Liger on both
+        sides: at each length HF (bench/hf_long_context.py, the stock stack's best), ours as it is,
+        and ours with the tiled MLP and activation offload; the ratios against HF."""
+        for seq in seqs:
+            theirs = self.emit(run_baseline_config(LONG_BASELINE, ("llama3.1-8b", seq, 1, True, True, True,
+                                                                    self.steps, self.warm)))
+            for name in variants:
+                extra = LONG_VARIANTS[name]
+                ours = self.ours("llama3.1-8b", seq, 1, True, extra={"gradient_checkpointing": True, **extra})
+                self.target(f"long context {seq // 1024}K, LoRA llama3.1-8b, {name} vs HF+peft+Liger+GC (bf16 base)",
+                            ratio(ours, theirs), None if set(extra) & set(LONG_SAVERS) else 1.10,
+                            {"peak_gib": ours.get("peak_mem_gib"), "hf_peak_gib": theirs.get("peak_mem_gib"),
+                             "estimated_gib": ours.get("estimated_gib")})
+
+    def longest(self, seqs: list[int]) -> None:
+        """The longest of `seqs` (ascending) that trains, for HF and for ours with tiling and offload:
+        each side runs up the list until a length fails (out of memory)."""
+        for side in ("hf", "ours"):
+            best = None
+            for seq in seqs:
+                if side == "hf":
+                    row = self.emit(run_baseline_config(LONG_BASELINE, ("llama3.1-8b", seq, 1, True, True, True,
+                                                                        self.steps, self.warm)))
+                else:
+                    row = self.ours("llama3.1-8b", seq, 1, True,
+                                    extra={"gradient_checkpointing": True, **LONG_VARIANTS["tiled MLP + offload"]})
+                if "error" in row:
+                    break
+                best = seq
+            self.emit({"longest": side, "seq": best, "tried": seqs})
+
     def summary(self) -> str:
-        return "\n".join(f"{'MET ' if t['met'] else 'MISS'} {t['ratio']}x (goal {t['goal']}x) {t['target']}"
-                         for t in self.targets)
+        verdict = {True: "MET ", False: "MISS", None: "COST"}
+        return "\n".join(f"{verdict[t['met']]} {t['ratio']}x (goal {t['goal']}x) {t['target']}" for t in self.targets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,8 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--suite", type=Path, default=None, metavar="RESULTS.jsonl",
                         help="GPU: run the targets (--part, --targets, --modes) against the HF baselines, lines also to this file")
-    parser.add_argument("--part", choices=("single", "multi", "all"), default="all",
-                        help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both")
+    parser.add_argument("--part", choices=("single", "multi", "all", "long", "longest"), default="all",
+                        help="suite: the one-GPU targets, the multi-GPU engine targets (every GPU), or both; "
+                             "long: the 8B long-context targets at --seqs; longest: the longest of --seqs that trains")
+    parser.add_argument("--seqs", default=",".join(map(str, LONG_CONTEXT_SEQS)),
+                        help="suite --part long/longest: sequence lengths, ascending")
+    parser.add_argument("--long-variants", default=",".join(LONG_VARIANTS),
+                        help="suite --part long: which of ours run (" + "; ".join(LONG_VARIANTS) + ")")
     parser.add_argument("--modes", default=",".join(MULTI_ENGINES), help="suite: engines of the multi-GPU part")
     parser.add_argument("--repeat", type=int, default=1, help="suite: HF/ours pairs per engine in the multi-GPU part")
     parser.add_argument("--targets", default=",".join(SINGLE_GROUPS), help="suite: targets of the single-GPU part")
@@ -517,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.variants:
                     runs.variants(args.variants)
                     return 0
+                seqs = [int(v) for v in args.seqs.split(",")]
+                if args.part == "long":
+                    runs.long_context(seqs, args.long_variants.split(","))
+                if args.part == "longest":
+                    runs.longest(seqs)
                 if args.part in ("single", "all"):
                     runs.single(gpus, set(args.targets.split(",")))
                 if args.part in ("multi", "all") and gpus >= 2:

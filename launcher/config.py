@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.job.capabilities import cp_device_problems, unsupported, world_problems, zero_problems
+from backend.job.capabilities import device_problems, unsupported, world_problems, zero_problems
 from backend.job.errors import UserError
 from backend.job.jsonfile import read_json
 from backend.job.spec import JobSpec, load_spec
@@ -23,7 +23,7 @@ def load_job(run_dir: Path) -> JobSpec:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    refused = [p for p in unsupported(spec) + cp_device_problems(spec, {socket.gethostname(): device})
+    refused = [p for p in unsupported(spec) + device_problems(spec, {socket.gethostname(): device})
                + world_problems(spec, int(os.environ.get("WORLD_SIZE", 1))) if p.severity == "error"]
     if refused:
         raise ConfigError("this worker cannot run the job:\n" + "\n".join(f"  {p}" for p in refused))

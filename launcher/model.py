@@ -8,6 +8,7 @@ import torch
 
 from backend.job.errors import UserError
 from launcher.data import DEFAULT_CHAT_TEMPLATE
+from launcher.longseq import enable_checkpointing, tile_mlps
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -139,14 +140,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def prepare(spec, distributed_config=None):
-    """Tokenizer and the (LoRA-wrapped) model in training mode, gradient checkpointing and
-    per-layer compilation when asked; `distributed_config` (transformers') shards it for TP."""
+    """Tokenizer and the (LoRA-wrapped) model in training mode, gradient checkpointing (with
+    offload), tiled MLPs and per-layer compilation when asked; `distributed_config` (transformers') shards it for TP."""
     tokenizer = load_tokenizer(spec.model)
     model = load_model(spec, master_dtype(spec), distributed_config)
     if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, offload=spec.activation_cpu_offload)
     if spec.train_type == "lora":
         model = add_lora(model, spec)
+    if spec.tiled_mlp:
+        tile_mlps(decoder_layers(model), model.config.hidden_size)
     # from_pretrained returns eval mode: dropout (LoRA's too) would be off, and Liger's fused
     # cross-entropy would materialise the logits it exists to avoid.
     model.train()

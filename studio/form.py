@@ -32,8 +32,8 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
         "output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "report_to",
         "resume_from_checkpoint")),
     ("Advanced", False, (
-        "gradient_checkpointing", "use_liger_kernel", "torch_compile", "attn_impl", "grad_reduce_dtype", "seed",
-        "ddp_timeout", "env")),
+        "gradient_checkpointing", "use_liger_kernel", "tiled_mlp", "activation_cpu_offload", "torch_compile",
+        "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "env")),
 )
 
 _UNPLACED = tuple(f for f in FIELDS if f not in {n for _, _, names in _PLACED for n in names})
@@ -57,7 +57,8 @@ TITLES = {
     "per_device_train_batch_size": "Micro-batch per GPU", "gradient_accumulation_steps": "Gradient accumulation",
     "lr_scheduler_type": "LR schedule", "use_liger_kernel": "Liger kernels", "attn_impl": "Attention kernel",
     "ddp_timeout": "Collective timeout (s)", "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",
-    "grad_reduce_dtype": "Gradient reduce dtype",
+    "grad_reduce_dtype": "Gradient reduce dtype", "tiled_mlp": "Tiled MLP (long context)",
+    "activation_cpu_offload": "Offload checkpointed activations to CPU",
     "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
 }
 

@@ -351,3 +351,42 @@ def test_flight_record_loads_nothing_but_plain_data(tmp_path):
     path.write_bytes(pickle.dumps(OrderedDict(entries=[])))  # needs a class lookup: refused
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         flight_record(path, 0, 1.0)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU and NVML")
+def test_a_real_gpu_reports_the_energy_its_work_draws(tmp_path):
+    """The node agent's sampler on a real GPU: NVML's energy counter rises while the GPU multiplies
+    matrices, by about the power it reports times the time; energy_j turns the samples into joules."""
+    import time
+
+    import torch
+
+    from sqlmodel import Session, create_engine
+
+    from backend.store.telemetry_models import MetricSample, create_telemetry_tables
+    from backend.telemetry.query import energy_j
+
+    sampler = GpuSampler()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.time()
+    first = sampler.sample(t0, set())[0]
+    powers = []
+    while time.time() - t0 < 5:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+        powers.append(sampler.sample(time.time(), set())[0]["power_w"])
+    t1 = time.time()
+    last = sampler.sample(t1, set())[0]
+    sampler.close()
+    drawn = last["energy_j"] - first["energy_j"]
+    mean_power = sum(powers) / len(powers)
+    print(f"energy {drawn:.0f} J over {t1 - t0:.1f} s, mean power {mean_power:.0f} W")
+    assert drawn > 0 and 0.5 < drawn / (mean_power * (t1 - t0)) < 2
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    create_telemetry_tables(engine)
+    with Session(engine) as s:
+        for t, rec in ((t0, first), (t1, last)):
+            s.add(MetricSample(run_id="gpu", node="local", gpu=0, name="gpu/energy_j", t=t, value=rec["energy_j"]))
+        s.commit()
+    assert energy_j(engine, "gpu", [(t0, t1)]) == pytest.approx(drawn)

@@ -73,7 +73,7 @@ def test_every_bad_word_is_reported_with_its_line():
     lines = [str(p) for p in err.value.problems]
     assert lines == [
         "hosts:1: ssh_port must be a port number 1-65535, got '99999'",
-        "hosts:1: unknown key 'colour'; known: addr, ssh_user, ssh_port, ssh_key, python, device, gpu_mem_gib",
+        "hosts:1: unknown key 'colour'; known: addr, ssh_user, ssh_port, ssh_key, python, device, gpu_mem_gib, host_mem_gib",
         "hosts:2: b: slots must be at least 1",
         "hosts:3: device must be one of cuda, cpu, got 'tpu'",
         "hosts:3: expected key=value after slots=N, got 'nonsense'",

@@ -29,7 +29,8 @@ def address_of(node: Node) -> ssh.Address:
 
 # -- inventory ---------------------------------------------------------------------------------
 
-_NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "local", "gpu_mem_gib")
+_NODE_FIELDS = ("host", "slots", "addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "local", "gpu_mem_gib",
+                "host_mem_gib")
 
 
 def set_inventory(engine: Engine, cluster: Cluster, setups: Setups | None = None) -> None:

@@ -68,10 +68,11 @@ def world_problems(spec: JobSpec, world: int) -> list[Problem]:
     """The worker's own check of its world size (the validator checks the layout before launch):
     TP x SP x CP consecutive ranks form one group, so they must divide the ranks torchrun started."""
     group = same_data_ranks(spec)
+    out = multi_rank_problems(spec, world)
     if world % group == 0:
-        return []
+        return out
     field = next(f for f in (CP, SP, TP) if getattr(spec, f) > 1)
-    return [Problem(field, f"TP x SP x CP = {group} does not divide the {world} ranks this job was started with")]
+    return [Problem(field, f"TP x SP x CP = {group} does not divide the {world} ranks this job was started with"), *out]
 
 
 def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
@@ -116,6 +117,10 @@ def zero_problems(spec: JobSpec, stage: int, offload: bool = False) -> list[Prob
         # DeepSpeed 0.19.8 checks the batch against two different world sizes under ZeRO-3 + AutoTP.
         out.append(Problem("deepspeed", f"ZeRO-3 with {TP} > 1: DeepSpeed's AutoTP trains with ZeRO-0, 1 or 2{where}; "
                                         "use zero1 or zero2"))
+    if spec.tiled_mlp and stage == 3:
+        out.append(Problem("tiled_mlp", "not with ZeRO-3: every tile would gather the MLP's weights again, a collective "
+                                        "that ranks holding rows of other lengths call a different number of times; "
+                                        f"use zero2 or zero1{where}"))
     if autotp(spec) and offload:
         out.append(Problem("deepspeed", f"offload with {TP} > 1 (DeepSpeed's AutoTP) is not tested; use zero1 or "
                                         "zero2 without offload"))
@@ -144,6 +149,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     problems += _tp_problems(spec)
     problems += _sp_problems(spec)
     problems += _cp_problems(spec)
+    problems += _long_sequence_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -244,7 +250,7 @@ CP_NEEDS_CUDA = ("ring attention (torch's context_parallel) runs on CUDA GPUs on
 def _cp_problems(spec: JobSpec) -> list[Problem]:
     """Ring context parallel is torch's `context_parallel` over FSDP2 (launcher/engines/cp.py): it
     rewrites SDPA into ring attention with the causal mask only; what does not compose is refused by
-    name. That it needs GPUs is the cluster's rule (`cp_device_problems`)."""
+    name. That it needs GPUs is the cluster's rule (`device_problems`)."""
     if spec.context_parallel_size <= 1:
         return []
     out = []
@@ -268,12 +274,58 @@ def _cp_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-def cp_device_problems(spec: JobSpec, devices: dict[str, str]) -> list[Problem]:
-    """Ring CP on the nodes' devices (`{host: "cuda" | "cpu"}`): refused where a node has no GPU."""
+OFFLOAD_NEEDS_CUDA = ("offloads from GPU memory to pinned host memory: a CPU node's activations are in host memory "
+                      "already; turn it off")
+
+
+def device_problems(spec: JobSpec, devices: dict[str, str]) -> list[Problem]:
+    """What needs GPUs, on the nodes' devices (`{host: "cuda" | "cpu"}`): ring CP and activation
+    offload are refused where a node has no GPU."""
     cpu = [host for host, device in devices.items() if device != "cuda"]
-    if spec.context_parallel_size <= 1 or not cpu:
+    if not cpu:
         return []
-    return [Problem(CP, f"{CP_NEEDS_CUDA} ({', '.join(cpu)} {'is a CPU node' if len(cpu) == 1 else 'are CPU nodes'})")]
+    where = f"({', '.join(cpu)} {'is a CPU node' if len(cpu) == 1 else 'are CPU nodes'})"
+    needs = [(CP, CP_NEEDS_CUDA)] if spec.context_parallel_size > 1 else []
+    needs += [(OFFLOAD, OFFLOAD_NEEDS_CUDA)] if spec.activation_cpu_offload else []
+    return [Problem(field, f"{why} {where}") for field, why in needs]
+
+
+TILED, OFFLOAD = "tiled_mlp", "activation_cpu_offload"
+
+
+def _long_sequence_problems(spec: JobSpec) -> list[Problem]:
+    """The tiled MLP (DeepSpeed's TiledMLP) and activation offload (transformers' checkpointing with
+    torch's save_on_cpu) with what they are not known to compose with, each refused by name; how
+    many ranks they may run on is `world_problems`'."""
+    out = []
+    if spec.activation_cpu_offload and not spec.gradient_checkpointing:
+        out.append(Problem(OFFLOAD, "offloads what gradient checkpointing saves: turn gradient_checkpointing on"))
+    for field in (TILED, OFFLOAD):
+        if not getattr(spec, field):
+            continue
+        for dim in (TP, CP):
+            if getattr(spec, dim) > 1:
+                out.append(Problem(field, f"not with {dim} > 1 (not tested together); turn one off"))
+        if spec.torch_compile:
+            out.append(Problem(field, "not with torch_compile (the compiled layers are not tested with it); turn one off"))
+    return out
+
+
+def multi_rank_problems(spec: JobSpec, world: int) -> list[Problem]:
+    """Where the tiled MLP and activation offload run with more than one rank. TiledMLP computes its
+    weights' gradients tile by tile in its own backward: DeepSpeed holds them back until the last
+    tile (ZeRO-3 is `zero_problems`'), while torch's DDP takes each tile's part for the whole; FSDP2
+    on several ranks is not tested. Offload was tested on one GPU only."""
+    if world <= 1:
+        return []
+    out = []
+    if spec.tiled_mlp and not spec.deepspeed:
+        out.append(Problem(TILED, f"on {world} ranks runs with DeepSpeed ZeRO-0, 1 or 2 only (they reduce its "
+                                  "gradients once all tiles are done; torch's DDP would reduce each tile's part, "
+                                  "FSDP2 is not tested); on one GPU it runs with every engine"))
+    if spec.activation_cpu_offload:
+        out.append(Problem(OFFLOAD, f"runs on one GPU only (it was tested there; this job has {world} ranks)"))
+    return out
 
 
 def ring_model_problems(spec: JobSpec, sliding_window: int, attention_chunk: int,
@@ -313,10 +365,10 @@ PARALLEL_FIELDS = (TP, SP, CP, "pipeline_model_parallel_size", "expert_model_par
 
 def parallel_refusals(spec: JobSpec, devices: dict[str, str] | None = None) -> dict[str, str]:
     """Why the worker would refuse each parallel dimension (left at 1) above 1, with the rest of the
-    job as it is and on the nodes' devices (`{host: "cuda" | "cpu"}`, as `cp_device_problems`): the
+    job as it is and on the nodes' devices (`{host: "cuda" | "cpu"}`, as `device_problems`): the
     refusals that setting it to 2 adds, as the form greys it out."""
     def refused(job: JobSpec) -> list[Problem]:
-        return unsupported(job) + cp_device_problems(job, devices or {})
+        return unsupported(job) + device_problems(job, devices or {})
 
     before = {(p.field, p.message) for p in refused(spec)}
     out = {}

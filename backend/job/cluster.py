@@ -67,6 +67,8 @@ class Node:
     gpu_names: tuple[str, ...] = ()
     gpu_mem_gib: float | None = None
     """Memory of the smallest GPU (GiB), when known: NVML on the local machine, `gpu_mem_gib=` in a hostfile."""
+    host_mem_gib: float | None = None
+    """The node's host memory (GiB), when known: the local machine's, `host_mem_gib=` in a hostfile."""
 
     @property
     def address(self) -> str:
@@ -119,9 +121,10 @@ class Cluster:
 
 NODE_DEFAULTS = {f.name: f.default for f in fields(Node) if f.name not in ("host", "slots")}
 # Keys a hostfile line may carry after slots=N (gpu_names/local are discovered, not written).
-# gpu_mem_gib: GiB of the node's smallest GPU, so validation can warn before an out-of-memory launch
-# (NVML finds it on the local machine only).
-HOSTFILE_KEYS = ("addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", "gpu_mem_gib")
+# gpu_mem_gib: GiB of the node's smallest GPU, host_mem_gib: GiB of its host memory, so validation
+# can warn before an out-of-memory launch (found on the local machine only).
+GIB_KEYS = {"gpu_mem_gib": "GiB per GPU", "host_mem_gib": "GiB of host memory"}
+HOSTFILE_KEYS = ("addr", "ssh_user", "ssh_port", "ssh_key", "python", "device", *GIB_KEYS)
 
 
 def is_loopback(address: str) -> bool:
@@ -139,13 +142,13 @@ def _check_value(key: str, value: str) -> tuple[Any, str | None]:
         if not value.isdigit() or not 1 <= int(value) <= 65535:
             return None, f"ssh_port must be a port number 1-65535, got {value!r}"
         return int(value), None
-    if key == "gpu_mem_gib":
+    if key in GIB_KEYS:
         try:
             gib = float(value)
         except ValueError:
             gib = 0.0
         if not 0 < gib < float("inf"):
-            return None, f"gpu_mem_gib must be a positive number of GiB per GPU, got {value!r}"
+            return None, f"{key} must be a positive number of {GIB_KEYS[key]}, got {value!r}"
         return gib, None
     if key == "device":
         if value not in DEVICES:
@@ -301,6 +304,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def host_memory_gib() -> float | None:
+    """This machine's physical memory (GiB); None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def local_cluster(gpus: GpuInfo | None = None) -> Cluster:
     """This machine as a one-node cluster: one slot per GPU, or one slot per CPU core this process
     may use (gloo) without GPUs.
@@ -308,7 +319,7 @@ def local_cluster(gpus: GpuInfo | None = None) -> Cluster:
     `CUDA_VISIBLE_DEVICES` is not applied here: NVML lists every GPU; the job's env chooses.
     """
     info = _nvml_gpus() if gpus is None else gpus
-    common = dict(host=LOCAL_HOST, addr=LOCAL_ADDR, python=sys.executable, local=True)
+    common = dict(host=LOCAL_HOST, addr=LOCAL_ADDR, python=sys.executable, local=True, host_mem_gib=host_memory_gib())
     if info.names:
         node = Node(slots=len(info.names), device="cuda", gpu_names=info.names, gpu_mem_gib=info.min_mem_gib, **common)
     else:

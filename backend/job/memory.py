@@ -65,7 +65,7 @@ class MemoryEstimate:
     activations_gib: float
     other_gib: float
     offloaded_gib: float
-    """Host (CPU/NVMe) memory per GPU for offloaded states."""
+    """Host (CPU/NVMe) memory per GPU for offloaded states and activations."""
     overlap_gib: float
     """Gradients allocated in backward (ZeRO-3: in step) while activations are freed: counted once in the total."""
     total_params: int
@@ -142,8 +142,8 @@ def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
 LOGIT_BYTES = 12
 
 
-def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> float:
-    """Activations kept for backward on one GPU for one micro-batch."""
+def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """Activations kept for backward for one micro-batch: (on one GPU, in its host memory)."""
     tokens = spec.per_device_train_batch_size * spec.max_length / (layout.cp * layout.sp)
     h = model.hidden_size
     kv = model.num_kv_heads * model.head_dim
@@ -153,21 +153,34 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> floa
     width = 2 if spec.torch_dtype != "float32" else 4
     # Per token and layer: norms, residual, q/attn-out/o inputs (~6h), k and v, and the SwiGLU
     # gate/up/activation/product (4 x intermediate). SDPA/flash attention keep no s x s matrix.
-    per_layer = width * (6 * h + 2 * kv + 4 * mlp_width)
+    mlp = 4 * mlp_width
+    tile = 0.0
+    if spec.tiled_mlp:
+        # TiledMLP keeps its input and, in backward, that input's gradient (2h per token); the
+        # SwiGLU intermediates exist for one tile of ~h tokens at a time (launcher.longseq.tile_count).
+        mlp, tile = 2 * h, width * spec.per_device_train_batch_size * h * 4 * mlp_width / layout.tp
+    per_layer = width * (6 * h + 2 * kv + mlp)
     if spec.train_type == "lora" and spec.lora_dropout > 0:
         # peft applies dropout to each adapted layer's input separately and keeps the copy.
         per_layer += width * sum(s.fan_in * s.count for s in _lora_sites(spec, model) if s.linear) / model.num_layers
     per_layer /= layout.tp
+    # Under checkpointing, the backward of the recomputed layer holds its activations' gradients
+    # beside them: ~7h per token for attention, norms and residual, ~2 x intermediate for the
+    # SwiGLU (one tile's under TiledMLP). Fitted to LoRA on the Llama-3.1-8B shape at 16K-128K, with
+    # and without tiling and offload, on an H200 (bench/results/h200-long-context-8b.jsonl).
+    backward = tokens * width * (7 * h + (0 if spec.tiled_mlp else 2 * mlp_width)) / layout.tp
     layers_here = model.num_layers / layout.pp
+    inputs = tokens * layers_here * width * h  # what checkpointing keeps: each layer's input
+    on_host = inputs if spec.gradient_checkpointing and spec.activation_cpu_offload else 0.0
     if spec.gradient_checkpointing:
-        kept = tokens * (layers_here * width * h + per_layer)  # layer inputs + one layer recomputed
+        kept = inputs - on_host + tokens * per_layer + tile + backward  # + one layer recomputed
     else:
-        kept = tokens * layers_here * per_layer
+        kept = tokens * layers_here * per_layer + tile
     # Liger's fused linear-cross-entropy never materialises the logits. Under TP every rank holds
     # all of them: the TP plans gather lm_head's output for the loss (transformers' colwise_gather_output;
     # measured, bench/results/h200-layout-memory.jsonl).
     logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES
-    return kept + logits
+    return kept + logits, on_host
 
 
 @dataclass(frozen=True)
@@ -289,7 +302,10 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
     if model.vision_tower:
         notes.append("the language model only: its vision tower is not counted")
-    activations = _activation_bytes(spec, model, layout)
+    activations, activations_on_host = _activation_bytes(spec, model, layout)
+    if activations_on_host:
+        notes.append(f"activation offload: {activations_on_host / GIB:.1f} GiB of checkpointed layer inputs per GPU "
+                     "in pinned host memory")
     return MemoryEstimate(
         overlap_gib=min(activations, transient) / GIB,
         parameters_gib=params / GIB,
@@ -297,7 +313,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         optimizer_gib=optim / GIB,
         activations_gib=activations / GIB,
         other_gib=((CUDA_CONTEXT_BYTES if device == "cuda" else 0.0) + buckets) / GIB,
-        offloaded_gib=offloaded / GIB,
+        offloaded_gib=(offloaded + activations_on_host) / GIB,
         total_params=total,
         trainable_params=trainable,
         notes=tuple(notes),

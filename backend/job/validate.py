@@ -56,7 +56,7 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
             unit = "GPUs" if node.device == "cuda" else "CPU cores"
             out.append(Problem("nproc_per_node", f"{layout.nproc_per_node} processes per node, but {node.host} has "
                                                  f"{node.slots} slot(s) ({unit})"))
-    out += capabilities.cp_device_problems(spec, cluster.devices(spec.nnodes))
+    out += capabilities.device_problems(spec, cluster.devices(spec.nnodes))
     if spec.nproc_per_node is None and len({n.slots for n in nodes}) > 1:
         out.append(_warn("nproc_per_node", f"nodes have different slot counts; using {layout.nproc_per_node} per node"))
     if spec.tensor_model_parallel_size > layout.nproc_per_node or layout.nproc_per_node % spec.tensor_model_parallel_size:
@@ -66,6 +66,7 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
 
 def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
     out: list[Problem] = []
+    out += capabilities.multi_rank_problems(spec, layout.world)
     tp, pp, cp, ep, sp = layout.tp, layout.pp, layout.cp, layout.ep, layout.sp
     if layout.world % (tp * pp * cp):
         # The form marks the dimension that breaks it: TP, else PP, else CP.
@@ -104,6 +105,9 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
                                "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
     out += capabilities.ring_model_problems(spec, model.sliding_window, model.attention_chunk, model.other_mixers)
     out += capabilities.ring_kernel_problems(spec, model.num_heads, model.num_kv_heads)
+    if spec.tiled_mlp and model.is_moe:
+        out.append(Problem("tiled_mlp", "the model is a mixture of experts: its routed MLP blocks are not tiled by this "
+                                        "worker; turn tiled_mlp off"))
     if model.num_layers % pp:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
     if tp > 1 and spec.fsdp and model.tie_word_embeddings:
@@ -253,7 +257,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
             # The planner's rule: a job with a CPU node runs gloo, its ranks without CUDA.
             device = "cuda" if set(cluster.devices(spec.nnodes).values()) == {"cuda"} else "cpu"
             memory = estimate_memory(spec, model, layout, device, ZeroSettings.of(ds_config) if ds_config else None)
-            problems += _memory_rules(spec, cluster, memory, problems)
+            problems += _memory_rules(spec, cluster, layout, memory, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
@@ -266,16 +270,28 @@ def validate(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelC
     return assess(spec, cluster, model_config).problems
 
 
-def _memory_rules(spec: JobSpec, cluster: Cluster, estimate: MemoryEstimate, found: list[Problem]) -> list[Problem]:
-    """Warn when the estimate exceeds the smallest known GPU: NVML's on the local machine, a
-    hostfile's `gpu_mem_gib=` on other nodes (no warning where no node's GPU memory is known)."""
-    known = [n for n in cluster.nodes[: spec.nnodes] if n.device == "cuda" and n.gpu_mem_gib]
-    if not known or errors(found):
+def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, estimate: MemoryEstimate,
+                  found: list[Problem]) -> list[Problem]:
+    """Warn when the estimate exceeds the smallest known GPU (NVML's on the local machine, a
+    hostfile's `gpu_mem_gib=` on other nodes), or what a node's ranks offload exceeds its host memory
+    (this machine's, a hostfile's `host_mem_gib=`); no warning where the memory is not known."""
+    if errors(found):
         return []
-    smallest = min(known, key=lambda n: n.gpu_mem_gib)
-    if estimate.total_gib <= smallest.gpu_mem_gib:
-        return []
-    return [_warn("per_device_train_batch_size",
-                  f"estimated {estimate.total_gib:.1f} GiB per GPU exceeds the {smallest.gpu_mem_gib:.1f} GiB of "
-                  f"{smallest.host}'s GPUs; lower the micro-batch or max_length, turn on gradient_checkpointing, "
-                  "shard more (ZeRO-2/3, FSDP) or offload")]
+    out = []
+    nodes = cluster.nodes[: spec.nnodes]
+    known = [n for n in nodes if n.device == "cuda" and n.gpu_mem_gib]
+    smallest = min(known, key=lambda n: n.gpu_mem_gib) if known else None
+    if smallest and estimate.total_gib > smallest.gpu_mem_gib:
+        out.append(_warn("per_device_train_batch_size",
+                         f"estimated {estimate.total_gib:.1f} GiB per GPU exceeds the {smallest.gpu_mem_gib:.1f} GiB of "
+                         f"{smallest.host}'s GPUs; lower the micro-batch or max_length, turn on gradient_checkpointing, "
+                         "shard more (ZeRO-2/3, FSDP) or offload"))
+    ranks = layout.nproc_per_node
+    hosts = [n for n in nodes if n.host_mem_gib and estimate.offloaded_gib * ranks > n.host_mem_gib]
+    if hosts:
+        field = "activation_cpu_offload" if spec.activation_cpu_offload else ("deepspeed" if spec.deepspeed else "fsdp")
+        out.append(_warn(field, f"estimated {estimate.offloaded_gib * ranks:.1f} GiB offloaded to host memory on each "
+                                f"node ({ranks} rank(s) x {estimate.offloaded_gib:.1f} GiB) exceeds the "
+                                f"{hosts[0].host_mem_gib:.1f} GiB of {hosts[0].host}; lower max_length or the "
+                                "micro-batch, or offload less"))
+    return out

@@ -83,6 +83,7 @@ class NodeRecord(SQLModel, table=True):
     device: str = "cuda"
     local: bool = False
     gpu_mem_gib: float | None = None
+    host_mem_gib: float | None = None
     setup: str | None = None
     position: int | None = None
     """The node's place in the cluster (the first is the rendezvous node); rows from before it by id."""

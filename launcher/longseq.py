@@ -1,0 +1,48 @@
+"""Long sequences on one GPU, from the engines that ship them: DeepSpeed's TiledMLP (Arctic Long
+Sequence Training) runs each decoder layer's MLP over tiles of the sequence, and transformers'
+activation checkpointing with offload keeps the checkpointed layer inputs in pinned host memory
+(torch's save_on_cpu)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from launcher.config import ConfigError
+
+
+def tile_count(seq_len: int, hidden_size: int) -> int:
+    """How many tiles a row of `seq_len` tokens is cut into: about `hidden_size` tokens each, as
+    ALST does (a tile's intermediate activations then take about what one hidden state of the whole
+    row does). Exactly the number of pieces `torch.chunk` makes of it: DeepSpeed marks the weights'
+    gradients ready on the tile it counts as the last."""
+    wanted = max(1, math.ceil(seq_len / hidden_size))
+    size = math.ceil(seq_len / wanted)
+    return math.ceil(seq_len / size)
+
+
+def tile_mlps(layers: list[torch.nn.Module], hidden_size: int) -> None:
+    """Each layer's `mlp` forward, as it is (Liger's or LoRA-adapted), run by TiledMLP."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            raise ConfigError(f"tiled_mlp: decoder layer {i} ({type(layer).__name__}) has no 'mlp' to tile; turn "
+                              "tiled_mlp off")
+        forward = mlp.forward
+
+        def tiled(x, mlp=mlp, forward=forward):
+            # The weights are read at each call: LoRA, DeepSpeed and FSDP2 may have replaced them.
+            return TiledMLP.apply(lambda _, part: forward(part), mlp, x, tile_count(x.shape[-2], hidden_size),
+                                  list(mlp.parameters()))
+
+        mlp.forward = tiled
+
+
+def enable_checkpointing(model, offload: bool) -> None:
+    """Gradient checkpointing of every decoder layer (torch's non-reentrant checkpoint); with
+    `offload`, what it saves (each layer's input: layers x tokens x hidden) lives in pinned host
+    memory until backward. torch >= 2.11 saves a checkpoint's inputs through the saved-tensor hooks
+    that save_on_cpu installs (seen on 2.11 and 2.13: tests/test_long_sequence.py)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=offload)
