@@ -4,7 +4,8 @@ home (so the default SQLite database and data dir are new), timed from the spawn
 * `first_200_s`: the first HTTP 200 on `/` (whatever page answers it);
 * `studio_s`: the real studio, i.e. Gradio's `/config` answering 200 with the page's components;
 
-with the studio process's resident memory at that moment and the load average before the run.
+with the studio process's resident memory and CPU seconds (user + system) at that moment and the
+load average before the run.
 One JSON line per run, then a summary line (min/median). Prints figures; asserts nothing.
 
     python bench/cold_start.py [--runs 5] [--importtime] [--top 10]
@@ -32,10 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
-# Polls of `/` until the first 200, then of `/config`: each answer of the start-up page costs the
-# starting process a little CPU, so the second poll is slower (0.1 s resolution on ~5 s figures).
 POLL_S = 0.02
-STUDIO_POLL_S = 0.1
+# The studio prints this line once it serves (studio/server.py). The run waits for it before asking
+# for `/config`, so that the starting process answers no stream of requests while it imports: the
+# start-up page would answer each of them, and the figure would be of the polling.
+READY_LINE = b"swift-studio: http"
 
 
 def free_port() -> int:
@@ -72,10 +74,20 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of the process so far: less shaken by other work than wall time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def one_run(importtime: bool = False) -> tuple[dict, str]:
     """Start, wait for the real studio, stop; the figures and the process's stderr. Under
     `importtime` no request is sent until the studio prints its address: an import in a thread
-    answering one would overlap the main thread's and garble `-X importtime`'s self times."""
+    answering one would overlap the main thread's and garble `-X importtime`'s self times (and
+    first_200_s is then the studio's)."""
     load = os.getloadavg()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="cold-start-") as home:
@@ -88,22 +100,19 @@ def one_run(importtime: bool = False) -> tuple[dict, str]:
         with open(err, "wb") as stderr, open(out, "wb") as stdout:
             proc = subprocess.Popen(command(port, importtime), cwd=home, env=env, stdout=stdout,
                                     stderr=stderr, start_new_session=True)
-        first_200 = studio = rss = None
+        first_200 = studio = rss = cpu = None
         try:
             while time.monotonic() - started < TIMEOUT_S and proc.poll() is None:
-                now = time.monotonic() - started
-                if importtime and b"swift-studio: http" not in out.read_bytes():
-                    time.sleep(POLL_S)
-                    continue
-                if first_200 is None and status(f"{base}/")[0] == 200:
-                    first_200 = now
-                if first_200 is not None:
+                ready = READY_LINE in out.read_bytes()
+                if first_200 is None and (ready or not importtime) and status(f"{base}/")[0] == 200:
+                    first_200 = time.monotonic() - started
+                if ready and first_200 is not None:
                     code, body = status(f"{base}/config")
                     if code == 200 and b'"components"' in body:
                         studio = time.monotonic() - started
-                        rss = rss_mib(proc.pid)
+                        rss, cpu = rss_mib(proc.pid), cpu_s(proc.pid)
                         break
-                time.sleep(POLL_S if first_200 is None else STUDIO_POLL_S)
+                time.sleep(POLL_S)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -114,7 +123,7 @@ def one_run(importtime: bool = False) -> tuple[dict, str]:
                     proc.wait()
         text = err.read_text(errors="replace")
     figures = {"first_200_s": _round(first_200), "studio_s": _round(studio), "rss_mib": _round(rss, 1),
-               "load_avg": [round(x, 2) for x in load], "exit": proc.returncode if studio is None else None}
+               "cpu_s": _round(cpu, 2), "load_avg": [round(x, 2) for x in load], "exit": proc.returncode if studio is None else None}
     return figures, text
 
 
@@ -147,13 +156,13 @@ def main() -> None:
         if figures["studio_s"] is None:
             print(stderr[-2000:], file=sys.stderr)
     summary: dict = {"runs": len(runs), "load_avg_end": [round(x, 2) for x in os.getloadavg()]}
-    for key in ("first_200_s", "studio_s", "rss_mib"):
+    for key in ("first_200_s", "studio_s", "rss_mib", "cpu_s"):
         values = [r[key] for r in runs if r[key] is not None]
         if values:
             summary[key] = {"min": min(values), "median": round(statistics.median(values), 3), "max": max(values)}
     print(json.dumps({"summary": summary}), flush=True)
     if args.importtime:
-        figures, stderr = one_run(importtime=True)  # its first_200_s is the studio's, not the start-up page's
+        figures, stderr = one_run(importtime=True)
         packages = import_breakdown(stderr)
         top = sorted(packages.items(), key=lambda kv: -kv[1])[: args.top]
         ours = {name: round(packages.get(name, 0.0), 3) for name in ("backend", "studio")}

@@ -3,6 +3,7 @@ refuses what the web guard refuses and everything else until the studio takes th
 over; a real studio process shows that page first, then the studio, on a port never free between."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -63,6 +64,23 @@ def test_a_taken_port_is_one_line_naming_it():
                                  "pass --port to use another one")
 
 
+# What `swift-studio` has imported when it binds the port: nothing heavy comes first.
+BEFORE_BIND_PROBE = r"""
+import json, sys
+from backend.cli import build_parser
+build_parser().parse_args(["studio"])
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules}
+                        & {"gradio", "fastapi", "uvicorn", "pydantic", "yaml", "sqlalchemy", "sqlmodel", "asyncssh"})))
+"""
+
+
+def test_the_port_is_bound_before_any_heavy_import():
+    out = subprocess.run([sys.executable, "-c", BEFORE_BIND_PROBE], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
 def port_is_taken(port: int) -> bool:
     with socket.socket() as probe:
         try:
@@ -97,7 +115,9 @@ def test_the_studio_takes_over_the_port_of_its_start_up_page(tmp_path):
                     break
                 seen_start_page = True
                 assert page.status_code == 200 and PAGE_TEXT in page.text
-                assert http.post("/gradio_api/queue/join", json={}).status_code == 503
+                join = http.post("/gradio_api/queue/join", json={})
+                # 503 from the start-up responder; the studio itself may have taken over in between.
+                assert join.status_code == 503 or STARTING_HEADER not in join.headers
                 if not port_is_taken(port):
                     free_after_bind.append(time.monotonic())
                 time.sleep(0.05)
@@ -109,6 +129,36 @@ def test_the_studio_takes_over_the_port_of_its_start_up_page(tmp_path):
             config = http.get("/config")
             assert config.status_code == 200 and "components" in config.json()
             assert http.get("/", headers={"Host": "evil.example"}).status_code == 403
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_the_start_up_page_opens_the_studio_by_itself(tmp_path):
+    """In a real browser: the page opened while the studio starts becomes the studio, no reload by hand."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from studio_server import launch_browser
+
+    port = free_port()
+    argv = [sys.executable, "-m", "backend.cli", "studio", "--port", str(port),
+            "--db", f"sqlite:///{tmp_path / 'studio.db'}", "--output-dir", str(tmp_path / "runs")]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=studio_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not port_is_taken(port):
+            assert time.monotonic() < deadline and proc.poll() is None, "the studio did not bind its port"
+            time.sleep(0.05)
+        with sync_playwright() as playwright:
+            browser = launch_browser(playwright)
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{port}/")
+            expect(page.locator("h2").first).to_contain_text(PAGE_TEXT)
+            expect(page.locator("#form-message")).to_contain_text("Loaded preset demo", timeout=120_000)
+            browser.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
