@@ -13,10 +13,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from backend.job.cluster import Cluster, HostfileError, local_cluster, parse_hostfile
-from backend.job.spec import JobSpec, Problem, load_spec
-from backend.job.validate import Assessment, assess, errors
+# The job contract (pydantic, YAML) is imported by the commands that read a job: `swift-studio`
+# alone binds the studio's port before any of it.
+if TYPE_CHECKING:
+    from backend.job.cluster import Cluster
+    from backend.job.spec import JobSpec, Problem
+    from backend.job.validate import Assessment
 
 
 class CliError(Exception):
@@ -33,6 +37,8 @@ def _in_file(source: str, problems: list[Problem]) -> list[str]:
 
 
 def load_job(path: str) -> JobSpec:
+    from backend.job.spec import load_spec
+
     spec, problems = load_spec(path)
     if spec is None:
         raise CliError(_in_file(path, problems))
@@ -40,6 +46,8 @@ def load_job(path: str) -> JobSpec:
 
 
 def load_cluster(hostfile: str | None) -> Cluster:
+    from backend.job.cluster import HostfileError, local_cluster, parse_hostfile
+
     if not hostfile:
         return local_cluster()
     try:
@@ -51,6 +59,8 @@ def load_cluster(hostfile: str | None) -> Cluster:
 def checked(spec: JobSpec, cluster: Cluster, source: str) -> Assessment:
     """Assess; raise CliError on errors, print warnings, return the assessment (its problems are
     the warnings) for the plan or the launch."""
+    from backend.job.validate import assess, errors
+
     assessed = assess(spec, cluster)
     warnings = [p for p in assessed.problems if p.severity == "warning"]
     warning_lines = [f"warning: {line}" for line in _in_file(source, warnings)]

@@ -168,6 +168,13 @@ class HostPolicy:
             pairs.update({(name, entry_port)} if entry_port is not None else {(name, port), (name, None)})
         return cls(frozenset(pairs))
 
+    def request_refusal(self, hosts: list[str], origins: list[str], path: str) -> str | None:
+        """Why a request is refused whatever else it carries (its Host and Origin header values,
+        its path); None when it may go on. The web guard and the start-up responder both ask."""
+        if len(hosts) > 1 or len(origins) > 1:
+            return "swift-studio refused this request: it has more than one Host or Origin header."
+        return self.refusal(hosts[0] if hosts else None, origins[0] if origins else None) or api_route_refusal(path)
+
     def refusal(self, host: str | None, origin: str | None) -> str | None:
         """Why a request with these Host and Origin headers is refused; None when it is served."""
         if host is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from fastapi import FastAPI  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 
 from studio import cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
-from studio.access import HostPolicy, LoginLimiter, api_route_refusal  # noqa: E402
+from studio.access import HostPolicy, LoginLimiter  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
 
@@ -82,12 +83,7 @@ class WebGuard:
         values: dict[bytes, list[str]] = {}
         for key, value in scope["headers"]:
             values.setdefault(key.lower(), []).append(value.decode("latin-1"))
-        hosts, origins = values.get(b"host", []), values.get(b"origin", [])
-        if len(hosts) > 1 or len(origins) > 1:
-            why = "swift-studio refused this request: it has more than one Host or Origin header."
-        else:
-            why = (self.policy.refusal(hosts[0] if hosts else None, origins[0] if origins else None)
-                   or api_route_refusal(scope["path"]))
+        why = self.policy.request_refusal(values.get(b"host", []), values.get(b"origin", []), scope["path"])
         if why:
             await _refuse(scope, send, 403, why)
             return
@@ -126,14 +122,15 @@ async def _refuse(scope, send, status: int, text: str, headers: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
-def serve(studio: Studio, *, host: str, port: int, auth: list[tuple[str, str]] | None,
-          allowed_hosts: tuple[str, ...] = (), after_start: Callable[[], None] | None) -> None:
-    """Build the page, listen, call `after_start()` (the page already answers), serve until
+def serve(studio: Studio, sock: socket.socket, *, host: str, port: int, policy: HostPolicy,
+          auth: list[tuple[str, str]] | None, before_serve: Callable[[], None],
+          after_start: Callable[[], None] | None) -> None:
+    """Build the page, call `before_serve()` (whatever answered on `sock` until then stops), serve
+    on `sock` (bound and listening), call `after_start()` (the page already answers), serve until
     interrupted."""
     app = build_app(studio)
     app.queue(default_concurrency_limit=4)
-    guard = Middleware(WebGuard, policy=HostPolicy.for_bind(host, port, allowed_hosts),
-                       limiter=LoginLimiter() if auth else None)
+    guard = Middleware(WebGuard, policy=policy, limiter=LoginLimiter() if auth else None)
     # Gradio is mounted under an app of our own so that the guard is the outermost layer: given to
     # launch() it would sit inside Gradio's CORS middleware, which answers preflights by itself.
     web = FastAPI(middleware=[guard], docs_url=None, redoc_url=None, openapi_url=None)
@@ -142,14 +139,15 @@ def serve(studio: Studio, *, host: str, port: int, auth: list[tuple[str, str]] |
                         theme=THEME, css=CSS)
     # The login limit counts TCP peers: an X-Forwarded-For from a local client is not believed, or
     # it could name a new address for every guess. Open event streams would hold a graceful
-    # shutdown forever.
+    # shutdown forever. host and port only name the socket in uvicorn's messages.
     server = uvicorn.Server(uvicorn.Config(web, host=host.strip("[]"), port=port, log_level="warning",
                                            proxy_headers=False, timeout_graceful_shutdown=3))
-    thread = threading.Thread(target=server.run, name="swift-studio-web", daemon=True)
+    before_serve()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="swift-studio-web", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise OSError(f"cannot serve on {host}:{port} (the reason is printed above)")
+            raise OSError(f"the web server on {host}:{port} stopped before it started (the reason is printed above)")
         time.sleep(0.05)
     if after_start is not None:
         after_start()

@@ -1,7 +1,8 @@
 """`swift-studio studio` (and `swift-studio` with no arguments): options and start-up.
 
-Kept free of Gradio imports so `swift-studio --help` and the other subcommands stay fast; the
-page is built only when the studio actually starts.
+Kept free of third-party imports but platformdirs, so `swift-studio --help` and the other
+subcommands stay fast, and so the studio binds its port (studio/startup.py) before the seconds of
+Gradio's import; the page is built only when the studio actually starts.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import platformdirs
 
-from studio.access import AUTH_ENV, AccessError, auth_file_warning, check_bind, load_auth, parse_allowed_hosts
+from studio.access import (AUTH_ENV, AccessError, HostPolicy, auth_file_warning, check_bind, load_auth,
+                           parse_allowed_hosts)
+from studio.startup import ListenError, StartupResponder, listen
 
 DEFAULT_PORT = 7860
 log = logging.getLogger(__name__)
@@ -56,36 +59,47 @@ def run(args: argparse.Namespace) -> int:
         warning = auth_file_warning(str(path), path.stat().st_mode)
         if warning:
             print(f"swift-studio: {warning}", file=sys.stderr, flush=True)
-    data_dir = Path(platformdirs.user_data_dir("swift-studio"))
-    # The data dir holds the database (run specs with their env values) and the cluster: the
-    # owner's only when the studio creates it.
-    if not data_dir.exists():
-        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(data_dir, 0o700)  # whatever the umask
-    output_dir = Path(args.output_dir or data_dir / "runs").expanduser().resolve()
-
-    from studio.context import Studio
-
-    studio = Studio(data_dir=data_dir, output_dir=output_dir)
-    from studio.app import serve
-
-    def start_manager() -> None:
-        # The control plane (database, SSH, re-attaching to running runs) starts once the page
-        # answers; handlers that need it wait for it.
-        threading.Thread(target=_start_manager, args=(studio, args.db), name="swift-studio-manager",
-                         daemon=True).start()
-        print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
-
     try:
-        serve(studio, host=args.host, port=args.port, auth=auth, allowed_hosts=allowed_hosts,
-              after_start=start_manager)
+        sock = listen(args.host, args.port)
+    except ListenError as exc:
+        print(f"swift-studio: {exc}", file=sys.stderr)
+        return 1
+    policy = HostPolicy.for_bind(args.host, args.port, allowed_hosts)
+    responder = StartupResponder(sock, policy)
+    responder.start()
+    studio = None
+    try:
+        data_dir = Path(platformdirs.user_data_dir("swift-studio"))
+        # The data dir holds the database (run specs with their env values) and the cluster: the
+        # owner's only when the studio creates it.
+        if not data_dir.exists():
+            data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(data_dir, 0o700)  # whatever the umask
+        output_dir = Path(args.output_dir or data_dir / "runs").expanduser().resolve()
+        # Seconds of imports (Gradio above all) while the start-up page answers.
+        from studio.app import serve
+        from studio.context import Studio
+
+        studio = Studio(data_dir=data_dir, output_dir=output_dir)
+
+        def start_manager() -> None:
+            # The control plane (database, SSH, re-attaching to running runs) starts once the page
+            # answers; handlers that need it wait for it.
+            threading.Thread(target=_start_manager, args=(studio, args.db), name="swift-studio-manager",
+                             daemon=True).start()
+            print(f"swift-studio: http://{args.host}:{args.port}/  (runs in {output_dir})", flush=True)
+
+        serve(studio, sock, host=args.host, port=args.port, policy=policy, auth=auth,
+              before_serve=responder.stop, after_start=start_manager)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:  # the port is taken, or the address is not this machine's
+    except OSError as exc:  # the web server did not start
         print(f"swift-studio: {exc}", file=sys.stderr)
         return 1
     finally:
-        if studio.manager_future.done() and not studio.manager_future.exception():
+        responder.stop()
+        sock.close()
+        if studio is not None and studio.manager_future.done() and not studio.manager_future.exception():
             studio.manager.close()  # runs keep going on their nodes; the next start re-attaches
     return 0
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sshd import free_port
+from studio.startup import STARTING_HEADER
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "ui"
@@ -59,7 +60,8 @@ def studio_env(root: Path) -> dict[str, str]:
 
 
 def start_studio(root: Path, *args: str, port: int | None = None) -> StudioProcess:
-    """`python -m backend.cli studio` with a temp DB and output dir; waits for HTTP 200."""
+    """`python -m backend.cli studio` with a temp DB and output dir; waits for the studio's HTTP 200
+    (not the start-up page's)."""
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = root / "studio.log"
@@ -77,11 +79,13 @@ def start_studio(root: Path, *args: str, port: int | None = None) -> StudioProce
             raise RuntimeError(f"studio exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
+                # The start-up page answers 200 too, until the studio takes the port over.
+                if response.status == 200 and STARTING_HEADER not in response.headers:
                     server.startup_s = time.monotonic() - started
                     return server
         except OSError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"studio did not answer within {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
 
