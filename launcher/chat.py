@@ -120,7 +120,7 @@ def template_name(tokenizer) -> str:
     """Which chat template renders the prompts: the one training used (`launcher.model.load_tokenizer`
     gives a tokenizer without one ChatML; a checkpoint's tokenizer was saved with it)."""
     if getattr(tokenizer, "chat_template", None) in (None, "", DEFAULT_CHAT_TEMPLATE):
-        return "ChatML (training's template for a tokenizer that has none)"
+        return "ChatML, as in training"
     return "the tokenizer's own chat template, as in training"
 
 

@@ -28,7 +28,8 @@ def status_line(ready: dict) -> str:
         ready.get("kind"), ready.get("kind"))
     skipped = "".join(f"\n\n⚠ Passed over a damaged checkpoint: {why}" for why in ready.get("skipped") or [])
     return (f"✔ Loaded the {what} `{ready.get('path')}` on node **{ready.get('node')}** ({ready.get('device')}, "
-            f"{ready.get('dtype')}) in {ready.get('load_s')} s · base: {ready.get('base_from')} · prompts: "
+            f"{ready.get('dtype')}, worker pid {ready.get('pid')}) in {ready.get('load_s')} s · base: "
+            f"{ready.get('base_from')} · prompts: "
             f"{ready.get('template')} · {ready.get('max_positions')} positions{skipped}")
 
 

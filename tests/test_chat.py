@@ -135,7 +135,7 @@ def test_the_template_is_named(tmp_path, demo_tokenizer):
     config.pop("chat_template", None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     bare = load_tokenizer(str(tmp_path))  # as training loads it: ChatML where there is none
-    assert template_name(bare) == "ChatML (training's template for a tokenizer that has none)"
+    assert template_name(bare) == "ChatML, as in training"
     bare.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert template_name(bare) == "the tokenizer's own chat template, as in training"
 
@@ -191,10 +191,10 @@ def test_a_worker_that_dies_mid_answer_is_reported_and_the_session_ends(tmp_path
         session = await start(tmp_path, "die", closed=closed)
         got: list = []
         with pytest.raises(chat.ChatError, match=r"^run r1, the latest checkpoint, node local: the chat worker exited "
-                                                 r"mid-answer .*; load the model again$"):
+                                                 r"before its answer was complete .*; load the model again$"):
             async for event in session.reply("tuned", [{"role": "user", "content": "hi"}], 8, 0.0):
                 got.append(event)
-        with pytest.raises(chat.ChatError, match=r"the chat worker has exited \(it exited mid-answer\)"):
+        with pytest.raises(chat.ChatError, match=r"the chat worker has exited \(it exited before its answer was complete\)"):
             await collect(session)
         return got, closed == [session]
 
@@ -254,3 +254,25 @@ def test_a_stream_over_ssh_takes_lines_and_closing_it_ends_the_command(sshd_node
 
     assert asyncio.run(go()) == ("got one\n", "got two\n")
     until(ended.exists, timeout=10)  # the loop read the end of its input and finished
+
+
+# ---- the Chat tab's pure parts -------------------------------------------------------------------
+
+
+def test_the_model_choices_and_the_status_line():
+    from studio.chat_tab import LATEST, answer_note, source_choices, status_line
+
+    assert source_choices([(6, "/r/checkpoint-6"), (3, "/r/checkpoint-3")], "/r/export") == [
+        LATEST, ("step 6 · /r/checkpoint-6", "6"), ("step 3 · /r/checkpoint-3", "3"),
+        ("exported model · /r/export", "/r/export")]
+    assert source_choices([], None) == [LATEST]
+    ready = {"kind": "lora", "path": "/r/checkpoint-6", "node": "gpu-01", "device": "NVIDIA H200", "dtype": "bfloat16",
+             "pid": 42, "load_s": 3.5, "base_from": "the same model with its LoRA adapter disabled",
+             "template": "ChatML, as in training", "max_positions": 512, "skipped": ["checkpoint-9/x: missing"]}
+    line = status_line(ready)
+    assert line.startswith("✔ Loaded the LoRA checkpoint `/r/checkpoint-6` on node **gpu-01** (NVIDIA H200, bfloat16, "
+                           "worker pid 42) in 3.5 s · base: the same model with its LoRA adapter disabled · prompts: "
+                           "ChatML, as in training · 512 positions")
+    assert line.endswith("⚠ Passed over a damaged checkpoint: checkpoint-9/x: missing")
+    assert answer_note("tuned", {"tokens": 5, "seconds": 0.2, "note": "left out the 2 oldest message(s)"}) == (
+        "Fine-tuned: 5 tokens in 0.2 s (left out the 2 oldest message(s))")

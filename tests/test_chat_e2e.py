@@ -160,7 +160,7 @@ def test_a_worker_killed_mid_answer_is_reported_and_loading_again_works(trained)
     m, runs, _ = trained
     session, ready = m.chat_open(runs["lora"])
     got = []
-    with pytest.raises(ChatError, match=r"node localhost: the chat worker exited mid-answer"):
+    with pytest.raises(ChatError, match=r"node localhost: the chat worker exited before its answer was complete"):
         for event in m.chat_reply(session, "base", [{"role": "user", "content": "Hello"}], 400, 0.0):
             if not got:
                 os.kill(ready["pid"], signal.SIGKILL)

@@ -127,8 +127,9 @@ class ChatSession:
                 while True:
                     event = await asyncio.wait_for(_next_event(self._lines), self._event_timeout_s)
                     if event is None:
-                        await self._end("it exited mid-answer")
-                        raise ChatError(f"{self.where}: the chat worker exited mid-answer (its log: {self.where.log}); "
+                        await self._end("it exited before its answer was complete")
+                        raise ChatError(f"{self.where}: the chat worker exited before its answer was complete "
+                                        f"(its log: {self.where.log}); "
                                         "load the model again")
                     if event.get("id") != rid:
                         continue  # the rest of an answer whose reader went away
