@@ -3,6 +3,7 @@ run's first node (RunManager.chat_open; the studio never loads a model), then se
 the base and the fine-tuned model side by side and watch both answers stream in."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import gradio as gr
@@ -101,34 +102,33 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         yield status_line(ready), session, empty, [], []
 
     def on_send(message: str, history: dict, session: str | None, max_new_tokens: float, temperature: float):
-        history = {side: list(turns) for side, turns in history.items()}
         if not session:
             yield history["base"], history["tuned"], history, gr.skip(), "Load a model first."
             return
         if not (message or "").strip():
             yield history["base"], history["tuned"], history, gr.skip(), "Type a message first."
             return
-        before = {side: list(turns) for side, turns in history.items()}
-        for side in SIDES:
-            history[side] += [{"role": "user", "content": message}]
-        shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in history.items()}
+        asked = {side: [*history[side], {"role": "user", "content": message}] for side in SIDES}
+        shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
         notes: list[str] = []
-        for side in SIDES:
-            yield shown["base"], shown["tuned"], history, "", " · ".join([*notes, f"{side}: generating…"])
-            try:
-                for event in studio.manager.chat_reply(session, side, history[side], int(max_new_tokens),
-                                                       float(temperature)):
-                    if event["type"] == "token":
-                        shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
-                        yield shown["base"], shown["tuned"], history, "", gr.skip()
-                    else:
-                        notes.append(answer_note(side, event))
-            except Exception as exc:  # noqa: BLE001
-                # The turn stays out of both histories (the message stays in its box): Send asks again.
-                yield shown["base"], shown["tuned"], before, gr.skip(), user_message(f"The {side} model's answer", exc)
-                return
-            history[side] += [shown[side][-1]]
-        yield shown["base"], shown["tuned"], history, "", " · ".join(notes)
+        yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Generating…"
+        try:
+            events = studio.manager.chat_reply(session, [(side, asked[side]) for side in SIDES], int(max_new_tokens),
+                                               float(temperature))
+            # The first event before anything is shown: a refused exchange leaves the chatbots alone.
+            for event in itertools.chain([next(events)], events):
+                side = event["model"]
+                if event["type"] == "token":
+                    shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
+                    yield shown["base"], shown["tuned"], gr.skip(), gr.skip(), gr.skip()
+                else:
+                    notes.append(answer_note(side, event))
+                    yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), " · ".join(notes)
+        except Exception as exc:  # noqa: BLE001
+            # The turn stays out of both histories and the message in its box: Send asks again.
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Answering", exc)
+            return
+        yield shown["base"], shown["tuned"], shown, "", " · ".join(notes)
 
     def on_clear():
         return [], [], {"base": [], "tuned": []}, ""
@@ -139,7 +139,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                     [c["status"], c["session"], c["history"], c["base"], c["tuned"]])
     send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["max_new_tokens"], c["temperature"]],
                 outputs=[c["base"], c["tuned"], c["history"], c["message"], c["answers"]],
-                trigger_mode="once")  # a second click while answering is dropped: answers never interleave
+                trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
     c["send"].click(**send)
     c["message"].submit(**send)
     c["clear"].click(on_clear, None, [c["base"], c["tuned"], c["history"], c["answers"]])

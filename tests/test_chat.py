@@ -1,6 +1,6 @@
 """The chat protocol's pure parts (requests, events, prompt fitting, the rendering training uses)
 and the backend session against a stand-in worker on this machine: ready and load failures, a
-worker that dies mid-answer or goes silent, two requests at once, idle shutdown, a stream's stdin
+worker that dies mid-answer or goes silent, an exchange asked during another, idle shutdown, a stream's stdin
 over real SSH. The real worker and model: tests/test_chat_e2e.py."""
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def start(tmp_path, mode: str, **kw) -> chat.ChatSession:
 
 
 async def collect(session: chat.ChatSession, model: str = "tuned") -> list[dict]:
-    return [e async for e in session.reply(model, [{"role": "user", "content": "hi"}], 8, 0.0)]
+    return [e async for e in session.reply([(model, [{"role": "user", "content": "hi"}])], 8, 0.0)]
 
 
 def test_a_session_streams_tokens_and_then_the_done_line(tmp_path):
@@ -170,7 +170,7 @@ def test_a_session_streams_tokens_and_then_the_done_line(tmp_path):
 
     events, again, closed, pid = asyncio.run(go())
     assert [e.get("text") for e in events] == ["one ", "two ", "three", None] and events[-1]["type"] == "done"
-    assert [e["id"] for e in again] == ["2"] * 4
+    assert [(e["id"], e["model"]) for e in again] == [("2", "base")] * 4
     assert closed
     until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=10)
 
@@ -192,7 +192,7 @@ def test_a_worker_that_dies_mid_answer_is_reported_and_the_session_ends(tmp_path
         got: list = []
         with pytest.raises(chat.ChatError, match=r"^run r1, the latest checkpoint, node local: the chat worker exited "
                                                  r"before its answer was complete .*; load the model again$"):
-            async for event in session.reply("tuned", [{"role": "user", "content": "hi"}], 8, 0.0):
+            async for event in session.reply([("tuned", [{"role": "user", "content": "hi"}])], 8, 0.0):
                 got.append(event)
         with pytest.raises(chat.ChatError, match=r"the chat worker has exited \(it exited before its answer was complete\)"):
             await collect(session)
@@ -202,21 +202,23 @@ def test_a_worker_that_dies_mid_answer_is_reported_and_the_session_ends(tmp_path
     assert [e["text"] for e in got] == ["one "] and closed
 
 
-def test_two_requests_at_once_are_answered_one_after_the_other(tmp_path):
+def test_an_exchange_streams_both_models_and_one_asked_meanwhile_is_refused(tmp_path):
     async def go():
         session = await start(tmp_path, "ok")
-        order: list[str] = []
-
-        async def ask(model: str) -> None:
-            async for event in session.reply(model, [{"role": "user", "content": model}], 8, 0.0):
-                order.append(event["id"])
-
-        await asyncio.gather(ask("base"), ask("tuned"))
+        turns = [("base", [{"role": "user", "content": "hi"}]), ("tuned", [{"role": "user", "content": "hi"}])]
+        first = session.reply(turns, 8, 0.0)
+        got = [await anext(first)]
+        with pytest.raises(chat.ChatError, match=r"node local: the model is still answering the previous message"):
+            await collect(session)
+        got += [e async for e in first]
+        after = await collect(session)  # once it has finished, the next one is answered
         await session.close()
-        return order
+        return got, after
 
-    order = asyncio.run(go())
-    assert order in (["1"] * 4 + ["2"] * 4, ["2"] * 4 + ["1"] * 4), order
+    got, after = asyncio.run(go())
+    assert [(e["model"], e["id"], e["type"]) for e in got] == [
+        *[("base", "1", "token")] * 3, ("base", "1", "done"), *[("tuned", "2", "token")] * 3, ("tuned", "2", "done")]
+    assert [e["id"] for e in after] == ["3"] * 4
 
 
 def test_an_idle_session_ends_its_worker(tmp_path):

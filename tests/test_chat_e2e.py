@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 import psutil
@@ -53,7 +52,7 @@ def trained(tmp_path_factory, tiny_model):
 
 
 def answer(m: RunManager, session: str, model: str, prompt: str, tokens: int = TOKENS) -> tuple[str, list[dict]]:
-    events = list(m.chat_reply(session, model, [{"role": "user", "content": prompt}], tokens, 0.0))
+    events = list(m.chat_reply(session, [(model, [{"role": "user", "content": prompt}])], tokens, 0.0))
     assert events[-1]["type"] == "done" and all(e["type"] == "token" for e in events[:-1]), events
     return "".join(e["text"] for e in events[:-1]), events
 
@@ -149,9 +148,9 @@ def test_a_prompt_longer_than_the_models_positions(trained):
     session, ready = m.chat_open(runs["lora"])
     assert ready["max_positions"] == 512
     with pytest.raises(ChatError, match=r"prompt: the last message alone is \d+ tokens, more than the 480 the model"):
-        list(m.chat_reply(session, "tuned", [{"role": "user", "content": "one two three " * 200}], 32, 0.0))
+        list(m.chat_reply(session, [("tuned", [{"role": "user", "content": "one two three " * 200}])], 32, 0.0))
     history = [{"role": role, "content": "one two three " * 20} for _ in range(6) for role in ("user", "assistant")]
-    events = list(m.chat_reply(session, "tuned", [*history, {"role": "user", "content": "Hello"}], 32, 0.0))
+    events = list(m.chat_reply(session, [("tuned", [*history, {"role": "user", "content": "Hello"}])], 32, 0.0))
     assert events[-1]["note"].startswith("left out the ") and events[-1]["prompt_tokens"] <= 480
     m.chat_close(session)
 
@@ -161,34 +160,30 @@ def test_a_worker_killed_mid_answer_is_reported_and_loading_again_works(trained)
     session, ready = m.chat_open(runs["lora"])
     got = []
     with pytest.raises(ChatError, match=r"node localhost: the chat worker exited before its answer was complete"):
-        for event in m.chat_reply(session, "base", [{"role": "user", "content": "Hello"}], 400, 0.0):
+        for event in m.chat_reply(session, [("base", [{"role": "user", "content": "Hello"}])], 400, 0.0):
             if not got:
                 os.kill(ready["pid"], signal.SIGKILL)
             got.append(event)
     assert got and got[-1]["type"] == "token"
     with pytest.raises(ChatError, match="the chat session has ended"):
-        m.chat_reply(session, "base", [{"role": "user", "content": "Hello"}], 4, 0.0)
+        m.chat_reply(session, [("base", [{"role": "user", "content": "Hello"}])], 4, 0.0)
     session, _ = m.chat_open(runs["lora"])
     assert answer(m, session, "tuned", "Hello", 4)[1][-1]["tokens"] == 4
     m.chat_close(session)
 
 
-def test_two_answers_at_once_do_not_interleave(trained):
+def test_a_message_sent_while_one_is_answered_is_refused(trained):
     m, runs, _ = trained
     session, _ = m.chat_open(runs["lora"])
-    order: list[str] = []
-
-    def ask(model: str) -> None:
-        for event in m.chat_reply(session, model, [{"role": "user", "content": "Hello"}], 16, 0.0):
-            order.append(model)
-
-    threads = [threading.Thread(target=ask, args=(model,)) for model in ("base", "tuned")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    first = order[0]
-    assert order == [first] * order.count(first) + [o for o in order if o != first] and len(set(order)) == 2
+    hello = [{"role": "user", "content": "Hello"}]
+    first = m.chat_reply(session, [("base", hello), ("tuned", hello)], 400, 0.0)  # long enough to ask meanwhile
+    got = [next(first)]
+    with pytest.raises(ChatError, match=r"the model is still answering the previous message"):
+        list(m.chat_reply(session, [("tuned", hello)], 4, 0.0))
+    got += list(first)
+    models = [e["model"] for e in got]
+    assert models == ["base"] * models.count("base") + ["tuned"] * models.count("tuned") and got[-1]["type"] == "done"
+    assert answer(m, session, "tuned", "Hello", 4)[1][-1]["tokens"] == 4
     m.chat_close(session)
 
 

@@ -2,9 +2,10 @@
 the checkpoints live), spoken to over a `Stream` with stdin (JSON lines both ways; the protocol is
 launcher/chat.py's docstring and docs/architecture.md, "Chat worker").
 
-A session answers one request at a time (a second waits for the lock: answers never interleave),
-closes itself after `IDLE_S` without a request, and is closed with the manager, so no worker
-outlives the studio (a worker whose stdin closes exits too, however the studio ended).
+A session answers one exchange at a time (a message to the base and then to the fine-tuned model);
+one asked while another is being answered is refused, so answers never interleave. A session closes
+itself after `IDLE_S` without a request and is closed with the manager, so no worker outlives the
+studio (a worker whose stdin closes exits too, however the studio ended).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import secrets
 import shlex
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from backend.cluster import remote, ssh
@@ -111,42 +112,53 @@ class ChatSession:
             raise ChatError(f"{where}: {why}")
         return cls(where, stream, event, on_close, **kw)
 
-    async def reply(self, model: str, messages: list[dict], max_new_tokens: int, temperature: float
+    async def reply(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float
                     ) -> AsyncIterator[dict]:
-        """The worker's token events and its done event for one request; a ChatError for its error
-        event, a worker that exited or went silent. Requests wait for the one before to finish."""
-        if model not in MODELS:
-            raise ChatError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+        """One exchange: for each (model, messages) in turn, the worker's token events and its done
+        event, each with `model` added. A ChatError for an error event, a worker that exited or went
+        silent, and for an exchange asked while another is being answered (the two would interleave)."""
+        for model, _ in turns:
+            if model not in MODELS:
+                raise ChatError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+        if self._lock.locked():
+            raise ChatError(f"{self.where}: the model is still answering the previous message; send again once it "
+                            "has finished")
         async with self._lock:
             if self.ended:
                 raise ChatError(f"{self.where}: the chat worker has exited ({self.ended}); load the model again")
             self.last_used = time.monotonic()
-            rid = str(next(self._ids))
             try:
-                await self._stream.write(request_line(rid, model, messages, max_new_tokens, temperature))
-                while True:
-                    event = await asyncio.wait_for(_next_event(self._lines), self._event_timeout_s)
-                    if event is None:
-                        await self._end("it exited before its answer was complete")
-                        raise ChatError(f"{self.where}: the chat worker exited before its answer was complete "
-                                        f"(its log: {self.where.log}); "
-                                        "load the model again")
-                    if event.get("id") != rid:
-                        continue  # the rest of an answer whose reader went away
-                    if event["type"] == "error":
-                        raise ChatError(f"{self.where}: {event['error']}")
-                    yield event
-                    if event["type"] == "done":
-                        return
-            except asyncio.TimeoutError:
-                await self._end(f"no answer within {self._event_timeout_s:.0f} s")
-                raise ChatError(f"{self.where}: the chat worker sent nothing for {self._event_timeout_s:.0f} s; "
-                                "it was stopped; load the model again") from None
-            except ssh.NodeError as exc:
-                await self._end(str(exc))
-                raise ChatError(f"{self.where}: the chat worker is gone ({exc.reason}); load the model again") from None
+                for model, messages in turns:
+                    async for event in self._answer(model, messages, max_new_tokens, temperature):
+                        yield {**event, "model": model}
             finally:
                 self.last_used = time.monotonic()
+
+    async def _answer(self, model: str, messages: list[dict], max_new_tokens: int, temperature: float
+                      ) -> AsyncIterator[dict]:
+        rid = str(next(self._ids))
+        try:
+            await self._stream.write(request_line(rid, model, messages, max_new_tokens, temperature))
+            while True:
+                event = await asyncio.wait_for(_next_event(self._lines), self._event_timeout_s)
+                if event is None:
+                    await self._end("it exited before its answer was complete")
+                    raise ChatError(f"{self.where}: the chat worker exited before its answer was complete "
+                                    f"(its log: {self.where.log}); load the model again")
+                if event.get("id") != rid:
+                    continue  # the rest of an answer whose reader went away
+                if event["type"] == "error":
+                    raise ChatError(f"{self.where}: {event['error']}")
+                yield event
+                if event["type"] == "done":
+                    return
+        except asyncio.TimeoutError:
+            await self._end(f"no answer within {self._event_timeout_s:.0f} s")
+            raise ChatError(f"{self.where}: the chat worker sent nothing for {self._event_timeout_s:.0f} s; "
+                            "it was stopped; load the model again") from None
+        except ssh.NodeError as exc:
+            await self._end(str(exc))
+            raise ChatError(f"{self.where}: the chat worker is gone ({exc.reason}); load the model again") from None
 
     async def close(self) -> None:
         await self._end("closed")

@@ -20,7 +20,7 @@ import shlex
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeoutError
 from pathlib import Path
 
@@ -87,7 +87,7 @@ class RunManager:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def _iterate(self, items: AsyncIterator, timeout: float | None = None) -> Iterator:
+    def _iterate(self, items: AsyncIterator) -> Iterator:
         """An async iterator of the loop as a blocking one; leaving the loop early ends it there."""
         out: queue.Queue = queue.Queue()
         done = object()
@@ -103,7 +103,7 @@ class RunManager:
         fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
         try:
             while True:
-                item, exc = out.get(timeout=timeout)
+                item, exc = out.get()
                 if exc is not None:
                     raise exc
                 if item is done:
@@ -462,14 +462,15 @@ class RunManager:
         session = self._call(start())
         return session.id, {**session.ready, "node": node.host}
 
-    def chat_reply(self, session_id: str, model: str, messages: list[dict], max_new_tokens: int = 128,
+    def chat_reply(self, session_id: str, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int = 128,
                    temperature: float = 0.0) -> Iterator[dict]:
-        """The events of one answer (`token` ones, then `done`) as they come; a ChatError where the
-        session has ended or the worker fails."""
+        """The events of one exchange as they come: for each (model, messages), its `token` events
+        and then `done`, each with `model`. A ChatError where the session has ended, the worker
+        fails, or another exchange of the session is being answered."""
         session = self._chats.get(session_id)
         if session is None:
             raise chat.ChatError("the chat session has ended (closed, idle, or its worker exited); load the model again")
-        return self._iterate(session.reply(model, messages, max_new_tokens, temperature))
+        return self._iterate(session.reply(turns, max_new_tokens, temperature))
 
     def chat_close(self, session_id: str) -> None:
         session = self._chats.get(session_id)
