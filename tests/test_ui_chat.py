@@ -1,7 +1,8 @@
 """The Chat tab in a real browser against a real studio: a tiny LoRA run trained by the worker on
 this machine is loaded, one message is answered by the base and the fine-tuned model, and both
 answers stream into their chatbots; a run without a checkpoint is refused by name; a worker killed
-between two messages is reported and loading again works. The studio process never loads torch.
+between two messages is reported and loading again works; stopping the studio ends its worker. The
+studio process never loads torch.
 Screenshots: test-artifacts/ui/chat/."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from backend.job.spec import JobSpec  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
 from test_ui_flow import loaded_worker_libs  # noqa: E402
-from worker import ROOT  # noqa: E402
+from worker import ROOT, until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
@@ -144,3 +145,7 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
         browser.close()
     assert "Traceback" not in content
     assert loaded_worker_libs(studio.proc.pid) == []
+    # The studio's end is the end of its chat worker too (it reads the end of its stdin).
+    [worker] = chat_workers(studio.proc.pid)
+    studio.stop()
+    until(lambda: not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE, timeout=30)

@@ -24,7 +24,6 @@ COMMAND_TIMEOUT_S = 60.0     # default for one remote command
 KEEPALIVE_INTERVAL_S = 5.0   # SSH-level keepalives on idle connections ...
 KEEPALIVE_COUNT_MAX = 3      # ... a connection is dead after this many go unanswered
 KNOWN_HOSTS_ENV = "SWIFT_STUDIO_KNOWN_HOSTS"
-_LINE_LIMIT = 4 << 20        # longest stdout line of a local stream (asyncio's default, 64 KiB, is one long chat turn)
 
 
 def default_known_hosts() -> Path:
@@ -156,8 +155,7 @@ class LocalShell(Shell):
     async def stream(self, command: str, stdin: bool = False) -> Stream:
         proc = await asyncio.create_subprocess_exec(
             "bash", "-c", command, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-            limit=_LINE_LIMIT)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
 
         async def lines():
             assert proc.stdout is not None

@@ -16,8 +16,8 @@ import json
 import logging
 import queue
 import re
-import shlex
 import secrets
+import shlex
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
