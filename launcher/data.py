@@ -53,8 +53,8 @@ def encode(record: Record, tokenizer, max_length: int) -> Sample | None:
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        full = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if full[: len(prompt)] != prompt or full[: len(ids)] != ids:
             raise DataError(f"{record.where}: the chat template does not render conversations prefix-stably; "
                             "cannot locate the response tokens")
@@ -70,7 +70,9 @@ def _pretokenized(record: Record, max_length: int) -> Sample | None:
     return Sample(ids, labels) if any(label != IGNORE for label in labels[1:]) else None
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation through the chat template, as training sees it (the chat worker
+    renders its prompts with this too, so a fine-tuned model is asked in its training format)."""
     if not messages:
         return []
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -54,24 +54,43 @@ def full_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     raise ExportError(f"{ckpt}: no model weights found (model/*.safetensors, engine/ or dcp/)")
 
 
-def merged_model(ckpt: Path, base: str):
-    """The trained model, LoRA merged, on the CPU in float32."""
+def is_lora(ckpt: Path) -> bool:
+    return (ckpt / "model" / "adapter_config.json").is_file()
+
+
+def base_model(base: str, dtype: torch.dtype = torch.float32):
+    """The job's `model` as it was before training, on the CPU."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise ExportError(f"base model '{base}' cannot be loaded ({exc})") from None
-    if (ckpt / "model" / "adapter_config.json").is_file():
+
+
+def trained_model(ckpt: Path, base: str, dtype: torch.dtype = torch.float32):
+    """The trained model on the CPU: a LoRA checkpoint's adapters applied to the base (a peft model,
+    not merged: `disable_adapter()` gives the base back), or a full checkpoint's weights."""
+    model = base_model(base, dtype)
+    if is_lora(ckpt):
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, ckpt / "model").merge_and_unload()
-    state = {k: v.float() for k, v in full_state_dict(ckpt).items()}
+        try:
+            return PeftModel.from_pretrained(model, ckpt / "model")
+        except (OSError, ValueError, SafetensorError) as exc:  # an old marker checked nothing: a damaged file
+            raise ExportError(f"{ckpt / 'model'}: the LoRA adapter cannot be read ({exc})") from None
+    state = {k: v.to(dtype) for k, v in full_state_dict(ckpt).items()}
     missing, unexpected = load_full_state_dict(model, state)
     if missing or unexpected:
         raise ExportError(f"{ckpt}: weights do not match {base} (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.tie_weights()
     return model
+
+
+def merged_model(ckpt: Path, base: str):
+    """The trained model, LoRA merged, on the CPU in float32."""
+    model = trained_model(ckpt, base)
+    return model.merge_and_unload() if is_lora(ckpt) else model
 
 
 def sample_prompt(spec) -> str:

@@ -21,7 +21,7 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
 
-from studio import cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
+from studio import chat_tab, cluster_tab, export_tab, monitor_tab, runs_tab, train_tab  # noqa: E402
 from studio.access import HostPolicy, LoginLimiter  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
@@ -45,6 +45,8 @@ def build_app(studio: Studio) -> gr.Blocks:
                 runs = runs_tab.build()
             with gr.Tab("Export", id="export") as export_page:
                 export = export_tab.build()
+            with gr.Tab("Chat", id="chat") as chat_page:
+                chat = chat_tab.build(studio)
         cluster_tab.wire(cluster, studio, cluster_state)
         cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
         train_tab.wire(train, studio, cluster_state)
@@ -52,6 +54,7 @@ def build_app(studio: Studio) -> gr.Blocks:
         train_tab.wire_launch(train, studio, cluster_state, tabs, monitor["run"], monitor["choices"])
         runs_tab.wire(runs, studio, runs_page)
         export_tab.wire(export, studio, export_page)
+        chat_tab.wire(chat, studio, chat_page)
 
         # A page load (first visit or reload) lists the presets, fills the form with the demo
         # preset, then shows the cluster (a cluster changed since the build checks the filled form

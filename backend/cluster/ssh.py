@@ -89,14 +89,26 @@ class Result:
 
 
 class Stream:
-    """A long-running command whose stdout is read line by line (the node agent)."""
+    """A long-running command whose stdout is read line by line (the node agent); started with
+    `stdin=True` it also takes lines on its stdin (the chat worker). Closing it ends the command."""
 
-    def __init__(self, lines: AsyncIterator[str], closer):
+    def __init__(self, address: Address, lines: AsyncIterator[str], closer, writer=None):
+        self._address = address
         self._lines = lines
         self._closer = closer
+        self._writer = writer
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines
+
+    async def write(self, line: str) -> None:
+        """One line to the command's stdin; a NodeError when the command no longer reads it."""
+        if self._writer is None:
+            raise ValueError("this stream was started without stdin")
+        try:
+            await self._writer(line if line.endswith("\n") else line + "\n")
+        except (OSError, asyncssh.Error) as exc:  # BrokenPipeError, ConnectionResetError: it exited
+            raise NodeError(self._address, f"the command's input is closed (it has exited): {_reason(exc)}") from None
 
     async def close(self) -> None:
         await self._closer()
@@ -109,7 +121,8 @@ class Shell:
                   timeout: float = COMMAND_TIMEOUT_S) -> Result:
         raise NotImplementedError
 
-    async def stream(self, command: str) -> Stream:
+    async def stream(self, command: str, stdin: bool = False) -> Stream:
+        """`command` running until the Stream is closed; its stdout as lines, its stdin open with `stdin`."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -139,9 +152,9 @@ class LocalShell(Shell):
             raise CommandTimeout(self.address, f"command did not finish within {timeout:.0f} s") from None
         return Result(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"), out)
 
-    async def stream(self, command: str) -> Stream:
+    async def stream(self, command: str, stdin: bool = False) -> Stream:
         proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, stdin=asyncio.subprocess.DEVNULL,
+            "bash", "-c", command, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
 
         async def lines():
@@ -161,7 +174,12 @@ class LocalShell(Shell):
                     os.killpg(proc.pid, 9)
                     await proc.wait()
 
-        return Stream(lines(), close)
+        async def write(line: str) -> None:
+            assert proc.stdin is not None
+            proc.stdin.write(line.encode())
+            await proc.stdin.drain()
+
+        return Stream(self.address, lines(), close, write if stdin else None)
 
 
 # The node side of `Helper`: runs commands sent as JSON lines on stdin, replies with JSON lines.
@@ -311,9 +329,10 @@ class SshShell(Shell):
         raw = res.stdout if isinstance(res.stdout, bytes) else _text(res.stdout).encode()
         return Result(rc, _text(res.stdout), _text(res.stderr), raw)
 
-    async def stream(self, command: str) -> Stream:
+    async def stream(self, command: str, stdin: bool = False) -> Stream:
         try:
-            proc = await self._conn.create_process(command, stdin=asyncssh.DEVNULL, stderr=asyncssh.DEVNULL)
+            proc = await self._conn.create_process(command, stdin=asyncssh.PIPE if stdin else asyncssh.DEVNULL,
+                                                   stderr=asyncssh.DEVNULL)
         except (asyncssh.Error, OSError, AssertionError) as exc:
             raise Unreachable(self.address, f"connection lost: {_reason(exc)}") from None
 
@@ -322,15 +341,19 @@ class SshShell(Shell):
                 yield line
 
         async def close():
-            # Closing the channel hangs up the remote command (it reads a closed pipe / SIGPIPE);
-            # the agent is a reader only, so nothing is lost.
+            # Closing the channel hangs up the remote command: the agent writes into a closed pipe
+            # (SIGPIPE), the chat worker reads the end of its stdin; both exit.
             proc.close()
             try:
                 await asyncio.wait_for(proc.wait_closed(), 5)
             except (asyncio.TimeoutError, asyncssh.Error, OSError):
                 pass
 
-        return Stream(lines(), close)
+        async def write(line: str) -> None:
+            proc.stdin.write(line)
+            await proc.stdin.drain()
+
+        return Stream(self.address, lines(), close, write if stdin else None)
 
     async def close(self) -> None:
         for helper in self._helpers.values():

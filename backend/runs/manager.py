@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import re
 import secrets
+import shlex
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeoutError
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from backend.job.cluster import Cluster
 from backend.job.layout import Layout
 from backend.job.spec import JobSpec, absolute_dir
 from backend.job.validate import Assessment
-from backend.runs import lifecycle
+from backend.runs import chat, lifecycle
 from backend.runs.driver import (AttemptDriver, Planner, RunError, assesses, attempt_nodes, default_planner,
                                  spec_of)
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
@@ -40,6 +42,7 @@ from backend.telemetry.ingest import TelemetrySink
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
+EXPORT_MARKER = ".swift-studio-export"  # launcher.export.EXPORT_MARKER: in every export directory
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -73,6 +76,7 @@ class RunManager:
         self._thread.start()
         self.pool = nodes.Pool(self.known_hosts)
         self._tasks: dict[str, Future] = {}
+        self._chats: dict[str, chat.ChatSession] = {}
         self.driver = AttemptDriver(self.store, self.owner, self.pool, self.planner, self.sink, self.engine, self._spawn)
         self._closed = False
         asyncio.run_coroutine_threadsafe(self._heartbeat(adopt=reattach), self._loop)
@@ -82,6 +86,31 @@ class RunManager:
     # -- plumbing ------------------------------------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _iterate(self, items: AsyncIterator) -> Iterator:
+        """An async iterator of the loop as a blocking one; leaving the loop early ends it there."""
+        out: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for item in items:
+                    out.put((item, None))
+                out.put((done, None))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+                out.put((done, exc))
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item, exc = out.get()
+                if exc is not None:
+                    raise exc
+                if item is done:
+                    return
+                yield item
+        finally:
+            fut.cancel()
 
     def _spawn(self, run_id: str, coro) -> Future:
         fut = asyncio.run_coroutine_threadsafe(self._guarded(run_id, coro), self._loop)
@@ -127,6 +156,8 @@ class RunManager:
         self._closed = True
 
         async def shutdown() -> int:
+            # First the chat workers: each is a model in a node's memory that nothing else ends.
+            await asyncio.gather(*(s.close() for s in list(self._chats.values())), return_exceptions=True)
             loop = asyncio.get_running_loop()
             end = loop.time() + CLOSE_TIMEOUT_S
             while loop.time() < end:
@@ -391,6 +422,61 @@ class RunManager:
         if not res.ok or not lines:
             raise RunError(f"export on {node.host} failed (exit code {res.rc}): {res.first_error_line()}")
         return json.loads(lines[-1])
+
+    # -- chat --------------------------------------------------------------------------------
+    def exported(self, run_id: str) -> str | None:
+        """`<run dir>/export` where it holds an export (launcher.export's default target), else None."""
+        run = self.run(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None:
+            return None
+        node, _ = attempt_nodes(attempt)[0]
+        path = f"{run.run_dir}/export"
+        res = self._call(self.pool.run(node, f"test -f {shlex.quote(f'{path}/{EXPORT_MARKER}')}", timeout=30))
+        return path if res.ok else None
+
+    def chat_open(self, run_id: str, source: str | None = None) -> tuple[str, dict]:
+        """Start a chat worker on the run's first node with a checkpoint (a step, a path; None: the
+        latest) or an export directory; returns (session id, the worker's ready line) once loaded."""
+        run = self.run(run_id)
+        attempt = self.store.current_attempt(run_id)
+        if attempt is None:
+            raise chat.ChatError(f"run {run_id} never started; it has no checkpoint to chat with")
+        if not (source and source.startswith("/")) and not self.checkpoints(run_id):
+            raise chat.ChatError(f"run {run_id} has no checkpoint yet, so there is no model to chat with (nothing "
+                                 "was started); load it once the run has saved one")
+        node, setup = attempt_nodes(attempt)[0]
+        log_file = chat.log_path(run.run_dir, node.host)
+        where = chat.Where(run_id, chat.source_label(source), node.host, log_file)
+        command = chat.worker_command(node.python, run.run_dir, source, log_file, setup)
+
+        async def start() -> chat.ChatSession:
+            try:
+                shell = await self.pool.shell(node)
+            except ssh.NodeError as exc:
+                raise chat.ChatError(f"{where}: cannot reach the node ({exc.reason})") from None
+            session = await chat.ChatSession.start(shell, command, where, lambda s: self._chats.pop(s.id, None))
+            self._chats[session.id] = session
+            return session
+
+        session = self._call(start())
+        return session.id, {**session.ready, "node": node.host}
+
+    def chat_reply(self, session_id: str, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int = 128,
+                   temperature: float = 0.0) -> Iterator[dict]:
+        """The events of one exchange as they come: for each (model, messages), its `token` events
+        and then `done`, each with `model`. A ChatError where the session has ended, the worker
+        fails, or another exchange of the session is being answered."""
+        session = self._chats.get(session_id)
+        if session is None:
+            raise chat.ChatError("the chat session has ended (closed, idle, or its worker exited); load the model again")
+        return self._iterate(session.reply(turns, max_new_tokens, temperature))
+
+    def chat_close(self, session_id: str) -> None:
+        session = self._chats.get(session_id)
+        if session is not None:
+            self._call(session.close(), timeout=30)
+
 
 def _find_node(cluster: Cluster, host: str):
     for node in cluster.nodes:

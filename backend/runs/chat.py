@@ -1,0 +1,189 @@
+"""Chat sessions: one `python -m launcher.chat` worker per session, on the run's first node (where
+the checkpoints live), spoken to over a `Stream` with stdin (JSON lines both ways; the protocol is
+launcher/chat.py's docstring and docs/architecture.md, "Chat worker").
+
+A session answers one exchange at a time (a message to the base and then to the fine-tuned model);
+one asked while another is being answered is refused, so answers never interleave. A session closes
+itself after `IDLE_S` without a request and is closed with the manager, so no worker outlives the
+studio (a worker whose stdin closes exits too, however the studio ended).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import secrets
+import shlex
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from backend.cluster import remote, ssh
+from backend.runs.driver import RunError
+
+READY_TIMEOUT_S = 600.0  # loading a large model from a network disk onto a GPU
+EVENT_TIMEOUT_S = 300.0  # between two events of one answer (the first token of a long prompt on a CPU)
+IDLE_S = 900.0           # a session nobody spoke to for this long ends (its worker holds a GPU)
+MODELS = ("base", "tuned")
+
+
+class ChatError(RunError):
+    """A chat session that cannot start or answer; the message names the run, source and node."""
+
+
+def request_line(rid: str, model: str, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
+    return json.dumps({"id": rid, "model": model, "messages": messages, "max_new_tokens": int(max_new_tokens),
+                       "temperature": float(temperature)}) + "\n"
+
+
+def parse_event(line: str) -> dict | None:
+    """A worker event, or None for a line that is none (a library writing to stdout)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or event.get("type") not in ("ready", "token", "done", "error"):
+        return None
+    return event
+
+
+def worker_command(python: str, run_dir: str, source: str | None, log: str, setup: str | None) -> str:
+    """Shell text starting the chat worker in the run directory, its stderr appended to `log`."""
+    argv = [python, "-m", "launcher.chat", "--run-dir", run_dir, *(["--checkpoint", source] if source else [])]
+    command = f"mkdir -p {shlex.quote(log.rsplit('/', 1)[0])} && {remote.quote_argv(argv)} 2>> {shlex.quote(log)}"
+    return remote.with_setup(setup, f"cd {shlex.quote(run_dir)} && {command}")
+
+
+def source_label(source: str | None) -> str:
+    if not source or source == "latest":
+        return "the latest checkpoint"
+    return f"checkpoint step {source}" if source.isdigit() else source
+
+
+def log_path(run_dir: str, node: str) -> str:
+    return f"{run_dir}/logs/chat-{remote.node_file_name(node)}.log"
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a session serves, for its messages."""
+
+    run_id: str
+    source: str
+    node: str
+    log: str
+
+    def __str__(self) -> str:
+        return f"run {self.run_id}, {self.source}, node {self.node}"
+
+
+class ChatSession:
+    def __init__(self, where: Where, stream: ssh.Stream, ready: dict, on_close: Callable[["ChatSession"], None],
+                 idle_s: float = IDLE_S, event_timeout_s: float = EVENT_TIMEOUT_S):
+        self.id = secrets.token_hex(8)
+        self.where, self.ready = where, ready
+        self._stream, self._lines = stream, aiter(stream)
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._on_close = on_close
+        self._event_timeout_s = event_timeout_s
+        self.ended: str | None = None  # why the worker is gone, once it is
+        self.last_used = time.monotonic()
+        self._idle = asyncio.create_task(self._close_when_idle(idle_s))
+
+    @classmethod
+    async def start(cls, shell: ssh.Shell, command: str, where: Where, on_close: Callable[["ChatSession"], None],
+                    ready_timeout_s: float = READY_TIMEOUT_S, **kw) -> "ChatSession":
+        """Start the worker and wait for its ready line; a ChatError naming why it did not load."""
+        stream = await shell.stream(command, stdin=True)
+        lines = aiter(stream)
+        try:
+            event = await asyncio.wait_for(_next_event(lines), ready_timeout_s)
+        except asyncio.TimeoutError:
+            await stream.close()
+            raise ChatError(f"{where}: the chat worker did not load the model within {ready_timeout_s:.0f} s "
+                            f"(its log: {where.log})") from None
+        except BaseException:
+            await stream.close()
+            raise
+        if event is None or event["type"] != "ready":
+            await stream.close()
+            why = event["error"] if event else f"it exited while loading (its log: {where.log})"
+            raise ChatError(f"{where}: {why}")
+        return cls(where, stream, event, on_close, **kw)
+
+    async def reply(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float
+                    ) -> AsyncIterator[dict]:
+        """One exchange: for each (model, messages) in turn, the worker's token events and its done
+        event, each with `model` added. A ChatError for an error event, a worker that exited or went
+        silent, and for an exchange asked while another is being answered (the two would interleave)."""
+        for model, _ in turns:
+            if model not in MODELS:
+                raise ChatError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+        if self._lock.locked():
+            raise ChatError(f"{self.where}: the model is still answering the previous message; send again once it "
+                            "has finished")
+        async with self._lock:
+            if self.ended:
+                raise ChatError(f"{self.where}: the chat worker has exited ({self.ended}); load the model again")
+            self.last_used = time.monotonic()
+            try:
+                for model, messages in turns:
+                    async for event in self._answer(model, messages, max_new_tokens, temperature):
+                        yield {**event, "model": model}
+            finally:
+                self.last_used = time.monotonic()
+
+    async def _answer(self, model: str, messages: list[dict], max_new_tokens: int, temperature: float
+                      ) -> AsyncIterator[dict]:
+        rid = str(next(self._ids))
+        try:
+            await self._stream.write(request_line(rid, model, messages, max_new_tokens, temperature))
+            while True:
+                event = await asyncio.wait_for(_next_event(self._lines), self._event_timeout_s)
+                if event is None:
+                    await self._end("it exited before its answer was complete")
+                    raise ChatError(f"{self.where}: the chat worker exited before its answer was complete "
+                                    f"(its log: {self.where.log}); load the model again")
+                if event.get("id") != rid:
+                    continue  # the rest of an answer whose reader went away
+                if event["type"] == "error":
+                    raise ChatError(f"{self.where}: {event['error']}")
+                yield event
+                if event["type"] == "done":
+                    return
+        except asyncio.TimeoutError:
+            await self._end(f"no answer within {self._event_timeout_s:.0f} s")
+            raise ChatError(f"{self.where}: the chat worker sent nothing for {self._event_timeout_s:.0f} s; "
+                            "it was stopped; load the model again") from None
+        except ssh.NodeError as exc:
+            await self._end(str(exc))
+            raise ChatError(f"{self.where}: the chat worker is gone ({exc.reason}); load the model again") from None
+
+    async def close(self) -> None:
+        await self._end("closed")
+
+    async def _end(self, why: str) -> None:
+        if self.ended is None:
+            self.ended = why
+            self._on_close(self)
+            await self._stream.close()
+        if self._idle is not asyncio.current_task():
+            self._idle.cancel()
+
+    async def _close_when_idle(self, idle_s: float) -> None:
+        while self.ended is None:
+            left = self.last_used + idle_s - time.monotonic()
+            if left <= 0 and not self._lock.locked():
+                await self._end(f"idle for {idle_s:.0f} s")
+                return
+            await asyncio.sleep(max(left, 1.0))
+
+
+async def _next_event(lines: AsyncIterator[str]) -> dict | None:
+    """The next event line; None when the worker's output ended."""
+    async for line in lines:
+        event = parse_event(line)
+        if event is not None:
+            return event
+    return None

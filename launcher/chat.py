@@ -1,0 +1,317 @@
+"""Chat with a trained model and with its base, side by side:
+
+    python -m launcher.chat --run-dir DIR [--checkpoint latest|STEP|PATH]
+
+PATH is a checkpoint directory or an export directory (one holding the export marker). The model
+is loaded once (CUDA in bf16 when there is a GPU, else the CPU in fp32); then each JSON line on
+stdin is one request, answered one at a time, and every line on stdout is one JSON event. The
+worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
+
+    out {"type": "ready", "source", "path", "kind", "base", "base_from", "device", "dtype", "template",
+         "max_positions", "load_s", "pid", "skipped"}
+    in  {"id", "model": "base"|"tuned", "messages": [{"role", "content"}, ...], "max_new_tokens", "temperature"}
+    out {"type": "token", "id", "text"} ... then {"type": "done", "id", "tokens", "seconds", "prompt_tokens", "note"}
+    out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
+
+Prompts are rendered exactly as training renders a conversation before an assistant turn
+(`launcher.data.render` with the generation prompt), so a fine-tuned model sees its own format.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from launcher import checkpoint
+from backend.job.errors import UserError
+from launcher.data import DEFAULT_CHAT_TEMPLATE, render
+from launcher.export import EXPORT_MARKER, ExportError, base_model, is_lora, trained_model
+
+MODELS = ("base", "tuned")
+ROLES = ("system", "user", "assistant")
+MAX_NEW_TOKENS = 4096
+MAX_TEMPERATURE = 5.0
+
+
+class ChatError(Exception):
+    """A user-facing problem: no checkpoint, an unreadable file, a request that cannot be answered."""
+
+
+# ---- requests and prompts (pure) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    model: str
+    messages: tuple[dict, ...]
+    max_new_tokens: int
+    temperature: float
+
+
+def parse_request(line: str) -> Request:
+    """A request line, or a ChatError naming the field that is wrong."""
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        raise ChatError(f"request: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ChatError("request: expected a JSON object")
+    rid = data.get("id")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise ChatError("request.id: expected a string or an integer")
+    if data.get("model") not in MODELS:
+        raise ChatError(f"request.model: expected one of {', '.join(MODELS)}, got {data.get('model')!r}")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("request.messages: expected a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ChatError(f"request.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
+    if messages[-1]["role"] != "user":
+        raise ChatError(f"request.messages[{len(messages) - 1}]: the last message must be the user's")
+    tokens = data.get("max_new_tokens", 128)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_NEW_TOKENS:
+        raise ChatError(f"request.max_new_tokens: expected an integer from 1 to {MAX_NEW_TOKENS}, got {tokens!r}")
+    temperature = data.get("temperature", 0.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
+            or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ChatError(f"request.temperature: expected a number from 0 (greedy) to {MAX_TEMPERATURE:g}, "
+                        f"got {temperature!r}")
+    return Request(str(rid), data["model"], tuple({"role": m["role"], "content": m["content"]} for m in messages),
+                   tokens, float(temperature))
+
+
+def fit_prompt(to_ids: Callable[[list[dict]], list[int]], messages: tuple[dict, ...], room: int
+               ) -> tuple[list[int], int]:
+    """(token ids, how many of the oldest messages were left out) of the longest ending of the
+    conversation that fits in `room` tokens; a leading system message is kept. A ChatError when
+    even the last user message alone does not fit."""
+    system = list(messages[:1]) if messages[0]["role"] == "system" else []
+    turns = list(messages[len(system):])
+    for dropped in range(len(turns)):
+        ids = to_ids(system + turns[dropped:])
+        if len(ids) <= room:
+            return ids, dropped
+    raise ChatError(f"prompt: the last message alone is {len(ids)} tokens, more than the {room} the model has "
+                    "room for (its positions less max_new_tokens); shorten it or lower max new tokens")
+
+
+def prompt_room(max_positions: int | None, max_new_tokens: int) -> int:
+    """Tokens a prompt may take so that prompt + answer fit the model's positions."""
+    if max_positions is None:
+        return sys.maxsize
+    if max_new_tokens >= max_positions:
+        raise ChatError(f"request.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+                        f"{max_positions} positions (max_position_embeddings)")
+    return max_positions - max_new_tokens
+
+
+def template_name(tokenizer) -> str:
+    """Which chat template renders the prompts: the one training used (`launcher.model.load_tokenizer`
+    gives a tokenizer without one ChatML; a checkpoint's tokenizer was saved with it)."""
+    if getattr(tokenizer, "chat_template", None) in (None, "", DEFAULT_CHAT_TEMPLATE):
+        return "ChatML, as in training"
+    return "the tokenizer's own chat template, as in training"
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    tuned: torch.nn.Module
+    base: torch.nn.Module | None  # None: the tuned model with its LoRA adapter disabled
+    tokenizer: object
+    device: torch.device
+    info: dict
+
+    def model(self, which: str):
+        """(model, context) answering as `which`."""
+        if which == "tuned":
+            return self.tuned, contextlib.nullcontext()
+        if self.base is None:
+            return self.tuned, self.tuned.disable_adapter()
+        return self.base, contextlib.nullcontext()
+
+
+def device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def run_spec(where: Path):
+    from backend.job.spec import load_spec
+
+    spec, problems = load_spec(where / "job.yaml")
+    if spec is None:
+        raise ChatError(f"{where / 'job.yaml'}: " + "; ".join(map(str, problems)))
+    return spec
+
+
+def load(run_dir: Path, ref: str | None) -> Loaded:
+    """The fine-tuned model of a checkpoint or export and the base to compare it with."""
+    from launcher.model import load_tokenizer
+
+    started = time.monotonic()
+    device, dtype = device_and_dtype()
+    path = Path(ref) if ref and not str(ref).isdigit() and ref != "latest" else None
+    skipped: tuple[str, ...] = ()
+    if path is not None and (path / EXPORT_MARKER).is_file():
+        spec = run_spec(run_dir)
+        tuned = _from_export(path, dtype)
+        base = base_model(spec.model, dtype)
+        tokenizer_dir, source, kind = path, "export", "merged"
+    else:
+        try:
+            found = checkpoint.resolve(run_dir, ref)
+        except checkpoint.CheckpointError as exc:
+            raise ChatError(str(exc)) from None
+        if found.path is None:
+            raise ChatError(f"{run_dir}: no complete checkpoint to chat with (the run has not saved one yet)")
+        path, skipped = found.path, found.skipped
+        spec = run_spec(path)
+        tuned = trained_model(path, spec.model, dtype)
+        lora = is_lora(path)
+        base = None if lora else base_model(spec.model, dtype)
+        tokenizer_dir, source, kind = path / "tokenizer", "checkpoint", "lora" if lora else "full"
+    tokenizer = load_tokenizer(str(tokenizer_dir))  # ChatML where it has no template, as training did
+    for model in (tuned, base):
+        if model is not None:
+            model.to(device).eval()
+    max_positions = getattr(tuned.config, "max_position_embeddings", None)
+    info = {"source": source, "path": str(path), "kind": kind, "base": spec.model,
+            "base_from": "the same model with its LoRA adapter disabled" if base is None else spec.model,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "template": template_name(tokenizer),
+            "max_positions": max_positions, "load_s": round(time.monotonic() - started, 2), "pid": os.getpid(),
+            "skipped": list(skipped)}
+    return Loaded(tuned, base, tokenizer, device, info)
+
+
+def _from_export(path: Path, dtype: torch.dtype):
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, SafetensorError) as exc:
+        files = ", ".join(sorted(p.name for p in path.glob("*.safetensors"))) or "no *.safetensors"
+        raise ChatError(f"{path}: the exported model cannot be loaded ({files}: {exc})") from None
+
+
+# ---- answering ------------------------------------------------------------------------------------
+
+
+def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> None:
+    """Token events as the model generates them, then the done event."""
+    tokenizer = loaded.tokenizer
+    room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
+    ids, dropped = fit_prompt(lambda messages: render(tokenizer, messages, add_generation_prompt=True),
+                              request.messages, room)
+    started = time.monotonic()
+    model, context = loaded.model(request.model)
+    with context:
+        tokens = stream_generate(model, tokenizer, ids, request, loaded.device,
+                                 lambda text: emit({"type": "token", "id": request.id, "text": text}))
+    note = (f"left out the {dropped} oldest message(s): the conversation is longer than the {room} tokens the "
+            "model has room for" if dropped else None)
+    emit({"type": "done", "id": request.id, "tokens": tokens, "seconds": round(time.monotonic() - started, 3),
+          "prompt_tokens": len(ids), "note": note})
+
+
+def stream_generate(model, tokenizer, ids: list[int], request: Request, device: torch.device,
+                    on_text: Callable[[str], None]) -> int:
+    """`model.generate` on a thread, its text handed to `on_text` piece by piece as it is decoded;
+    returns the number of new tokens."""
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    input_ids = torch.tensor([ids], device=device)
+    sampling = dict(do_sample=True, temperature=request.temperature) if request.temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=request.max_new_tokens,
+                  streamer=streamer, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  **sampling)
+    result: dict = {}
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                result["out"] = model.generate(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+            result["error"] = exc
+            streamer.end()  # else the loop below waits for text forever
+
+    thread = threading.Thread(target=work, name="generate", daemon=True)
+    thread.start()
+    for piece in streamer:
+        if piece:
+            on_text(piece)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return int(result["out"].shape[1] - len(ids))
+
+
+def serve(loaded: Loaded, lines: Iterable[str], emit: Callable[[dict], None]) -> None:
+    """Answer each request line in turn; a failed request is reported and the next one served."""
+    for line in lines:
+        if not line.strip():
+            continue
+        rid = None
+        try:
+            request = parse_request(line)
+            rid = request.id
+            answer(loaded, request, emit)
+        except ChatError as exc:
+            emit({"type": "error", "id": rid, "error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - out of memory, a library's refusal: the worker serves on
+            emit({"type": "error", "id": rid, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launcher.chat", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--checkpoint", default=None,
+                        help="step number, checkpoint directory or export directory (default: latest)")
+    args = parser.parse_args(argv)
+    out = sys.stdout
+    lock = threading.Lock()
+
+    def emit(event: dict) -> None:
+        with lock:
+            out.write(json.dumps({**event, "time": time.time()}) + "\n")
+            out.flush()
+
+    # Libraries print progress to stdout; the contract keeps stdout to the event lines.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            loaded = load(args.run_dir, args.checkpoint)
+        except (ChatError, ExportError, checkpoint.CheckpointError, UserError) as exc:
+            emit({"type": "error", "id": None, "error": str(exc)})
+            return 1
+        except Exception as exc:  # noqa: BLE001 - a load failure is one line naming the cause, as the contract says
+            emit({"type": "error", "id": None, "error": f"loading {args.checkpoint or 'latest'} of {args.run_dir} "
+                                                       f"failed: {type(exc).__name__}: {exc}"})
+            return 1
+        emit({"type": "ready", **loaded.info})
+        try:
+            serve(loaded, sys.stdin, emit)
+        except BrokenPipeError:  # the studio went away mid-answer
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

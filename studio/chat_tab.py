@@ -1,0 +1,145 @@
+"""Chat tab: load a run's checkpoint (LoRA applied) or its exported model in a chat worker on the
+run's first node (RunManager.chat_open; the studio never loads a model), then send one message to
+the base and the fine-tuned model side by side and watch both answers stream in."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import gradio as gr
+
+from studio.context import Studio
+from studio.errors import user_message
+from studio.run_view import run_picker
+
+LATEST = "latest complete checkpoint"
+SIDES = ("base", "tuned")
+NOT_LOADED = "No model loaded: pick a run and a checkpoint, then Load."
+
+
+def source_choices(checkpoints: list[tuple[int, str]], exported: str | None) -> list[tuple[str, str] | str]:
+    """The Model dropdown: the latest checkpoint, each one by step, and the export where there is one."""
+    steps = [(f"step {step} · {path}", str(step)) for step, path in checkpoints]
+    return [LATEST, *steps, *([(f"exported model · {exported}", exported)] if exported else [])]
+
+
+def status_line(ready: dict) -> str:
+    """What is loaded, where, and how the base side and the prompts are made."""
+    what = {"lora": "LoRA checkpoint", "full": "full fine-tuning checkpoint", "merged": "exported model"}.get(
+        ready.get("kind"), ready.get("kind"))
+    skipped = "".join(f"\n\n⚠ Passed over a damaged checkpoint: {why}" for why in ready.get("skipped") or [])
+    return (f"✔ Loaded the {what} `{ready.get('path')}` on node **{ready.get('node')}** ({ready.get('device')}, "
+            f"{ready.get('dtype')}, worker pid {ready.get('pid')}) in {ready.get('load_s')} s · base: "
+            f"{ready.get('base_from')} · prompts: "
+            f"{ready.get('template')} · {ready.get('max_positions')} positions{skipped}")
+
+
+def answer_note(side: str, done: dict) -> str:
+    label = "Base" if side == "base" else "Fine-tuned"
+    note = f" ({done['note']})" if done.get("note") else ""
+    return f"{label}: {done.get('tokens')} tokens in {done.get('seconds')} s{note}"
+
+
+def build(studio: Studio) -> dict[str, Any]:
+    c: dict[str, Any] = {}
+    gr.Markdown("The same message goes to the base model and to the fine-tuned one; both answers stream in side "
+                "by side. The model runs in a worker on the run's first node, with the chat template training used.")
+    with gr.Row():
+        c["run"] = gr.Dropdown(label="Run", choices=[], scale=3, elem_id="chat-run")
+        c["source"] = gr.Dropdown(label="Model", choices=[LATEST], value=LATEST, scale=3, elem_id="chat-source")
+        c["load"] = gr.Button("Load", variant="primary", scale=1, elem_id="chat-load")
+    c["status"] = gr.Markdown(NOT_LOADED, elem_id="chat-status")
+    with gr.Row():
+        c["base"] = gr.Chatbot(label="Base model", height=360, elem_id="chat-base")
+        c["tuned"] = gr.Chatbot(label="Fine-tuned", height=360, elem_id="chat-tuned")
+    with gr.Row():
+        c["message"] = gr.Textbox(label="Message", lines=2, scale=5, elem_id="chat-message")
+        c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+    with gr.Row():
+        c["max_new_tokens"] = gr.Slider(1, 1024, value=128, step=1, label="Max new tokens",
+                                        elem_id="chat-max-new-tokens")
+        c["temperature"] = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)",
+                                     elem_id="chat-temperature")
+        c["clear"] = gr.Button("Clear", elem_id="chat-clear")
+    c["answers"] = gr.Markdown(elem_id="chat-answers")
+    # The browser's session id; its worker is closed when the browser goes away.
+    c["session"] = gr.State(None, delete_callback=lambda sid: sid and studio.manager.chat_close(sid))
+    c["history"] = gr.State({"base": [], "tuned": []})  # plain {"role", "content"} turns of each side
+    return c
+
+
+def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
+    def on_open(current: str | None):
+        try:
+            runs = studio.manager.runs()
+        except Exception as exc:  # noqa: BLE001
+            return gr.skip(), user_message("Listing runs", exc)
+        options, value = run_picker(runs, current)
+        return gr.update(choices=options, value=value), gr.skip()
+
+    def on_run(run_id: str | None):
+        if not run_id:
+            return gr.update(choices=[LATEST], value=LATEST), gr.skip()
+        try:
+            choices = source_choices(studio.manager.checkpoints(run_id), studio.manager.exported(run_id))
+        except Exception as exc:  # noqa: BLE001
+            return gr.update(choices=[LATEST], value=LATEST), user_message(f"Listing the models of run {run_id}", exc)
+        return gr.update(choices=choices, value=LATEST), gr.skip()
+
+    def on_load(run_id: str | None, source: str | None, session: str | None):
+        empty = {"base": [], "tuned": []}
+        if not run_id:
+            yield "Pick a run first.", session, empty, [], []
+            return
+        if session:
+            studio.manager.chat_close(session)
+        yield f"Loading `{source}` of run `{run_id}` on its first node…", None, empty, [], []
+        try:
+            session, ready = studio.manager.chat_open(run_id, None if source in (None, LATEST) else source)
+        except Exception as exc:  # noqa: BLE001
+            yield user_message(f"Loading {source} of run {run_id}", exc), None, empty, [], []
+            return
+        yield status_line(ready), session, empty, [], []
+
+    def on_send(message: str, history: dict, session: str | None, max_new_tokens: float, temperature: float):
+        if not session:
+            yield history["base"], history["tuned"], history, gr.skip(), "Load a model first."
+            return
+        if not (message or "").strip():
+            yield history["base"], history["tuned"], history, gr.skip(), "Type a message first."
+            return
+        asked = {side: [*history[side], {"role": "user", "content": message}] for side in SIDES}
+        shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
+        notes: list[str] = []
+        yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Generating…"
+        try:
+            events = studio.manager.chat_reply(session, [(side, asked[side]) for side in SIDES], int(max_new_tokens),
+                                               float(temperature))
+            # The first event before anything is shown: a refused exchange leaves the chatbots alone.
+            for event in itertools.chain([next(events)], events):
+                side = event["model"]
+                if event["type"] == "token":
+                    shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
+                    yield shown["base"], shown["tuned"], gr.skip(), gr.skip(), gr.skip()
+                else:
+                    notes.append(answer_note(side, event))
+                    yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), " · ".join(notes)
+        except Exception as exc:  # noqa: BLE001
+            # The turn stays out of both histories and the message in its box: Send asks again.
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Answering", exc)
+            return
+        yield shown["base"], shown["tuned"], shown, "", " · ".join(notes)
+
+    def on_clear():
+        return [], [], {"base": [], "tuned": []}, ""
+
+    tab.select(on_open, [c["run"]], [c["run"], c["status"]])
+    c["run"].change(on_run, [c["run"]], [c["source"], c["status"]])
+    c["load"].click(on_load, [c["run"], c["source"], c["session"]],
+                    [c["status"], c["session"], c["history"], c["base"], c["tuned"]])
+    send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["max_new_tokens"], c["temperature"]],
+                outputs=[c["base"], c["tuned"], c["history"], c["message"], c["answers"]],
+                trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
+    c["send"].click(**send)
+    c["message"].submit(**send)
+    c["clear"].click(on_clear, None, [c["base"], c["tuned"], c["history"], c["answers"]])

@@ -1,0 +1,280 @@
+"""The chat protocol's pure parts (requests, events, prompt fitting, the rendering training uses)
+and the backend session against a stand-in worker on this machine: ready and load failures, a
+worker that dies mid-answer or goes silent, an exchange asked during another, idle shutdown, a stream's stdin
+over real SSH. The real worker and model: tests/test_chat_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import psutil
+import pytest
+
+from backend.cluster import ssh
+from backend.runs import chat
+from worker import ROOT, until
+
+FAKE_WORKER = r"""
+import json, os, sys, time
+mode = sys.argv[1]
+def emit(**event):
+    sys.stdout.write(json.dumps(event) + "\n"); sys.stdout.flush()
+if mode == "silent":
+    time.sleep(60)
+if mode == "fail":
+    emit(type="error", id=None, error="/runs/r/checkpoint-3/model/adapter_model.safetensors: cannot be read")
+    sys.exit(1)
+print("a library's progress line, not an event", flush=True)
+emit(type="ready", pid=os.getpid(), kind="lora")
+for line in sys.stdin:
+    req = json.loads(line)
+    for piece in ("one ", "two ", "three"):
+        emit(type="token", id=req["id"], text=piece)
+        if mode == "die":
+            os._exit(3)
+        time.sleep(0.05)
+    emit(type="done", id=req["id"], tokens=3, seconds=0.15, prompt_tokens=len(req["messages"]), note=None)
+"""
+
+
+# ---- the worker's pure parts ---------------------------------------------------------------------
+
+
+def test_a_request_line_of_the_backend_is_what_the_worker_parses():
+    from launcher.chat import Request, parse_request
+
+    line = chat.request_line("7", "tuned", [{"role": "user", "content": "hi"}], 16, 0.7)
+    assert parse_request(line) == Request("7", "tuned", ({"role": "user", "content": "hi"},), 16, 0.7)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"id": True}, "request.id"),
+    ({"model": "other"}, "request.model: expected one of base, tuned, got 'other'"),
+    ({"messages": []}, "request.messages: expected a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "request.messages[0]"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "request.messages[1]: the last message must be the user's"),
+    ({"max_new_tokens": 0}, "request.max_new_tokens: expected an integer from 1 to 4096, got 0"),
+    ({"temperature": -1}, "request.temperature: expected a number from 0 (greedy) to 5, got -1"),
+])
+def test_a_bad_request_is_refused_by_field(change, field):
+    from launcher.chat import ChatError, parse_request
+
+    good = {"id": 1, "model": "base", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ChatError) as refused:
+        parse_request(json.dumps({**good, **change}))
+    assert str(refused.value).startswith(field), refused.value
+
+
+def test_events_are_told_from_other_lines():
+    assert chat.parse_event('{"type": "token", "id": "1", "text": "a"}\n') == {"type": "token", "id": "1", "text": "a"}
+    assert chat.parse_event("Loading weights: 100%\n") is None
+    assert chat.parse_event('{"type": "progress"}') is None
+    assert chat.parse_event("[1, 2]") is None
+
+
+def turns(*contents: str, system: str | None = None) -> tuple[dict, ...]:
+    roles = ["user", "assistant"] * len(contents)
+    found = tuple({"role": r, "content": c} for r, c in zip(roles, contents))
+    return (({"role": "system", "content": system},) if system else ()) + found
+
+
+def test_a_long_conversation_loses_its_oldest_turns_and_keeps_the_system_message():
+    from launcher.chat import fit_prompt
+
+    def to_ids(messages):  # one token per character, as a stand-in for a tokenizer
+        return [ord(ch) for m in messages for ch in m["content"]]
+
+    conversation = turns("aaaa", "bbbb", "cccc", system="S")
+    assert fit_prompt(to_ids, conversation, 100) == (to_ids(conversation), 0)
+    ids, dropped = fit_prompt(to_ids, conversation, 6)
+    assert dropped == 2 and ids == to_ids(turns("cccc", system="S"))
+
+
+def test_a_message_longer_than_the_model_takes_is_refused_by_name():
+    from launcher.chat import ChatError, fit_prompt, prompt_room
+
+    with pytest.raises(ChatError, match=r"^prompt: the last message alone is 9 tokens, more than the 4 "):
+        fit_prompt(lambda ms: list(range(sum(len(m["content"]) for m in ms))), turns("x" * 9), prompt_room(12, 8))
+    with pytest.raises(ChatError, match=r"^request.max_new_tokens: 512 leaves no room .* 512 positions"):
+        prompt_room(512, 512)
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from launcher.model import load_tokenizer
+
+    return load_tokenizer(str(ROOT / "assets" / "demo" / "model"))
+
+
+def test_the_prompt_is_the_training_rendering_before_the_answer(demo_tokenizer):
+    """What the chat worker sends the model is, token for token, what training put before the
+    assistant's response (the tokens whose labels are ignored)."""
+    from backend.job.records import Record
+    from launcher.chat import fit_prompt
+    from launcher.data import IGNORE, encode, render
+
+    history = turns("What is 2 + 3?", "5", "And 2 + 4?", system="You add numbers.")
+    record = Record("data.jsonl:1", {"messages": [*history, {"role": "assistant", "content": "6"}]})
+    sample = encode(record, demo_tokenizer, 512)
+    last_answer = max(i for i, label in enumerate(sample.labels) if label == IGNORE) + 1
+    ids, dropped = fit_prompt(lambda ms: render(demo_tokenizer, ms, add_generation_prompt=True), history, 512)
+    assert dropped == 0 and ids == sample.input_ids[:last_answer]
+
+
+def test_the_template_is_named(tmp_path, demo_tokenizer):
+    from launcher.chat import template_name
+    from launcher.model import load_tokenizer
+
+    demo_tokenizer.save_pretrained(tmp_path)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    bare = load_tokenizer(str(tmp_path))  # as training loads it: ChatML where there is none
+    assert template_name(bare) == "ChatML, as in training"
+    bare.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert template_name(bare) == "the tokenizer's own chat template, as in training"
+
+
+# ---- the session, against a stand-in worker ----------------------------------------------------------
+
+
+WHERE = chat.Where("r1", "the latest checkpoint", "local", "/runs/r1/logs/chat-local.log")
+
+
+def start(tmp_path, mode: str, **kw) -> chat.ChatSession:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    closed = kw.pop("closed", [])
+    return chat.ChatSession.start(ssh.LocalShell(), f"{sys.executable} -u {script} {mode}", WHERE, closed.append, **kw)
+
+
+async def collect(session: chat.ChatSession, model: str = "tuned") -> list[dict]:
+    return [e async for e in session.reply([(model, [{"role": "user", "content": "hi"}])], 8, 0.0)]
+
+
+def test_a_session_streams_tokens_and_then_the_done_line(tmp_path):
+    async def go():
+        closed: list = []
+        session = await start(tmp_path, "ok", closed=closed)
+        assert session.ready["kind"] == "lora"
+        events = await collect(session)
+        again = await collect(session, "base")
+        pid = session.ready["pid"]
+        await session.close()
+        return events, again, closed == [session], pid
+
+    events, again, closed, pid = asyncio.run(go())
+    assert [e.get("text") for e in events] == ["one ", "two ", "three", None] and events[-1]["type"] == "done"
+    assert [(e["id"], e["model"]) for e in again] == [("2", "base")] * 4
+    assert closed
+    until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=10)
+
+
+def test_a_load_failure_is_the_workers_line_and_a_silent_worker_times_out(tmp_path):
+    with pytest.raises(chat.ChatError, match=r"^run r1, the latest checkpoint, node local: /runs/r/checkpoint-3/model/"
+                                             r"adapter_model.safetensors: cannot be read$"):
+        asyncio.run(start(tmp_path, "fail"))
+    started = time.monotonic()
+    with pytest.raises(chat.ChatError, match=r"did not load the model within 1 s \(its log: /runs/r1/logs/chat-local"):
+        asyncio.run(start(tmp_path, "silent", ready_timeout_s=1.0))
+    assert time.monotonic() - started < 10
+
+
+def test_a_worker_that_dies_mid_answer_is_reported_and_the_session_ends(tmp_path):
+    async def go():
+        closed: list = []
+        session = await start(tmp_path, "die", closed=closed)
+        got: list = []
+        with pytest.raises(chat.ChatError, match=r"^run r1, the latest checkpoint, node local: the chat worker exited "
+                                                 r"before its answer was complete .*; load the model again$"):
+            async for event in session.reply([("tuned", [{"role": "user", "content": "hi"}])], 8, 0.0):
+                got.append(event)
+        with pytest.raises(chat.ChatError, match=r"the chat worker has exited \(it exited before its answer was complete\)"):
+            await collect(session)
+        return got, closed == [session]
+
+    got, closed = asyncio.run(go())
+    assert [e["text"] for e in got] == ["one "] and closed
+
+
+def test_an_exchange_streams_both_models_and_one_asked_meanwhile_is_refused(tmp_path):
+    async def go():
+        session = await start(tmp_path, "ok")
+        turns = [("base", [{"role": "user", "content": "hi"}]), ("tuned", [{"role": "user", "content": "hi"}])]
+        first = session.reply(turns, 8, 0.0)
+        got = [await anext(first)]
+        with pytest.raises(chat.ChatError, match=r"node local: the model is still answering the previous message"):
+            await collect(session)
+        got += [e async for e in first]
+        after = await collect(session)  # once it has finished, the next one is answered
+        await session.close()
+        return got, after
+
+    got, after = asyncio.run(go())
+    assert [(e["model"], e["id"], e["type"]) for e in got] == [
+        *[("base", "1", "token")] * 3, ("base", "1", "done"), *[("tuned", "2", "token")] * 3, ("tuned", "2", "done")]
+    assert [e["id"] for e in after] == ["3"] * 4
+
+
+def test_an_idle_session_ends_its_worker(tmp_path):
+    async def go():
+        session = await start(tmp_path, "ok", idle_s=0.5)
+        await collect(session)
+        await asyncio.sleep(2.5)
+        return session
+
+    session = asyncio.run(go())
+    assert session.ended == "idle for 0 s"
+    pid = session.ready["pid"]
+    until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=10)
+
+
+@pytest.mark.e2e
+def test_a_stream_over_ssh_takes_lines_and_closing_it_ends_the_command(sshd_nodes, tmp_path):
+    from backend.cluster.nodes import address_of
+
+    node = sshd_nodes.nodes()[0]
+    ended = tmp_path / "ended"
+
+    async def go():
+        shell = await ssh.connect(address_of(node), sshd_nodes.known_hosts)
+        stream = await shell.stream(f"while read line; do echo \"got $line\"; done; touch {ended}",
+                                    stdin=True)
+        lines = aiter(stream)
+        await stream.write("one")
+        first = await asyncio.wait_for(anext(lines), 10)
+        await stream.write("two\n")
+        second = await asyncio.wait_for(anext(lines), 10)
+        await stream.close()
+        await shell.close()
+        return first, second
+
+    assert asyncio.run(go()) == ("got one\n", "got two\n")
+    until(ended.exists, timeout=10)  # the loop read the end of its input and finished
+
+
+# ---- the Chat tab's pure parts -------------------------------------------------------------------
+
+
+def test_the_model_choices_and_the_status_line():
+    from studio.chat_tab import LATEST, answer_note, source_choices, status_line
+
+    assert source_choices([(6, "/r/checkpoint-6"), (3, "/r/checkpoint-3")], "/r/export") == [
+        LATEST, ("step 6 · /r/checkpoint-6", "6"), ("step 3 · /r/checkpoint-3", "3"),
+        ("exported model · /r/export", "/r/export")]
+    assert source_choices([], None) == [LATEST]
+    ready = {"kind": "lora", "path": "/r/checkpoint-6", "node": "gpu-01", "device": "NVIDIA H200", "dtype": "bfloat16",
+             "pid": 42, "load_s": 3.5, "base_from": "the same model with its LoRA adapter disabled",
+             "template": "ChatML, as in training", "max_positions": 512, "skipped": ["checkpoint-9/x: missing"]}
+    line = status_line(ready)
+    assert line.startswith("✔ Loaded the LoRA checkpoint `/r/checkpoint-6` on node **gpu-01** (NVIDIA H200, bfloat16, "
+                           "worker pid 42) in 3.5 s · base: the same model with its LoRA adapter disabled · prompts: "
+                           "ChatML, as in training · 512 positions")
+    assert line.endswith("⚠ Passed over a damaged checkpoint: checkpoint-9/x: missing")
+    assert answer_note("tuned", {"tokens": 5, "seconds": 0.2, "note": "left out the 2 oldest message(s)"}) == (
+        "Fine-tuned: 5 tokens in 0.2 s (left out the 2 oldest message(s))")

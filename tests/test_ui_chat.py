@@ -1,0 +1,151 @@
+"""The Chat tab in a real browser against a real studio: a tiny LoRA run trained by the worker on
+this machine is loaded, one message is answered by the base and the fine-tuned model, and both
+answers stream into their chatbots; a run without a checkpoint is refused by name; a worker killed
+between two messages is reported and loading again works; stopping the studio ends its worker. The
+studio process never loads torch.
+Screenshots: test-artifacts/ui/chat/."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+
+import psutil
+import pytest
+
+pytest.importorskip("playwright")
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from backend.job.cluster import GpuInfo, local_cluster  # noqa: E402
+from backend.job.spec import JobSpec  # noqa: E402
+from backend.runs.manager import RunManager  # noqa: E402
+from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
+from test_ui_flow import loaded_worker_libs  # noqa: E402
+from worker import ROOT, until  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+ANSWER_MS = 120_000
+# Every distinct text the last answer of a chatbot showed, recorded as the page changes.
+RECORD_JS = """(id) => {
+  window.seen = window.seen || {};
+  window.seen[id] = [];
+  const root = document.querySelector(`#${id}`);
+  new MutationObserver(() => {
+    const bots = root.querySelectorAll('.message.bot');
+    const text = bots.length ? bots[bots.length - 1].innerText : '';
+    const seen = window.seen[id];
+    if (text && seen[seen.length - 1] !== text) seen.push(text);
+  }).observe(root, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def job(model, output_dir, **extra) -> JobSpec:
+    return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"],
+                   output_dir=str(output_dir), nproc_per_node=1, max_steps=3, save_steps=3, logging_steps=3,
+                   torch_dtype="float32", max_length=64, gradient_checkpointing=False, per_device_train_batch_size=4,
+                   learning_rate=1e-2, lora_dropout=0.0, env={"OMP_NUM_THREADS": "1"}, **extra)
+
+
+@pytest.fixture(scope="module")
+def studio_with_runs(tmp_path_factory, tiny_model):
+    """A studio whose database holds a trained LoRA run and a run that failed before its first
+    checkpoint (both trained by the real worker, through a RunManager on the studio's database)."""
+    root = tmp_path_factory.mktemp("chat-ui")
+    broken = root / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with RunManager(f"sqlite:///{root / 'studio.db'}") as m:
+        lora = m.launch(job(tiny_model, root / "runs", train_type="lora"), local_cluster(GpuInfo()), name="chat-lora")
+        failed = m.launch(job(broken, root / "runs"), local_cluster(GpuInfo()), name="no-checkpoint")
+        assert m.wait(lora, timeout=300).state == "succeeded"
+        assert m.wait(failed, timeout=300).state == "failed"
+    server = start_studio(root)
+    yield server, lora, failed
+    server.stop()
+
+
+def pick(page, dropdown: str, name: str) -> None:
+    page.locator(f"#{dropdown} input").click()
+    page.get_by_role("option", name=re.compile(re.escape(name))).click()
+
+
+def chat_workers(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True) if "launcher.chat" in p.cmdline()]
+
+
+def send(page, message: str) -> None:
+    for chatbot in ("chat-base", "chat-tuned"):
+        page.evaluate(RECORD_JS, chatbot)
+    page.locator("#chat-message textarea").fill(message)
+    page.locator("#chat-send").click()
+
+
+def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
+    studio, lora, failed = studio_with_runs
+    shot = Shots("chat")
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = open_studio(browser, studio.url)
+        page.get_by_role("tab", name="Chat").click()
+
+        # A run without a checkpoint: refused by name, no worker started.
+        pick(page, "chat-run", failed)
+        page.locator("#chat-load").click()
+        expect(page.locator("#chat-status")).to_contain_text(f"run {failed} has no checkpoint yet", timeout=30_000)
+        assert chat_workers(studio.proc.pid) == []
+        shot(page, "no-checkpoint")
+
+        # The trained run's latest checkpoint, LoRA applied, on this machine.
+        pick(page, "chat-run", lora)
+        expect(page.locator("#chat-source input")).to_have_value("latest complete checkpoint")
+        page.locator("#chat-load").click()
+        status = page.locator("#chat-status")
+        expect(status).to_contain_text("Loaded the LoRA checkpoint", timeout=ANSWER_MS)
+        expect(status).to_contain_text(f"{lora}/checkpoint-3")
+        expect(status).to_contain_text("on node localhost (cpu, float32, worker pid ")
+        expect(status).to_contain_text("base: the same model with its LoRA adapter disabled")
+        # Sampling: the greedy answer of an untrained tiny model can be all newlines (nothing to see).
+        page.locator("#chat-temperature input[type=number]").fill("1")
+        page.locator("#chat-max-new-tokens input[type=number]").fill("48")
+        page.locator("#chat-max-new-tokens input[type=number]").press("Tab")
+        shot(page, "loaded")
+
+        send(page, "What is 2 + 3?")
+        answers = page.locator("#chat-answers")
+        expect(answers).to_contain_text(re.compile(r"Base: \d+ tokens in .* Fine-tuned: \d+ tokens in"),
+                                        timeout=ANSWER_MS)
+        for chatbot in ("chat-base", "chat-tuned"):
+            expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What is 2 + 3?")
+            seen = page.evaluate(f"window.seen['{chatbot}']")
+            assert len(seen) >= 2 and seen[-1].strip(), (chatbot, seen)  # it grew piece by piece
+        assert page.locator("#chat-message textarea").input_value() == ""
+        shot(page, "answered")
+
+        # The worker dies between two messages: the next one says so, and loading again works.
+        [worker] = chat_workers(studio.proc.pid)
+        os.kill(worker.pid, signal.SIGKILL)
+        send(page, "And 2 + 4?")
+        expect(page.locator("#chat-answers")).to_contain_text(re.compile(r"chat worker (exited|is gone)"),
+                                                              timeout=ANSWER_MS)
+        expect(page.locator("#chat-answers")).to_contain_text("load the model again")
+        expect(page.locator("#chat-answers")).to_contain_text(f"run {lora}")
+        shot(page, "worker-died")
+        page.locator("#chat-load").click()
+        expect(status).not_to_contain_text(f"worker pid {worker.pid})", timeout=30_000)
+        expect(status).to_contain_text("Loaded the LoRA checkpoint", timeout=ANSWER_MS)
+        send(page, "And 2 + 4?")
+        expect(page.locator("#chat-answers")).to_contain_text("Fine-tuned:", timeout=ANSWER_MS)
+        expect(page.locator("#chat-tuned .message.user").last).to_contain_text("And 2 + 4?")
+        shot(page, "loaded-again")
+
+        page.locator("#chat-clear").click()
+        expect(page.locator("#chat-tuned .message")).to_have_count(0)
+        content = page.content()
+        browser.close()
+    assert "Traceback" not in content
+    assert loaded_worker_libs(studio.proc.pid) == []
+    # The studio's end is the end of its chat worker too (it reads the end of its stdin).
+    [worker] = chat_workers(studio.proc.pid)
+    studio.stop()
+    until(lambda: not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE, timeout=30)
