@@ -121,11 +121,14 @@ def test_tiled_mlp_without_checkpointing_matches_too(tiny_families):
 
 
 @pytest.mark.e2e
-def test_tiled_mlp_on_two_zero2_ranks_trains_like_untiled(tmp_path, tiny_model):
-    """DeepSpeed holds TiledMLP's gradients back until the last tile: 2 ranks tiled train as untiled."""
+@pytest.mark.parametrize("sp", [1, 2])
+def test_tiled_mlp_on_two_zero2_ranks_trains_like_untiled(tmp_path, tiny_model, sp):
+    """DeepSpeed holds TiledMLP's gradients back until the last tile: 2 ranks tiled train as untiled,
+    as two data-parallel ranks and as one Ulysses SP=2 group (each rank tiling its half of a row)."""
     job = dict(model=str(tiny_model), dataset=[DATA], max_length=256, per_device_train_batch_size=2,
                learning_rate=2e-3, max_steps=8, logging_steps=1, save_strategy="no", torch_dtype="float32",
-               lora_dropout=0.0, attn_impl="sdpa", deepspeed="zero2", gradient_checkpointing=True)
+               lora_dropout=0.0, attn_impl="sdpa", deepspeed="zero2", gradient_checkpointing=True,
+               sequence_parallel_size=sp)
     runs = {}
     for name, extra in (("plain", {}), ("tiled", dict(tiled_mlp=True))):
         run_ok(write_run(tmp_path / name, **job, **extra), nproc=2, timeout=400)
