@@ -171,7 +171,8 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
     step_s = (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]) if len(train) > 1 \
         else train[0]["step_time_s"]  # one timed step (the longest sequences): its own time
     mfus = [e["mfu"] for e in train if e["mfu"] is not None]
-    useful = sum(e["tokens_per_s"] for e in train[1:]) / max(len(train) - 1, 1)  # non-padding tokens
+    timed = train[1:] or train  # the first event's rate spans the warm-up; one timed step has only it
+    useful = sum(e["tokens_per_s"] for e in timed) / len(timed)  # non-padding tokens
     return {**result, "step_s": round(step_s, 4), "tokens_per_s": round(bsz * seq * nproc / step_s),
             "estimated_gib": estimated_gib(run_dir, shape, nproc),
             "useful_tokens_per_s": round(useful),

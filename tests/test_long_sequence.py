@@ -32,11 +32,11 @@ def test_tiles_are_about_hidden_size_and_exactly_what_chunk_makes():
 
 
 def test_where_tiling_and_offload_are_refused_by_name():
-    assert fields(unsupported(spec(tiled_mlp=True, activation_cpu_offload=True))) == []
+    assert fields(unsupported(spec(tiled_mlp=True, activation_cpu_offload=True, lora_dropout=0.0))) == []
     assert fields(unsupported(spec(activation_cpu_offload=True, gradient_checkpointing=False))) == [
         "activation_cpu_offload"]
-    assert fields(unsupported(spec(tiled_mlp=True, torch_compile=True))) == ["tiled_mlp"]
-    assert fields(unsupported(spec(tiled_mlp=True, tensor_model_parallel_size=2))) == ["tiled_mlp"]
+    assert fields(unsupported(spec(tiled_mlp=True, torch_compile=True, lora_dropout=0.0))) == ["tiled_mlp"]
+    assert fields(unsupported(spec(tiled_mlp=True, tensor_model_parallel_size=2, lora_dropout=0.0))) == ["tiled_mlp"]
     # Several ranks: the tiled MLP with DeepSpeed below ZeRO-3 only, offload never.
     assert fields(world_problems(spec(tiled_mlp=True, deepspeed="zero2"), 2)) == []
     assert fields(world_problems(spec(tiled_mlp=True), 2)) == ["tiled_mlp"]
@@ -45,6 +45,26 @@ def test_where_tiling_and_offload_are_refused_by_name():
     assert fields(world_problems(spec(activation_cpu_offload=True, deepspeed="zero2"), 2)) == ["activation_cpu_offload"]
     cpu = device_problems(spec(activation_cpu_offload=True), {"n1": "cuda", "n2": "cpu"})
     assert fields(cpu) == ["activation_cpu_offload"] and "n2 is a CPU node" in cpu[0].message
+
+
+def test_tiled_mlp_with_lora_dropout_is_refused_because_the_engine_redraws_the_mask():
+    """DeepSpeed's TiledMLP runs each tile again in backward without the forward's random state:
+    with a dropout inside the tiled function the gradient is not the forward's. When this test
+    fails, DeepSpeed keeps the state and the refusal can go."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.tensor(2.0))
+    holder = torch.nn.Module()
+    x = torch.ones(1, 64, 4, requires_grad=True)
+    drop = torch.nn.Dropout(0.5)
+    loss = TiledMLP.apply(lambda _, part: w * drop(part), holder, x, 4, [w]).sum()
+    loss.backward()
+    # The loss is w x (the kept values): its true gradient is loss / w.
+    assert w.grad.item() != pytest.approx(loss.item() / w.item())
+    assert fields(unsupported(spec(tiled_mlp=True, lora_dropout=0.05))) == ["tiled_mlp"]
+    assert fields(unsupported(spec(tiled_mlp=True, lora_dropout=0.0))) == []
+    assert fields(unsupported(spec(tiled_mlp=True, train_type="full"))) == []
 
 
 def test_the_validator_refuses_tiling_a_mixture_of_experts(tmp_path):
@@ -201,3 +221,16 @@ def test_the_estimate_moves_offloaded_inputs_to_host_memory_and_warns_when_it_is
     roomy = validate(spec(**long, activation_cpu_offload=True),
                      parse_hostfile_text("gpu1 slots=8 gpu_mem_gib=140 host_mem_gib=512\n"), model)
     assert not [p for p in roomy if p.field == "activation_cpu_offload"]
+
+
+def test_nvme_offload_is_not_counted_as_host_memory():
+    from backend.job.dsconfig import ZeroSettings
+    from backend.job.memory import estimate_memory
+    from backend.job.modelcfg import find_model_config
+
+    model = find_model_config("llama3.1-8b")
+    job = spec(model="meta-llama/Llama-3.1-8B-Instruct", train_type="full", deepspeed="zero3_offload")
+    cpu = estimate_memory(job, model)
+    nvme = estimate_memory(job, model, zero=ZeroSettings(3, "nvme", "nvme"))
+    assert cpu.host_gib == cpu.offloaded_gib > 50
+    assert nvme.offloaded_gib == cpu.offloaded_gib and nvme.host_gib == 0

@@ -66,6 +66,9 @@ class MemoryEstimate:
     other_gib: float
     offloaded_gib: float
     """Host (CPU/NVMe) memory per GPU for offloaded states and activations."""
+    host_gib: float
+    """The part of `offloaded_gib` in host memory (DeepSpeed's NVMe offload left out; a config
+    offloading to both counts none of its states here)."""
     overlap_gib: float
     """Gradients allocated in backward (ZeRO-3: in step) while activations are freed: counted once in the total."""
     total_params: int
@@ -285,7 +288,8 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
                    width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
     if spec.deepspeed:
-        states = _deepspeed_states(spec, model, sizes, zero or zero_settings(spec))
+        zero = zero or zero_settings(spec)
+        states = _deepspeed_states(spec, model, sizes, zero)
     elif plan := fsdp_plan(spec):
         states = _fsdp_states(spec, model, sizes, plan)
     else:
@@ -314,6 +318,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         activations_gib=activations / GIB,
         other_gib=((CUDA_CONTEXT_BYTES if device == "cuda" else 0.0) + buckets) / GIB,
         offloaded_gib=(offloaded + activations_on_host) / GIB,
+        host_gib=((0.0 if spec.deepspeed and zero.uses_nvme else offloaded) + activations_on_host) / GIB,
         total_params=total,
         trainable_params=trainable,
         notes=tuple(notes),

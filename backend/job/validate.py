@@ -287,11 +287,11 @@ def _memory_rules(spec: JobSpec, cluster: Cluster, layout: Layout, estimate: Mem
                          f"{smallest.host}'s GPUs; lower the micro-batch or max_length, turn on gradient_checkpointing, "
                          "shard more (ZeRO-2/3, FSDP) or offload"))
     ranks = layout.nproc_per_node
-    hosts = [n for n in nodes if n.host_mem_gib and estimate.offloaded_gib * ranks > n.host_mem_gib]
+    hosts = [n for n in nodes if n.host_mem_gib and estimate.host_gib * ranks > n.host_mem_gib]
     if hosts:
         field = "activation_cpu_offload" if spec.activation_cpu_offload else ("deepspeed" if spec.deepspeed else "fsdp")
-        out.append(_warn(field, f"estimated {estimate.offloaded_gib * ranks:.1f} GiB offloaded to host memory on each "
-                                f"node ({ranks} rank(s) x {estimate.offloaded_gib:.1f} GiB) exceeds the "
-                                f"{hosts[0].host_mem_gib:.1f} GiB of {hosts[0].host}; lower max_length or the "
-                                "micro-batch, or offload less"))
+        short = ", ".join(f"{n.host_mem_gib:.1f} GiB of {n.host}" for n in hosts)
+        out.append(_warn(field, f"estimated {estimate.host_gib * ranks:.1f} GiB offloaded to host memory on each "
+                                f"node ({ranks} rank(s) x {estimate.host_gib:.1f} GiB) exceeds the {short}; lower "
+                                "max_length or the micro-batch, or offload less"))
     return out
