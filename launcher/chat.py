@@ -31,64 +31,13 @@ from pathlib import Path
 
 import torch
 
-from launcher import checkpoint
+from backend.job.chat import EXPORT_MARKER, ChatError, Request, parse_request, request_id
 from backend.job.errors import UserError
+from launcher import checkpoint
 from launcher.data import DEFAULT_CHAT_TEMPLATE, render
-from launcher.export import EXPORT_MARKER, ExportError, base_model, is_lora, trained_model
-
-MODELS = ("base", "tuned")
-ROLES = ("system", "user", "assistant")
-MAX_NEW_TOKENS = 4096
-MAX_TEMPERATURE = 5.0
-
-
-class ChatError(Exception):
-    """A user-facing problem: no checkpoint, an unreadable file, a request that cannot be answered."""
-
+from launcher.export import ExportError, base_model, is_lora, trained_model
 
 # ---- requests and prompts (pure) ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    id: str
-    model: str
-    messages: tuple[dict, ...]
-    max_new_tokens: int
-    temperature: float
-
-
-def parse_request(line: str) -> Request:
-    """A request line, or a ChatError naming the field that is wrong."""
-    try:
-        data = json.loads(line)
-    except ValueError as exc:
-        raise ChatError(f"request: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ChatError("request: expected a JSON object")
-    rid = data.get("id")
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise ChatError("request.id: expected a string or an integer")
-    if data.get("model") not in MODELS:
-        raise ChatError(f"request.model: expected one of {', '.join(MODELS)}, got {data.get('model')!r}")
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("request.messages: expected a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ChatError(f"request.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
-    if messages[-1]["role"] != "user":
-        raise ChatError(f"request.messages[{len(messages) - 1}]: the last message must be the user's")
-    tokens = data.get("max_new_tokens", 128)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_NEW_TOKENS:
-        raise ChatError(f"request.max_new_tokens: expected an integer from 1 to {MAX_NEW_TOKENS}, got {tokens!r}")
-    temperature = data.get("temperature", 0.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise ChatError(f"request.temperature: expected a number from 0 (greedy) to {MAX_TEMPERATURE:g}, "
-                        f"got {temperature!r}")
-    return Request(str(rid), data["model"], tuple({"role": m["role"], "content": m["content"]} for m in messages),
-                   tokens, float(temperature))
 
 
 def fit_prompt(to_ids: Callable[[list[dict]], list[int]], messages: tuple[dict, ...], room: int
@@ -99,6 +48,8 @@ def fit_prompt(to_ids: Callable[[list[dict]], list[int]], messages: tuple[dict, 
     system = list(messages[:1]) if messages[0]["role"] == "system" else []
     turns = list(messages[len(system):])
     for dropped in range(len(turns)):
+        if turns[dropped]["role"] != "user":
+            continue  # a conversation resumes with the user's turn: templates that alternate roles require it
         ids = to_ids(system + turns[dropped:])
         if len(ids) <= room:
             return ids, dropped
@@ -146,7 +97,7 @@ class Loaded:
 
 def device_and_dtype() -> tuple[torch.device, torch.dtype]:
     if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
+        return torch.device("cuda"), torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.device("cpu"), torch.float32
 
 
@@ -204,7 +155,7 @@ def _from_export(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     except (OSError, ValueError, SafetensorError) as exc:
         files = ", ".join(sorted(p.name for p in path.glob("*.safetensors"))) or "no *.safetensors"
         raise ChatError(f"{path}: the exported model cannot be loaded ({files}: {exc})") from None
@@ -241,8 +192,7 @@ def stream_generate(model, tokenizer, ids: list[int], request: Request, device: 
     sampling = dict(do_sample=True, temperature=request.temperature) if request.temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=request.max_new_tokens,
-                  streamer=streamer, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  **sampling)
+                  streamer=streamer, pad_token_id=tokenizer.pad_token_id, **stops(model, tokenizer), **sampling)
     result: dict = {}
 
     def work() -> None:
@@ -264,16 +214,42 @@ def stream_generate(model, tokenizer, ids: list[int], request: Request, device: 
     return int(result["out"].shape[1] - len(ids))
 
 
+def turn_end(tokenizer) -> str:
+    """What the chat template writes after an assistant's answer (ChatML's `<|im_end|>`, Llama 3's
+    `<|eot_id|>`), which ends a generated answer; empty where it writes nothing."""
+    marker = "\u2063answer\u2063"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses this probe (jinja's own errors): no end text
+        return ""
+    return text.split(marker, 1)[1].strip() if marker in text else ""
+
+
+def stops(model, tokenizer) -> dict:
+    """generate()'s stopping arguments: the model's own end tokens and the tokenizer's, and the end
+    of an assistant turn in the template (as a token where it is one, else as text), so an answer
+    does not run on into turns the model invents."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    ids.add(tokenizer.eos_token_id)
+    end = turn_end(tokenizer)
+    end_id = tokenizer.convert_tokens_to_ids(end) if end else None
+    if end_id is not None and end_id != tokenizer.unk_token_id:
+        ids.add(end_id)
+        end = ""
+    return {"eos_token_id": sorted(i for i in ids if i is not None),
+            **({"stop_strings": [end], "tokenizer": tokenizer} if end else {})}
+
+
 def serve(loaded: Loaded, lines: Iterable[str], emit: Callable[[dict], None]) -> None:
     """Answer each request line in turn; a failed request is reported and the next one served."""
     for line in lines:
         if not line.strip():
             continue
-        rid = None
+        rid = request_id(line)
         try:
-            request = parse_request(line)
-            rid = request.id
-            answer(loaded, request, emit)
+            answer(loaded, parse_request(line), emit)
         except ChatError as exc:
             emit({"type": "error", "id": rid, "error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - out of memory, a library's refusal: the worker serves on

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from launcher import checkpoint
 from launcher.engines.base import load_full_state_dict, read_safetensors
 
-EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory holding it is ever replaced
 
 
 class ExportError(Exception):
@@ -123,7 +123,7 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
     from backend.job.spec import load_spec
 
     run_dir = Path(run_dir)
-    out = Path(out) if out else run_dir / "export"
+    out = Path(out) if out else run_dir / EXPORT_DIR
     refuse_target(run_dir, out)
     try:
         found = checkpoint.resolve(run_dir, ref)

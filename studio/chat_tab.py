@@ -8,12 +8,12 @@ from typing import Any
 
 import gradio as gr
 
+from backend.job.chat import MODELS as SIDES
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import run_picker
 
 LATEST = "latest complete checkpoint"
-SIDES = ("base", "tuned")
 NOT_LOADED = "No model loaded: pick a run and a checkpoint, then Load."
 
 
@@ -62,7 +62,8 @@ def build(studio: Studio) -> dict[str, Any]:
                                      elem_id="chat-temperature")
         c["clear"] = gr.Button("Clear", elem_id="chat-clear")
     c["answers"] = gr.Markdown(elem_id="chat-answers")
-    # The browser's session id; its worker is closed when the browser goes away.
+    # The browser's session id. Gradio drops a closed page's state (and so closes its worker) only an
+    # hour later; a model loaded on the same node replaces it sooner, and an idle one ends by itself.
     c["session"] = gr.State(None, delete_callback=lambda sid: sid and studio.manager.chat_close(sid))
     c["history"] = gr.State({"base": [], "tuned": []})  # plain {"role", "content"} turns of each side
     return c
@@ -81,10 +82,14 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         if not run_id:
             return gr.update(choices=[LATEST], value=LATEST), gr.skip()
         try:
-            choices = source_choices(studio.manager.checkpoints(run_id), studio.manager.exported(run_id))
+            steps = studio.manager.checkpoints(run_id)
         except Exception as exc:  # noqa: BLE001
             return gr.update(choices=[LATEST], value=LATEST), user_message(f"Listing the models of run {run_id}", exc)
-        return gr.update(choices=choices, value=LATEST), gr.skip()
+        try:
+            exported, note = studio.manager.exported(run_id), gr.skip()
+        except Exception as exc:  # noqa: BLE001 - the checkpoints stay offered
+            exported, note = None, user_message(f"Looking for the export of run {run_id}", exc)
+        return gr.update(choices=source_choices(steps, exported), value=LATEST), note
 
     def on_load(run_id: str | None, source: str | None, session: str | None):
         empty = {"base": [], "tuned": []}
@@ -93,11 +98,12 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             return
         if session:
             studio.manager.chat_close(session)
-        yield f"Loading `{source}` of run `{run_id}` on its first node…", None, empty, [], []
+        what = "the latest checkpoint" if source in (None, LATEST) else f"`{source}`"
+        yield f"Loading {what} of run `{run_id}` on its first node…", None, empty, [], []
         try:
             session, ready = studio.manager.chat_open(run_id, None if source in (None, LATEST) else source)
         except Exception as exc:  # noqa: BLE001
-            yield user_message(f"Loading {source} of run {run_id}", exc), None, empty, [], []
+            yield user_message(f"Loading {what} of run {run_id}", exc), None, empty, [], []
             return
         yield status_line(ready), session, empty, [], []
 
@@ -125,8 +131,9 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                     notes.append(answer_note(side, event))
                     yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), " · ".join(notes)
         except Exception as exc:  # noqa: BLE001
-            # The turn stays out of both histories and the message in its box: Send asks again.
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), user_message("Answering", exc)
+            # The turn stays out of both histories (and off the chatbots) and the message in its box:
+            # Send asks again.
+            yield history["base"], history["tuned"], gr.skip(), gr.skip(), user_message("Answering", exc)
             return
         yield shown["base"], shown["tuned"], shown, "", " · ".join(notes)
 

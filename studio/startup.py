@@ -28,13 +28,18 @@ PAGE = """<!doctype html>
 <noscript><meta http-equiv="refresh" content="2"></noscript>
 <style>body{font-family:system-ui,sans-serif;margin:4rem auto;max-width:36rem;color:#333}</style>
 </head><body><h2>Starting swift-studio&hellip;</h2>
-<p>The page opens by itself in a few seconds.</p>
+<p id="note">The page opens by itself in a few seconds.</p>
 <script>
+let unanswered = 0;
 setInterval(async () => {
   try {
     const answer = await fetch("/", {cache: "no-store"});
+    unanswered = 0;
     if (!answer.headers.has("%s")) location.reload();
-  } catch (e) {}  // not up yet, or restarting
+  } catch (e) {  // the hand-over (a moment), or a studio that stopped while starting
+    if (++unanswered == 20) document.getElementById("note").textContent =
+      "swift-studio stopped while starting: its console says why. This page reloads once it runs again.";
+  }
 }, 500);
 </script></body></html>
 """ % STARTING_HEADER
@@ -142,13 +147,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(503, "text/plain", "swift-studio is starting; try again in a moment.\n", body,
                        retry_after=True)
 
+    def end_headers(self) -> None:
+        # On every answer, http.server's own ones too (400, 414, 501 for an unknown method).
+        self.send_header(STARTING_HEADER, "1")
+        super().end_headers()
+
     def _send(self, status: int, kind: str, text: str, body: bool, retry_after: bool = False) -> None:
         data = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", f"{kind}; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")
-        self.send_header(STARTING_HEADER, "1")
         if retry_after:
             self.send_header("Retry-After", "1")
         self.send_header("Connection", "close")

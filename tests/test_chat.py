@@ -30,6 +30,9 @@ print("a library's progress line, not an event", flush=True)
 emit(type="ready", pid=os.getpid(), kind="lora")
 for line in sys.stdin:
     req = json.loads(line)
+    if req["max_new_tokens"] > 100:  # the real worker's answer to a request it cannot read: no id
+        emit(type="error", id=None, error="request.max_new_tokens: expected an integer from 1 to 100")
+        continue
     for piece in ("one ", "two ", "three"):
         emit(type="token", id=req["id"], text=piece)
         if mode == "die":
@@ -43,7 +46,7 @@ for line in sys.stdin:
 
 
 def test_a_request_line_of_the_backend_is_what_the_worker_parses():
-    from launcher.chat import Request, parse_request
+    from backend.job.chat import Request, parse_request
 
     line = chat.request_line("7", "tuned", [{"role": "user", "content": "hi"}], 16, 0.7)
     assert parse_request(line) == Request("7", "tuned", ({"role": "user", "content": "hi"},), 16, 0.7)
@@ -60,7 +63,7 @@ def test_a_request_line_of_the_backend_is_what_the_worker_parses():
     ({"temperature": -1}, "request.temperature: expected a number from 0 (greedy) to 5, got -1"),
 ])
 def test_a_bad_request_is_refused_by_field(change, field):
-    from launcher.chat import ChatError, parse_request
+    from backend.job.chat import ChatError, parse_request
 
     good = {"id": 1, "model": "base", "messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(ChatError) as refused:
@@ -153,8 +156,8 @@ def start(tmp_path, mode: str, **kw) -> chat.ChatSession:
     return chat.ChatSession.start(ssh.LocalShell(), f"{sys.executable} -u {script} {mode}", WHERE, closed.append, **kw)
 
 
-async def collect(session: chat.ChatSession, model: str = "tuned") -> list[dict]:
-    return [e async for e in session.reply([(model, [{"role": "user", "content": "hi"}])], 8, 0.0)]
+async def collect(session: chat.ChatSession, model: str = "tuned", max_new_tokens: int = 8) -> list[dict]:
+    return [e async for e in session.reply([(model, [{"role": "user", "content": "hi"}])], max_new_tokens, 0.0)]
 
 
 def test_a_session_streams_tokens_and_then_the_done_line(tmp_path):
@@ -278,3 +281,77 @@ def test_the_model_choices_and_the_status_line():
     assert line.endswith("⚠ Passed over a damaged checkpoint: checkpoint-9/x: missing")
     assert answer_note("tuned", {"tokens": 5, "seconds": 0.2, "note": "left out the 2 oldest message(s)"}) == (
         "Fine-tuned: 5 tokens in 0.2 s (left out the 2 oldest message(s))")
+
+
+def test_a_reader_that_goes_away_mid_answer_leaves_the_session_serving(tmp_path):
+    """A cancelled wait (Gradio cancelling the event, a caller that stops reading) must not end the
+    worker's line stream: the next exchange is answered, the rest of the abandoned one skipped."""
+    async def go():
+        session = await start(tmp_path, "ok")
+        first = session.reply([("tuned", [{"role": "user", "content": "hi"}])], 8, 0.0)
+        got = [await anext(first)]
+        reading = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        await first.aclose()
+        after = await collect(session)
+        await session.close()
+        return got, after, session.ended
+
+    got, after, ended = asyncio.run(go())
+    assert got[0]["text"] == "one "
+    assert [e.get("text") for e in after] == ["one ", "two ", "three", None] and ended == "closed"
+
+
+def test_an_error_about_an_unreadable_request_reaches_the_one_who_asked(tmp_path):
+    async def go():
+        session = await start(tmp_path, "ok", event_timeout_s=5.0)
+        started = time.monotonic()
+        with pytest.raises(chat.ChatError, match=r"node local: request.max_new_tokens: expected an integer"):
+            await collect(session, max_new_tokens=500)
+        waited = time.monotonic() - started
+        after = await collect(session)
+        await session.close()
+        return waited, after
+
+    waited, after = asyncio.run(go())
+    assert waited < 3 and after[-1]["type"] == "done"
+
+
+def test_the_worker_puts_the_id_on_the_error_of_a_request_it_cannot_read():
+    from backend.job.chat import request_id
+
+    assert request_id('{"id": 7, "max_new_tokens": 5000}') == "7"
+    assert request_id('{"id": "a"}') == "a"
+    assert request_id("not json") is None and request_id("[1]") is None and request_id('{"id": true}') is None
+
+
+def test_a_trimmed_conversation_starts_with_the_users_turn():
+    from launcher.chat import fit_prompt
+
+    conversation = ({"role": "user", "content": "aaaa"}, {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "cc"})
+    to_ids = lambda ms: list(range(sum(len(m["content"]) for m in ms)))  # noqa: E731
+    # Leaving out only the first message would fit (3 tokens) but starts with the assistant.
+    assert fit_prompt(to_ids, conversation, 3) == (to_ids(conversation[2:]), 2)
+
+
+def test_answers_stop_at_the_end_of_the_templates_assistant_turn(demo_tokenizer):
+    from launcher.chat import stops, turn_end
+
+    class Model:
+        generation_config = type("G", (), {"eos_token_id": None})()
+
+    assert turn_end(demo_tokenizer) == "<|im_end|>"
+    end_id = demo_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stops(Model, demo_tokenizer)["eos_token_id"] == sorted({end_id, demo_tokenizer.eos_token_id})
+    # A template whose turn end is plain text: generation stops on the text.
+    template = demo_tokenizer.chat_template
+    demo_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}[END]{% endfor %}"
+    try:
+        assert turn_end(demo_tokenizer) == "[END]"
+        assert stops(Model, demo_tokenizer)["stop_strings"] == ["[END]"]
+    finally:
+        demo_tokenizer.chat_template = template

@@ -44,6 +44,9 @@ def trained(tmp_path_factory, tiny_model):
         runs = {"lora": m.launch(job(tiny_model, root / "out", train_type="lora"), local_cluster(GpuInfo())),
                 "full": m.launch(job(tiny_model, root / "out", train_type="full"), local_cluster(GpuInfo())),
                 "broken": m.launch(job(broken, root / "out"), local_cluster(GpuInfo()))}
+        # A run that has not ended trains on the GPUs a chat worker would load its model onto.
+        with pytest.raises(ChatError, match=rf"run {runs['lora']} is \w+: a chat worker would load its model"):
+            m.chat_open(runs["lora"])
         for kind, run_id in runs.items():
             run = m.wait(run_id, timeout=300)
             assert run.state == ("failed" if kind == "broken" else "succeeded"), (kind, run.message, run.log_tail)

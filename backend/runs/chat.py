@@ -11,47 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import secrets
 import shlex
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from backend.cluster import remote, ssh
+from backend.job.chat import MODELS, parse_event, request_line
 from backend.runs.driver import RunError
 
 READY_TIMEOUT_S = 600.0  # loading a large model from a network disk onto a GPU
 EVENT_TIMEOUT_S = 300.0  # between two events of one answer (the first token of a long prompt on a CPU)
 IDLE_S = 900.0           # a session nobody spoke to for this long ends (its worker holds a GPU)
-MODELS = ("base", "tuned")
 
 
 class ChatError(RunError):
     """A chat session that cannot start or answer; the message names the run, source and node."""
 
 
-def request_line(rid: str, model: str, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
-    return json.dumps({"id": rid, "model": model, "messages": messages, "max_new_tokens": int(max_new_tokens),
-                       "temperature": float(temperature)}) + "\n"
-
-
-def parse_event(line: str) -> dict | None:
-    """A worker event, or None for a line that is none (a library writing to stdout)."""
-    try:
-        event = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(event, dict) or event.get("type") not in ("ready", "token", "done", "error"):
-        return None
-    return event
-
-
 def worker_command(python: str, run_dir: str, source: str | None, log: str, setup: str | None) -> str:
     """Shell text starting the chat worker in the run directory, its stderr appended to `log`."""
     argv = [python, "-m", "launcher.chat", "--run-dir", run_dir, *(["--checkpoint", source] if source else [])]
-    command = f"mkdir -p {shlex.quote(log.rsplit('/', 1)[0])} && {remote.quote_argv(argv)} 2>> {shlex.quote(log)}"
-    return remote.with_setup(setup, f"cd {shlex.quote(run_dir)} && {command}")
+    return remote.with_setup(setup, f"mkdir -p {shlex.quote(log.rsplit('/', 1)[0])} && "
+                                    f"{remote.run_in(None, run_dir, argv)} 2>> {shlex.quote(log)}")
 
 
 def source_label(source: str | None) -> str:
@@ -78,11 +61,20 @@ class Where:
 
 
 class ChatSession:
+    """`stop_worker`, where given, ends the worker process itself when the session ends: closing an
+    SSH channel reaches a worker only when it next reads or writes, and a hung one never does."""
+
     def __init__(self, where: Where, stream: ssh.Stream, ready: dict, on_close: Callable[["ChatSession"], None],
-                 idle_s: float = IDLE_S, event_timeout_s: float = EVENT_TIMEOUT_S):
+                 idle_s: float = IDLE_S, event_timeout_s: float = EVENT_TIMEOUT_S,
+                 stop_worker: Callable[[int], Awaitable[None]] | None = None):
         self.id = secrets.token_hex(8)
         self.where, self.ready = where, ready
-        self._stream, self._lines = stream, aiter(stream)
+        self._stream = stream
+        self._stop_worker = stop_worker
+        # One reader owns the stream's lines: a reply whose reader goes away (a cancelled wait)
+        # leaves them to the next, instead of ending the shared iterator.
+        self._events: asyncio.Queue[dict | None] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read(aiter(stream)))
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._on_close = on_close
@@ -112,6 +104,15 @@ class ChatSession:
             raise ChatError(f"{where}: {why}")
         return cls(where, stream, event, on_close, **kw)
 
+    async def _read(self, lines: AsyncIterator[str]) -> None:
+        try:
+            while (event := await _next_event(lines)) is not None:
+                await self._events.put(event)
+        except (ssh.NodeError, OSError):
+            pass
+        finally:
+            await self._events.put(None)
+
     async def reply(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float
                     ) -> AsyncIterator[dict]:
         """One exchange: for each (model, messages) in turn, the worker's token events and its done
@@ -140,11 +141,13 @@ class ChatSession:
         try:
             await self._stream.write(request_line(rid, model, messages, max_new_tokens, temperature))
             while True:
-                event = await asyncio.wait_for(_next_event(self._lines), self._event_timeout_s)
+                event = await asyncio.wait_for(self._events.get(), self._event_timeout_s)
                 if event is None:
                     await self._end("it exited before its answer was complete")
                     raise ChatError(f"{self.where}: the chat worker exited before its answer was complete "
                                     f"(its log: {self.where.log}); load the model again")
+                if event.get("id") is None and event["type"] == "error":
+                    raise ChatError(f"{self.where}: {event['error']}")  # a request it could not even read
                 if event.get("id") != rid:
                     continue  # the rest of an answer whose reader went away
                 if event["type"] == "error":
@@ -167,7 +170,10 @@ class ChatSession:
         if self.ended is None:
             self.ended = why
             self._on_close(self)
+            if self._stop_worker is not None and isinstance(self.ready.get("pid"), int):
+                await self._stop_worker(self.ready["pid"])
             await self._stream.close()
+            self._reader.cancel()
         if self._idle is not asyncio.current_task():
             self._idle.cancel()
 

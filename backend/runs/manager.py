@@ -26,6 +26,7 @@ from pathlib import Path
 
 from backend.cluster import nodes, remote, ssh
 from backend.cluster import launch as launch_ops
+from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
 from backend.job.spec import JobSpec, absolute_dir
@@ -42,7 +43,6 @@ from backend.telemetry.ingest import TelemetrySink
 log = logging.getLogger(__name__)
 
 EXPORT_TIMEOUT_S = 1800.0
-EXPORT_MARKER = ".swift-studio-export"  # launcher.export.EXPORT_MARKER: in every export directory
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -77,6 +77,7 @@ class RunManager:
         self.pool = nodes.Pool(self.known_hosts)
         self._tasks: dict[str, Future] = {}
         self._chats: dict[str, chat.ChatSession] = {}
+        self._ended_chats: dict[str, str] = {}  # session id -> why it ended, for a later request
         self.driver = AttemptDriver(self.store, self.owner, self.pool, self.planner, self.sink, self.engine, self._spawn)
         self._closed = False
         asyncio.run_coroutine_threadsafe(self._heartbeat(adopt=reattach), self._loop)
@@ -431,7 +432,7 @@ class RunManager:
         if attempt is None:
             return None
         node, _ = attempt_nodes(attempt)[0]
-        path = f"{run.run_dir}/export"
+        path = f"{run.run_dir}/{EXPORT_DIR}"
         res = self._call(self.pool.run(node, f"test -f {shlex.quote(f'{path}/{EXPORT_MARKER}')}", timeout=30))
         return path if res.ok else None
 
@@ -439,6 +440,9 @@ class RunManager:
         """Start a chat worker on the run's first node with a checkpoint (a step, a path; None: the
         latest) or an export directory; returns (session id, the worker's ready line) once loaded."""
         run = self.run(run_id)
+        if run.state not in lifecycle.FINAL:
+            raise chat.ChatError(f"run {run_id} is {run.state}: a chat worker would load its model onto the GPUs "
+                                 "the run trains on; chat once it has ended (or stop it)")
         attempt = self.store.current_attempt(run_id)
         if attempt is None:
             raise chat.ChatError(f"run {run_id} never started; it has no checkpoint to chat with")
@@ -455,7 +459,28 @@ class RunManager:
                 shell = await self.pool.shell(node)
             except ssh.NodeError as exc:
                 raise chat.ChatError(f"{where}: cannot reach the node ({exc.reason})") from None
-            session = await chat.ChatSession.start(shell, command, where, lambda s: self._chats.pop(s.id, None))
+            # One worker per node: a model loaded again (a reload, another checkpoint) replaces the
+            # last one instead of holding a second copy on the node's GPU until it is idle.
+            await asyncio.gather(*(s.close() for s in list(self._chats.values()) if s.where.node == node.host),
+                                 return_exceptions=True)
+
+            async def stop_worker(pid: int) -> None:
+                # Only a process that is still this run's chat worker (a pid can be reused).
+                check = f"ps -o args= -p {int(pid)} | grep -qF -- {shlex.quote('launcher.chat --run-dir ' + run.run_dir)}"
+                try:
+                    await self.pool.run(node, f"{check} && kill -TERM {int(pid)}", timeout=30)
+                except ssh.NodeError:
+                    pass
+
+            def ended(session: chat.ChatSession) -> None:
+                self._chats.pop(session.id, None)
+                self._ended_chats[session.id] = f"{session.where}: the chat session has ended ({session.ended})"
+
+            try:
+                session = await chat.ChatSession.start(shell, command, where, ended,
+                                                       stop_worker=None if node.local else stop_worker)
+            except ssh.NodeError as exc:
+                raise chat.ChatError(f"{where}: cannot start the chat worker ({exc.reason})") from None
             self._chats[session.id] = session
             return session
 
@@ -469,7 +494,8 @@ class RunManager:
         fails, or another exchange of the session is being answered."""
         session = self._chats.get(session_id)
         if session is None:
-            raise chat.ChatError("the chat session has ended (closed, idle, or its worker exited); load the model again")
+            why = self._ended_chats.get(session_id, "the chat session has ended")
+            raise chat.ChatError(f"{why}; load the model again")
         return self._iterate(session.reply(turns, max_new_tokens, temperature))
 
     def chat_close(self, session_id: str) -> None:
