@@ -31,13 +31,43 @@ def tile_mlps(layers: list[torch.nn.Module], hidden_size: int) -> None:
             raise ConfigError(f"tiled_mlp: decoder layer {i} ({type(layer).__name__}) has no 'mlp' to tile; turn "
                               "tiled_mlp off")
         forward = mlp.forward
+        drops = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mlp.modules())
 
-        def tiled(x, mlp=mlp, forward=forward):
-            # The weights are read at each call: LoRA, DeepSpeed and FSDP2 may have replaced them.
-            return TiledMLP.apply(lambda _, part: forward(part), mlp, x, tile_count(x.shape[-2], hidden_size),
-                                  list(mlp.parameters()))
+        def tiled(x, mlp=mlp, forward=forward, drops=drops):
+            # One function per call: TiledMLP keeps it for that call's backward. The weights are
+            # read at each call: LoRA, DeepSpeed and FSDP2 may have replaced them.
+            fn = TileRandomness(forward) if drops and mlp.training else (lambda _, part: forward(part))
+            return TiledMLP.apply(fn, mlp, x, tile_count(x.shape[-2], hidden_size), list(mlp.parameters()))
 
         mlp.forward = tiled
+
+
+class TileRandomness:
+    """An MLP forward for TiledMLP that draws the same dropout masks for a tile in backward as in
+    forward. DeepSpeed 0.19's TiledMLP computes each tile again in backward without the random
+    state its forward drew from, so a dropout inside the MLP (peft's LoRA dropout) would draw other
+    masks and the gradients would not be the forward's (tests/test_long_sequence.py pins both):
+    the state before each forward tile is kept and put back for that tile's backward. (Under
+    checkpointing the backward is the recompute's, whose tiles draw what the first forward drew:
+    torch's checkpoint puts the random state back.)"""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self._states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._replayed = 0
+
+    def __call__(self, _mlp, part: torch.Tensor) -> torch.Tensor:
+        cuda = part.device if part.is_cuda else None
+        if not torch.is_grad_enabled():  # TiledMLP's forward runs its tiles without grad
+            self._states.append((torch.get_rng_state(), torch.cuda.get_rng_state(cuda) if cuda else None))
+            return self.forward(part)
+        cpu_state, cuda_state = self._states[self._replayed]
+        self._replayed += 1
+        with torch.random.fork_rng(devices=[cuda.index] if cuda else []):
+            torch.set_rng_state(cpu_state)
+            if cuda:
+                torch.cuda.set_rng_state(cuda_state, cuda)
+            return self.forward(part)
 
 
 def enable_checkpointing(model, offload: bool) -> None:

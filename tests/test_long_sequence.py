@@ -32,11 +32,11 @@ def test_tiles_are_about_hidden_size_and_exactly_what_chunk_makes():
 
 
 def test_where_tiling_and_offload_are_refused_by_name():
-    assert fields(unsupported(spec(tiled_mlp=True, activation_cpu_offload=True, lora_dropout=0.0))) == []
+    assert fields(unsupported(spec(tiled_mlp=True, activation_cpu_offload=True))) == []
     assert fields(unsupported(spec(activation_cpu_offload=True, gradient_checkpointing=False))) == [
         "activation_cpu_offload"]
-    assert fields(unsupported(spec(tiled_mlp=True, torch_compile=True, lora_dropout=0.0))) == ["tiled_mlp"]
-    assert fields(unsupported(spec(tiled_mlp=True, tensor_model_parallel_size=2, lora_dropout=0.0))) == ["tiled_mlp"]
+    assert fields(unsupported(spec(tiled_mlp=True, torch_compile=True))) == ["tiled_mlp"]
+    assert fields(unsupported(spec(tiled_mlp=True, tensor_model_parallel_size=2))) == ["tiled_mlp"]
     # Several ranks: the tiled MLP with DeepSpeed below ZeRO-3 only, offload never.
     assert fields(world_problems(spec(tiled_mlp=True, deepspeed="zero2"), 2)) == []
     assert fields(world_problems(spec(tiled_mlp=True), 2)) == ["tiled_mlp"]
@@ -47,24 +47,45 @@ def test_where_tiling_and_offload_are_refused_by_name():
     assert fields(cpu) == ["activation_cpu_offload"] and "n2 is a CPU node" in cpu[0].message
 
 
-def test_tiled_mlp_with_lora_dropout_is_refused_because_the_engine_redraws_the_mask():
-    """DeepSpeed's TiledMLP runs each tile again in backward without the forward's random state:
-    with a dropout inside the tiled function the gradient is not the forward's. When this test
-    fails, DeepSpeed keeps the state and the refusal can go."""
+def test_tiled_dropout_draws_the_forwards_masks_in_backward():
+    """DeepSpeed's TiledMLP runs each tile again in backward without the forward's random state, so
+    a dropout inside the tiled function gets another mask and a gradient that is not the forward's
+    (when the first half fails, DeepSpeed keeps the state and TileRandomness can go). Through
+    tile_mlps the masks are the forward's: the loss is w x (the kept values), its gradient loss / w."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.tensor(2.0))
-    holder = torch.nn.Module()
-    x = torch.ones(1, 64, 4, requires_grad=True)
-    drop = torch.nn.Dropout(0.5)
-    loss = TiledMLP.apply(lambda _, part: w * drop(part), holder, x, 4, [w]).sum()
-    loss.backward()
-    # The loss is w x (the kept values): its true gradient is loss / w.
-    assert w.grad.item() != pytest.approx(loss.item() / w.item())
-    assert fields(unsupported(spec(tiled_mlp=True, lora_dropout=0.05))) == ["tiled_mlp"]
-    assert fields(unsupported(spec(tiled_mlp=True, lora_dropout=0.0))) == []
-    assert fields(unsupported(spec(tiled_mlp=True, train_type="full"))) == []
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.drop = torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.w * self.drop(x)
+
+    def loss_and_grad(tiled: bool) -> tuple[float, float]:
+        torch.manual_seed(0)
+        layer = torch.nn.Module()
+        layer.mlp = Mlp()
+        x = torch.ones(2, 64, 4, requires_grad=True)
+        if tiled:
+            longseq.tile_mlps([layer], hidden_size=16)
+            loss = layer.mlp(x).sum()
+            # Under checkpointing the layer is run again before backward, drawing the same masks.
+            from torch.utils.checkpoint import checkpoint
+
+            torch.manual_seed(0)
+            checked = checkpoint(layer.mlp, x, use_reentrant=False).sum()
+            assert checked.item() == loss.item()
+            loss = loss + checked
+        else:
+            loss = TiledMLP.apply(lambda mlp, part: mlp.forward(part), layer.mlp, x, 4, [layer.mlp.w]).sum()
+        loss.backward()
+        return loss.item(), layer.mlp.w.grad.item()
+
+    loss, grad = loss_and_grad(tiled=False)
+    assert grad != pytest.approx(loss / 2.0)
+    loss, grad = loss_and_grad(tiled=True)
+    assert grad == pytest.approx(loss / 2.0)  # the plain and the checkpointed forward, both with their masks
 
 
 def test_the_validator_refuses_tiling_a_mixture_of_experts(tmp_path):

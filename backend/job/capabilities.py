@@ -298,11 +298,6 @@ def _long_sequence_problems(spec: JobSpec) -> list[Problem]:
     torch's save_on_cpu) with what they are not known to compose with, each refused by name; how
     many ranks they may run on is `world_problems`'."""
     out = []
-    if spec.tiled_mlp and spec.train_type == "lora" and spec.lora_dropout > 0:
-        # DeepSpeed 0.19's TiledMLP recomputes each tile in backward without the forward's random
-        # state: a dropout inside the MLP (peft's) draws another mask (tests/test_long_sequence.py).
-        out.append(Problem(TILED, "not with LoRA dropout: the tiled backward redraws the dropout mask, so the "
-                                  "gradients would not be those of the forward; set lora_dropout to 0"))
     if spec.activation_cpu_offload and not spec.gradient_checkpointing:
         out.append(Problem(OFFLOAD, "offloads what gradient checkpointing saves: turn gradient_checkpointing on"))
     for field in (TILED, OFFLOAD):
