@@ -11,7 +11,7 @@ import gradio as gr
 from backend.job.chat import MODELS as SIDES
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import run_picker
+from studio.run_view import listed_runs
 
 LATEST = "latest complete checkpoint"
 NOT_LOADED = "No model loaded: pick a run and a checkpoint, then Load."
@@ -71,12 +71,8 @@ def build(studio: Studio) -> dict[str, Any]:
 
 def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
     def on_open(current: str | None):
-        try:
-            runs = studio.manager.runs()
-        except Exception as exc:  # noqa: BLE001
-            return gr.skip(), user_message("Listing runs", exc)
-        options, value = run_picker(runs, current)
-        return gr.update(choices=options, value=value), gr.skip()
+        options, value, error = listed_runs(studio.manager, current)
+        return (gr.skip(), error) if error else (gr.update(choices=options, value=value), gr.skip())
 
     def on_run(run_id: str | None):
         if not run_id:

@@ -13,6 +13,7 @@ from backend.job.layout import Layout
 from backend.runs.usage import Usage
 from backend.telemetry.logclass import HELP
 from studio.charts import NO_INDEX, format_duration
+from studio.errors import user_message
 from studio.cluster_view import STATUS_MARK
 
 STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running": "▶", "succeeded": "✔",
@@ -40,6 +41,16 @@ def run_picker(runs: list[Any], selected: str | None = None, prefer: Collection[
         preferred = [r for r in runs if r.state in prefer]
         selected = (preferred or runs)[0].id if runs else None
     return [run_choice(r) for r in runs], selected
+
+
+def listed_runs(manager: Any, selected: str | None) -> tuple[list[tuple[str, str]], str | None, str | None]:
+    """(choices, value, error) of a tab's run picker as the tab opens: the manager's runs, or the
+    message saying why they cannot be listed."""
+    try:
+        runs = manager.runs()
+    except Exception as exc:  # noqa: BLE001 - shown, the tab keeps what it showed
+        return [], None, user_message("Listing runs", exc)
+    return (*run_picker(runs, selected), None)
 
 
 def duration_s(run: Any, now: float | None = None) -> float:

@@ -94,15 +94,20 @@ def port_is_taken(port: int) -> bool:
     return False
 
 
+def start_studio(tmp_path, port: int, **output) -> subprocess.Popen:
+    """`swift-studio studio` on `port` with its own database and run directory."""
+    argv = [sys.executable, "-m", "backend.cli", "studio", "--port", str(port),
+            "--db", f"sqlite:///{tmp_path / 'studio.db'}", "--output-dir", str(tmp_path / "runs")]
+    return subprocess.Popen(argv, cwd=tmp_path, env=studio_env(tmp_path), **output)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_the_studio_takes_over_the_port_of_its_start_up_page(tmp_path):
     port = free_port()
-    argv = [sys.executable, "-m", "backend.cli", "studio", "--port", str(port),
-            "--db", f"sqlite:///{tmp_path / 'studio.db'}", "--output-dir", str(tmp_path / "runs")]
     log = tmp_path / "studio.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=studio_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
+        proc = start_studio(tmp_path, port, stdout=out, stderr=subprocess.STDOUT)
     seen_start_page, free_after_bind = False, []
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
@@ -147,10 +152,7 @@ def test_the_start_up_page_opens_the_studio_by_itself(tmp_path):
     from studio_server import launch_browser
 
     port = free_port()
-    argv = [sys.executable, "-m", "backend.cli", "studio", "--port", str(port),
-            "--db", f"sqlite:///{tmp_path / 'studio.db'}", "--output-dir", str(tmp_path / "runs")]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=studio_env(tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = start_studio(tmp_path, port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while not port_is_taken(port):
