@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from backend.job.errors import UserError
-
 MODELS = ("base", "tuned")
 ROLES = ("system", "user", "assistant")
 MAX_NEW_TOKENS = 4096
@@ -18,8 +16,9 @@ EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory hold
 EXPORT_DIR = "export"  # launcher.export's default target, in the run directory
 
 
-class ChatError(UserError):
-    """A chat request or model the worker cannot serve; the message names the field or file."""
+class ChatError(Exception):
+    """A chat request or model the chat worker cannot serve; the message names the field or file.
+    (Not a UserError: those are the training worker's, each with a cause in backend.telemetry.logclass.)"""
 
 
 @dataclass(frozen=True)
