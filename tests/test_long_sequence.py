@@ -23,11 +23,16 @@ def fields(problems) -> list[str]:
 
 
 def test_tiles_are_about_hidden_size_and_exactly_what_chunk_makes():
+    """TiledMLP chunks the row in forward and the flattened batch x row in backward, and marks the
+    weights' gradients ready on the tile it counts as the last: both must make exactly n pieces."""
     for seq in range(1, 400):
         for hidden in (1, 3, 7, 16, 64, 100):
             n = longseq.tile_count(seq, hidden)
-            assert len(torch.chunk(torch.zeros(seq), n)) == n, (seq, hidden)
-            assert abs(n - -(-seq // hidden)) <= max(1, n // 2), (seq, hidden, n)
+            for batch in (1, 2, 3, 4):
+                assert len(torch.chunk(torch.zeros(batch, seq, 1), n, dim=-2)) == n, (seq, hidden)
+                assert len(torch.chunk(torch.zeros(batch * seq), n)) == n, (seq, hidden, batch)
+            # About hidden_size tokens a tile: never fewer tiles than asked for, at most one more.
+            assert -(-seq // hidden) <= n <= -(-seq // hidden) + 1 or n == seq, (seq, hidden, n)
     assert longseq.tile_count(524288, 4096) == 128
 
 
@@ -239,6 +244,9 @@ def test_the_estimate_moves_offloaded_inputs_to_host_memory_and_warns_when_it_is
                      parse_hostfile_text("gpu1 slots=8 gpu_mem_gib=140 host_mem_gib=16\n"), model)
     warned = [p for p in short if p.field == "activation_cpu_offload"]
     assert len(warned) == 1 and warned[0].severity == "warning" and "16.0 GiB of gpu1" in warned[0].message
+    for crafted in ("lots", "0", "-8", "inf", "nan"):
+        with pytest.raises(ValueError, match=r"host_mem_gib must be a positive number of GiB of host memory"):
+            parse_hostfile_text(f"gpu1 slots=8 host_mem_gib={crafted}\n")
     roomy = validate(spec(**long, activation_cpu_offload=True),
                      parse_hostfile_text("gpu1 slots=8 gpu_mem_gib=140 host_mem_gib=512\n"), model)
     assert not [p for p in roomy if p.field == "activation_cpu_offload"]
