@@ -50,6 +50,12 @@ SHAPES = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                         rope_theta=500000.0, max_position_embeddings=524288),
+    # A Qwen3-MoE of 8 layers (Qwen3-30B-A3B's attention and experts' widths, 64 experts, 8 per
+    # token): the MoE memory estimate and the routing telemetry on one GPU (no stock baseline).
+    "qwen3-moe-3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=64, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                         vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=32768),
     "smoke": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256),
 }
@@ -177,7 +183,9 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
             "estimated_gib": estimated_gib(run_dir, shape, nproc),
             "useful_tokens_per_s": round(useful),
             "mfu": round(sum(mfus) / len(mfus), 4) if mfus else None,
-            "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2)}
+            "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2),
+            **({"moe_aux_loss": round(train[-1]["moe_aux_loss"], 4),
+                "moe_max_expert_share": round(train[-1]["moe_max_expert_share"], 4)} if "moe_aux_loss" in train[-1] else {})}
 
 
 def estimated_gib(run_dir: Path, shape: str, nproc: int) -> float:

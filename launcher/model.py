@@ -62,6 +62,14 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     if spec.use_liger_kernel:
         apply_liger(model, compiled=spec.torch_compile)
     model.config.use_cache = False
+    if spec.router_aux_loss_coef > 0:
+        if not hasattr(model, "router_aux_loss_coef"):
+            raise ModelError(f"router_aux_loss_coef: {spec.model} has no router load-balancing loss (not a "
+                             "mixture-of-experts model transformers gives one); set it to 0")
+        # transformers' MoE models copy the weight from the config when built, and add the weighted
+        # loss only when the config asks for router logits.
+        model.router_aux_loss_coef = model.config.router_aux_loss_coef = spec.router_aux_loss_coef
+        model.config.output_router_logits = True
     return model
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.job.capabilities import seq_multiple, tp_plan
+from backend.job.capabilities import seq_multiple, transformers_plan
 from backend.job.errors import UserError
 from backend.job.planner import STOP_BUDGET_ENV, STOP_BUDGET_S
 from backend.job.spec import JobSpec
@@ -27,6 +27,7 @@ from launcher.engines import build_engine
 from launcher.events import EventWriter, Window, eta_seconds, format_duration, split_nonfinite, memory_gib
 from launcher.engines.tp import distributed_config
 from launcher.model import flops_per_token, peak_flops, prepare
+from launcher.moe import RouterMeter
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
@@ -77,6 +78,12 @@ class StopSignal:
         """A checkpoint taking `save_s` (the last one's time; None before the first) would not be
         complete before the budget ends."""
         return self.requested and save_s is not None and time.monotonic() + save_s > self._deadline
+
+
+def _routing(load) -> dict:
+    """A MoE window's fields of the `train` event."""
+    return {"moe_aux_loss": load.aux_loss, "moe_max_expert_share": load.max_expert_share,
+            "moe_expert_tokens": load.expert_tokens}
 
 
 def seed_everything(seed: int) -> None:
@@ -136,7 +143,7 @@ class Trainer:
         if spec.torch_dtype == "float16" and self.dist.device.type == "cpu":
             raise ConfigError("torch_dtype: float16 needs a GPU (CPUs have no fp16 autocast); use bfloat16 or float32")
         seed_everything(spec.seed)
-        tp = tp_plan(spec, self.dist.world_size)
+        tp = transformers_plan(spec, self.dist.world_size)
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
         self.batches, self.plan = self._load_data()
@@ -144,6 +151,7 @@ class Trainer:
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
+        self.routers = RouterMeter(model)
         # Different dropout masks per rank from here on (the weights were initialised identically),
         # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP
         # ranks hold different tokens of a sequence.)
@@ -246,7 +254,8 @@ class Trainer:
 
     def _layout(self) -> dict[str, int]:
         return {field: getattr(self.spec, field)
-                for field in ("tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size")}
+                for field in ("tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size",
+                              "expert_model_parallel_size")}
 
     def _load(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
@@ -283,8 +292,7 @@ class Trainer:
         while self.step < plan.max_steps:
             started = time.perf_counter()
             micro, step_data_wait = upcoming, data_wait
-            losses = [self.engine.forward_backward(batch, sync=i == len(micro) - 1)
-                      for i, (batch, _, _) in enumerate(micro)]
+            losses = [self._forward_backward(batch, sync=i == len(micro) - 1) for i, (batch, _, _) in enumerate(micro)]
             grad_norm = self.engine.step()
             pending.append((torch.stack(losses).float().mean(), grad_norm))
             self.step += 1
@@ -324,6 +332,14 @@ class Trainer:
             if stop_votes:
                 raise Stopped()
 
+    def _forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        if not self.routers.active:
+            return self.engine.forward_backward(batch, sync)
+        self.routers.start(batch)
+        loss = self.engine.forward_backward(batch, sync)
+        self.routers.finish()
+        return loss
+
     def _fetch(self, step: int) -> tuple[list[tuple[dict, int, int]], float]:
         """Micro-batches of `step` on the device, and the host seconds it took. On GPUs the host
         tensors are pinned so the copies are asynchronous (a pageable copy would wait for the
@@ -354,6 +370,7 @@ class Trainer:
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         # A TP, SP or CP group's ranks all process the same tokens: count them once.
         (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
+        load = self.routers.take(d)
         self.events.emit("timing", rank=d.rank, step=self.step, **means)
         if not d.is_main:
             return
@@ -369,7 +386,7 @@ class Trainer:
                          tokens=round(tokens), tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed,
                          step_time_s=means["step_time_s"],
                          mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta,
-                         nonfinite=nonfinite)
+                         nonfinite=nonfinite, **(_routing(load) if load else {}))
         log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3g %.0f tok/s eta %s", self.step, plan.max_steps, loss,
                  self.engine.lr(), self.last_grad_norm, tokens_per_s, format_duration(eta))
 

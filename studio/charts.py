@@ -26,7 +26,7 @@ STEP_SERIES = "train/step"
 # backend.telemetry.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
 MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
                   "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
-                  "host/ram_used_gib", "rank/collective_wait_s")
+                  "host/ram_used_gib", "rank/collective_wait_s", "train/moe_aux_loss", "train/moe_expert_tokens")
 MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
@@ -247,6 +247,27 @@ def throughput_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure:
     return _done(fig)
 
 
+def experts_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure | None:
+    """A MoE model's routing: each expert's share of the routed tokens per logging window (the
+    series' `gpu` index is the expert), and the router's load-balancing loss; None for dense models."""
+    experts = {key[2]: rows for key in buf.named("train/moe_expert_tokens") if (rows := stepped(buf.points, key))}
+    if not experts:
+        return None
+    fig = _figure("Experts: share of routed tokens", "share %", x_axis=x_axis)
+    totals: dict[int, float] = {}
+    for rows in experts.values():
+        for step, value, _ in rows:
+            totals[step] = totals.get(step, 0.0) + (value or 0.0)
+    for expert, rows in sorted(experts.items()):
+        shares = [100 * (v or 0.0) / totals[s] if totals.get(s) else None for s, v, _ in rows]
+        _train_trace(fig, rows, x_axis, shares, mode="lines", name=f"expert {expert}")
+    for rows in _train_rows(buf, "train/moe_aux_loss"):
+        _train_trace(fig, rows, x_axis, mode="lines", name="load-balancing loss", yaxis="y2",
+                     line=dict(color="#111827", dash="dot"))
+        fig.update_layout(yaxis2=dict(title="aux loss", overlaying="y", side="right"))
+    return _done(fig)
+
+
 def utilisation_series(buf: SeriesBuffer) -> tuple[str, dict[tuple, list[Point]]]:
     """GPU utilisation of every node×GPU; CPU utilisation per node where no GPU reports."""
     gpu = buf.named("gpu/util_pct")
@@ -311,6 +332,7 @@ def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[s
         mem, mem_title = buf.named("host/ram_used_gib"), "Host memory used (GiB, no GPU)"
     return {
         **training_figures(buf, smoothing, x_axis),
+        "experts": experts_figure(buf, x_axis),
         "util_heatmap": utilisation_heatmap(buf),
         "util_lines": lines(util_title, "%", util),
         "memory": lines(mem_title, "GiB", mem),

@@ -59,6 +59,7 @@ TITLES = {
     "ddp_timeout": "Collective timeout (s)", "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",
     "grad_reduce_dtype": "Gradient reduce dtype", "tiled_mlp": "Tiled MLP (long context)",
     "activation_cpu_offload": "Offload checkpointed activations to CPU",
+    "router_aux_loss_coef": "Router load-balancing loss weight (MoE)",
     "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
 }
 

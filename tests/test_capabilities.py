@@ -33,7 +33,7 @@ def test_supported_jobs_pass():
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size", "not supported by this worker yet"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
     (dict(context_parallel_size=2), "fsdp", "runs on FSDP2 (torch's context_parallel)"),
-    (dict(expert_model_parallel_size=2), "expert_model_parallel_size", "not supported"),
+    (dict(expert_model_parallel_size=2), "fsdp", "spreads the experts over the ranks FSDP2 shards over"),
     (dict(sequence_parallel_size=2), "deepspeed", "runs on DeepSpeed's Ulysses"),
     (dict(deepspeed="zero2", fsdp="full_shard"), "fsdp", "either DeepSpeed or FSDP"),
     (dict(fsdp="hybrid"), "fsdp", "unknown FSDP option"),

@@ -70,9 +70,11 @@ RULES = [
 
 @pytest.mark.parametrize("name,bad,field,good", RULES, ids=[r[0] for r in RULES])
 def test_rule(name, bad, field, good):
-    model = QWEN3_MOE if "expert_model_parallel_size" in bad else LLAMA8B  # EP needs an MoE model
-    assert field in fields(check(job(**bad), model=model)), name
-    assert fields(check(job(**good), model=model)) == [], name
+    moe = "expert_model_parallel_size" in bad
+    model = QWEN3_MOE if moe else LLAMA8B  # EP needs an MoE model, and LoRA kept off its experts
+    extra = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if moe else {}
+    assert field in fields(check(job(**bad, **extra), model=model)), name
+    assert fields(check(job(**good, **extra), model=model)) == [], name
 
 
 # (name, failing kwargs, model, field, message fragment, passing kwargs, model for the passing case)
@@ -89,10 +91,10 @@ MODEL_RULES = [
      replace(LLAMA8B, num_heads=24, num_kv_heads=6)),
     ("layers divisible by PP", dict(pipeline_model_parallel_size=8), QWEN7B, "pipeline_model_parallel_size", "28 layers",
      dict(pipeline_model_parallel_size=4), QWEN7B),
-    ("experts divisible by EP", dict(expert_model_parallel_size=16, nnodes=2), MIXTRAL, "expert_model_parallel_size",
-     "8 experts are not divisible by EP=16", dict(expert_model_parallel_size=16, nnodes=2), QWEN3_MOE),
+    ("experts divisible by EP", dict(expert_model_parallel_size=16, nnodes=2, train_type="full"), MIXTRAL, "expert_model_parallel_size",
+     "8 experts are not divisible by EP=16", dict(expert_model_parallel_size=16, nnodes=2, train_type="full"), QWEN3_MOE),
     ("EP only for MoE", dict(expert_model_parallel_size=8), LLAMA8B, "expert_model_parallel_size", "needs a mixture-of-experts",
-     dict(expert_model_parallel_size=8), MIXTRAL),
+     dict(expert_model_parallel_size=8, train_type="full"), MIXTRAL),
 ]
 
 
@@ -152,9 +154,10 @@ def test_the_expert_grid_is_megatrons():
     """ms-swift's Qwen3-235B example, TP4 x EP8 on 8 GPUs with expert-TP 1: legal, since the experts'
     grid (ETP x EP x PP) is carved out of the world apart from TP. ETP4 x EP8 is not."""
     one_node = parse_hostfile_text("n0 slots=8\n")
-    legal = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8)
+    legal = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8, train_type="full")
     assert fields(check(legal, cluster=one_node, model=QWEN3_MOE)) == []
-    wide = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8, expert_tensor_parallel_size=4)
+    wide = job(nproc_per_node=8, tensor_model_parallel_size=4, expert_model_parallel_size=8, expert_tensor_parallel_size=4,
+               train_type="full")
     (problem,) = errors(check(wide, cluster=one_node, model=QWEN3_MOE))
     assert problem.field == "expert_model_parallel_size"
     assert problem.message == ("ETP x EP x PP = 4x8x1 = 32 does not divide the world size 8 (the experts' grid: "

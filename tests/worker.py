@@ -95,6 +95,21 @@ def assert_same_export(run_a: Path, run_b: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(logits(run_a), logits(run_b), rtol=1e-4, atol=1e-4)
 
 
+def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, steps: int) -> None:
+    """`resumed` (a run directory with its job.yaml), given `run`'s checkpoint-`step` and resumed on
+    `nproc` ranks, trains steps step+1..`steps` with `run`'s losses."""
+    import shutil
+
+    import pytest
+
+    shutil.copytree(run / f"checkpoint-{step}", resumed / f"checkpoint-{step}")
+    run_ok(resumed, nproc=nproc, resume="latest", timeout=400)
+    again, before = losses(resumed), losses(run)
+    assert sorted(again) == list(range(step + 1, steps + 1))
+    for at, value in again.items():
+        assert value == pytest.approx(before[at], rel=2e-4), at
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill torchrun and its workers by pid (torchrun puts each worker in its own session)."""
     import psutil

@@ -30,17 +30,21 @@ class FsdpPlan:
 
 
 @dataclass(frozen=True)
-class TpPlan:
-    """Tensor parallel through transformers' DistributedConfig (the model's own `base_model_tp_plan`),
-    with its FSDP2 for the data-parallel dimension. transformers' mesh is (pp, dp_replicate, fsdp,
-    tp) with TP innermost: ranks r and r+1 of one node share a TP group, the data-parallel rank is
-    r // tp."""
+class TransformersPlan:
+    """Tensor and expert parallel through transformers' DistributedConfig (the model's own
+    `base_model_tp_plan` and `base_model_ep_plan`), with its FSDP2 for the data-parallel dimension.
+    transformers' mesh is (pp, dp_replicate, fsdp, tp) with TP innermost: ranks r and r+1 of one
+    node share a TP group, the data-parallel rank is r // tp. The experts are laid out over the
+    same fsdp x tp ranks, EP of them holding distinct experts (tokens sent to them by all-to-all),
+    and each expert sharded over the fsdp x tp / EP ranks that hold it (`efsdp`)."""
 
     tp: int
     fsdp: int
     """Ranks the parameters are sharded over (fsdp full_shard), else 1."""
     replicate: int
     """Ranks holding the same (TP-sharded) parameters with gradients all-reduced (no fsdp), else 1."""
+    ep: int = 1
+    """Ranks holding distinct experts."""
 
     @property
     def dp(self) -> int:
@@ -66,23 +70,30 @@ def seq_multiple(spec: JobSpec) -> int:
 
 def world_problems(spec: JobSpec, world: int) -> list[Problem]:
     """The worker's own check of its world size (the validator checks the layout before launch):
-    TP x SP x CP consecutive ranks form one group, so they must divide the ranks torchrun started."""
+    TP x SP x CP consecutive ranks form one group, so they must divide the ranks torchrun started;
+    EP must divide them too."""
     group = same_data_ranks(spec)
     out = multi_rank_problems(spec, world)
+    ep = spec.expert_model_parallel_size
+    if ep > 1 and world % ep:
+        out.append(Problem(EP, f"EP={ep} does not divide the {world} ranks this job was started with (transformers' "
+                               "expert parallel: EP divides FSDP x TP)"))
     if world % group == 0:
         return out
     field = next(f for f in (CP, SP, TP) if getattr(spec, f) > 1)
     return [Problem(field, f"TP x SP x CP = {group} does not divide the {world} ranks this job was started with"), *out]
 
 
-def tp_plan(spec: JobSpec, world: int) -> TpPlan | None:
-    """The layout of transformers' TP for a job on `world` ranks; None without tensor parallelism,
-    and with DeepSpeed, whose AutoTP shards the model itself (`autotp`)."""
-    tp = spec.tensor_model_parallel_size
-    if tp <= 1 or spec.deepspeed:
+def transformers_plan(spec: JobSpec, world: int) -> TransformersPlan | None:
+    """The layout of transformers' TP and EP for a job on `world` ranks; None without either, and
+    with DeepSpeed, whose AutoTP shards the model itself (`autotp`)."""
+    tp, ep = spec.tensor_model_parallel_size, spec.expert_model_parallel_size
+    if (tp <= 1 and ep <= 1) or spec.deepspeed:
         return None
     dp = max(1, world // tp)
-    return TpPlan(tp, fsdp=dp, replicate=1) if spec.fsdp else TpPlan(tp, fsdp=1, replicate=dp)
+    if spec.fsdp:
+        return TransformersPlan(tp, fsdp=dp, replicate=1, ep=ep)
+    return TransformersPlan(tp, fsdp=1, replicate=dp, ep=ep)
 
 
 def fsdp_plan(spec: JobSpec) -> FsdpPlan | None:
@@ -142,11 +153,13 @@ def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Pr
 
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
-    for field in ("pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+    for field in ("pipeline_model_parallel_size", "expert_tensor_parallel_size"):
         if getattr(spec, field) > 1:
             problems.append(Problem(field, "not supported by this worker yet (it runs DDP, DeepSpeed ZeRO, FSDP2, "
-                                           "tensor parallel, Ulysses sequence parallel and ring context parallel)"))
+                                           "tensor and expert parallel, Ulysses sequence parallel and ring context "
+                                           "parallel)"))
     problems += _tp_problems(spec)
+    problems += _ep_problems(spec)
     problems += _sp_problems(spec)
     problems += _cp_problems(spec)
     problems += _long_sequence_problems(spec)
@@ -210,6 +223,71 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {TP} > 1 is not supported (no sharded grad scaler); "
                                           "use bfloat16"))
+    return out
+
+
+EP = "expert_model_parallel_size"
+
+
+def _ep_problems(spec: JobSpec) -> list[Problem]:
+    """Expert parallel is transformers' (DistributedConfig ep_size, all-to-all token dispatch) over
+    its FSDP2: the experts are spread over the ranks FSDP shards over, so EP needs them (EP = TP
+    without FSDP, which transformers allows, is not tested). Its rules are transformers', not
+    Megatron's: EP a multiple of TP and a divisor of FSDP x TP (the world-size half is
+    `world_problems`'). What does not compose is refused by name; which models and LoRA targets it
+    takes needs the model (`ep_model_problems`)."""
+    ep, tp = spec.expert_model_parallel_size, spec.tensor_model_parallel_size
+    if ep <= 1:
+        return []
+    out = []
+    if spec.deepspeed:
+        out.append(Problem("deepspeed", f"{EP} > 1 runs on transformers' expert parallel with FSDP2 (DeepSpeed's AutoEP "
+                                        "fails at start with this transformers); remove deepspeed and set fsdp to "
+                                        "full_shard"))
+    else:
+        words = set((spec.fsdp or "").replace(",", " ").split())
+        if "full_shard" not in words:
+            out.append(Problem("fsdp", f"{EP}={ep} spreads the experts over the ranks FSDP2 shards over: set fsdp to "
+                                       "full_shard"))
+        elif words - {"full_shard"}:
+            out.append(Problem("fsdp", f"with {EP} > 1 only 'full_shard' (transformers' FSDP2 under EP); not "
+                                       f"{' '.join(sorted(words - {'full_shard'}))}"))
+    if ep % tp:
+        out.append(Problem(EP, f"EP={ep} must be a multiple of {TP}={tp} (transformers' expert parallel: each TP "
+                               "group holds whole experts)"))
+    for dim in (SP, CP):
+        if getattr(spec, dim) > 1:
+            out.append(Problem(EP, f"not with {dim} > 1 (they do not compose in this worker); use one of them"))
+    if spec.train_type == "full" and spec.torch_dtype == "float16":
+        out.append(Problem("torch_dtype", f"float16 with {EP} > 1 is not supported (no sharded grad scaler); use "
+                                          "bfloat16"))
+    out += _untested_with(spec, EP, compiled="compiling the all-to-all dispatch is not tested",
+                          liger="Liger's kernels are not tested on the dispatched experts")
+    return out
+
+
+def ep_model_problems(spec: JobSpec, is_moe: bool, num_experts: int, tied: bool, lora_on_experts: bool) -> list[Problem]:
+    """EP's rules that need the model: a mixture of experts, experts % EP, untied embeddings (the
+    tied case under transformers' FSDP2 is refused with TP already, and not tested with EP), and
+    LoRA kept off the router and the experts: peft 0.21 wraps those stacked parameters in a
+    ParamWrapper, which transformers' expert dispatch cannot read (`'ParamWrapper' object has no
+    attribute 'weight'`, pinned in tests/test_expert_parallel.py)."""
+    ep = spec.expert_model_parallel_size
+    if ep <= 1:
+        return []
+    if not is_moe:
+        return [Problem(EP, f"EP={ep} needs a mixture-of-experts model; {spec.model} is dense")]
+    out = []
+    if num_experts % ep:
+        out.append(Problem(EP, f"the model's {num_experts} experts are not divisible by EP={ep}"))
+    if tied and spec.fsdp:
+        out.append(Problem("fsdp", f"{EP} > 1 with a model whose embeddings are tied is not tested under transformers' "
+                                   "FSDP2 (with TP it trains them wrongly); untie them or leave EP at 1"))
+    if lora_on_experts:
+        out.append(Problem("target_modules", f"LoRA on the router and the experts ({', '.join(spec.target_modules)} "
+                                             f"reaches them) does not run with {EP} > 1: peft wraps the stacked expert "
+                                             "weights in a way transformers' expert dispatch cannot read; name the "
+                                             "attention projections (q_proj k_proj v_proj o_proj) instead"))
     return out
 
 

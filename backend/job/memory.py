@@ -196,6 +196,7 @@ class _Sizes:
     width: int
     """Bytes of one value in the compute dtype."""
     tp: int
+    ep: int = 1
 
 
 States = tuple[float, float, float, float, float, float, str]
@@ -241,13 +242,20 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
     return params, grads, optim, offloaded, buffers, transient, f"DeepSpeed ZeRO-{stage}, sharded over {n} ranks{where}"
 
 
+def _gathered_layer(model: ModelConfig, s: _Sizes) -> float:
+    """Parameters of one decoder layer on a rank once FSDP has gathered it: the dense part split over
+    TP; the routed experts over EP (transformers' experts are not tensor-parallel)."""
+    experts = model.routed_expert_params() if model.is_moe else 0
+    return (model.layer_params(model.is_moe) - experts) / s.tp + experts / s.ep
+
+
 def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes, plan: FsdpPlan) -> States:
     """The worker's FSDP2: fp32 storage sharded, compute-dtype copies of one block (plus the
     prefetched one) gathered at a time; fp32 gradients reduce-scattered. DDP's layout on FSDP2
     (`plan.replicate`): shards of one rank, the compute-dtype copies kept from forward to backward."""
     if plan.replicate:
         s = replace(s, shard=1)
-    gathered = 2 * s.width * model.layer_params(model.is_moe) / s.tp
+    gathered = 2 * s.width * _gathered_layer(model, s)
     params, grads, optim = 4 * s.local / s.shard, 4 * s.trainable / s.shard, 8 * s.trainable / s.shard
     offloaded = 0.0
     if plan.offload:
@@ -281,12 +289,14 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     layout = layout or compute_layout(spec)
     total = model.param_count()
     trainable = trainable_params(spec, model)
-    expert_params = model.moe_layers * model.routed_expert_params() if model.is_moe else 0
     model_parallel = layout.tp * layout.pp
-    local = (total - expert_params) / model_parallel + expert_params / (model_parallel * layout.ep)
+    # transformers' EP lays the experts over the same FSDP x TP ranks as the dense weights (EP groups
+    # of whole experts, each sharded over the rest), so a rank stores 1/(TP x FSDP) of both; what EP
+    # changes is what FSDP gathers for a layer: only the rank's own experts (`_Sizes.ep`).
+    local = total / model_parallel
     shard = max(1, layout.world // model_parallel)
     sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
-                   width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp)
+                   width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp, ep=layout.ep)
     if spec.deepspeed:
         zero = zero or zero_settings(spec)
         states = _deepspeed_states(spec, model, sizes, zero)
@@ -299,6 +309,10 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     if layout.tp > 1:
         notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
                      f"divided by {layout.tp}")
+    if layout.ep > 1 and model.is_moe:
+        notes.append(f"expert parallel EP={layout.ep}: each rank runs {model.num_experts // layout.ep} of the "
+                     f"{model.num_experts} experts of a MoE layer and gathers only their weights; stored states are "
+                     "sharded over all ranks with or without EP")
     if layout.sp > 1:
         notes.append(f"Ulysses SP={layout.sp}: each rank keeps the activations of 1/{layout.sp} of every sequence; "
                      "ZeRO shards over all ranks")

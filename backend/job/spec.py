@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "ep_degree": "expert_model_parallel_size",
     "expert_parallel_size": "expert_model_parallel_size",
     "etp_size": "expert_tensor_parallel_size",
+    "moe_aux_loss_coeff": "router_aux_loss_coef",
     "sp_size": "sequence_parallel_size",
     "ulysses_size": "sequence_parallel_size",
     "model_id_or_path": "model",
@@ -97,6 +98,7 @@ class JobSpec(BaseModel):
     expert_model_parallel_size: int = Field(1, ge=1, description="Expert-parallel degree (EP), MoE models only.")
     expert_tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel degree inside the experts (ETP; ms-swift's default 1): the experts' grid ETP x EP x PP is carved out of the world independently of TP x CP, as Megatron does.")
     sequence_parallel_size: int = Field(1, ge=1, description="Ulysses sequence-parallel degree.")
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="MoE models: the weight of the router's load-balancing loss added to the training loss (ms-swift's field); 0 leaves the model config as it is (transformers adds the config's weight only where it sets output_router_logits). The loss and each expert's tokens are recorded either way.")
 
     # Data and batch
     max_length: int = Field(2048, ge=8, description="Longest sequence in tokens; longer samples are truncated.")

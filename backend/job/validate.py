@@ -89,7 +89,7 @@ def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
 
 def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     out: list[Problem] = []
-    tp, pp, ep, sp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.expert_model_parallel_size, spec.sequence_parallel_size
+    tp, pp, sp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.sequence_parallel_size
     if model.num_heads % tp:
         out.append(Problem(TP, f"the model's {model.num_heads} attention heads are not divisible by TP={tp}"))
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
@@ -123,10 +123,8 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         out.append(Problem("lora_dropout", f"LoRA on {model.model_type}'s router and stacked experts (which "
                                            f"{', '.join(spec.target_modules)} reaches) takes no dropout in peft: set "
                                            "lora_dropout to 0, or name attention targets only"))
-    if ep > 1 and not model.is_moe:
-        out.append(Problem(EP, f"EP={ep} needs a mixture-of-experts model; {spec.model} is dense"))
-    elif ep > 1 and model.num_experts % ep:
-        out.append(Problem(EP, f"the model's {model.num_experts} experts are not divisible by EP={ep}"))
+    out += capabilities.ep_model_problems(spec, model.is_moe, model.num_experts, model.tie_word_embeddings,
+                                          adapts_stacked_params(spec, model))
     return out
 
 

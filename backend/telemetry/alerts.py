@@ -40,6 +40,10 @@ class AlertConfig:
     """... by at least this many seconds (ignores noise on tiny steps)."""
     mem_pct: float = 95.0
     """GPU memory used above this share of the total."""
+    expert_load_ratio: float = 3.0
+    """A MoE expert taking more than this multiple of an even share (1 / experts) of the routed tokens ..."""
+    expert_load_windows: int = 3
+    """... in each of this many consecutive logging windows (one window's routing is noisy)."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,34 @@ def gpu_memory(w: Window, cfg: AlertConfig) -> list[Finding]:
     return out
 
 
-RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory)
+def expert_imbalance(w: Window, cfg: AlertConfig) -> list[Finding]:
+    """One expert taking most of the tokens: the router has collapsed onto it (the others starve and
+    the rank holding it sets every step's pace under expert parallel)."""
+    recent = [e for e in w.train if isinstance(e.get("moe_expert_tokens"), list)][-cfg.expert_load_windows:]
+    if len(recent) < cfg.expert_load_windows:
+        return []
+    shares = []
+    for e in recent:
+        counts = [number(c) or 0.0 for c in e["moe_expert_tokens"]]
+        total = sum(counts)
+        if not counts or total <= 0:
+            return []
+        top = max(range(len(counts)), key=counts.__getitem__)
+        shares.append((top, counts[top] / total, len(counts)))
+    experts = shares[-1][2]
+    even = 1 / experts
+    if len({top for top, _, _ in shares}) != 1 or min(share for _, share, _ in shares) <= cfg.expert_load_ratio * even:
+        return []
+    top, share, _ = shares[-1]
+    last = recent[-1]
+    return [Finding("expert_imbalance", f"expert_imbalance:{top}", "warning", number(last.get("time")) or w.now,
+                    f"expert {top} took {share:.0%} of the routed tokens (an even share is {even:.0%} of {experts} "
+                    f"experts) for {len(recent)} logging windows up to step {last.get('step')}: the router is "
+                    "collapsing onto it; raise router_aux_loss_coef (the load-balancing loss) or lower the learning "
+                    "rate")]
+
+
+RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory, expert_imbalance)
 
 
 def evaluate(w: Window, cfg: AlertConfig = AlertConfig()) -> list[Finding]:

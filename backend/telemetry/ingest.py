@@ -41,7 +41,10 @@ S, E, A, O, P = (m.__table__ for m in (MetricSample, RunEvent, Alert, IngestOffs
 # Fields of agent lines that are not metrics.
 _NOT_METRIC = {"kind", "t", "gpu", "run_pids"}
 TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens", "tokens_per_s", "samples_per_s", "step_time_s",
-                "mfu", "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s")
+                "mfu", "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s", "moe_aux_loss", "moe_max_expert_share")
+EXPERT_TOKENS = "train/moe_expert_tokens"
+"""Routed tokens per expert of a MoE model in each logging window: one series per expert, the
+expert's index in the series' `gpu` column (the index the charts split series by)."""
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s")
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
 SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s", "attempt")
@@ -273,6 +276,11 @@ class Ingestor:
             if data.get(f) is not None or f in nonfinite:
                 self._add_point(run_id, st, st.key(f"{prefix}/{f}", where, NO_INDEX, rank), t, data.get(f), attempt,
                                 step, derived)
+        experts = data.get("moe_expert_tokens") if etype == "train" else None
+        if isinstance(experts, list):
+            for expert, count in enumerate(experts):
+                self._add_point(run_id, st, st.key(EXPERT_TOKENS, where, expert, rank), t, count, attempt, step,
+                                derived)
         if etype == "train" and step is not None:
             # Not a stored sample: history reads the step from the event rows (query.STEP_SERIES).
             self._seq += 1

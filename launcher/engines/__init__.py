@@ -1,12 +1,12 @@
 """Engines: DDP, DeepSpeed ZeRO, FSDP2, tensor parallel. `build_engine` picks one from the job spec."""
 from __future__ import annotations
 
-from backend.job.capabilities import fsdp_plan, tp_plan
+from backend.job.capabilities import fsdp_plan, transformers_plan
 from launcher.engines.base import Engine
 
 
 def build_engine(model, spec, dist, total_steps: int, ds_config: dict | None) -> Engine:
-    tp = tp_plan(spec, dist.world_size)
+    tp = transformers_plan(spec, dist.world_size)
     if tp:
         from launcher.engines.tp import TPEngine
 

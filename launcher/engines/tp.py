@@ -1,21 +1,28 @@
-"""Tensor parallel: transformers' own TP (the model's `base_model_tp_plan`, DTensor shards) with its
-FSDP2 for the data-parallel dimension, loaded straight into the shards by `from_pretrained`
+"""Tensor and expert parallel: transformers' own TP and EP (the model's `base_model_tp_plan` and
+`base_model_ep_plan`, DTensor shards, tokens sent to their experts by all-to-all) with its FSDP2
+for the data-parallel dimension, loaded straight into the shards by `from_pretrained`
 (`launcher.model.prepare` with `distributed_config`). Checkpoints are DCP, as FSDP2's: they reshard
 onto any layout, and export consolidates them."""
 from __future__ import annotations
 
 import torch
 
-from backend.job.capabilities import TIED_UNDER_TP_FSDP, TpPlan
+import logging
+
+from backend.job.capabilities import TIED_UNDER_TP_FSDP, TransformersPlan, ep_model_problems
 from launcher.config import ConfigError
 from launcher.engines.base import autocast, make_optimizer, make_scheduler
 from launcher.engines.fsdp import FSDPEngine
 
 
-def distributed_config(plan: TpPlan):
+log = logging.getLogger(__name__)
+
+
+def distributed_config(plan: TransformersPlan):
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(tp_size=plan.tp, fsdp_size=plan.fsdp, dp_replicate_size=plan.replicate)
+    return DistributedConfig(tp_size=plan.tp, fsdp_size=plan.fsdp, dp_replicate_size=plan.replicate,
+                             ep_size=plan.ep)
 
 
 class TPEngine(FSDPEngine):
@@ -25,9 +32,14 @@ class TPEngine(FSDPEngine):
     name = "tp"
     reshards = True
 
-    def __init__(self, model, spec, dist, total_steps: int, plan: TpPlan):
-        if plan.fsdp > 1 and getattr(model.config, "tie_word_embeddings", False):
+    def __init__(self, model, spec, dist, total_steps: int, plan: TransformersPlan):
+        if plan.tp > 1 and plan.fsdp > 1 and getattr(model.config, "tie_word_embeddings", False):
             raise ConfigError(f"fsdp: {TIED_UNDER_TP_FSDP}")
+        if plan.ep > 1:
+            self.name = "ep"
+            _refuse_lora_on_experts(model, spec)
+            if dist.is_main:
+                log.info("expert parallel: EP=%d, %s", plan.ep, _experts_held(model))
         self.spec, self.device, self.plan = spec, dist.device, plan
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -41,6 +53,8 @@ class TPEngine(FSDPEngine):
         # LoRA adapters come after that wrapping: FSDP2 does not know them, so their (small)
         # gradients are averaged over the data-parallel ranks here.
         self._dp_group = _dp_group(base, plan) if spec.train_type == "lora" and plan.dp > 1 else None
+        self._partial = _partial_over_tp(base) if plan.tp > 1 else []
+        self._tp_group = base._device_mesh["tp"].get_group() if self._partial else None
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         if self._sync is not None:
@@ -53,10 +67,42 @@ class TPEngine(FSDPEngine):
     def step(self):
         if self._dp_group is not None:
             _average_grads(self.params, self._dp_group)
+        if self._partial:
+            _sum_grads(self._partial, self._tp_group)
         return super().step()
 
 
-def _dp_group(base, plan: TpPlan):
+# transformers 5.24's "replicated_with_grad_allreduce" (Qwen3's per-head q_norm and k_norm under TP)
+# sums a norm's partial gradient over the TP ranks in a post-accumulate hook, which runs on every
+# micro-batch: with gradient accumulation the earlier micro-batches' sums are summed again (pinned
+# in tests/test_tensor_parallel.py). The hook is taken out before the first forward and the sum is
+# made once per step instead.
+ALL_REDUCE_HOOK = "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward"
+
+
+def _partial_over_tp(base) -> list:
+    """The trainable parameters whose gradients each TP rank holds only its heads' part of; their
+    modules get their own forward back (without transformers' per-micro-batch hook)."""
+    out = []
+    for module in base.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__qualname__", None) == ALL_REDUCE_HOOK:
+            del module.forward
+            out += [p for p in module.parameters(recurse=False) if p.requires_grad]
+    return out
+
+
+def _sum_grads(params: list, group) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        if p.grad is not None:
+            # FSDP2 shards these over the data-parallel ranks; a TP group's ranks hold the same shard.
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
+
+
+def _dp_group(base, plan: TransformersPlan):
     """The process group of this rank's data-parallel peers (the ranks that hold the same TP shard)."""
     mesh = base._device_mesh
     return mesh["fsdp" if plan.fsdp > 1 else "dp_replicate"].get_group()
@@ -77,3 +123,26 @@ def _average_grads(params: list, group) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _refuse_lora_on_experts(model, spec) -> None:
+    """The validator refuses LoRA on the experts under EP from the model's config; a worker started
+    without it finds peft's wrappers of the stacked expert weights here, before the first step fails."""
+    wrapped = any(type(m).__name__ == "ParamWrapper" for m in model.modules())
+    for problem in ep_model_problems(spec, is_moe=True, num_experts=0, tied=False, lora_on_experts=wrapped):
+        raise ConfigError(str(problem))
+
+
+def _experts_held(model) -> str:
+    """How many experts' weights rank 0 holds, from the first MoE layer's stacked weights
+    (transformers sets the module's `num_experts` to the local count; the config keeps the total)."""
+    from torch.distributed.tensor import DTensor
+
+    config = model.config
+    total = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    for module in model.modules():
+        weight = getattr(module, "gate_up_proj", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.ndim == 3:
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            return f"rank 0 holds the weights of {local.shape[0]} of the {total} experts of each MoE layer"
+    return "no stacked experts found"
