@@ -236,8 +236,8 @@ def pp_problems(spec: JobSpec) -> list[Problem]:
                        ("gradient_checkpointing", "not tested with pipeline stages"),
                        ("tiled_mlp", "not tested with pipeline stages"),
                        ("activation_cpu_offload", "not tested with pipeline stages")):
-        value = getattr(spec, field, None)
-        if value and not (isinstance(value, int) and not isinstance(value, bool) and value <= 1):
+        value = getattr(spec, field)
+        if value if isinstance(value, (bool, str)) or value is None else value > 1:
             out.append(Problem(field, f"not with {PP} > 1 ({why}); remove it"))
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {PP} > 1 needs a grad scaler across stages; use bfloat16"))
