@@ -255,7 +255,8 @@ class Trainer:
     def _layout(self) -> dict[str, int]:
         return {field: getattr(self.spec, field)
                 for field in ("tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size",
-                              "expert_model_parallel_size")}
+                              "expert_model_parallel_size", "pipeline_model_parallel_size",
+                              "virtual_pipeline_model_parallel_size")}
 
     def _load(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())

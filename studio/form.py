@@ -22,8 +22,9 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-        "expert_tensor_parallel_size", "sequence_parallel_size")),
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule",
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "sequence_parallel_size", "router_aux_loss_coef")),
     ("Hyper-parameters", True, (
         "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
         "gradient_accumulation_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay",
@@ -51,7 +52,8 @@ OPEN_CHOICES: dict[str, tuple[str, ...]] = {
 TITLES = {
     "model": "Model", "dataset": "Dataset", "torch_dtype": "Compute dtype",
     "nproc_per_node": "Processes per node", "tensor_model_parallel_size": "Tensor parallel (TP)",
-    "pipeline_model_parallel_size": "Pipeline parallel (PP)", "context_parallel_size": "Context parallel (CP)",
+    "pipeline_model_parallel_size": "Pipeline parallel (PP)",
+    "virtual_pipeline_model_parallel_size": "Virtual stages per PP rank", "pipeline_schedule": "Pipeline schedule", "context_parallel_size": "Context parallel (CP)",
     "expert_model_parallel_size": "Expert parallel (EP)", "expert_tensor_parallel_size": "Expert tensor parallel (ETP)",
     "sequence_parallel_size": "Sequence parallel (Ulysses)",
     "per_device_train_batch_size": "Micro-batch per GPU", "gradient_accumulation_steps": "Gradient accumulation",

@@ -31,7 +31,7 @@ def test_supported_jobs_pass():
 @pytest.mark.parametrize("fields,field,text", [
     (dict(tensor_model_parallel_size=2, deepspeed="zero2"), "deepspeed", "AutoTP trains full fine-tuning only"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size", "not supported by this worker yet"),
-    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size", "not supported"),
+    (dict(pipeline_model_parallel_size=2), "gradient_accumulation_steps", "cannot fill a pipeline"),
     (dict(context_parallel_size=2), "fsdp", "runs on FSDP2 (torch's context_parallel)"),
     (dict(expert_model_parallel_size=2), "fsdp", "spreads the experts over the ranks FSDP2 shards over"),
     (dict(sequence_parallel_size=2), "deepspeed", "runs on DeepSpeed's Ulysses"),
@@ -52,7 +52,9 @@ def test_the_form_greys_what_this_engine_cannot_run():
 
     plain = parallel_refusals(spec())
     assert "tensor_model_parallel_size" not in plain and "Ulysses" in plain["sequence_parallel_size"]
-    assert plain["pipeline_model_parallel_size"].startswith("not supported by this worker yet")
+    assert "cannot fill a pipeline" in plain["pipeline_model_parallel_size"]
+    assert "pipeline_model_parallel_size" not in parallel_refusals(spec(gradient_accumulation_steps=2,
+                                                                        gradient_checkpointing=False))
     zero = parallel_refusals(spec(deepspeed="zero2"))  # LoRA: AutoTP is for full fine-tuning
     assert "sequence_parallel_size" not in zero and "AutoTP" in zero["tensor_model_parallel_size"]
     assert "tensor_model_parallel_size" not in parallel_refusals(spec(deepspeed="zero2", train_type="full"))
@@ -94,7 +96,8 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size: not supported by this worker yet"),
+    (dict(pipeline_model_parallel_size=2, gradient_checkpointing=False),
+     "gradient_accumulation_steps: 1 micro-batches cannot fill a pipeline"),
     (dict(torch_dtype="float16"), "torch_dtype: float16 needs a GPU"),
     (dict(context_parallel_size=2, fsdp="full_shard"),
      "context_parallel_size: ring attention (torch's context_parallel) runs on CUDA GPUs only"),

@@ -10,11 +10,10 @@ import torch
 
 from backend.job.capabilities import TransformersPlan, transformers_plan, unsupported, world_problems
 from backend.job.spec import JobSpec, parse_spec
-from worker import (ROOT, assert_resumes_the_same, assert_same_export, build_tiny_model, events, losses, run_ok,
-                    run_worker, write_run)
+from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, build_tiny_model, equality_job,
+                    events, losses, run_worker, trained, write_run)
 
-DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
-STEPS = 20
+STEPS = EQUALITY_STEPS
 EP = "expert_model_parallel_size"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -164,18 +163,6 @@ def test_the_monitor_draws_the_experts_only_for_a_moe_run():
     assert list(shares["load-balancing loss"]) == [1.1, 1.05]
 
 
-def job(model, **extra) -> dict:
-    base = dict(model=str(model), dataset=[DATA], max_length=64, per_device_train_batch_size=4,
-                gradient_accumulation_steps=2, learning_rate=2e-3, max_steps=STEPS, logging_steps=1, save_steps=10,
-                gradient_checkpointing=False, warmup_ratio=0.1, torch_dtype="float32", lora_dropout=0.0,
-                router_aux_loss_coef=0.01)
-    return {**base, **extra}
-
-
-def trained(tmp_path, name, nproc, **spec_fields):
-    run = write_run(tmp_path / name, **spec_fields)
-    run_ok(run, nproc=nproc, timeout=400)
-    return run
 
 
 def assert_same_training(a, b, steps=STEPS):
@@ -198,7 +185,7 @@ def test_ep2_by_fsdp2_trains_resumes_and_exports_like_fsdp2(tmp_path, moe_model,
     """EP=2 over FSDP2's 2 ranks (each holds 2 of the 4 experts) against the same 2 ranks without EP;
     the load-balancing loss is in the training loss (router_aux_loss_coef 0.01). LoRA on attention."""
     targets = {"target_modules": ATTENTION} if train_type == "lora" else {}
-    spec_fields = job(moe_model, train_type=train_type, fsdp="full_shard", **targets)
+    spec_fields = equality_job(moe_model, router_aux_loss_coef=0.01, train_type=train_type, fsdp="full_shard", **targets)
     plain = trained(tmp_path, "plain", 2, **spec_fields)
     ep = trained(tmp_path, "ep", 2, **spec_fields, **{EP: 2})
     assert_same_training(ep, plain)
@@ -218,7 +205,7 @@ def test_ep2_by_fsdp2_trains_resumes_and_exports_like_fsdp2(tmp_path, moe_model,
 def test_ep4_by_tp2_by_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, moe_model):
     """TP2 x FSDP2 with EP=4 (each rank one whole expert) against 2-rank data parallel: the same
     global batch per step."""
-    spec_fields = job(moe_model, train_type="full", max_steps=10, save_steps=10)
+    spec_fields = equality_job(moe_model, router_aux_loss_coef=0.01, train_type="full", max_steps=10, save_steps=10)
     dp = trained(tmp_path, "dp", 2, **spec_fields, fsdp="full_shard")
     both = trained(tmp_path, "ep-tp", 4, **spec_fields, fsdp="full_shard", tensor_model_parallel_size=2, **{EP: 4})
     assert_same_training(both, dp, steps=10)

@@ -226,7 +226,9 @@ def test_megatron_tp_pp():
     assert "--min_lr 1e-6" in result.ignored and "--finetune true" in result.ignored
     assert_validates(spec, CLUSTERS["2x4"])
     layout_errors = errors(validate(spec, parse_hostfile_text(CLUSTERS["2x4"])))
-    assert {p.field for p in layout_errors} <= {"tensor_model_parallel_size", "pipeline_model_parallel_size"}
+    # The worker's pipeline refuses TP beside it and gradient checkpointing, each by name.
+    assert {p.field for p in layout_errors} <= {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "gradient_checkpointing"}
 
 
 def test_ulysses_sequence_parallel():

@@ -8,11 +8,10 @@ import torch
 
 from backend.job.capabilities import TIED_UNDER_TP_FSDP, TransformersPlan, transformers_plan, unsupported
 from backend.job.spec import JobSpec
-from worker import (ROOT, assert_resumes_the_same, assert_same_export, assert_timing_from_every_rank, events,
-                    losses, run_ok, run_worker, write_run)
+from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, assert_timing_from_every_rank,
+                    equality_job, events, losses, run_worker, trained, write_run)
 
-DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"
-STEPS = 20
+STEPS = EQUALITY_STEPS
 
 
 def spec(**over) -> JobSpec:
@@ -53,19 +52,6 @@ def test_what_tp_does_not_compose_with_is_refused_by_name():
     assert fields(torch_dtype="float16") == ["torch_dtype"]
 
 
-def job(model, **extra) -> dict:
-    base = dict(model=str(model), dataset=[DATA], max_length=64, per_device_train_batch_size=4,
-                gradient_accumulation_steps=2, learning_rate=2e-3, max_steps=STEPS, logging_steps=1, save_steps=10,
-                gradient_checkpointing=False, warmup_ratio=0.1, torch_dtype="float32", lora_dropout=0.0)
-    return {**base, **extra}
-
-
-def trained(tmp_path, name, nproc, resume=None, **spec_fields):
-    run = tmp_path / name
-    if resume is None:
-        write_run(run, **spec_fields)
-    run_ok(run, nproc=nproc, resume=resume, timeout=400)
-    return run
 
 
 def assert_same_curve(a, b, rel=2e-4):
@@ -84,7 +70,7 @@ def test_tp2_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model, tiny
     batch check counts the TP ranks as data-parallel (backend.job.dsconfig.batch_fields): were that
     fixed in DeepSpeed, the AutoTP run would fail at start. Each on another model family's TP plan."""
     model = tiny_model if family == "qwen2" else tiny_families[family]
-    spec_fields = job(model, train_type=train_type, **engine)
+    spec_fields = equality_job(model, train_type=train_type, **engine)
     plain = trained(tmp_path, "plain", 1, **spec_fields)
     tp = trained(tmp_path, "tp", 2, **spec_fields, tensor_model_parallel_size=2)
     assert_same_curve(losses(tp), losses(plain))
@@ -113,7 +99,7 @@ def test_tp2_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model, tiny
 
 @pytest.mark.e2e
 def test_autotp2_by_dp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_model):
-    spec_fields = job(tiny_model, train_type="full", deepspeed="zero2", max_steps=8)
+    spec_fields = equality_job(tiny_model, train_type="full", deepspeed="zero2", max_steps=8)
     dp = trained(tmp_path, "dp", 2, **spec_fields)
     both = trained(tmp_path, "autotp-dp", 4, **spec_fields, tensor_model_parallel_size=2)
     a, b = losses(both), losses(dp)
@@ -140,7 +126,7 @@ def untied_model(tiny_model, tmp_path_factory):
 def test_tp2_with_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_families):
     """TP2 x FSDP2 (4 ranks) against 2-rank data parallel: the same global batch per step (Qwen3,
     untied)."""
-    spec_fields = job(tiny_families["qwen3"], train_type="full")
+    spec_fields = equality_job(tiny_families["qwen3"], train_type="full")
     dp = trained(tmp_path, "dp", 2, **spec_fields)
     both = trained(tmp_path, "tp-fsdp", 4, **spec_fields, tensor_model_parallel_size=2, fsdp="full_shard")
     assert_same_curve(losses(both), losses(dp))

@@ -31,7 +31,7 @@ def check(spec, cluster=None, model=LLAMA8B, layout_only=True) -> list[Problem]:
     found = validate(spec, cluster, model)
     if layout_only:
         worker = {(p.field, p.message) for p in capabilities.unsupported(spec)}
-        found = [p for p in found if (p.field, p.message) not in worker]
+        found = [p for p in found if (p.field, p.message) not in worker and "beside a pipeline" not in p.message]
     return found
 
 
@@ -59,11 +59,11 @@ RULES = [
     ("TP divides the node", dict(nnodes=1, nproc_per_node=6, tensor_model_parallel_size=4, pipeline_model_parallel_size=3),
      "tensor_model_parallel_size", dict(nnodes=1, nproc_per_node=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=2)),
     ("ZeRO-3 with PP", dict(nproc_per_node=8, deepspeed="zero3", pipeline_model_parallel_size=2), "deepspeed",
-     dict(nproc_per_node=8, deepspeed="zero1", pipeline_model_parallel_size=2)),
+     dict(nproc_per_node=2, deepspeed="zero1", pipeline_model_parallel_size=2)),
     ("FSDP and DeepSpeed", dict(nproc_per_node=8, deepspeed="zero2", fsdp="full_shard"), "fsdp",
      dict(nproc_per_node=8, fsdp="full_shard")),
     ("FSDP with PP", dict(nproc_per_node=8, fsdp="full_shard", pipeline_model_parallel_size=2), "fsdp",
-     dict(nproc_per_node=8, pipeline_model_parallel_size=2)),
+     dict(nproc_per_node=2, pipeline_model_parallel_size=2)),
     ("max_steps not 0", dict(max_steps=0), "max_steps", dict(max_steps=10)),
 ]
 
@@ -312,6 +312,6 @@ def test_every_problem_at_once():
 
 
 def test_worker_capabilities_are_included():
-    """PP>1 is legal for the layout but the worker refuses it; validate passes that on."""
-    problems = validate(job(nproc_per_node=8, pipeline_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
-    assert any(p.field == "pipeline_model_parallel_size" and "not supported by this worker" in p.message for p in problems)
+    """One micro-batch is legal for the layout but the worker's pipeline refuses it; validate passes that on."""
+    problems = validate(job(nproc_per_node=2, pipeline_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
+    assert any(p.field == "gradient_accumulation_steps" and "cannot fill a pipeline" in p.message for p in problems)

@@ -110,6 +110,26 @@ def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, ste
         assert value == pytest.approx(before[at], rel=2e-4), at
 
 
+EQUALITY_STEPS = 20
+EQUALITY_JOB = dict(dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"], max_length=64,
+                    per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=2e-3,
+                    max_steps=EQUALITY_STEPS, logging_steps=1, save_steps=10, gradient_checkpointing=False,
+                    warmup_ratio=0.1, torch_dtype="float32", lora_dropout=0.0)
+"""The job the layout tests train with and without a parallel dimension: 20 logged steps (a
+checkpoint at 10) of the demo data in fp32, where equal losses mean equal training."""
+
+
+def equality_job(model: Path, **extra) -> dict:
+    return {"model": str(model), **EQUALITY_JOB, **extra}
+
+
+def trained(tmp_path: Path, name: str, nproc: int, **spec) -> Path:
+    """A run directory `name` under `tmp_path` with `spec` as its job, trained on `nproc` ranks."""
+    run = write_run(tmp_path / name, **spec)
+    run_ok(run, nproc=nproc, timeout=400)
+    return run
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """Kill torchrun and its workers by pid (torchrun puts each worker in its own session)."""
     import psutil

@@ -13,6 +13,8 @@ from backend.job.spec import JobSpec, Problem
 TP = "tensor_model_parallel_size"
 SP = "sequence_parallel_size"
 CP = "context_parallel_size"
+PP = "pipeline_model_parallel_size"
+VPP = "virtual_pipeline_model_parallel_size"
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
 ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
 COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
@@ -53,8 +55,8 @@ class TransformersPlan:
 
 def same_data_ranks(spec: JobSpec) -> int:
     """Consecutive ranks that compute on the same batches (a TP group, a Ulysses SP group, a ring CP
-    group): the data-parallel rank is rank // this, and their tokens count once."""
-    return spec.tensor_model_parallel_size * spec.sequence_parallel_size * spec.context_parallel_size
+    group, a pipeline): the data-parallel rank is rank // this, and their tokens count once."""
+    return spec.tensor_model_parallel_size * spec.sequence_parallel_size * spec.context_parallel_size * spec.pipeline_model_parallel_size
 
 
 def seq_multiple(spec: JobSpec) -> int:
@@ -63,25 +65,28 @@ def seq_multiple(spec: JobSpec) -> int:
     a multiple of 32 tokens each: torch's ring over the memory-efficient SDPA kernel (float32's, and
     bf16's where flash cannot run) merges each step's log-sum-exp, which that kernel pads to 32
     rows, with the unpadded running one, and fails on other chunks (seen with torch 2.11 on an
-    H200; tests/test_context_parallel.py)."""
+    H200; tests/test_context_parallel.py). Under PP: max_length itself."""
+    if spec.pipeline_model_parallel_size > 1:
+        # A pipeline stage's shapes are fixed at its first step: every row is max_length wide.
+        return spec.max_length
     cp = spec.context_parallel_size
     return spec.sequence_parallel_size * (2 * cp * 32 if cp > 1 else 1)
 
 
 def world_problems(spec: JobSpec, world: int) -> list[Problem]:
     """The worker's own check of its world size (the validator checks the layout before launch):
-    TP x SP x CP consecutive ranks form one group, so they must divide the ranks torchrun started;
-    EP must divide them too."""
+    TP x SP x CP x PP consecutive ranks form one group, so they must divide the ranks torchrun
+    started; EP must divide them too."""
     group = same_data_ranks(spec)
-    out = multi_rank_problems(spec, world)
+    out = multi_rank_problems(spec, world) + pipeline_world_problems(spec, world)
     ep = spec.expert_model_parallel_size
     if ep > 1 and world % ep:
         out.append(Problem(EP, f"EP={ep} does not divide the {world} ranks this job was started with (transformers' "
                                "expert parallel: EP divides FSDP x TP)"))
     if world % group == 0:
         return out
-    field = next(f for f in (CP, SP, TP) if getattr(spec, f) > 1)
-    return [Problem(field, f"TP x SP x CP = {group} does not divide the {world} ranks this job was started with"), *out]
+    field = next(f for f in (PP, CP, SP, TP) if getattr(spec, f) > 1)
+    return [Problem(field, f"TP x SP x CP x PP = {group} does not divide the {world} ranks this job was started with"), *out]
 
 
 def transformers_plan(spec: JobSpec, world: int) -> TransformersPlan | None:
@@ -153,11 +158,11 @@ def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Pr
 
 def unsupported(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
-    for field in ("pipeline_model_parallel_size", "expert_tensor_parallel_size"):
-        if getattr(spec, field) > 1:
-            problems.append(Problem(field, "not supported by this worker yet (it runs DDP, DeepSpeed ZeRO, FSDP2, "
-                                           "tensor and expert parallel, Ulysses sequence parallel and ring context "
-                                           "parallel)"))
+    if spec.expert_tensor_parallel_size > 1:
+        problems.append(Problem("expert_tensor_parallel_size", "not supported by this worker yet (it runs DDP, "
+                                "DeepSpeed ZeRO, FSDP2, tensor, expert and pipeline parallel, Ulysses sequence "
+                                "parallel and ring context parallel)"))
+    problems += pp_problems(spec)
     problems += _tp_problems(spec)
     problems += _ep_problems(spec)
     problems += _sp_problems(spec)
@@ -191,6 +196,67 @@ def unsupported(spec: JobSpec) -> list[Problem]:
 TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddings wrongly in "
                       "transformers' TP x FSDP2 (the updates differ from the same job without TP); leave fsdp "
                       "empty (TP with replicated data parallel)")
+
+
+def bubble_fraction(spec: JobSpec) -> float:
+    """The share of a 1F1B step each pipeline rank idles: (PP - 1) / (m + PP - 1) for m micro-batches
+    (interleaving divides the PP - 1 by the virtual stages)."""
+    pp, m = spec.pipeline_model_parallel_size, spec.gradient_accumulation_steps
+    return (pp - 1) / spec.virtual_pipeline_model_parallel_size / (m + pp - 1)
+
+
+TIED_UNDER_PP = (f"{PP} > 1 with a model whose output layer is tied to its embedding: the two live on the first "
+                 "and the last stage, and would be trained as two copies; untie them (tie_word_embeddings: false, "
+                 "lm_head initialised from the embedding) or leave PP at 1")
+
+
+def pipeline_world_problems(spec: JobSpec, world: int) -> list[Problem]:
+    """A pipeline has no data parallel beside it yet: it runs on exactly its PP ranks."""
+    pp = spec.pipeline_model_parallel_size
+    if pp <= 1 or world == same_data_ranks(spec):
+        return []
+    return [Problem(PP, f"PP={pp} runs on exactly {same_data_ranks(spec)} ranks (data parallel beside a pipeline "
+                        f"is not supported yet); this job has {world}")]
+
+
+def pp_problems(spec: JobSpec) -> list[Problem]:
+    """Pipeline parallel (launcher/engines/pp.py, torch's schedules): the trainer's micro-batches of one
+    step are the schedule's, and what it was not tested with is refused by name."""
+    pp, virtual, m = spec.pipeline_model_parallel_size, spec.virtual_pipeline_model_parallel_size, spec.gradient_accumulation_steps
+    out = []
+    if virtual > 1 and spec.pipeline_schedule != "interleaved_1f1b":
+        out.append(Problem(VPP, f"{virtual} virtual stages need pipeline_schedule interleaved_1f1b"))
+    if pp <= 1:
+        if virtual > 1:
+            out.append(Problem(VPP, "virtual pipeline stages need pipeline_model_parallel_size > 1"))
+        return out
+    if m < pp:
+        out.append(Problem("gradient_accumulation_steps", f"{m} micro-batches cannot fill a pipeline of PP={pp} "
+                                                          f"stages: use at least {pp}"))
+    elif spec.pipeline_schedule == "interleaved_1f1b" and m % pp:
+        # torch's ScheduleInterleaved1F1B runs the micro-batches in rounds of PP.
+        out.append(Problem("gradient_accumulation_steps", f"{m} micro-batches: the interleaved schedule needs a "
+                                                          f"multiple of PP={pp}"))
+    else:
+        out.append(Problem("gradient_accumulation_steps", f"{m} micro-batches over PP={pp}: each rank idles about "
+                                                          f"{bubble_fraction(spec):.0%} of a step (the pipeline "
+                                                          "bubble); more micro-batches make it smaller", "warning"))
+    for field, why in (("deepspeed", "DeepSpeed's engines do not run torch's pipeline schedules"),
+                       ("fsdp", "FSDP2 beside a pipeline is not supported yet"),
+                       (TP, "tensor parallel beside a pipeline is not tested"),
+                       (SP, "Ulysses sequence parallel beside a pipeline is not tested"),
+                       (CP, "ring context parallel beside a pipeline is not tested"),
+                       ("expert_model_parallel_size", "expert parallel beside a pipeline is not tested"),
+                       ("torch_compile", "compiled stages are not tested"),
+                       ("use_liger_kernel", "Liger's fused loss does not run on a pipeline's last stage"),
+                       ("tiled_mlp", "not tested with pipeline stages"),
+                       ("activation_cpu_offload", "not tested with pipeline stages")):
+        value = getattr(spec, field)
+        if value if isinstance(value, (bool, str)) or value is None else value > 1:
+            out.append(Problem(field, f"not with {PP} > 1 ({why}); remove it"))
+    if spec.torch_dtype == "float16":
+        out.append(Problem("torch_dtype", f"float16 with {PP} > 1 needs a grad scaler across stages; use bfloat16"))
+    return out
 
 
 def _untested_with(spec: JobSpec, dimension: str, compiled: str, liger: str) -> list[Problem]:

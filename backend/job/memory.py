@@ -175,15 +175,24 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     layers_here = model.num_layers / layout.pp
     inputs = tokens * layers_here * width * h  # what checkpointing keeps: each layer's input
     on_host = inputs if spec.gradient_checkpointing and spec.activation_cpu_offload else 0.0
-    if spec.gradient_checkpointing:
-        kept = inputs - on_host + tokens * per_layer + tile + backward  # + one layer recomputed
-    else:
-        kept = tokens * layers_here * per_layer + tile
+
+    def kept(in_flight: float) -> float:
+        if spec.gradient_checkpointing:
+            return (inputs - on_host) * in_flight + tokens * per_layer + tile + backward  # + one layer recomputed
+        return tokens * layers_here * per_layer * in_flight + tile
+
     # Liger's fused linear-cross-entropy never materialises the logits. Under TP every rank holds
     # all of them: the TP plans gather lm_head's output for the loss (transformers' colwise_gather_output;
     # measured, bench/results/h200-layout-memory.jsonl).
     logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES
-    return kept + logits, on_host
+    if layout.pp == 1:
+        return kept(1) + logits, on_host
+    # 1F1B: the first stage holds the activations of min(PP, micro-batches) micro-batches before its
+    # first backward, the last stage one micro-batch and the logits; interleaving keeps Megatron's
+    # factor 1 + (PP - 1) / (PP x virtual stages) more on the first (Narayanan et al., 2021).
+    pp, virtual = layout.pp, spec.virtual_pipeline_model_parallel_size
+    first = min(pp, spec.gradient_accumulation_steps) * (1 + (pp - 1) / (pp * virtual) if virtual > 1 else 1)
+    return max(kept(first), kept(1) + logits), on_host * first
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,11 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     if spec.tiled_mlp and model.is_moe:
         out.append(Problem("tiled_mlp", "the model is a mixture of experts: its routed MLP blocks are not tiled by this "
                                         "worker; turn tiled_mlp off"))
-    if model.num_layers % pp:
-        out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP={pp}"))
+    stages = pp * spec.virtual_pipeline_model_parallel_size
+    if model.num_layers % stages:
+        out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP x virtual stages = {stages}"))
+    if pp > 1 and model.tie_word_embeddings:
+        out.append(Problem(PP, capabilities.TIED_UNDER_PP))
     if tp > 1 and spec.fsdp and model.tie_word_embeddings:
         out.append(Problem("fsdp", capabilities.TIED_UNDER_TP_FSDP))
     if model.max_position_embeddings and spec.max_length > model.max_position_embeddings:
@@ -134,7 +137,7 @@ def _engine_rules(spec: JobSpec, layout: Layout, ds_config: dict | None) -> list
     if spec.fsdp and spec.deepspeed:
         out.append(Problem("fsdp", "FSDP and DeepSpeed cannot both be used; choose one"))
     if spec.fsdp and layout.pp > 1:
-        out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; use PP with DeepSpeed ZeRO-0/1 or no engine"))
+        out.append(Problem("fsdp", "FSDP with pipeline parallelism is not supported; leave fsdp and deepspeed empty with PP"))
     if ds_config is None:
         return out
     zero = ZeroSettings.of(ds_config)
@@ -259,7 +262,8 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
-    problems += [p for p in capabilities.unsupported(spec) if p.field not in failed]
+    problems += [p for p in capabilities.unsupported(spec) + capabilities.pipeline_world_problems(spec, layout.world)
+                 if p.field not in failed]
     return Assessment(spec, cluster, layout, problems, model, ds_config, memory, memory_note)
 
 

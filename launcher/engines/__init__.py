@@ -1,4 +1,4 @@
-"""Engines: DDP, DeepSpeed ZeRO, FSDP2, tensor parallel. `build_engine` picks one from the job spec."""
+"""Engines: DDP, DeepSpeed ZeRO, FSDP2, tensor parallel, pipeline parallel. `build_engine` picks one from the job spec."""
 from __future__ import annotations
 
 from backend.job.capabilities import fsdp_plan, transformers_plan
@@ -6,6 +6,10 @@ from launcher.engines.base import Engine
 
 
 def build_engine(model, spec, dist, total_steps: int, ds_config: dict | None) -> Engine:
+    if spec.pipeline_model_parallel_size > 1:
+        from launcher.engines.pp import PPEngine
+
+        return PPEngine(model, spec, dist, total_steps)
     tp = transformers_plan(spec, dist.world_size)
     if tp:
         from launcher.engines.tp import TPEngine

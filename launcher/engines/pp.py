@@ -1,0 +1,189 @@
+"""Pipeline parallel on torch.distributed.pipelining: the decoder layers split into PP x virtual
+stages of consecutive layers, each rank keeping only its stages' (looped: rank r holds stages r,
+r + PP, ...); the first stage keeps the embeddings, the last the norm, the head and the loss.
+
+The model stays the HF (or peft) module with the other stages' parts removed, so its state-dict
+keys are the HF ones: checkpoints are DCP of each rank's own keys, and export reads their union as
+one full model. The trainer's micro-batches of one step are the schedule's micro-batches."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from backend.job.capabilities import PP, TIED_UNDER_PP
+from launcher import checkpoint
+from launcher.config import ConfigError
+from launcher.engines.base import TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler
+
+DCP_DIR = "dcp"
+# Per-parameter optimizer keys: each rank holds other parameters, so the param_groups lists differ.
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class _Stage(nn.Module):
+    """One stage's forward, as the HF decoder model runs it. Every stage recomputes the causal mask
+    and the rotary embeddings from the position ids (passed to every stage as keyword arguments),
+    so only the hidden states travel between ranks."""
+
+    def __init__(self, base, layers: list[nn.Module], first: bool, last: bool):
+        super().__init__()
+        inner = base.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = inner.norm if last else None
+        self.lm_head = base.lm_head if last else None
+        self.rotary_emb = inner.rotary_emb
+        self.config = base.config
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(hidden)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                           position_ids=position_ids)
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(self.norm(hidden))
+
+
+class PPEngine(TorchOptimizerEngine):
+    name = "pp"
+    #: each rank's checkpoint holds its stages' keys only: resume with the same PP and virtual stages
+    reshards = False
+
+    def __init__(self, model, spec, dist, total_steps: int):
+        self.spec, self.dist, self.model = spec, dist, model
+        pp, virtual = spec.pipeline_model_parallel_size, spec.virtual_pipeline_model_parallel_size
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        refuse_tied(base)
+        layers = list(base.model.layers)
+        per_stage = len(layers) // (pp * virtual)
+        stage_ids = [v * pp + dist.rank for v in range(virtual)]
+        n_stages = pp * virtual
+        owned = {i for s in stage_ids for i in range(s * per_stage, (s + 1) * per_stage)}
+        stages = [_Stage(base, layers[s * per_stage:(s + 1) * per_stage], s == 0, s == n_stages - 1)
+                  for s in stage_ids]
+        # A ModuleDict keyed by the layer index keeps the HF names (model.layers.<i>.…) of the kept layers.
+        base.model.layers = nn.ModuleDict({str(i): layers[i] for i in sorted(owned)})
+        if 0 not in stage_ids:
+            base.model.embed_tokens = None
+        if n_stages - 1 not in stage_ids:
+            base.model.norm = None
+            base.lm_head = None
+        model.to(dist.device)
+        self.is_last = n_stages - 1 in stage_ids
+        self.last_rank = pp - 1
+        pipeline = [PipelineStage(stage, s, n_stages, dist.device) for stage, s in zip(stages, stage_ids)]
+        self.accumulation = spec.gradient_accumulation_steps
+        loss_fn = _loss(base)
+        if spec.pipeline_schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(pipeline, self.accumulation, loss_fn=loss_fn)
+        else:
+            self.schedule = Schedule1F1B(pipeline[0], self.accumulation, loss_fn=loss_fn)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(model, spec, dist.device)
+        self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
+        self._buffer: list[dict] = []
+        self._losses: list[torch.Tensor] = []
+
+    def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        """The schedule runs once per step, over all its micro-batches, on the last call. The loss
+        returned for each earlier micro-batch is filled in place then: the trainer stacks them only
+        after the last call."""
+        self._buffer.append(batch)
+        loss = torch.zeros((), device=self.dist.device)
+        self._losses.append(loss)
+        if not sync:
+            return loss
+        whole = {k: torch.cat([b[k] for b in self._buffer]).to(self.dist.device) for k in self._buffer[0]}
+        kwargs = {k: whole[k] for k in ("position_ids", "attention_mask") if k in whole}
+        args = (whole["input_ids"],) if self.dist.rank == 0 else ()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=whole["labels"] if self.is_last else None, losses=losses, **kwargs)
+        values = (torch.stack([x.detach().float() for x in losses]) if self.is_last
+                  else torch.zeros(len(self._buffer), device=self.dist.device))
+        # Every rank reports the true loss: the trainer averages the losses of all ranks.
+        tdist.broadcast(values, src=self.last_rank)
+        for out, value in zip(self._losses, values):
+            out.copy_(value)
+        self._buffer, self._losses = [], []
+        return loss
+
+    def step(self):
+        """The global gradient norm: each rank's squared norm summed over the pipeline, so clipping
+        and the reported norm are the unsplit model's."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        squared = (torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads
+                   else torch.zeros((), device=self.dist.device))
+        tdist.all_reduce(squared)
+        total = squared.sqrt()
+        if self.spec.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.max_grad_norm, total)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total.detach()
+
+    def save(self, path: Path, is_main: bool) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / DCP_DIR))
+        if is_main:
+            torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+        if self.spec.train_type == "lora":
+            # The adapters are small: rank 0 gathers every stage's for export (as FSDP's engine does).
+            from peft import get_peft_model_state_dict
+
+            mine = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
+            parts = [None] * self.dist.world_size
+            tdist.all_gather_object(parts, mine, group=self.dist.control)
+            if is_main:
+                full = {k: v for part in parts for k, v in part.items()}
+                _save_adapters(self.model, path / "model", full)
+        elif is_main:
+            self.model.config.save_pretrained(path / "model")
+
+    def load(self, path: Path) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
+        state = {"model": model_state, "optim": optim_state}
+        checkpoint.dcp_read(state, checkpoint_part(path, f"{DCP_DIR}/", self.name))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=STATE_OPTIONS)
+        self.scheduler.load_state_dict(checkpoint.read(path / "scheduler.pt"))
+
+
+def refuse_tied(model) -> None:
+    """The validator refuses a tied model from its config; a worker started without it stops here."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ConfigError(f"{PP}: {TIED_UNDER_PP}")
+
+
+def _loss(base):
+    """The HF model's own causal-LM loss (shifted labels, mean over the micro-batch's non-ignored
+    tokens), as `model(**batch).loss` computes it; the schedule divides each by the micro-batches."""
+    vocab = base.config.vocab_size
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return base.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    return loss
+
+
+def _save_adapters(model, out: Path, state: dict[str, torch.Tensor]) -> None:
+    """peft's adapter files from the gathered adapters of all stages."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.peft_config["default"].save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -1,0 +1,143 @@
+"""Pipeline parallel (torch.distributed.pipelining) on CPU with gloo: the rules, and the same job
+with and without PP trains the same, resumes the same and exports the same model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.job.capabilities import pipeline_world_problems, pp_problems, same_data_ranks, seq_multiple, unsupported, world_problems
+from backend.job.spec import JobSpec
+from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, equality_job, events, losses,
+                    trained, write_run)
+
+STEPS = EQUALITY_STEPS
+
+
+def spec(**over) -> JobSpec:
+    return JobSpec(**{"model": "m", "dataset": ["d"], "gradient_checkpointing": False, **over})
+
+
+def errors(**over) -> list[str]:
+    return [p.field for p in pp_problems(spec(**over)) if p.severity == "error"]
+
+
+def test_pipeline_rules_name_their_fields():
+    assert errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2) == []
+    assert errors(pipeline_model_parallel_size=4, gradient_accumulation_steps=2) == ["gradient_accumulation_steps"]
+    interleaved = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                       pipeline_schedule="interleaved_1f1b")
+    assert errors(**interleaved, gradient_accumulation_steps=4) == []
+    assert errors(**interleaved, gradient_accumulation_steps=3) == ["gradient_accumulation_steps"]
+    assert errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2,
+                  virtual_pipeline_model_parallel_size=2) == ["virtual_pipeline_model_parallel_size"]
+    assert errors(virtual_pipeline_model_parallel_size=2,
+                  pipeline_schedule="interleaved_1f1b") == ["virtual_pipeline_model_parallel_size"]
+    refused = errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, deepspeed="zero1",
+                     tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel_size=2,
+                     expert_model_parallel_size=2, torch_dtype="float16")
+    assert refused == ["deepspeed", "tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size",
+                       "expert_model_parallel_size", "torch_dtype"]
+    assert "pipeline_model_parallel_size" not in [p.field for p in unsupported(
+        spec(pipeline_model_parallel_size=2, gradient_accumulation_steps=2))]
+
+
+def test_the_bubble_is_shown_and_the_layout_counts_the_pipeline():
+    job = spec(pipeline_model_parallel_size=2, gradient_accumulation_steps=3, max_length=128)
+    warning, = pp_problems(job)
+    assert warning.severity == "warning" and "25%" in warning.message  # (2 - 1) / (3 + 2 - 1)
+    assert same_data_ranks(job) == 2 and seq_multiple(job) == 128
+    assert world_problems(job, 2) == []
+    assert [p.field for p in world_problems(job, 4)] == ["pipeline_model_parallel_size"]
+    assert [p.field for p in pipeline_world_problems(job, 4)] == ["pipeline_model_parallel_size"]
+
+
+def test_layers_must_split_into_the_stages():
+    from dataclasses import replace
+
+    from backend.job.modelcfg import ModelConfig
+    from backend.job.validate import _model_rules
+
+    model = ModelConfig(model_type="llama", hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
+                        num_kv_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=False)
+    fields = lambda **over: [p.field for p in _model_rules(spec(**over), model)]  # noqa: E731
+    assert fields(pipeline_model_parallel_size=2) == fields(pipeline_model_parallel_size=3) == []
+    assert fields(pipeline_model_parallel_size=4) == ["pipeline_model_parallel_size"]
+    assert fields(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                  pipeline_schedule="interleaved_1f1b") == ["pipeline_model_parallel_size"]
+    # A tied output layer would be a second copy on the last stage, updated apart from the embedding.
+    tied = [p for p in _model_rules(spec(pipeline_model_parallel_size=2), replace(model, tie_word_embeddings=True))]
+    assert [p.field for p in tied] == ["pipeline_model_parallel_size"] and "tied" in tied[0].message
+
+
+def test_the_worker_refuses_a_tied_model_in_a_pipeline(tiny_model):
+    """The demo model ties its embeddings; a worker started without the validator says so by name."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.config import ConfigError
+    from launcher.engines.pp import refuse_tied
+
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size: .*tied"):
+        refuse_tied(AutoModelForCausalLM.from_pretrained(tiny_model))
+
+
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    from worker import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("llama4"), "llama", num_hidden_layers=4)
+
+
+def assert_same_run(pp, plain):
+    a, b = losses(pp), losses(plain)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=2e-4), (step, a[step], b[step])
+    assert a[STEPS] < a[1] - 0.05, a
+    norms = {e["step"]: e["grad_norm"] for e in events(pp, 0, "train")}
+    for e in events(plain, 0, "train"):
+        assert norms[e["step"]] == pytest.approx(e["grad_norm"], rel=1e-3), e["step"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("train_type,layout,checkpointing", [
+    ("full", {"pipeline_model_parallel_size": 2}, False),
+    ("lora", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+              "pipeline_schedule": "interleaved_1f1b"}, True)],
+    ids=["full-1f1b", "lora-interleaved-checkpointed"])
+def test_pp2_trains_resumes_and_exports_like_one_rank(tmp_path, four_layers, train_type, layout, checkpointing):
+    """LoRA with gradient checkpointing in every stage (the same run without PP checkpoints too)."""
+    spec_fields = equality_job(four_layers, train_type=train_type, gradient_checkpointing=checkpointing)
+    plain = trained(tmp_path, "plain", 1, **spec_fields)
+    pp = trained(tmp_path, "pp", 2, **spec_fields, **layout)
+    assert_same_run(pp, plain)
+    assert json.loads((pp / "checkpoint-10" / "trainer_state.json").read_text())["engine"] == "pp"
+
+    assert_resumes_the_same(pp, write_run(tmp_path / "resumed", **spec_fields, **layout), 2, 10, STEPS)
+    assert_same_export(pp, plain, tmp_path)
+
+
+def test_the_memory_estimate_counts_the_micro_batches_in_flight():
+    """1F1B: the first stage keeps PP micro-batches' activations of its layers, the last one's and
+    the logits; the worst of the two is the per-GPU figure."""
+    from backend.job.layout import compute_layout
+    from backend.job.memory import estimate_memory
+    from backend.job.modelcfg import find_model_config
+
+    model = find_model_config("qwen2.5-7b")
+
+    def activations(**over):
+        job = spec(model="Qwen/Qwen2.5-7B-Instruct", train_type="full", torch_dtype="bfloat16", max_length=4096,
+                   use_liger_kernel=True, nproc_per_node=4, **over)
+        return estimate_memory(job, model, compute_layout(job)).activations_gib
+
+    one = activations(gradient_accumulation_steps=8)
+    four = activations(pipeline_model_parallel_size=4, gradient_accumulation_steps=8)
+    assert four == pytest.approx(one)  # a quarter of the layers, four micro-batches of them
+    two = activations(pipeline_model_parallel_size=4, gradient_accumulation_steps=2)
+    assert two == pytest.approx(one / 2)
+    interleaved = activations(pipeline_model_parallel_size=4, gradient_accumulation_steps=8,
+                              virtual_pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    assert interleaved == pytest.approx(one * (1 + 3 / 8))
