@@ -70,6 +70,19 @@ def test_layers_must_split_into_the_stages():
     assert [p.field for p in tied] == ["pipeline_model_parallel_size"] and "tied" in tied[0].message
 
 
+def test_a_window_shorter_than_the_rows_is_refused_in_a_pipeline():
+    """A stage builds the full causal mask: Mistral's 4096-token window at max_length 8192 would
+    train as full attention."""
+    from backend.job.capabilities import pipeline_model_problems
+
+    job = spec(pipeline_model_parallel_size=2, max_length=8192)
+    window, = pipeline_model_problems(job, 4096, 0, ())
+    assert window.field == "pipeline_model_parallel_size" and "sliding window of 4096 tokens" in window.message
+    assert pipeline_model_problems(job.model_copy(update={"max_length": 4096}), 4096, 0, ()) == []
+    assert [p.field for p in pipeline_model_problems(job, 0, 0, ("linear_attention",))] == ["pipeline_model_parallel_size"]
+    assert pipeline_model_problems(spec(max_length=8192), 4096, 0, ("mamba",)) == []
+
+
 def test_the_worker_refuses_a_tied_model_in_a_pipeline(tiny_model):
     """The demo model ties its embeddings; a worker started without the validator says so by name."""
     from transformers import AutoModelForCausalLM

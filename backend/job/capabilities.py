@@ -492,6 +492,24 @@ def ring_model_problems(spec: JobSpec, sliding_window: int, attention_chunk: int
     return out
 
 
+def pipeline_model_problems(spec: JobSpec, sliding_window: int, attention_chunk: int,
+                            other_mixers: tuple[str, ...]) -> list[Problem]:
+    """A pipeline stage builds the plain causal mask for its layers (launcher/engines/pp.py): a
+    window or chunk shorter than max_length would be trained as full attention, and layers that
+    mix the sequence otherwise (linear attention, SSM) are not run by a stage."""
+    if spec.pipeline_model_parallel_size <= 1:
+        return []
+    out = [Problem(PP, f"the model attends over a {kind} of {span} tokens, shorter than max_length "
+                       f"{spec.max_length}; a pipeline stage builds the full causal mask and would train it as full "
+                       f"attention: use max_length <= {span}, or leave PP at 1")
+           for kind, span in (("sliding window", sliding_window), ("attention chunk", attention_chunk))
+           if span and span < spec.max_length]
+    if other_mixers:
+        out.append(Problem(PP, f"the model has {', '.join(other_mixers)} layers, which a pipeline stage does not run; "
+                               "leave PP at 1"))
+    return out
+
+
 def ring_kernel_problems(spec: JobSpec, num_heads: int, num_kv_heads: int) -> list[Problem]:
     """torch's ring has rules for the flash, memory-efficient and cuDNN SDPA kernels, not for the
     math fallback. In float32 only the memory-efficient kernel runs, and it has no grouped-query

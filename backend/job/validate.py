@@ -104,6 +104,7 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         out.append(Problem(SP, f"the model's {model.num_kv_heads} key/value heads and SP={sp}: one must divide the "
                                "other (Ulysses splits KV heads over SP, or replicates them when SP is a multiple)"))
     out += capabilities.ring_model_problems(spec, model.sliding_window, model.attention_chunk, model.other_mixers)
+    out += capabilities.pipeline_model_problems(spec, model.sliding_window, model.attention_chunk, model.other_mixers)
     out += capabilities.ring_kernel_problems(spec, model.num_heads, model.num_kv_heads)
     if spec.tiled_mlp and model.is_moe:
         out.append(Problem("tiled_mlp", "the model is a mixture of experts: its routed MLP blocks are not tiled by this "

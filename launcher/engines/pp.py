@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from backend.job.capabilities import PP, TIED_UNDER_PP
+from backend.job.capabilities import PP, TIED_UNDER_PP, pipeline_model_problems
+from backend.job.modelcfg import sequence_mixing
 from launcher import checkpoint
 from launcher.config import ConfigError
 from launcher.engines.base import TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler
@@ -68,6 +69,9 @@ class PPEngine(TorchOptimizerEngine):
         pp, virtual = spec.pipeline_model_parallel_size, spec.virtual_pipeline_model_parallel_size
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         refuse_tied(base)
+        refused = pipeline_model_problems(spec, *sequence_mixing(base.config.to_dict()))
+        if refused:
+            raise ConfigError("\n".join(str(p) for p in refused))
         layers = list(base.model.layers)
         per_stage = len(layers) // (pp * virtual)
         stage_ids = [v * pp + dist.rank for v in range(virtual)]
