@@ -72,10 +72,13 @@ def test_train_form_live_checks_import_presets(studio, page):
     shot(page, "one-rank-greyed")
     field(page, "nproc_per_node").locator("input").fill("2")
     expect(tp.locator("input")).to_be_enabled(timeout=15000)
-    # Ulysses runs on DeepSpeed: greyed until a ZeRO stage is chosen; pipeline parallel not at all.
+    # Ulysses runs on DeepSpeed: greyed until a ZeRO stage is chosen; expert parallel until FSDP2 is.
     expect(sp.locator("input")).to_be_disabled()
     expect(sp).to_contain_text("DeepSpeed's Ulysses")
-    expect(field(page, "pipeline_model_parallel_size").locator("input")).to_be_disabled()
+    ep = field(page, "expert_model_parallel_size")
+    expect(ep.locator("input")).to_be_disabled()
+    expect(ep).to_contain_text("set fsdp to full_shard")
+    expect(field(page, "pipeline_model_parallel_size").locator("input")).to_be_enabled()
     tp.locator("input").fill("0")
     expect(tp).to_contain_text("greater than or equal to 1", timeout=15000)
     shot(page, "invalid-layout")
