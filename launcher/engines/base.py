@@ -45,11 +45,14 @@ class TorchOptimizerEngine(Engine):
     scheduler: object
     spec: object
     scaler: torch.amp.GradScaler | None = None
+    #: the ranks that each hold a part of the parameters outside any DTensor (a pipeline's stages):
+    #: their norms are combined for the global one; None where every rank's norm is already global
+    norm_group: object = None
 
     def step(self):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = clip_grad_norm(self.params, self.spec.max_grad_norm)
+        norm = clip_grad_norm(self.params, self.spec.max_grad_norm, self.norm_group)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -63,27 +66,34 @@ class TorchOptimizerEngine(Engine):
         return self.scheduler.get_last_lr()[0]
 
 
-def clip_grad_norm(params: list, max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(params: list, max_norm: float | None, group=None) -> torch.Tensor:
     """The global gradient norm before clipping, clipped to `max_norm` (None or 0: no clipping).
     FSDP2's gradients are DTensors; under TP the replicated parameters (norms) keep plain
     gradients beside the DTensor ones, and under TP x FSDP2 they live on two meshes (fsdp, and
     fsdp x tp), which torch's clip_grad_norm_ refuses to mix: each mesh (and the plain ones) is
-    reduced on its own, a DTensor norm over its whole mesh, and the parts combined."""
+    reduced on its own, a DTensor norm over its whole mesh, and the parts combined; with `group`,
+    also over those ranks' parts (each a pipeline stage's parameters)."""
     from torch.distributed.tensor import DTensor
 
     by_mesh: dict = {}
     for p in params:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    groups = list(by_mesh.values())
-    if not groups:
-        return torch.zeros(())
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    parts = list(by_mesh.values())
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in part]) for part in parts]
     total = torch.linalg.vector_norm(torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float()
-                                                  for n in norms]))
+                                                  for n in norms])) if norms else None
+    if group is not None:
+        import torch.distributed as dist
+
+        squared = total.pow(2) if total is not None else torch.zeros((), device=params[0].device)
+        dist.all_reduce(squared, group=group)
+        total = squared.sqrt()
+    if total is None:
+        return torch.zeros(())
     if max_norm:
-        for group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        for part in parts:
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
     return total.detach()
 
 

@@ -99,6 +99,9 @@ class PPEngine(TorchOptimizerEngine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(model, spec, dist.device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
+        # Each stage's squared norm summed over the pipeline: clipping and the reported norm are
+        # the unsplit model's.
+        self.norm_group = tdist.group.WORLD
         self._buffer: list[dict] = []
         self._losses: list[torch.Tensor] = []
 
@@ -124,21 +127,6 @@ class PPEngine(TorchOptimizerEngine):
             out.copy_(value)
         self._buffer, self._losses = [], []
         return loss
-
-    def step(self):
-        """The global gradient norm: each rank's squared norm summed over the pipeline, so clipping
-        and the reported norm are the unsplit model's."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        squared = (torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads
-                   else torch.zeros((), device=self.dist.device))
-        tdist.all_reduce(squared)
-        total = squared.sqrt()
-        if self.spec.max_grad_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.spec.max_grad_norm, total)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return total.detach()
 
     def save(self, path: Path, is_main: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
