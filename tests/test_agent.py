@@ -2,6 +2,7 @@
 switch-off of a failing metric, NVML absence, and how it ends."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -14,8 +15,15 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+import sqlalchemy.exc
 
+from backend.cluster.launch import Started
+from backend.cluster.nodes import Pool
+from backend.job.cluster import Node
+from backend.runs.watch import AttemptWatcher, NodeWatch
+from backend.store.db import make_engine
 from backend.telemetry.agent import GpuSampler, SLOW_READ_S, Tailer, flight_record
+from backend.telemetry.ingest import Ingestor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -390,3 +398,44 @@ def test_a_real_gpu_reports_the_energy_its_work_draws(tmp_path):
             s.add(MetricSample(run_id="gpu", node="local", gpu=0, name="gpu/energy_j", t=t, value=rec["energy_j"]))
         s.commit()
     assert energy_j(engine, "gpu", [(t0, t1)]) == pytest.approx(drawn)
+
+
+class StoreFailingOnce:
+    """An ingestor whose first event line fails to be stored, as a locked or full database would."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, False
+
+    def offsets(self, run_id, node):
+        return self.inner.offsets(run_id, node)
+
+    def on_agent_line(self, run_id, node, rec, attempt=None):
+        if rec.get("kind") == "event" and not self.failed:
+            self.failed = True
+            raise sqlalchemy.exc.OperationalError("INSERT INTO events", {}, Exception("database is locked"))
+        self.inner.on_agent_line(run_id, node, rec, attempt)
+
+
+def test_a_failed_store_write_restarts_the_agent_from_the_stored_offsets(tmp_path):
+    """One failed write must not end a run's telemetry while it trains on: a new agent continues
+    from what the store committed, every step is stored once, and the notices say so."""
+    run = make_run(tmp_path)
+    (run / "events/rank-1.jsonl").write_text("".join(
+        json.dumps({"type": "timing", "rank": 1, "step": s, "time": float(s), "step_time_s": 0.5}) + "\n"
+        for s in (1, 2, 3)))
+    ingest = Ingestor(make_engine(f"sqlite:///{tmp_path / 'studio.db'}"))
+    group = start_torchrun(run, "localhost", life=4.0)
+    notices: list[str] = []
+    node = NodeWatch(Started(Node(host="localhost", slots=1, device="cpu", local=True, python=sys.executable), None,
+                             pgid=group.pid))
+    watcher = AttemptWatcher(Pool(), "r1", str(run), [node], stop_requested=lambda: False,
+                             on_update=lambda n: None, sink=StoreFailingOnce(ingest), on_notice=notices.append)
+    try:
+        asyncio.run(asyncio.wait_for(watcher._agent(node), timeout=60))
+    finally:
+        stop_group(group)
+    steps = [e["step"] for e in ingest.events("r1", ["timing"])["timing"]]
+    ingest.close()
+    assert sorted(steps) == [1, 2, 3]
+    assert any("could not be stored (OperationalError" in n for n in notices), notices
+    assert notices[-1] == "telemetry from localhost is stored again"

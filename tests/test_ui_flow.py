@@ -64,14 +64,29 @@ def axis(page, chart: str) -> dict:
     return page.evaluate(AXIS_JS, chart)
 
 
-def wait_points(page, chart: str, more_than: int, timeout_s: float = 120) -> int:
+def what_happened(page, studio=None) -> str:
+    """What the page and the run's files said, for a wait that ran out: the Monitor's status and
+    action lines, then the tail of each log and event file of the studio's runs, and its own log."""
+    parts = [f"{sel}: {page.locator(sel).inner_text()!r}" for sel in ("#monitor-status", "#monitor-action",
+                                                                      "#monitor-progress")]
+    if studio is not None:
+        files = [*sorted(studio.output_dir.glob("*/logs/*.log")), *sorted(studio.output_dir.glob("*/events/*.jsonl")),
+                 studio.log]
+        for path in files:
+            lines = [line[:300] for line in path.read_text(errors="replace").splitlines()[-15:]]
+            parts.append(f"--- {path} (last {len(lines)} lines)\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def wait_points(page, chart: str, more_than: int, timeout_s: float = 120, studio=None) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         n = points(page, chart)
         if n > more_than:
             return n
         time.sleep(0.5)
-    raise AssertionError(f"{chart} stayed at {points(page, chart)} points (wanted > {more_than})")
+    raise AssertionError(f"{chart} stayed at {points(page, chart)} points (wanted > {more_than})\n"
+                         + what_happened(page, studio))
 
 
 def step_shown(page) -> int:
@@ -79,13 +94,14 @@ def step_shown(page) -> int:
     return int(match.group(1)) if match else -1
 
 
-def wait_step(page, at_least: int, timeout_s: float = 150) -> int:
+def wait_step(page, at_least: int, timeout_s: float = 150, studio=None) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if step_shown(page) >= at_least:
             return step_shown(page)
         time.sleep(0.5)
-    raise AssertionError(f"progress stayed at step {step_shown(page)} (wanted >= {at_least})")
+    raise AssertionError(f"progress stayed at step {step_shown(page)} (wanted >= {at_least})\n"
+                         + what_happened(page, studio))
 
 
 def rss_mib(pid: int) -> float:
@@ -140,10 +156,10 @@ def test_full_flow(studio):
         shot(page, "launched")
 
         # 4. The loss and utilisation charts gain points while the run trains.
-        first = wait_points(page, "chart-loss", 0, timeout_s=RUN_TIMEOUT_MS / 1000)
-        util = wait_points(page, "chart-util-lines", 0)
-        wait_points(page, "chart-loss", first)
-        wait_points(page, "chart-util-lines", util)
+        first = wait_points(page, "chart-loss", 0, timeout_s=RUN_TIMEOUT_MS / 1000, studio=studio)
+        util = wait_points(page, "chart-util-lines", 0, studio=studio)
+        wait_points(page, "chart-loss", first, studio=studio)
+        wait_points(page, "chart-util-lines", util, studio=studio)
         # One CPU node: its utilisation is drawn as a line; a heatmap of one row is not drawn.
         expect(page.locator("#chart-util-heatmap")).to_be_hidden()
         # The training charts are drawn against the step (logged every step), time is in the hover.
@@ -164,11 +180,11 @@ def test_full_flow(studio):
         page.reload()
         expect(page.get_by_role("tab", name="Monitor")).to_have_attribute("aria-selected", "true", timeout=30000)
         expect(page.locator("#monitor-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=30000)
-        assert wait_points(page, "chart-loss", before - 1, timeout_s=30) >= before
+        assert wait_points(page, "chart-loss", before - 1, timeout_s=30, studio=studio) >= before
         shot(page, "reloaded")
 
         # 6. Stop once a checkpoint exists: the workers save one more and exit.
-        wait_step(page, 6)
+        wait_step(page, 6, studio=studio)
         page.locator("#monitor-stop").click()
         expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=60000)
         expect(page.locator("#monitor-resume")).to_be_enabled(timeout=15000)
@@ -195,7 +211,7 @@ def test_full_flow(studio):
         expect(page.locator("#monitor-action")).to_contain_text(f"from the checkpoint of step {complete[-1]}")
         expect(page.locator("#monitor-status")).to_contain_text(
             f"Resumed from the checkpoint of step {complete[-1]}", timeout=RUN_TIMEOUT_MS)
-        wait_step(page, max(stopped_at, complete[-1]) + 2, timeout_s=RUN_TIMEOUT_MS / 1000)
+        wait_step(page, max(stopped_at, complete[-1]) + 2, timeout_s=RUN_TIMEOUT_MS / 1000, studio=studio)
         assert points(page, "chart-loss") > before
         # Running again: the status line says so, the "Resuming …" line is gone.
         expect(page.locator("#monitor-status")).to_contain_text("running")

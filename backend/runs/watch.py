@@ -239,32 +239,42 @@ class AttemptWatcher:
         node, name = n.started.node, remote.node_file_name(n.host)
         delay = 0.5
         last_try = False
+        sink_failing = False
         while True:
-            offsets = self.sink.offsets(self.run_id, name)
-            argv = [node.python, "-m", "backend.telemetry.agent", "--run-id", self.run_id, "--run-dir", self.run_dir,
-                    "--node", name, "--offsets", json.dumps(offsets)]
+            stream = None
             try:
+                offsets = self.sink.offsets(self.run_id, name)
+                argv = [node.python, "-m", "backend.telemetry.agent", "--run-id", self.run_id,
+                        "--run-dir", self.run_dir, "--node", name, "--offsets", json.dumps(offsets)]
                 shell = await self.pool.shell(node)
                 errlog = f"{self.run_dir}/logs/agent-{name}.log"
                 command = f"{remote.quote_argv(argv)} 2>> {shlex.quote(errlog)}"
                 stream = await shell.stream(remote.with_setup(n.started.setup, command))
-            except ssh.NodeError:
-                stream = None
-            if stream is not None:
-                try:
-                    async for line in stream:
-                        try:
-                            obj = json.loads(line)
-                        except ValueError:
-                            continue
-                        if isinstance(obj, dict):
-                            self.sink.on_agent_line(self.run_id, name, obj, attempt=self.attempt)
-                            delay = 0.5
-                            if obj.get("kind") == "bye":
-                                return
-                except (ssh.NodeError, OSError, asyncssh.Error) as exc:
-                    log.info("agent stream from %s ended: %s", n.host, exc)
-                finally:
+                async for line in stream:
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict):
+                        self.sink.on_agent_line(self.run_id, name, obj, attempt=self.attempt)
+                        delay = 0.5
+                        if sink_failing:
+                            sink_failing = False
+                            self.on_notice(f"telemetry from {n.host} is stored again")
+                        if obj.get("kind") == "bye":
+                            return
+            except (ssh.NodeError, OSError, asyncssh.Error) as exc:
+                log.info("agent stream from %s ended: %s", n.host, exc)
+            except Exception as exc:  # noqa: BLE001 - the store failed (a locked or full database)
+                # Telemetry must not end for the rest of the run on one failed write while the
+                # workers go on training: a new agent starts from the offsets the store committed.
+                log.exception("storing telemetry from %s failed", n.host)
+                if not sink_failing:
+                    sink_failing = True
+                    self.on_notice(f"telemetry from {n.host} could not be stored ({type(exc).__name__}: {exc}); "
+                                   "retrying")
+            finally:
+                if stream is not None:
                     await stream.close()
             if self._ended.is_set():
                 if last_try or n.unreachable_since is not None:
