@@ -267,6 +267,11 @@ class Trainer:
         if written != self._layout() and not self.engine.reshards:
             raise ConfigError(f"resume: {path} was written with {written} and {self.engine.name} cannot reshard it "
                               f"onto {self._layout()}; resume with the layout it was written with")
+        if (state.get("engine") == "pp") != (self.engine.name == "pp"):
+            # Other engines' DCP keys and optimizer state are laid out differently.
+            raise ConfigError(f"resume: {path} was written by the {state.get('engine')} engine and this job runs "
+                              f"{self.engine.name}: a pipeline's checkpoint resumes only with "
+                              "pipeline_model_parallel_size > 1, and only such a job resumes from one")
         if state["train_type"] != self.spec.train_type:
             raise ConfigError(f"resume: {path} is a {state['train_type']} checkpoint but train_type is {self.spec.train_type}")
         try:
@@ -372,7 +377,7 @@ class Trainer:
         # A TP, SP or CP group's ranks all process the same tokens: count them once.
         (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
         load = self.routers.take(d)
-        self.events.emit("timing", rank=d.rank, step=self.step, **means)
+        self.events.emit("timing", rank=d.rank, step=self.step, **means, **self.engine.timing_fields(window.steps))
         if not d.is_main:
             return
         tokens_per_s = tokens / elapsed

@@ -26,7 +26,8 @@ STEP_SERIES = "train/step"
 # backend.telemetry.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
 MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
                   "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
-                  "host/ram_used_gib", "rank/collective_wait_s", "train/moe_aux_loss", "train/moe_expert_tokens")
+                  "host/ram_used_gib", "rank/collective_wait_s", "rank/stage_compute_s", "train/moe_aux_loss",
+                  "train/moe_expert_tokens")
 MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
@@ -340,7 +341,17 @@ def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[s
                        "no GPU reports power" if buf.named("host/cpu_pct") and not buf.named("gpu/util_pct")
                        else "waiting for data"),
         "collective": lines("Collective wait per rank (s per step)", "s", buf.named("rank/collective_wait_s")),
+        "stages": stages_figure(buf),
     }
+
+
+def stages_figure(buf) -> go.Figure | None:
+    """A pipeline's stages (each rank's forward and backward compute per step, waits left out): the
+    slowest stage sets the pipeline's pace. None for a job without pipeline stages."""
+    stages = buf.named("rank/stage_compute_s")
+    if not stages:
+        return None
+    return lines("Pipeline stage compute per rank (s per step)", "s", stages)
 
 
 def run_curve(series: Mapping[tuple, list[Point]], name: str = "train/loss") -> list[Stepped]:

@@ -142,6 +142,18 @@ def test_straggler_compares_time_outside_collectives_and_names_node_and_rank():
     assert "rank 2, node node-c, GPU 1" in f.message
 
 
+def test_a_slow_pipeline_stage_is_named_by_its_compute_not_its_waits():
+    """In a pipeline the waits are inside the schedule (the control all-reduce is short on every
+    rank): the stage whose own compute is longest is the one named."""
+    def stage(rank, compute):
+        return {**timing(rank, 10, 2.0, cw=0.01), "pp_stages": [rank, rank + 4], "stage_compute_s": compute}
+
+    tm = {0: [stage(0, 0.5)], 1: [stage(1, 0.52)], 2: [stage(2, 1.4)], 3: [stage(3, 0.55)]}
+    [f] = alerts.straggler(window(T0 + 20, timing=tm, placement={2: ("node-a", 2)}), CFG)
+    assert f.rank == 2 and f.message.startswith("slow pipeline stage: rank 2, node node-a, GPU 2 (stage 2, 6)")
+    assert alerts.straggler(window(T0 + 20, timing={r: [stage(r, 0.5 + 0.01 * r)] for r in range(4)}), CFG) == []
+
+
 def test_straggler_quiet_when_balanced_or_tiny_or_single_rank():
     even = {r: [timing(r, 10, 1.0, cw=0.2 + 0.02 * r)] for r in range(4)}
     assert alerts.straggler(window(T0 + 20, timing=even), CFG) == []

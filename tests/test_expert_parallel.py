@@ -204,11 +204,13 @@ def test_ep2_by_fsdp2_trains_resumes_and_exports_like_fsdp2(tmp_path, moe_model,
 @pytest.mark.e2e
 def test_ep4_by_tp2_by_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, moe_model):
     """TP2 x FSDP2 with EP=4 (each rank one whole expert) against 2-rank data parallel: the same
-    global batch per step."""
-    spec_fields = equality_job(moe_model, router_aux_loss_coef=0.01, train_type="full", max_steps=10, save_steps=10)
-    dp = trained(tmp_path, "dp", 2, **spec_fields, fsdp="full_shard")
-    both = trained(tmp_path, "ep-tp", 4, **spec_fields, fsdp="full_shard", tensor_model_parallel_size=2, **{EP: 4})
-    assert_same_training(both, dp, steps=10)
+    global batch per step; its checkpoint resumes with the same losses."""
+    spec_fields = equality_job(moe_model, router_aux_loss_coef=0.01, train_type="full", fsdp="full_shard")
+    layout = {"tensor_model_parallel_size": 2, EP: 4}
+    dp = trained(tmp_path, "dp", 2, **spec_fields)
+    both = trained(tmp_path, "ep-tp", 4, **spec_fields, **layout)
+    assert_same_training(both, dp, steps=STEPS)
+    assert_resumes_the_same(both, write_run(tmp_path / "resumed", **spec_fields, **layout), 4, 10, STEPS)
     assert_same_export(both, dp, tmp_path)
 
 

@@ -3,13 +3,14 @@ with and without PP trains the same, resumes the same and exports the same model
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from backend.job.capabilities import pipeline_world_problems, pp_problems, same_data_ranks, seq_multiple, unsupported, world_problems
+from backend.job.capabilities import pp_problems, same_data_ranks, seq_multiple, unsupported, world_problems
 from backend.job.spec import JobSpec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, equality_job, events, losses,
-                    trained, write_run)
+                    run_worker, trained, write_run)
 
 STEPS = EQUALITY_STEPS
 
@@ -33,6 +34,8 @@ def test_pipeline_rules_name_their_fields():
                   virtual_pipeline_model_parallel_size=2) == ["virtual_pipeline_model_parallel_size"]
     assert errors(virtual_pipeline_model_parallel_size=2,
                   pipeline_schedule="interleaved_1f1b") == ["virtual_pipeline_model_parallel_size"]
+    assert errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, fsdp="full_shard") == []
+    assert errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, fsdp="full_shard offload") == ["fsdp"]
     refused = errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, deepspeed="zero1",
                      tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel_size=2,
                      expert_model_parallel_size=2, torch_dtype="float16")
@@ -47,9 +50,8 @@ def test_the_bubble_is_shown_and_the_layout_counts_the_pipeline():
     warning, = pp_problems(job)
     assert warning.severity == "warning" and "25%" in warning.message  # (2 - 1) / (3 + 2 - 1)
     assert same_data_ranks(job) == 2 and seq_multiple(job) == 128
-    assert world_problems(job, 2) == []
-    assert [p.field for p in world_problems(job, 4)] == ["pipeline_model_parallel_size"]
-    assert [p.field for p in pipeline_world_problems(job, 4)] == ["pipeline_model_parallel_size"]
+    assert world_problems(job, 2) == world_problems(job, 4) == []  # one pipeline, or two data-parallel ones
+    assert [p.field for p in world_problems(job, 3)] == ["pipeline_model_parallel_size"]
 
 
 def test_layers_must_split_into_the_stages():
@@ -154,3 +156,74 @@ def test_the_memory_estimate_counts_the_micro_batches_in_flight():
     interleaved = activations(pipeline_model_parallel_size=4, gradient_accumulation_steps=8,
                               virtual_pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b")
     assert interleaved == pytest.approx(one * (1 + 3 / 8))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("train_type,extra", [
+    ("full", {"fsdp": "full_shard"}),
+    ("lora", {"virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"})],
+    ids=["full-fsdp2-1f1b", "lora-replicated-interleaved"])
+def test_pp2_by_dp2_on_four_ranks_trains_resumes_and_exports_like_data_parallel(tmp_path, four_layers, train_type, extra):
+    """Two pipelines of two stages, each stage over the two pipelines by FSDP2 (sharded) or torch's
+    DDP's layout on FSDP2 (LoRA), against the same job on two data-parallel ranks: the same global batch."""
+    spec_fields = equality_job(four_layers, train_type=train_type)
+    plain = trained(tmp_path, "plain", 2, **spec_fields)
+    layout = {"pipeline_model_parallel_size": 2, **extra}
+    pp = trained(tmp_path, "pp", 4, **spec_fields, **layout)
+    assert_same_run(pp, plain)
+    timing = events(pp, 1, "timing")
+    assert timing and all(e["pp_stages"] == ([1, 3] if "virtual_pipeline_model_parallel_size" in extra else [1])
+                          and e["stage_compute_s"] > 0 for e in timing)
+
+    assert_resumes_the_same(pp, write_run(tmp_path / "resumed", **spec_fields, **layout), 4, 10, STEPS)
+    assert_same_export(pp, plain, tmp_path)
+
+
+@pytest.mark.e2e
+def test_torch_ddp_fails_under_a_pipeline_schedule(tmp_path):
+    """Pins the engine behaviour behind DDP's layout on FSDP2 for LoRA pipelines (torch 2.13): a
+    DistributedDataParallel stage fails DDP's bucket rebuild in the second step of a schedule (its
+    reducer counts each parameter once per micro-batch). When this passes, torch's DDP can serve
+    LoRA's replicated stages again."""
+    script = tmp_path / "probe.py"
+    script.write_text('''
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+pp_rank = mesh["pp"].get_local_rank()
+stage = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                                process_group=mesh["dp"].get_group())
+schedule = Schedule1F1B(PipelineStage(stage, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()), 2,
+                        loss_fn=lambda out, target: (out - target).pow(2).mean())
+x = torch.randn(4, 8)
+try:
+    for _ in range(2):
+        schedule.step(*((x,) if pp_rank == 0 else ()), target=x if pp_rank == 1 else None)
+    print("RAN", flush=True)
+except RuntimeError as exc:
+    print("FAILED", "rebuilt parameter indices" in str(exc.__cause__ or exc), flush=True)
+''')
+    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script)])
+    outcomes = [line for line in proc.log.splitlines() if line.startswith(("RAN", "FAILED"))]
+    assert "FAILED True" in outcomes and "RAN" not in outcomes, proc.log[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_pipeline_checkpoint_resumes_onto_another_split_and_only_into_a_pipeline(tmp_path, four_layers):
+    """PP=2's checkpoint resumed on PP=4 (a layer per stage) trains on with the same losses (DCP
+    reads each stage's keys wherever they were written); a job without PP refuses it by name."""
+    spec_fields = equality_job(four_layers, train_type="full", gradient_accumulation_steps=4)
+    two = trained(tmp_path, "pp2", 2, **spec_fields, pipeline_model_parallel_size=2)
+    assert_resumes_the_same(two, write_run(tmp_path / "pp4", **spec_fields, pipeline_model_parallel_size=4), 4, 10, STEPS)
+
+    import shutil
+
+    plain = write_run(tmp_path / "plain", **spec_fields)
+    shutil.copytree(two / "checkpoint-10", plain / "checkpoint-10")
+    proc = run_worker(plain, nproc=1, resume="latest")
+    assert proc.returncode != 0
+    assert "written by the pp engine and this job runs ddp: a pipeline's checkpoint resumes only with " \
+           "pipeline_model_parallel_size > 1" in proc.log, proc.log[-3000:]

@@ -80,6 +80,10 @@ def test_figures_fall_back_to_cpu_and_host_memory_without_gpus():
     assert not figs["power"].data and figs["power"].layout.xaxis.visible is False
     # One CPU node: its utilisation is a line; a heatmap of one row is not drawn.
     assert figs["util_heatmap"] is None and len(figs["util_lines"].data) == 1
+    assert figs["stages"] is None  # no pipeline
+    buf.apply({key("rank/stage_compute_s", rank=r): [(1.0, 0.5 + r)] for r in range(2)}, cursor=3, reset=False)
+    stages = figures(buf, smoothing=0.0)["stages"]
+    assert "Pipeline stage compute" in stages.layout.title.text and [t.name for t in stages.data] == ["rank 0", "rank 1"]
     buf.apply({key("host/cpu_pct", "n2"): [(1.0, 50.0)]}, cursor=2, reset=False)
     assert list(figures(buf, smoothing=0.0)["util_heatmap"].data[0].y) == ["n1", "n2"]
 

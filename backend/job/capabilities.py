@@ -78,7 +78,7 @@ def world_problems(spec: JobSpec, world: int) -> list[Problem]:
     TP x SP x CP x PP consecutive ranks form one group, so they must divide the ranks torchrun
     started; EP must divide them too."""
     group = same_data_ranks(spec)
-    out = multi_rank_problems(spec, world) + pipeline_world_problems(spec, world)
+    out = multi_rank_problems(spec, world)
     ep = spec.expert_model_parallel_size
     if ep > 1 and world % ep:
         out.append(Problem(EP, f"EP={ep} does not divide the {world} ranks this job was started with (transformers' "
@@ -210,15 +210,6 @@ TIED_UNDER_PP = (f"{PP} > 1 with a model whose output layer is tied to its embed
                  "lm_head initialised from the embedding) or leave PP at 1")
 
 
-def pipeline_world_problems(spec: JobSpec, world: int) -> list[Problem]:
-    """A pipeline has no data parallel beside it yet: it runs on exactly its PP ranks."""
-    pp = spec.pipeline_model_parallel_size
-    if pp <= 1 or world == same_data_ranks(spec):
-        return []
-    return [Problem(PP, f"PP={pp} runs on exactly {same_data_ranks(spec)} ranks (data parallel beside a pipeline "
-                        f"is not supported yet); this job has {world}")]
-
-
 def pp_problems(spec: JobSpec) -> list[Problem]:
     """Pipeline parallel (launcher/engines/pp.py, torch's schedules): the trainer's micro-batches of one
     step are the schedule's, and what it was not tested with is refused by name."""
@@ -241,8 +232,10 @@ def pp_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("gradient_accumulation_steps", f"{m} micro-batches over PP={pp}: each rank idles about "
                                                           f"{bubble_fraction(spec):.0%} of a step (the pipeline "
                                                           "bubble); more micro-batches make it smaller", "warning"))
+    if "offload" in (spec.fsdp or "").replace(",", " ").split():
+        out.append(Problem("fsdp", f"offload with {PP} > 1 is not supported (a stage keeps its weights gathered "
+                                   "through the step); use full_shard"))
     for field, why in (("deepspeed", "DeepSpeed's engines do not run torch's pipeline schedules"),
-                       ("fsdp", "FSDP2 beside a pipeline is not supported yet"),
                        (TP, "tensor parallel beside a pipeline is not tested"),
                        (SP, "Ulysses sequence parallel beside a pipeline is not tested"),
                        (CP, "ring context parallel beside a pipeline is not tested"),

@@ -278,6 +278,16 @@ def _fsdp_states(spec: JobSpec, model: ModelConfig, s: _Sizes, plan: FsdpPlan) -
     return params, grads, optim, offloaded, 0.0, transient, note
 
 
+def _pipeline_states(spec: JobSpec, model: ModelConfig, s: _Sizes, dp: int) -> States:
+    """launcher/engines/pp.py: one pipeline's stage is a plain module (DDP's states on one rank);
+    over DP pipelines a stage is FSDP2, sharded with `fsdp` or in DDP's layout, its weights
+    gathered through the step."""
+    if dp == 1:
+        return _ddp_states(spec, s, 1)
+    plan = fsdp_plan(spec) or FsdpPlan(replicate=True, reshard_after_forward=False, offload=False)
+    return _fsdp_states(spec, model, s, replace(plan, reshard_after_forward=False))
+
+
 def _ddp_states(spec: JobSpec, s: _Sizes, world: int) -> States:
     """torch's DDP (LoRA, and full fine-tuning in float16; other full fine-tuning runs on FSDP2):
     fp32 weights, fp32 gradients (plus DDP's bucket copy), AdamW; a LoRA base
@@ -309,6 +319,8 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     if spec.deepspeed:
         zero = zero or zero_settings(spec)
         states = _deepspeed_states(spec, model, sizes, zero)
+    elif layout.pp > 1:
+        states = _pipeline_states(spec, model, sizes, layout.dp)
     elif plan := fsdp_plan(spec):
         states = _fsdp_states(spec, model, sizes, plan)
     else:

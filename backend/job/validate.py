@@ -263,7 +263,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
     failed = {p.field for p in errors(problems)}
-    problems += [p for p in capabilities.unsupported(spec) + capabilities.pipeline_world_problems(spec, layout.world)
+    problems += [p for p in capabilities.unsupported(spec)
                  if p.field not in failed]
     return Assessment(spec, cluster, layout, problems, model, ds_config, memory, memory_note)
 

@@ -235,15 +235,21 @@ def _stuck_rank(w: Window) -> tuple[int, Any, Any] | None:
 
 def straggler(w: Window, cfg: AlertConfig) -> list[Finding]:
     """In synchronous training every rank's wall step time is the same (the fast ones wait for the
-    slow one in the collectives), so ranks are compared on step time less collective wait."""
+    slow one in the collectives), so ranks are compared on step time less collective wait; in a
+    pipeline, where the waits are inside the schedule, on each stage's own compute."""
     busy: dict[int, float] = {}
+    stages: dict[int, list] = {}
     for rank, events in w.timing.items():
         vals = []
         for e in events[-3:]:
-            st = number(e.get("step_time_s"))
-            if st is None:
+            if "stage_compute_s" in e:
+                vals.append(number(e.get("stage_compute_s")))
+                stages[rank] = e.get("pp_stages")
                 continue
-            vals.append(st - (number(e.get("collective_wait_s")) or 0.0))
+            st = number(e.get("step_time_s"))
+            if st is not None:
+                vals.append(st - (number(e.get("collective_wait_s")) or 0.0))
+        vals = [v for v in vals if v is not None]
         if vals:
             busy[rank] = statistics.fmean(vals)
     if len(busy) < 2:
@@ -253,13 +259,22 @@ def straggler(w: Window, cfg: AlertConfig) -> list[Finding]:
     for rank, b in sorted(busy.items()):
         if med > 0 and b > cfg.straggler_ratio * med and b - med >= cfg.straggler_min_s:
             node, gpu = w.placement.get(rank, (None, None))
-            out.append(Finding(
-                "straggler", f"straggler:{rank}", "warning", w.now,
-                f"straggler: {_where(rank, node, gpu)} takes {b:.3g} s per step outside collectives, "
-                f"{b / med:.2f}x the median {med:.3g} s of {len(busy)} ranks "
-                "(thermal throttling, another process on the GPU, or a slow NIC)",
-                node=node, rank=rank, gpu=gpu))
+            if rank in stages:
+                message = (f"slow pipeline stage: {_where(rank, node, gpu)} (stage {_stage_list(stages[rank])}) "
+                           f"computes {b:.3g} s per step, {b / med:.2f}x the median {med:.3g} s of {len(busy)} "
+                           "ranks; the pipeline runs at its pace (more layers or the output layer on it, "
+                           "thermal throttling, another process on the GPU)")
+            else:
+                message = (f"straggler: {_where(rank, node, gpu)} takes {b:.3g} s per step outside collectives, "
+                           f"{b / med:.2f}x the median {med:.3g} s of {len(busy)} ranks "
+                           "(thermal throttling, another process on the GPU, or a slow NIC)")
+            out.append(Finding("straggler", f"straggler:{rank}", "warning", w.now, message,
+                               node=node, rank=rank, gpu=gpu))
     return out
+
+
+def _stage_list(stages) -> str:
+    return ", ".join(str(s) for s in stages) if isinstance(stages, list) else "?"
 
 
 def gpu_memory(w: Window, cfg: AlertConfig) -> list[Finding]:

@@ -30,6 +30,10 @@ class Engine:
     def lr(self) -> float:
         raise NotImplementedError
 
+    def timing_fields(self, steps: int) -> dict:
+        """This rank's engine-specific fields of the `timing` event, over the window's `steps`."""
+        return {}
+
     def save(self, path: Path, is_main: bool) -> None:
         raise NotImplementedError
 

@@ -4,9 +4,16 @@ r + PP, ...); the first stage keeps the embeddings, the last the norm, the head 
 
 The model stays the HF (or peft) module with the other stages' parts removed, so its state-dict
 keys are the HF ones: checkpoints are DCP of each rank's own keys, and export reads their union as
-one full model. The trainer's micro-batches of one step are the schedule's micro-batches."""
+one full model. The trainer's micro-batches of one step are the schedule's micro-batches.
+
+With more ranks than stages, each pipeline is a group of PP consecutive ranks (the trainer's
+data-parallel rank is rank // PP) and a stage is replicated over the DP pipelines the torchtitan
+way: FSDP2 on each of its decoder layers and on the stage (sharded with `fsdp`, else DDP's layout
+on FSDP2), which torch's schedules know how to accumulate and reduce once per step."""
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -14,13 +21,17 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from backend.job.capabilities import PP, TIED_UNDER_PP, pipeline_model_problems
+from backend.job.capabilities import PP, TIED_UNDER_PP, FsdpPlan, fsdp_plan, pipeline_model_problems
 from backend.job.modelcfg import sequence_mixing
 from launcher import checkpoint
 from launcher.config import ConfigError
-from launcher.engines.base import TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler
+from launcher.engines.base import (TorchOptimizerEngine, autocast, checkpoint_part, make_optimizer, make_scheduler,
+                                   reduce_dtype)
+from launcher.model import DTYPES
 
 DCP_DIR = "dcp"
 # Per-parameter optimizer keys: each rank holds other parameters, so the param_groups lists differ.
@@ -61,8 +72,9 @@ class _Stage(nn.Module):
 
 class PPEngine(TorchOptimizerEngine):
     name = "pp"
-    #: each rank's checkpoint holds its stages' keys only: resume with the same PP and virtual stages
-    reshards = False
+    #: DCP keeps each stage's HF keys with their global shapes: every rank reads its own stages'
+    #: keys, so a checkpoint resumes onto another PP split or DP degree
+    reshards = True
 
     def __init__(self, model, spec, dist, total_steps: int):
         self.spec, self.dist, self.model = spec, dist, model
@@ -72,24 +84,33 @@ class PPEngine(TorchOptimizerEngine):
         refused = pipeline_model_problems(spec, *sequence_mixing(base.config.to_dict()))
         if refused:
             raise ConfigError("\n".join(str(p) for p in refused))
+        dp = dist.world_size // pp
+        # rank = dp_rank * PP + pp_rank: a pipeline's ranks are consecutive, as the trainer's data split expects
+        mesh = init_device_mesh(dist.device.type, (dp, 1, pp), mesh_dim_names=("dp", "shard", "pp"))
+        self.pp_rank, self.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
         layers = list(base.model.layers)
         per_stage = len(layers) // (pp * virtual)
-        stage_ids = [v * pp + dist.rank for v in range(virtual)]
+        self.stage_ids = [v * pp + self.pp_rank for v in range(virtual)]
         n_stages = pp * virtual
-        owned = {i for s in stage_ids for i in range(s * per_stage, (s + 1) * per_stage)}
+        owned = {i for s in self.stage_ids for i in range(s * per_stage, (s + 1) * per_stage)}
         stages = [_Stage(base, layers[s * per_stage:(s + 1) * per_stage], s == 0, s == n_stages - 1)
-                  for s in stage_ids]
+                  for s in self.stage_ids]
         # A ModuleDict keyed by the layer index keeps the HF names (model.layers.<i>.…) of the kept layers.
         base.model.layers = nn.ModuleDict({str(i): layers[i] for i in sorted(owned)})
-        if 0 not in stage_ids:
+        if 0 not in self.stage_ids:
             base.model.embed_tokens = None
-        if n_stages - 1 not in stage_ids:
+        if n_stages - 1 not in self.stage_ids:
             base.model.norm = None
             base.lm_head = None
         model.to(dist.device)
-        self.is_last = n_stages - 1 in stage_ids
-        self.last_rank = pp - 1
-        pipeline = [PipelineStage(stage, s, n_stages, dist.device) for stage, s in zip(stages, stage_ids)]
+        self.is_last = n_stages - 1 in self.stage_ids
+        # Autocast where no FSDP2 policy casts the weights (one pipeline).
+        self.autocast = spec.torch_dtype != "float32"
+        if dp > 1:
+            stages = self._replicate(stages, mesh, spec)
+        pipeline = [PipelineStage(stage, s, n_stages, dist.device, group=self.pp_group)
+                    for stage, s in zip(stages, self.stage_ids)]
+        self.clock = StageClock(pipeline, dist.device)
         self.accumulation = spec.gradient_accumulation_steps
         loss_fn = _loss(base)
         if spec.pipeline_schedule == "interleaved_1f1b":
@@ -99,11 +120,34 @@ class PPEngine(TorchOptimizerEngine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(model, spec, dist.device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
-        # Each stage's squared norm summed over the pipeline: clipping and the reported norm are
-        # the unsplit model's.
-        self.norm_group = tdist.group.WORLD
+        # Each stage's squared norm summed over its pipeline (a DTensor's already over its DP
+        # shards): clipping and the reported norm are the unsplit model's.
+        self.norm_group = self.pp_group
         self._buffer: list[dict] = []
         self._losses: list[torch.Tensor] = []
+
+    def _replicate(self, stages: list[nn.Module], mesh, spec) -> list[nn.Module]:
+        """Each stage over the DP pipelines on FSDP2: sharded with `fsdp`, else DDP's layout (LoRA
+        too: torch's DistributedDataParallel fails its bucket rebuild under a schedule's several
+        forwards per step, tests/test_pipeline_parallel.py). A stage keeps its gathered weights
+        through the step (torchtitan's choice under PP): resharding after each forward would gather
+        them again for every micro-batch."""
+        plan = fsdp_plan(spec) or FsdpPlan(replicate=True, reshard_after_forward=False, offload=False)
+        kwargs = {"mesh": mesh["dp", "shard"] if plan.replicate else mesh["dp"], "reshard_after_forward": False}
+        if spec.torch_dtype != "float32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[spec.torch_dtype],
+                                                       reduce_dtype=reduce_dtype(spec))
+            self.autocast = False
+        for stage in stages:
+            for layer in stage.layers:
+                fully_shard(layer, **kwargs)
+            fully_shard(stage, **kwargs)
+        return stages
+
+    def timing_fields(self, steps: int) -> dict:
+        """This rank's stages and their compute per step (forward and backward, waits left out)
+        since the last call: the stage that takes longest holds the whole pipeline back."""
+        return {"pp_stages": self.stage_ids, "stage_compute_s": self.clock.take() / max(steps, 1)}
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         """The schedule runs once per step, over all its micro-batches, on the last call. The loss
@@ -116,13 +160,14 @@ class PPEngine(TorchOptimizerEngine):
             return loss
         whole = {k: torch.cat([b[k] for b in self._buffer]).to(self.dist.device) for k in self._buffer[0]}
         kwargs = {k: whole[k] for k in ("position_ids", "attention_mask") if k in whole}
-        args = (whole["input_ids"],) if self.dist.rank == 0 else ()
+        args = (whole["input_ids"],) if self.pp_rank == 0 else ()
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=whole["labels"] if self.is_last else None, losses=losses, **kwargs)
+        with autocast(self.dist.device, self.spec.torch_dtype) if self.autocast else nullcontext():
+            self.schedule.step(*args, target=whole["labels"] if self.is_last else None, losses=losses, **kwargs)
         values = (torch.stack([x.detach().float() for x in losses]) if self.is_last
                   else torch.zeros(len(self._buffer), device=self.dist.device))
-        # Every rank reports the true loss: the trainer averages the losses of all ranks.
-        tdist.broadcast(values, src=self.last_rank)
+        # Every rank reports its pipeline's loss: the trainer averages the losses of all ranks.
+        tdist.broadcast(values, group=self.pp_group, group_src=self.spec.pipeline_model_parallel_size - 1)
         for out, value in zip(self._losses, values):
             out.copy_(value)
         self._buffer, self._losses = [], []
@@ -137,7 +182,7 @@ class PPEngine(TorchOptimizerEngine):
             # The adapters are small: rank 0 gathers every stage's for export (as FSDP's engine does).
             from peft import get_peft_model_state_dict
 
-            mine = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
+            mine = {k: _full(v).detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
             parts = [None] * self.dist.world_size
             tdist.all_gather_object(parts, mine, group=self.dist.control)
             if is_main:
@@ -153,6 +198,52 @@ class PPEngine(TorchOptimizerEngine):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
         self.scheduler.load_state_dict(checkpoint.read(path / "scheduler.pt"))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: a stage's FSDP2 shards are gathered (every rank of its DP group calls this)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class StageClock:
+    """The compute time of a rank's stages: each forward and backward of a micro-batch timed on the
+    device (CUDA events, read when the window is logged, after the loss has been read anyway), or
+    on the host on CPUs. Waiting for the neighbours' activations falls outside these calls."""
+
+    def __init__(self, stages: list[PipelineStage], device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []
+        self.host_s = 0.0
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, call):
+        def timed(*args, **kwargs):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = call(*args, **kwargs)
+                end.record()
+                self.pending.append((start, end))
+                return out
+            started = time.perf_counter()
+            out = call(*args, **kwargs)
+            self.host_s += time.perf_counter() - started
+            return out
+
+        return timed
+
+    def take(self) -> float:
+        """Seconds of compute since the last take."""
+        if self.pending:
+            self.pending[-1][1].synchronize()
+        total = self.host_s + sum(start.elapsed_time(end) for start, end in self.pending) / 1000
+        self.pending, self.host_s = [], 0.0
+        return total
 
 
 def refuse_tied(model) -> None:
