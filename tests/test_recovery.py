@@ -163,7 +163,16 @@ def test_a_killed_node_is_restarted_then_left_out_after_its_second_failure(clust
     steps = {e["attempt"]: sorted(e["step"] for e in train_events(m, run_id, e["attempt"]))
              for e in train_events(m, run_id)}
     assert steps[2][0] > 1 and steps[3][0] > steps[2][0] and steps[3][-1] == 70, steps
+    # `swift-studio status` (another process would read the same database) shows the timeline.
+    from backend import cli
+
+    assert cli.main(["status", run_id, "--db", str(m.engine.url)]) == 0
+    status = capsys.readouterr().out
+    assert "succeeded (attempt 3" in status
+    assert "attempt 1 (launch, " in status and ": failed, killed on node 127.0.0.3" in status
+    assert "attempt 3 (automatic restart, " in status and status.rstrip().count("automatic restart") == 2
     with capsys.disabled():
+        print("\n" + status)
         for n, (detected, restarted, stepped) in enumerate(figures, 1):
             print(f"\nrecovery kill {n}: failure recorded {detected:.1f} s after SIGKILL, next attempt started at "
                   f"{restarted:.1f} s, its first step at {stepped:.1f} s")
