@@ -33,6 +33,7 @@ NODE_SILENT_S = 15.0         # + one interval and a probe timeout stays within t
 PROBE_TIMEOUT_S = 8.0
 SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
 FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
+HANG_STOP_GRACE_S = 3.0      # a hung run: no rank can reach the step boundary a checkpoint needs
 TAIL_LINES = 40
 CAUSE_LINES = 200            # of the log, read for a cause when no rank reported one (torchrun's summary is ~45)
 AGENT_RETRY_MAX_S = 8.0
@@ -227,12 +228,12 @@ class AttemptWatcher:
         return Outcome("failed", root)
 
     async def _hung(self, finding) -> Outcome:
-        """The ranks made no step within the job's hang limit: stop them all (a hung rank cannot
-        honour SIGTERM at a step boundary; the grace ends in SIGKILL) and fail the attempt with the
-        hang rule's diagnosis, which names the rank and collective where it can."""
+        """The ranks made no step within the job's hang limit: stop them all (SIGTERM lets them
+        log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
+        the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
         started = time.time()
         report = await launch.stop_all(self.pool, [n.started for n in self.nodes if n.started.pgid], self.run_id,
-                                       self.run_dir, grace_s=FAIL_STOP_GRACE_S)
+                                       self.run_dir, grace_s=HANG_STOP_GRACE_S)
         for n in self.nodes:
             if n.alive and n.host not in report.unreachable:
                 n.alive = False
