@@ -1,0 +1,132 @@
+"""The Slurm backend's pure part: the target's field checks, the batch script (planner's argv, no
+injection) and the parsing of Slurm's own output (captured from slurm-wlm 22.05 on this machine)."""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from backend.cluster import slurm
+from backend.cluster.slurm import SlurmTarget
+from backend.job.demo import demo_spec
+from backend.job.planner import plan
+
+RUNNING = ("JobId=1 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+           "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+           "Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-02T02:11:02 "
+           "EligibleTime=2026-12-02T02:11:02 AccrueTime=2026-12-02T02:11:02 StartTime=2026-12-02T02:11:05 EndTime=Unknown "
+           "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T02:11:05 Scheduler=Main Partition=debug "
+           "AllocNode:Sid=localhost:6574 ReqNodeList=(null) ExcNodeList=(null) NodeList=localhost BatchHost=localhost "
+           "NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=1,billing=2 Socks/Node=* "
+           "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=2 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+           "DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=/tmp/slt/job.sh "
+           "WorkDir=/work/wt-slurm/tests StdErr=/tmp/slt/j-1.out StdIn=/dev/null StdOut=/tmp/slt/j-1.out Power= \n")
+PENDING = ("JobId=2 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901758 Nice=0 "
+           "Account=(null) QOS=(null) JobState=PENDING Reason=Resources Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+           "Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-02T02:11:02 "
+           "StartTime=Unknown EndTime=Unknown Partition=debug AllocNode:Sid=localhost:6574 ReqNodeList=(null) "
+           "ExcNodeList=(null) NodeList= NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 TRES=cpu=2,mem=12052M,node=1,billing=2 "
+           "Command=/tmp/slt/job.sh WorkDir=/work/wt-slurm/tests StdErr=/tmp/slt/j-2.out StdIn=/dev/null Power= \n")
+CANCELLED = ("JobId=1 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+             "Account=(null) QOS=(null) JobState=CANCELLED Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+             "Reboot=0 ExitCode=0:15 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A Partition=debug "
+             "NodeList=localhost BatchHost=localhost NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 Power= \n")
+
+
+def target(**kw) -> SlurmTarget:
+    return SlurmTarget(**{"partition": "debug", "nodes": 1, "cpus_per_task": 2, **kw})
+
+
+def demo_plan(tmp_path, t: SlurmTarget, **spec_kw):
+    spec = demo_spec(tmp_path).model_copy(update={"nnodes": t.nodes, "nproc_per_node": 2, **spec_kw})
+    return plan(spec, t.cluster(), "run-1", str(tmp_path / "run-1"))
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"partition": "de bug"}, "slurm.partition"), ({"partition": "a\n#SBATCH --wrap=x"}, "slurm.partition"),
+    ({"nodes": 0}, "slurm.nodes"), ({"cpus_per_task": True}, "slurm.cpus_per_task"),
+    ({"gpus_per_node": -1}, "slurm.gpus_per_node"), ({"time_limit": "1 hour"}, "slurm.time_limit"),
+    ({"account": "x;y"}, "slurm.account"), ({"python": "python3 -c boom"}, "slurm.python"),
+    ({"extra": ("--wrap=id",)}, "slurm.extra[0]"), ({"extra": ("--qos=high", "--export=ALL,LD_PRELOAD=/x")}, "slurm.extra[1]"),
+    ({"extra": ("--qos=high\n#SBATCH --uid=0",)}, "slurm.extra[0]"), ({"extra": ("--output=/etc/x",)}, "slurm.extra[0]"),
+])
+def test_target_problems_name_the_field(kw, field):
+    assert [p.field for p in target(**kw).problems()] == [field]
+
+
+def test_a_good_target_has_no_problems_and_round_trips():
+    t = target(gpus_per_node=8, time_limit="1-02:00:00", account="ml-team", extra=("--qos=high", "--exclusive"))
+    assert t.problems() == []
+    assert SlurmTarget.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="unknown key 'gres'"):
+        SlurmTarget.from_dict({"partition": "debug", "gres": "gpu:8"})
+    assert [p.field for p in t.job_problems(nnodes=2)] == ["slurm.nodes"]
+
+
+def test_the_allocation_as_the_planner_sees_it():
+    gpu, cpu = target(nodes=2, gpus_per_node=4).cluster(), target(cpus_per_task=3).cluster()
+    assert [(n.slots, n.device) for n in gpu.nodes] == [(4, "cuda"), (4, "cuda")]
+    assert [(n.slots, n.device) for n in cpu.nodes] == [(3, "cpu")]
+
+
+def test_script_has_the_sbatch_lines_and_the_planners_worker(tmp_path):
+    t = target(nodes=1, gpus_per_node=2, time_limit="30", account="acct", extra=("--qos=high",))
+    p = demo_plan(tmp_path, t)
+    text = slurm.sbatch_script(t, p, "run-1", attempt=2, offsets={"events/rank-0.jsonl": 10})
+    options = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH ")]
+    assert options == ["--job-name=swift-studio-run-1", "--partition=debug", "--nodes=1", "--ntasks-per-node=1",
+                       "--cpus-per-task=2", "--gres=gpu:2", "--time=30", "--account=acct",
+                       f"--output={tmp_path}/run-1/logs/slurm-%j.out", "--open-mode=append", "--qos=high"]
+    # The planner's argv, with the allocation's values put in by the shell.
+    assert '--node_rank "$SLURM_NODEID"' in text and '--rdzv_endpoint "$SWIFT_STUDIO_HEAD:$SWIFT_STUDIO_PORT"' in text
+    assert "-m launcher.train --run-dir" in text and "--rdzv_id run-1" in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert "srun --overlap --ntasks-per-node=1" in text and "telemetry/attempt-2" in text
+    assert "rank-0.jsonl" in text  # the agent starts after what earlier attempts' agents read
+    subprocess.run(["sh", "-n"], input=text, text=True, check=True)
+
+
+def test_script_refuses_what_it_cannot_write_safely(tmp_path):
+    t = target()
+    p = demo_plan(tmp_path, t)
+    with pytest.raises(ValueError, match="output_dir"):
+        slurm.sbatch_script(t, replace(p, run_dir="/tmp/my runs/x"), "run-1", 1)
+    with pytest.raises(ValueError, match="slurm.extra"):
+        slurm.sbatch_script(replace(t, extra=("--chdir=/",)), p, "run-1", 1)
+    with pytest.raises(ValueError, match="name"):
+        slurm.sbatch_script(t, p, "run;id", 1)
+
+
+def test_an_env_value_is_data_in_the_step(tmp_path):
+    """A value with a newline, `$(...)`, backticks and quotes reaches the process unchanged and
+    runs nothing (the step's shell text is what srun's `sh -c` gets)."""
+    evil = "a\n$(touch pwned)`touch pwned2`'\";touch pwned3 #"
+    command = slurm._command(["sh", "-c", 'printf %s "$EVIL"; printf "|%s" "$MASTER_ADDR" "$1"', "x", "$SLURM_NODEID"],
+                             {"EVIL": evil, "MASTER_ADDR": "planner-placeholder"})
+    out = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "SWIFT_STUDIO_HEAD": "head-1", "SLURM_NODEID": "0"})
+    assert out.stdout == evil + "|head-1|$SLURM_NODEID"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_scontrol_job():
+    running = slurm.parse_scontrol_job(RUNNING, "1")
+    assert (running.state, running.nodes, running.exit_code, running.running, running.final) == (
+        "RUNNING", "localhost", 0, True, False)
+    pending = slurm.parse_scontrol_job(PENDING, "2")
+    assert (pending.state, pending.reason, pending.nodes, pending.running) == ("PENDING", "Resources", None, False)
+    cancelled = slurm.parse_scontrol_job(CANCELLED, "1")
+    assert (cancelled.state, cancelled.signal, cancelled.final) == ("CANCELLED", 15, True)
+    assert slurm.parse_scontrol_job(RUNNING, "12") is None
+
+
+def test_parse_squeue_sbatch_hostnames_and_killwait():
+    assert slurm.parse_squeue("1 RUNNING\n", "1") == "RUNNING"
+    assert slurm.parse_squeue("", "1") is None
+    assert slurm.parse_sbatch("17\n") == "17" and slurm.parse_sbatch("17;cluster-a\n") == "17"
+    with pytest.raises(slurm.SlurmError, match="no job id"):
+        slurm.parse_sbatch("sbatch: error: Batch job submission failed: Invalid partition name specified\n")
+    assert slurm.parse_hostnames("gpu-01\ngpu-02\n") == ["gpu-01", "gpu-02"]
+    assert slurm.stop_warning("KillWait                = 45 sec\n") is None
+    assert "KillWait is 30 s" in slurm.stop_warning("KillWait                = 30 sec\n")
