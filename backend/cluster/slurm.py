@@ -8,8 +8,10 @@ allocation knows put in by the shell: `--node_rank` ($SLURM_NODEID), the rendezv
 `MASTER_ADDR` (the allocation's first host and a port free on it). Each node's command runs under
 the SSH backend's wrapper (`remote.WRAPPER`: `pids/<node>.pid` and `.exit`), so the workers, the
 node agent and the failure reading see the same files as on SSH nodes. The node agent is a second,
-overlapping step on every node, writing its JSON lines to `telemetry/attempt-<n>/<node>.jsonl` in
-the run directory (shared storage), which the login node reads.
+overlapping step on every node, writing its JSON lines to
+`telemetry/attempt-<n>/restart-<k>/<node>.jsonl` in the run directory (shared storage), which the
+login node reads. A job Slurm requeues (k = $SLURM_RESTART_COUNT > 0) resumes from the latest
+complete checkpoint: the same attempt, recovered by Slurm.
 
 A stop is `scancel`: Slurm sends SIGTERM to every process of the job's steps and SIGKILL after
 the cluster's `KillWait`, which must exceed the planner's `STOP_BUDGET_S` for the checkpoint to
@@ -43,7 +45,7 @@ _SCRIPT_PATH = re.compile(r"^/[A-Za-z0-9_./+-]*$")
 # --get-user-env, ...) and the ones the studio sets are refused.
 EXTRA_OPTIONS = frozenset({"constraint", "qos", "mem", "mem-per-cpu", "mem-per-gpu", "exclusive", "reservation",
                            "exclude", "nodelist", "mail-type", "mail-user", "nice", "gpus-per-task", "gpu-bind",
-                           "hint", "switches", "licenses", "begin", "deadline"})
+                           "hint", "switches", "licenses", "begin", "deadline", "requeue", "no-requeue"})
 _EXTRA = re.compile(r"^--([a-z][a-z-]*)(=[A-Za-z0-9_.,:@%+/-]+)?$")
 
 # `scontrol show job -o` states after which the job holds nothing (Slurm's job_state_string).
@@ -52,6 +54,10 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_F
 POLL_S = 1.0
 # scancel until the job is gone: Slurm's KillWait (SIGTERM → SIGKILL), then its epilog and cleanup.
 CANCEL_WAIT_S = STOP_BUDGET_S + 60.0
+
+
+# The machine the studio runs on, where Slurm's client tools are (reached without SSH).
+LOGIN = Node(host="localhost", slots=1, device="cpu", local=True)
 
 
 class SlurmError(RuntimeError):
@@ -135,15 +141,17 @@ class SlurmTarget:
         return cls(**values)
 
 
+def allocation_nodes(target: SlurmTarget, hosts: list[str]) -> list[Node]:
+    """The allocation's nodes as the run records them: reached through the login node's shell
+    (`local`), since their files are the shared run directory's."""
+    base = target.cluster().nodes[0]
+    return [Node(host=h, slots=base.slots, python=target.python, device=base.device, local=True) for h in hosts]
+
+
 # -- the batch script ---------------------------------------------------------------------------
 
 def job_name(run_id: str) -> str:
     return JOB_NAME_PREFIX + run_id
-
-
-def telemetry_file(attempt: int, node: str) -> str:
-    """The agent's JSON lines of one node in one attempt, relative to the run directory."""
-    return f"telemetry/attempt-{int(attempt)}/{remote.node_file_name(node)}.jsonl"
 
 
 def script_file(attempt: int) -> str:
@@ -201,26 +209,32 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         sbatch.append(f"--account={target.account}")
     sbatch += [f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append", *target.extra]
 
+    # A requeued job starts the script again: it resumes unless the attempt already names a checkpoint.
+    requeue_resume = "--resume" not in node.argv
+    resume_args = ' "$@"' if requeue_resume else ""
     train_step = "; ".join([
         _NODE_NAME,
         f"cd {q(run_dir)}",
         'rm -f "pids/$node.pid" "pids/$node.exit"',
-        # setsid -w: the wrapper leads its own group (the agent finds the workers by it) and the
-        # step lasts as long as torchrun does.
-        f"exec setsid -w sh -c {q(remote.WRAPPER)} swift-studio-node \"$PWD/pids/$node.pid\" \"$PWD/pids/$node.exit\" "
-        f"{_command(node.argv, node.env)} < /dev/null > \"logs/$node.log\" 2>&1",
+        *(['if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then set -- --resume latest; fi'] if requeue_resume else []),
+        # The wrapper is the step's task itself, which slurmstepd makes the leader of its process
+        # group (the agent finds the workers by it). Not under setsid: its parent would be the task,
+        # die at scancel's SIGTERM and leave the wrapper orphaned, outside what Slurm tracks, so
+        # the job would end while the workers still write their checkpoint.
+        f"exec sh -c {q(remote.WRAPPER)} swift-studio-node \"$PWD/pids/$node.pid\" \"$PWD/pids/$node.exit\" "
+        f"{_command(node.argv, node.env)}{resume_args} < /dev/null > \"logs/$node.log\" 2>&1",
     ])
     agent_argv = [target.python, "-m", "backend.telemetry.agent", "--run-id", run_id, "--run-dir", run_dir,
                   "--offsets", json.dumps(dict(offsets or {}))]
     # The steps get the environment sbatch was called with (its default --export=ALL) and, for the
     # workers, the planner's on top.
-    out_dir = f"telemetry/attempt-{int(attempt)}"
+    out_dir = f"telemetry/attempt-{int(attempt)}/restart-" + '"${SLURM_RESTART_COUNT:-0}"'
     agent_step = "; ".join([
         _NODE_NAME,
         f"cd {q(run_dir)}",
-        f"mkdir -p {q(out_dir)}",
+        f"mkdir -p {out_dir}",
         f"exec {remote.quote_argv(agent_argv)} --node \"$node\" "
-        f"> {q(out_dir)}/\"$node.jsonl\" 2>> \"logs/agent-$node.log\"",
+        f"> {out_dir}/\"$node.jsonl\" 2>> \"logs/agent-$node.log\"",
     ])
     check_step = remote.quote_argv([target.python, "-c", _IMPORT_CHECK_PY])
     lines = [

@@ -208,14 +208,15 @@ class RunStore:
                 s.add(run)
                 s.commit()
 
-    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None) -> Attempt:
+    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None,
+                    slurm_json: str | None = None) -> Attempt:
         with Session(self.engine) as s:
             run = s.get(Run, run_id)
             if run is None:
                 raise KeyError(run_id)
             run.attempts += 1
             attempt = Attempt(run_id=run_id, number=run.attempts, state=CHECKING,
-                              resume_from=resume_from, cluster_json=json.dumps(nodes))
+                              resume_from=resume_from, cluster_json=json.dumps(nodes), slurm_json=slurm_json)
             s.add(run)
             s.add(attempt)
             s.commit()
@@ -243,9 +244,13 @@ class RunStore:
             return list(s.exec(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)))
 
     def set_plan(self, attempt_id: int, plan_json: str) -> None:
+        self.update_attempt(attempt_id, plan_json=plan_json)
+
+    def update_attempt(self, attempt_id: int, **fields) -> None:
         with Session(self.engine) as s:
             attempt = s.get(Attempt, attempt_id)
-            attempt.plan_json = plan_json
+            for key, value in fields.items():
+                setattr(attempt, key, value)
             s.add(attempt)
             s.commit()
 
