@@ -2,6 +2,7 @@
 injection) and the parsing of Slurm's own output (captured from slurm-wlm 22.05 on this machine)."""
 from __future__ import annotations
 
+import json
 import subprocess
 from dataclasses import replace
 
@@ -121,12 +122,60 @@ def test_parse_scontrol_job():
     assert slurm.parse_scontrol_job(RUNNING, "12") is None
 
 
-def test_parse_squeue_sbatch_hostnames_and_killwait():
-    assert slurm.parse_squeue("1 RUNNING\n", "1") == "RUNNING"
-    assert slurm.parse_squeue("", "1") is None
+def test_parse_sbatch_hostnames_and_killwait():
     assert slurm.parse_sbatch("17\n") == "17" and slurm.parse_sbatch("17;cluster-a\n") == "17"
     with pytest.raises(slurm.SlurmError, match="no job id"):
         slurm.parse_sbatch("sbatch: error: Batch job submission failed: Invalid partition name specified\n")
     assert slurm.parse_hostnames("gpu-01\ngpu-02\n") == ["gpu-01", "gpu-02"]
     assert slurm.stop_warning("KillWait                = 45 sec\n") is None
     assert "KillWait is 30 s" in slurm.stop_warning("KillWait                = 30 sec\n")
+
+
+def _outcome(run_dir, state: slurm.JobState, hosts: list[str]):
+    import asyncio
+
+    from backend.cluster.nodes import Pool
+    from backend.runs.slurmwatch import SlurmWatcher
+
+    async def go():
+        pool = Pool()
+        try:
+            watcher = SlurmWatcher(pool, slurm.LOGIN, "run-1", str(run_dir), state.job_id, 1, lambda: False,
+                                   lambda hosts: None, hosts=hosts)
+            return await watcher.outcome(state)
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def test_a_failed_job_is_explained_by_the_ranks_own_report(tmp_path):
+    """Read through the login node's shell from the shared run directory, as on SSH nodes: the
+    exit code, the end slot of the node's workers (same group, same node) and the log."""
+    for d in ("pids", "logs", "events"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "pids/gpu-2.pid").write_text("4242\n")
+    (tmp_path / "pids/gpu-2.exit").write_text("1  \n")
+    (tmp_path / "pids/gpu-1.pid").write_text("4141\n")
+    (tmp_path / "pids/gpu-1.exit").write_text("0  \n")
+    (tmp_path / "logs/gpu-2.log").write_text("[rank1] error: DataError: train.jsonl:7: no messages\n")
+    end = {"type": "end", "status": "failed", "rank": 1, "node": "gpu-2", "pgid": 4242, "error_type": "DataError",
+           "error": "train.jsonl:7: no messages", "time": 1.0}
+    stale = {**end, "pgid": 999, "error_type": "ConfigError", "error": "an earlier attempt's"}
+    (tmp_path / "events/rank-1.end").write_text(json.dumps(end) + "\n" + json.dumps(stale) + "\n")
+    out = _outcome(tmp_path, slurm.JobState("7", "FAILED", exit_code=1), ["gpu-1", "gpu-2"])
+    assert out.state == "failed"
+    assert (out.failure.node, out.failure.cause, out.failure.exit_code) == ("gpu-2", "data_error", 1)
+    assert "train.jsonl:7" in out.failure.message and "Slurm job 7 ended FAILED" in out.failure.message
+
+
+def test_a_job_that_never_started_its_workers(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/slurm-8.out").write_text(f"srun: error: execve(): /opt/nope: No such file\n"
+                                               f"{slurm.IMPORT_CHECK_FAILED}\n")
+    out = _outcome(tmp_path, slurm.JobState("8", "FAILED", exit_code=3), ["gpu-1"])
+    assert (out.failure.cause, out.failure.node) == ("command_not_found", None)
+    assert "slurm.python" in out.failure.message and "logs/slurm-8.out" in out.failure.message
+    timeout = _outcome(tmp_path, slurm.JobState("9", "TIMEOUT", exit_code=0, signal=15), [])
+    assert timeout.failure.cause == "killed" and "ended TIMEOUT" in timeout.failure.message
+    assert _outcome(tmp_path, slurm.JobState("10", "COMPLETED", exit_code=0), []).state == "succeeded"

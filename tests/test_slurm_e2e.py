@@ -1,7 +1,8 @@
 """A real 2-rank CPU training job through the studio's Slurm path, on a real slurmctld + slurmd
 (tests/slurmctl.py) on this machine: the CLI submits it, the RunManager watches it (state from
-`scontrol`, telemetry from the agent step's file), a stop is `scancel` and the workers checkpoint
-on its SIGTERM, and a resume (a new Slurm job) continues past that checkpoint to the end."""
+`scontrol`, telemetry from the agent step's file), a Slurm requeue resumes it from the checkpoint
+written on the requeue's SIGTERM, a stop is `scancel` and the workers checkpoint on its SIGTERM,
+and a resume (a new Slurm job) continues past that checkpoint to the end."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import pytest
 
 import slurmctl
 from backend.cluster import remote
-from backend.cluster.slurm import SlurmTarget
 from backend.job.spec import JobSpec
 from backend.runs import lifecycle
 from backend.runs.manager import RunManager
@@ -67,40 +67,45 @@ def wait_for(what: str, check, timeout: float):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_cli_submits_a_job_that_trains_to_the_end(slurm_cluster, tiny_model, tmp_path):
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
     spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(job(tmp_path, tiny_model, max_steps=3, save_steps=3).to_yaml())
+    spec_path.write_text(job(tmp_path, tiny_model, max_steps=200, save_steps=1000).to_yaml())
     db = f"sqlite:///{tmp_path / 'studio.db'}"
-    cli = [sys.executable, "-m", "backend.cli"]
     t0 = time.time()
-    out = subprocess.run([*cli, "run", str(spec_path), "--slurm-partition", "debug", "--name", "cli-run", "--db", db],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "cli-run: succeeded" in out.stdout and "running on localhost" in out.stdout, out.stdout
-    run_dir = tmp_path / "out" / "cli-run"
+    out = cli("run", str(spec_path), "--slurm-partition", "debug", "--name", "slurm-run", "--detach", "--db", db)
+    assert out.returncode == 0 and "slurm-run: running" in out.stdout, out.stdout + out.stderr
+    run_id, run_dir = "slurm-run", tmp_path / "out" / "slurm-run"
     script = (run_dir / "slurm" / "attempt-1.sbatch").read_text()
-    assert "#SBATCH --job-name=swift-studio-cli-run" in script and "#SBATCH --partition=debug" in script
-    assert checkpoint.latest(run_dir).name == "checkpoint-3"
-    lines = [json.loads(x) for x in (run_dir / "telemetry/attempt-1/restart-0/localhost.jsonl").read_text().splitlines()]
-    assert {"hello", "host", "event", "bye"} <= {x["kind"] for x in lines}
-    status = subprocess.run([*cli, "status", "cli-run", "--db", db], capture_output=True, text=True, cwd=ROOT)
-    assert "succeeded" in status.stdout, status.stdout + status.stderr
-    print(f"CLI run on Slurm: {time.time() - t0:.1f} s")
+    assert "#SBATCH --job-name=swift-studio-slurm-run" in script and "#SBATCH --partition=debug" in script
 
-
-def test_stop_is_scancel_with_a_checkpoint_and_resume_continues(slurm_cluster, tiny_model, tmp_path):
-    target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2)
-    m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}")
+    # The CLI that submitted it is gone; a manager adopts the run and watches the job Slurm still runs.
+    m = RunManager(db)
     try:
-        t0 = time.time()
-        run_id = m.launch(job(tmp_path, tiny_model, max_steps=200, save_steps=1000), target.cluster(), slurm=target)
-        run = m.wait(run_id, timeout=60, states=(lifecycle.RUNNING, *lifecycle.FINAL))
-        assert run.state == lifecycle.RUNNING, (run.state, run.message)
+        wait_for("the re-attach", lambda: any("re-attached to Slurm job" in n for n in m.notices(run_id)), 30)
         first = m.store.current_attempt(run_id)
         job_id = json.loads(first.slurm_json)["job_id"]
         assert job_id and m.nodes_of(run_id) == ["localhost"]
         # The agent's lines reach the store through the run directory: training progress is seen.
         wait_for("step 4 in the telemetry", lambda: (m.progress(run_id) or {}).get("step", 0) >= 4, 60)
+
+        # Slurm's own recovery: a requeued job (as after a node failure) starts the script again,
+        # which resumes from the checkpoint the workers wrote on the requeue's SIGTERM. Slurm holds a
+        # requeued batch job for 120 s (BeginTime); the admin's `StartTime=now` releases it.
+        slurm_cluster.run("scontrol", "requeue", job_id)
+        # Requeued once its processes have ended (the checkpoint written): PENDING, held by BeginTime.
+        wait_for("the requeue", lambda: "JobState=PENDING" in slurm_cluster.run("scontrol", "show", "job", "-o",
+                                                                                  job_id).stdout, 60)
+        slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        requeued = wait_for("the requeued job's resume", lambda: (m.progress(run_id) or {}).get("resumed_from"), 60)
+        assert m.run(run_id).state == lifecycle.RUNNING and m.run(run_id).attempts == 1
+        assert any("requeued" in n for n in m.notices(run_id)), m.notices(run_id)
+        wait_for("a step past the requeue", lambda: m.progress(run_id)["step"] > requeued, 60)
+
         t_stop = time.time()
         stopped = m.stop(run_id)
         stop_s = time.time() - t_stop
@@ -109,23 +114,29 @@ def test_stop_is_scancel_with_a_checkpoint_and_resume_continues(slurm_cluster, t
         assert "JobState=CANCELLED" in state, state
         # Slurm ended the job only once the workers had exited: nothing of the run is left.
         assert tagged(run_id) == []
-        saved = checkpoint.latest(Path(run.run_dir))
+        saved = checkpoint.latest(run_dir)
         assert saved is not None, "the workers saved no checkpoint on scancel's SIGTERM"
         step = int(saved.name.split("-")[1])
-        assert 4 <= step < 200
-        ends = [json.loads(p.read_text()) for p in sorted(Path(run.run_dir, "events").glob("rank-*.end"))]
+        assert requeued < step < 200
+        ends = [json.loads(p.read_text()) for p in sorted((run_dir / "events").glob("rank-*.end"))]
         assert [e["status"] for e in ends] == ["stopped", "stopped"], ends
-
-        m.resume(run_id)
-        done = m.wait(run_id, timeout=120)
-        assert done.state == lifecycle.SUCCEEDED, (done.state, done.message, done.log_tail)
-        second = m.store.current_attempt(run_id)
-        assert second.number == 2 and json.loads(second.slurm_json)["job_id"] != job_id
-        assert (Path(run.run_dir) / "slurm" / "attempt-2.sbatch").exists()
-        progress = m.progress(run_id)
-        assert progress["resumed_from"] == step and progress["step"] == 200, progress
-        assert checkpoint.latest(Path(run.run_dir)).name == "checkpoint-200"
-        print(f"launch→stop {t_stop - t0:.1f} s (stop {stop_s:.1f} s, checkpoint-{step}), "
-              f"resume→end {time.time() - t_stop - stop_s:.1f} s")
     finally:
         m.close()
+
+    t_resume = time.time()
+    out = cli("resume", run_id, "--db", db)
+    assert out.returncode == 0 and f"{run_id}: succeeded" in out.stdout, out.stdout + out.stderr
+    m = RunManager(db, reattach=False)
+    try:
+        second = m.store.current_attempt(run_id)
+        assert second.number == 2 and json.loads(second.slurm_json)["job_id"] != job_id
+        assert (run_dir / "slurm" / "attempt-2.sbatch").exists()
+        progress = m.progress(run_id)
+        assert progress["resumed_from"] == step and progress["step"] == 200, progress
+        assert checkpoint.latest(run_dir).name == "checkpoint-200"
+    finally:
+        m.close()
+    lines = [json.loads(x) for x in (run_dir / "telemetry/attempt-2/restart-0/localhost.jsonl").read_text().splitlines()]
+    assert {"hello", "host", "event", "bye"} <= {x["kind"] for x in lines}
+    print(f"submit→stop {t_stop - t0:.1f} s (stop {stop_s:.1f} s, checkpoint-{step}, requeue resumed from "
+          f"{requeued}), resume→end {time.time() - t_resume:.1f} s")

@@ -168,6 +168,7 @@ _NODE_NAME = "node=$(printf %s \"$SLURMD_NODENAME\" | tr -c 'A-Za-z0-9._-' _)"
 _FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 # The step's import check: the pre-flight that has to run on the allocated nodes themselves.
 _IMPORT_CHECK_PY = "import torch, launcher.train, backend.telemetry.agent"
+IMPORT_CHECK_FAILED = "swift-studio: the import check failed on a node of the allocation"
 
 
 def _command(argv: tuple[str, ...] | list[str], env: Mapping[str, str]) -> str:
@@ -246,7 +247,7 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         "mkdir -p logs pids",
         "# The pre-flight that needs the allocation: the worker imports on every node.",
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {check_step} || "
-        "{ echo 'swift-studio: the import check failed on a node of the allocation' >&2; exit 3; }",
+        f"{{ echo {q(IMPORT_CHECK_FAILED)} >&2; exit 3; }}",
         "# The rendezvous runs on the allocation's first node, on a port free there (the batch step runs on it).",
         f"{HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
         f"{PORT_VAR}=$({q(target.python)} -c {q(_FREE_PORT_PY)})",
@@ -303,15 +304,6 @@ def parse_scontrol_job(text: str, job_id: str) -> JobState | None:
         return JobState(job_id=str(job_id), state=state, reason=None if reason in (None, "None") else reason,
                         exit_code=exit_code, signal=sig, nodes=None if nodes in (None, "", "(null)") else nodes,
                         requeued=int(values.get("Restarts", "0") or 0))
-    return None
-
-
-def parse_squeue(text: str, job_id: str) -> str | None:
-    """`squeue -h -j <id> -o '%i %T'` → the job's state, None when it is not queued any more."""
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == str(job_id):
-            return parts[1]
     return None
 
 

@@ -135,6 +135,8 @@ class SlurmWatcher:
             pgid_text = await self._read(self.pool.run(self.login, f"cat -- {shlex.quote(paths.pid)} 2>/dev/null; true",
                                                        None, timeout=15), None)
             pgid = int(pgid_text.stdout.strip()) if pgid_text and pgid_text.stdout.strip().isdigit() else None
+            if pgid is None and code is None:
+                continue  # the node's workers never started (the batch script ended before)
             tail = await self._read(self.pool.run(self.login, remote.tail(paths.log, CAUSE_LINES), None, timeout=15), None)
             ends = [e for e in slots if e.get("node") == remote.node_file_name(host) and e.get("pgid") == pgid]
             cause, failure = failure_from(host, code, tail.stdout.splitlines() if tail else [], ends)
@@ -150,8 +152,10 @@ class SlurmWatcher:
         lines = out.stdout.splitlines() if out else []
         exit_code = state.exit_code if state else None
         cause = logclass.classify_tail(lines, exit_code)
-        if exit_code == 3 and any("import check failed" in line for line in lines):
-            cause = logclass.Cause(logclass.COMMAND_NOT_FOUND, "the worker does not import on a node of the allocation")
+        if exit_code == 3 and any(slurm.IMPORT_CHECK_FAILED in line for line in lines):
+            cause = logclass.Cause(logclass.COMMAND_NOT_FOUND,
+                                   f"slurm.python does not import the worker on a node of the allocation "
+                                   f"(logs/slurm-{self.job_id}.out)")
         elif cause.kind == logclass.UNKNOWN and state is not None and state.state != "FAILED":
             cause = logclass.Cause(logclass.KILLED, what)
         return Outcome("failed", Failure(None, exit_code, cause.kind, f"{logclass.describe(cause)}; {what}",
