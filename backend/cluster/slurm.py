@@ -1,5 +1,5 @@
 """Runs on a Slurm partition: the target, the batch script the studio writes (and shows), and
-Slurm's own tools (`sbatch`, `squeue`, `scontrol`, `scancel`) run from the machine the studio
+Slurm's own tools (`sbatch`, `scontrol`, `scancel`) run from the machine the studio
 runs on (the login node, the Pool's local shell).
 
 The job's per-node command is the planner's (`backend.job.planner.plan` on `SlurmTarget.cluster()`):
