@@ -83,7 +83,10 @@ def test_script_has_the_sbatch_lines_and_the_planners_worker(tmp_path):
     assert '--node_rank "$SLURM_NODEID"' in text and '--rdzv_endpoint "$SWIFT_STUDIO_HEAD:$SWIFT_STUDIO_PORT"' in text
     assert "-m launcher.train --run-dir" in text and "--rdzv_id run-1" in text
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
-    assert "srun --overlap --ntasks-per-node=1" in text and "telemetry/attempt-2" in text
+    # Each step asks for the node's CPUs and GPUs itself (srun does not inherit them since 22.05).
+    assert "srun --ntasks-per-node=1 --cpus-per-task=2 --gres=gpu:2 --kill-on-bad-exit=1 sh -c" in text
+    assert "srun --overlap --ntasks-per-node=1 --cpus-per-task=2 --gres=gpu:2 sh -c" in text
+    assert "telemetry/attempt-2" in text
     assert "rank-0.jsonl" in text  # the agent starts after what earlier attempts' agents read
     subprocess.run(["sh", "-n"], input=text, text=True, check=True)
 
@@ -179,3 +182,20 @@ def test_a_job_that_never_started_its_workers(tmp_path):
     timeout = _outcome(tmp_path, slurm.JobState("9", "TIMEOUT", exit_code=0, signal=15), [])
     assert timeout.failure.cause == "killed" and "ended TIMEOUT" in timeout.failure.message
     assert _outcome(tmp_path, slurm.JobState("10", "COMPLETED", exit_code=0), []).state == "succeeded"
+
+
+def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):
+    from backend import cli
+
+    job = tmp_path / "job.yaml"
+    job.write_text(demo_spec(tmp_path / "out").model_copy(update={"nproc_per_node": 2}).to_yaml())
+    assert cli.main(["plan", str(job), "--slurm-partition", "debug", "--slurm-option", "qos=high",
+                     "--run-id", "r1"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=2" in out and "#SBATCH --qos=high" in out and "--rdzv_id r1" in out
+    assert cli.main(["plan", str(job), "--slurm-partition", "a b", "--slurm-time", "1h",
+                     "--slurm-option", "export=ALL,LD_PRELOAD=/x"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == ["--slurm-partition", "--slurm-time", "--slurm-option #1"]
+    assert cli.main(["run", str(job), "--slurm-partition", "debug", "--hostfile", "hosts"]) == 1
+    assert "--hostfile, --slurm-partition" in capsys.readouterr().err

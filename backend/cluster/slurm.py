@@ -238,6 +238,11 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         f"> {out_dir}/\"$node.jsonl\" 2>> \"logs/agent-$node.log\"",
     ])
     check_step = remote.quote_argv([target.python, "-c", _IMPORT_CHECK_PY])
+    # Given to each step: since Slurm 22.05 srun no longer takes --cpus-per-task from the batch
+    # job, and a step sees only the GPUs it asks for (the agent reads them through NVML).
+    step_resources = f"--ntasks-per-node=1 --cpus-per-task={target.cpus_per_task}"
+    if target.gpus_per_node:
+        step_resources += f" --gres=gpu:{target.gpus_per_node}"
     lines = [
         "#!/bin/sh",
         f"# swift-studio run {run_id}, attempt {int(attempt)}: written by the studio, submitted with sbatch --parsable",
@@ -252,9 +257,9 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         f"{HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
         f"{PORT_VAR}=$({q(target.python)} -c {q(_FREE_PORT_PY)})",
         f"export {HEAD_VAR} {PORT_VAR}",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 sh -c {q(train_step)} swift-studio-step &",
+        f"srun {step_resources} --kill-on-bad-exit=1 sh -c {q(train_step)} swift-studio-step &",
         "train=$!",
-        f"srun --overlap --ntasks-per-node=1 sh -c {q(agent_step)} swift-studio-agent &",
+        f"srun --overlap {step_resources} sh -c {q(agent_step)} swift-studio-agent &",
         "wait $train; rc=$?",
         "wait",
         "exit $rc",
