@@ -140,3 +140,20 @@ def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
     assert {"hello", "host", "event", "bye"} <= {x["kind"] for x in lines}
     print(f"submit→stop {t_stop - t0:.1f} s (stop {stop_s:.1f} s, checkpoint-{step}, requeue resumed from "
           f"{requeued}), resume→end {time.time() - t_resume:.1f} s")
+
+
+def test_a_python_that_does_not_import_the_worker_fails_the_run_naming_it(slurm_cluster, tiny_model, tmp_path):
+    """The pre-flight that needs the allocation (the import check on every node) fails the run
+    before any worker starts, naming the field to fix."""
+    from backend.cluster.slurm import SlurmTarget
+
+    target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2, python="/nonexistent/bin/python3")
+    m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}")
+    try:
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=3, save_steps=3), target.cluster(), slurm=target)
+        run = m.wait(run_id, timeout=60)
+        assert (run.state, run.cause) == (lifecycle.FAILED, "command_not_found"), (run.state, run.message)
+        assert "slurm.python" in run.message and "ended FAILED" in run.message, run.message
+        assert list(Path(run.run_dir).glob("pids/*.pid")) == []  # no worker started
+    finally:
+        m.close()

@@ -189,7 +189,10 @@ class AttemptDriver:
                 self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt_id, node=host, node_rank=rank,
                                                    state="running"))
             if self.store.get(run_id).state == lifecycle.LAUNCHING:
-                self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+                try:
+                    self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+                except TransitionError as exc:  # a stop recorded first
+                    log.info("run %s: %s", run_id, exc)
 
         watcher = SlurmWatcher(self.pool, slurm.LOGIN, run_id, run.run_dir, job_id, attempt.number,
                                stop_requested=lambda: self._stop_requested(run_id), on_running=on_running,

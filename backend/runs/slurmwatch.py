@@ -79,7 +79,8 @@ class SlurmWatcher:
                     restarts = state.requeued
                     self.on_notice(f"Slurm requeued job {self.job_id} ({state.reason or state.state}); "
                                    "it resumes from the latest checkpoint")
-                if state.running and not self.hosts and state.nodes:
+                # A job that ended between two looks still ran on its nodes (NodeList is kept).
+                if (state.running or state.final) and not self.hosts and state.nodes:
                     self.hosts = await slurm.hostnames(self.pool, self.login, state.nodes)
                     self.on_running(self.hosts)
             await self.read_telemetry()
