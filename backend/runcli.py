@@ -152,9 +152,14 @@ def add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from backend.runs.lifecycle import attempt_timeline
+
     with _manager(args) as m, _refused():
         run = m.settle(args.run)
         lines = _describe(run)
+        attempts = m.attempts(args.run)
+        if len(attempts) > 1:
+            lines += ["  " + line for line in attempt_timeline(attempts)]
         for p in m.processes(args.run):
             lines.append(f"  node {p.node}: {p.state}, process group {p.pgid}"
                          + (f", exit code {p.exit_code}" if p.exit_code is not None else ""))

@@ -34,7 +34,8 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
         "resume_from_checkpoint")),
     ("Advanced", False, (
         "gradient_checkpointing", "use_liger_kernel", "tiled_mlp", "activation_cpu_offload", "torch_compile",
-        "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "env")),
+        "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "max_restarts", "hang_timeout_s",
+        "hang_step_multiple", "env")),
 )
 
 _UNPLACED = tuple(f for f in FIELDS if f not in {n for _, _, names in _PLACED for n in names})
@@ -58,7 +59,9 @@ TITLES = {
     "sequence_parallel_size": "Sequence parallel (Ulysses)",
     "per_device_train_batch_size": "Micro-batch per GPU", "gradient_accumulation_steps": "Gradient accumulation",
     "lr_scheduler_type": "LR schedule", "use_liger_kernel": "Liger kernels", "attn_impl": "Attention kernel",
-    "ddp_timeout": "Collective timeout (s)", "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",
+    "ddp_timeout": "Collective timeout (s)", "max_restarts": "Automatic restarts",
+    "hang_timeout_s": "Hang after (s without a step)", "hang_step_multiple": "Hang after (x the step time)",
+    "deepspeed": "DeepSpeed", "fsdp": "FSDP2", "env": "Environment",
     "grad_reduce_dtype": "Gradient reduce dtype", "tiled_mlp": "Tiled MLP (long context)",
     "activation_cpu_offload": "Offload checkpointed activations to CPU",
     "router_aux_loss_coef": "Router load-balancing loss weight (MoE)",

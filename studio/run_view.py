@@ -87,7 +87,7 @@ def usage_line(usage: Usage | None, price: float | None) -> str:
 
 
 def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None,
-              usage: str = "") -> str:
+              usage: str = "", attempts: list[str] = ()) -> str:
     """The Monitor's head: state, attempt, the layout of the ranks, elapsed time, and for a failure
     the classified cause, the node and the last log lines (never a traceback from the studio itself)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
@@ -112,6 +112,8 @@ def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layou
             lines.append(f"\nWhat to do: {HELP[run.cause]}")
         if run.log_tail:
             lines.append("\nLast log lines:\n```\n" + run.log_tail.strip()[-3000:] + "\n```")
+    if len(attempts) > 1:  # the run's timeline (lifecycle.attempt_timeline), newest last
+        lines.append("\n" + "  \n".join(attempts[-6:]))
     for notice in notices[-3:]:
         lines.append(f"\n_{notice}_")
     return "\n".join(lines)

@@ -187,7 +187,7 @@ def test_torch_ddp_fails_under_a_pipeline_schedule(tmp_path):
     LoRA's replicated stages again."""
     script = tmp_path / "probe.py"
     script.write_text('''
-import torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
@@ -202,13 +202,16 @@ x = torch.randn(4, 8)
 try:
     for _ in range(2):
         schedule.step(*((x,) if pp_rank == 0 else ()), target=x if pp_rank == 1 else None)
-    print("RAN", flush=True)
+    outcome = "RAN"
 except RuntimeError as exc:
-    print("FAILED", "rebuilt parameter indices" in str(exc.__cause__ or exc), flush=True)
+    outcome = f"FAILED {'rebuilt parameter indices' in str(exc.__cause__ or exc)}"
+with open(f"{sys.argv[1]}/outcome-{dist.get_rank()}", "w") as f:  # the ranks' prints interleave
+    f.write(outcome)
 ''')
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script)])
-    outcomes = [line for line in proc.log.splitlines() if line.startswith(("RAN", "FAILED"))]
-    assert "FAILED True" in outcomes and "RAN" not in outcomes, proc.log[-3000:]
+    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script),
+                                      str(tmp_path)])
+    outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(4) if (tmp_path / f"outcome-{rank}").exists()]
+    assert "FAILED True" in outcomes and "RAN" not in outcomes, (outcomes, proc.log[-3000:])
 
 
 @pytest.mark.e2e

@@ -206,6 +206,15 @@ def test_the_status_names_the_layout_of_the_ranks():
     assert compute_layout(tp).name() == "DP2×TP2×SP1×CP1×PP2"
 
 
+def test_the_status_lists_the_attempts_of_a_restarted_run():
+    timeline = ["attempt 1 (launch, 10:00:00–10:05:00): failed, killed on node b",
+                "attempt 2 (automatic restart, 10:05:01–…): running"]
+    text = status_md(run(), None, ["10:05:01 automatic restart 1 of 2 after killed on node b"], attempts=timeline)
+    assert "attempt 1 (launch, 10:00:00–10:05:00): failed, killed on node b  \nattempt 2 (automatic restart" in text
+    assert "_10:05:01 automatic restart 1 of 2 after killed on node b_" in text
+    assert "attempt 1 (launch" not in status_md(run(), None, [], attempts=timeline[:1])  # one attempt: no timeline
+
+
 def test_a_worker_error_is_shown_once_with_what_to_do_for_its_cause():
     message = "data error (node localhost, rank 1): /d/train.jsonl:7: unknown record format with fields ['foo']"
     text = status_md(run(cause="data_error", failed_node="localhost", message=message, log_tail=""), None, [])

@@ -143,6 +143,13 @@ class JobSpec(BaseModel):
 
     # Runtime
     ddp_timeout: int = Field(1800, ge=1, description="Collective timeout in seconds.")
+    max_restarts: int = Field(0, ge=0, le=100, description="Automatic restarts from the newest checkpoint after a "
+                              "failure a restart can cure (a killed rank, a lost node, a collective timeout, a hang); "
+                              "0: off. A node that fails twice is left out when the job fits the others.")
+    hang_timeout_s: float = Field(300.0, ge=5, description="A run with no training step for this long (or "
+                                  "hang_step_multiple x the usual time between logged steps, if longer) is hung: "
+                                  "its ranks are stopped and, within max_restarts, restarted.")
+    hang_step_multiple: float = Field(5.0, ge=1, description="See hang_timeout_s.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the workers (NCCL_*, ...).")
 
     @field_validator("dataset", "target_modules", "report_to", mode="before")

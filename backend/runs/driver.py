@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -24,7 +24,7 @@ from backend.cluster.slurm import SlurmTarget
 from backend.job.planner import DEFAULT_MASTER_PORT, Plan
 from backend.job.spec import JobSpec
 from backend.job.validate import Assessment, assess
-from backend.runs import lifecycle
+from backend.runs import lifecycle, recovery
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.runs.slurmwatch import SlurmWatcher
 from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
@@ -71,7 +71,7 @@ class AttemptDriver:
         self.notices: dict[str, list[str]] = {}
 
     def start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
-                       resume: str | None, assessment: Assessment | None = None,
+                       resume: str | None, assessment: Assessment | None = None, automatic: bool = False,
                        slurm_target: SlurmTarget | None = None) -> None:
         """Record the new attempt (the run is `checking`, driven by this manager, when this
         returns), then start it: on the cluster's nodes, or as a Slurm job on `slurm_target`
@@ -79,14 +79,14 @@ class AttemptDriver:
         self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
         if slurm_target is not None:
             # The nodes are the allocation's, known once the job runs (`_slurm_watch` records them).
-            attempt = self.store.new_attempt(run_id, [], resume, slurm_json=json.dumps(
+            attempt = self.store.new_attempt(run_id, [], resume, automatic=automatic, slurm_json=json.dumps(
                 {"target": slurm_target.to_dict(), "job_id": None}))
             self.spawn(run_id, self._slurm_attempt(run_id, attempt, spec, slurm_target, resume, assessment))
             return
         # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
         cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
         members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
-        attempt = self.store.new_attempt(run_id, members, resume)
+        attempt = self.store.new_attempt(run_id, members, resume, automatic=automatic)
         self.spawn(run_id, self._attempt(run_id, attempt, spec, cluster, setups, resume, assessment))
 
     async def _attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, cluster: Cluster,
@@ -207,6 +207,8 @@ class AttemptDriver:
                 log.info("run %s: %s", run_id, exc)
         await watcher.read_telemetry()
         self._report(run_id)
+        if outcome is not None and outcome.state == lifecycle.FAILED:
+            self._recover(run_id)
 
     async def _slurm_stop(self, run_id: str, attempt: Attempt) -> None:
         """`scancel` the attempt's job and wait until Slurm has ended it (SIGTERM: the workers
@@ -258,6 +260,8 @@ class AttemptDriver:
 
     async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)
+        spec = spec_of(run)
+        self.sink.set_hang_limit(run_id, spec.hang_timeout_s, spec.hang_step_multiple)
         procs = {p.node: p for p in self.store.processes(attempt.id)}
         watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
 
@@ -268,7 +272,8 @@ class AttemptDriver:
 
         watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
                                  stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
-                                 sink=self.sink, on_notice=lambda m: self.notice(run_id, m), attempt=attempt.number)
+                                 sink=self.sink, on_notice=lambda m: self.notice(run_id, m), attempt=attempt.number,
+                                 started_at=attempt.started_at)
         self.watchers[run_id] = watcher
         outcome: Outcome | None = await watcher.run()
         # None: a stop was requested, and `_stop` records the end.
@@ -279,6 +284,64 @@ class AttemptDriver:
                 log.info("run %s: %s", run_id, exc)
         await watcher.drain()
         self._report(run_id)
+        if outcome is not None and outcome.state == lifecycle.FAILED:
+            self._recover(run_id)
+
+    def _recover(self, run_id: str) -> None:
+        """Automatic recovery after a failed attempt (`backend.runs.recovery` decides): a new
+        attempt from the newest checkpoint that verifies, on the same nodes or without one that
+        failed twice (the job re-planned for the nodes left, if it still fits them); each decision
+        is a notice on the run."""
+        run = self.store.get(run_id)
+        if run.state != lifecycle.FAILED or run.stop_requested:
+            return
+        spec, attempts = spec_of(run), self.store.attempts(run_id)
+        members = attempt_nodes(attempts[-1])
+        decision = recovery.decide(spec, attempts, members, self._progressed(run_id))
+        if decision is None:
+            return
+        if isinstance(decision, recovery.NoRestart):
+            self.notice(run_id, f"not restarted automatically: {decision.why}")
+            return
+        what = f"{(run.cause or 'failure').replace('_', ' ')} on node {run.failed_node or '?'}"
+        target = slurm_target_of(attempts[-1])
+        if target is not None:
+            # A new job on the same target; Slurm picks the nodes, so a node that failed twice is
+            # excluded from the allocation rather than the job re-planned without it.
+            if decision.left_out:
+                target = replace(target, extra=(*target.extra, f"--exclude={decision.left_out}"))
+                what += f"; excluded node {decision.left_out} (it failed twice)"
+            self.notice(run_id, f"automatic restart {decision.number} of {spec.max_restarts} after {what}: "
+                                "a new Slurm job resuming from the newest checkpoint")
+            try:
+                self.start_attempt(run_id, spec, target.cluster(), {}, resume="latest", automatic=True,
+                                   slurm_target=target)
+            except TransitionError as exc:  # a user resumed it first
+                log.info("run %s: %s", run_id, exc)
+            return
+        cluster = Cluster(nodes=tuple(n for n, _ in decision.nodes), source="automatic restart")
+        setups = {n.host: s for n, s in decision.nodes if s}
+        if decision.left_out:
+            spec = spec.model_copy(update={"nnodes": len(cluster.nodes)})
+            problems = [p for p in assess(spec, cluster).problems if p.severity == "error"]
+            if problems:
+                self.notice(run_id, f"not restarted automatically: node {decision.left_out} failed twice, and without "
+                                    f"it the job does not fit: {'; '.join(str(p) for p in problems)}")
+                return
+            self.store.set_spec(run_id, spec.to_yaml())
+            what += f"; left out node {decision.left_out} (it failed twice): re-planned on {len(cluster.nodes)} node(s)"
+        self.notice(run_id, f"automatic restart {decision.number} of {spec.max_restarts} after {what}: resuming from "
+                            "the newest checkpoint")
+        try:
+            self.start_attempt(run_id, spec, cluster, setups, resume="latest", automatic=True)
+        except TransitionError as exc:  # a user resumed it first
+            log.info("run %s: %s", run_id, exc)
+
+    def _progressed(self, run_id: str) -> bool:
+        """Whether the attempt that just ended logged a training step (after its `start` event)."""
+        latest = self.sink.events(run_id, ("train", "start"), limit=1)
+        train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
+        return bool(train and (start is None or train.get("time", 0) >= start.get("time", 0)))
 
     def _report(self, run_id: str) -> None:
         """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),

@@ -71,6 +71,23 @@ class Failure:
     log_tail: str = ""
 
 
+def attempt_timeline(attempts: list[Attempt]) -> list[str]:
+    """One line per attempt, oldest first: how it started (launch, resume, automatic restart), when,
+    how it ended and why; what the Monitor and `swift-studio status` show of a run's attempts."""
+    def clock(t: float | None) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(t)) if t else "…"
+
+    lines = []
+    for a in attempts:
+        how = ("automatic restart" if a.automatic else "resume" if a.resume_from else "launch")
+        line = f"attempt {a.number} ({how}, {clock(a.started_at)}–{clock(a.ended_at)}): {a.state}"
+        if a.cause:
+            where = f" on node {a.failed_node}" if a.failed_node else ""
+            line += f", {a.cause.replace('_', ' ')}{where}"
+        lines.append(line)
+    return lines
+
+
 @dataclass(frozen=True)
 class Owner:
     """A manager: its host, its process and a token (one process may hold several managers)."""
@@ -208,7 +225,7 @@ class RunStore:
                 s.add(run)
                 s.commit()
 
-    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None,
+    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None, automatic: bool = False,
                     slurm_json: str | None = None) -> Attempt:
         with Session(self.engine) as s:
             run = s.get(Run, run_id)
@@ -216,7 +233,8 @@ class RunStore:
                 raise KeyError(run_id)
             run.attempts += 1
             attempt = Attempt(run_id=run_id, number=run.attempts, state=CHECKING,
-                              resume_from=resume_from, cluster_json=json.dumps(nodes), slurm_json=slurm_json)
+                              resume_from=resume_from, automatic=automatic, cluster_json=json.dumps(nodes),
+                              slurm_json=slurm_json)
             s.add(run)
             s.add(attempt)
             s.commit()
@@ -242,6 +260,11 @@ class RunStore:
     def attempts(self, run_id: str) -> list[Attempt]:
         with Session(self.engine) as s:
             return list(s.exec(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)))
+
+    def set_spec(self, run_id: str, spec_yaml: str) -> None:
+        """The job as its later attempts run it (automatic recovery re-planned it without a node)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(R).where(R.c.id == run_id).values(spec_yaml=spec_yaml, updated_at=time.time()))
 
     def set_plan(self, attempt_id: int, plan_json: str) -> None:
         self.update_attempt(attempt_id, plan_json=plan_json)

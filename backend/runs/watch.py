@@ -102,7 +102,7 @@ class AttemptWatcher:
     def __init__(self, pool: Pool, run_id: str, run_dir: str, nodes: list[NodeWatch],
                  stop_requested: Callable[[], bool], on_update: Callable[[NodeWatch], None],
                  sink: TelemetrySink | None = None, on_notice: Callable[[str], None] | None = None,
-                 attempt: int | None = None):
+                 attempt: int | None = None, started_at: float | None = None):
         """`sink` takes the agents' lines (offsets let a new agent continue without gaps), each with
         `attempt`, so the steps a resumed attempt does again replace the earlier attempt's."""
         self.pool, self.run_id, self.run_dir, self.nodes = pool, run_id, run_dir, nodes
@@ -113,6 +113,8 @@ class AttemptWatcher:
         self.sink = sink
         self._agents: list[asyncio.Task] = []
         self._ended = asyncio.Event()
+        # The attempt's start: its hang limit counts from here until its first step.
+        self.started_at = started_at or time.time()
         # Set once every node has answered (or the attempt ended): the state shown is current.
         self.first_pass = asyncio.Event()
 
@@ -151,6 +153,9 @@ class AttemptWatcher:
                 return await self._fail(lost, failed)
             if all(n.done for n in self.nodes):
                 return Outcome("succeeded")
+            hung = self.sink.hang(self.run_id, self.started_at) if self.sink is not None else None
+            if hung is not None:
+                return await self._hung(hung)
             if all(n.unreachable_since is None for n in self.nodes):
                 self.first_pass.set()
             next_probe = min(n.next_probe for n in self.nodes if not n.done)
@@ -220,6 +225,23 @@ class AttemptWatcher:
             root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {report.detail()}]",
                            root.log_tail)
         return Outcome("failed", root)
+
+    async def _hung(self, finding) -> Outcome:
+        """The ranks made no step within the job's hang limit: stop them all (a hung rank cannot
+        honour SIGTERM at a step boundary; the grace ends in SIGKILL) and fail the attempt with the
+        hang rule's diagnosis, which names the rank and collective where it can."""
+        started = time.time()
+        report = await launch.stop_all(self.pool, [n.started for n in self.nodes if n.started.pgid], self.run_id,
+                                       self.run_dir, grace_s=FAIL_STOP_GRACE_S)
+        for n in self.nodes:
+            if n.alive and n.host not in report.unreachable:
+                n.alive = False
+                self.on_update(n)
+        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
+        message = logclass.describe(cause, finding.node) + f"; stopped its ranks in {time.time() - started:.0f} s"
+        if not report.clean:
+            message += f" [cleanup: {report.detail()}]"
+        return Outcome("failed", Failure(finding.node, None, logclass.HANG, message, ""))
 
     async def _read_failure(self, n: NodeWatch) -> tuple[list[str], list[dict]]:
         """(log tail, end slots) as the node sees them; what cannot be read is empty."""

@@ -31,7 +31,8 @@ class AlertConfig:
     spike_history: int = 10
     """How many previous losses form the baseline (at least half of them must be present)."""
     hang_s: float = 300.0
-    """No training step for this long (or 5x the usual time between logged steps, if longer)."""
+    """No training step for this long (or `hang_multiple` x the usual time between logged steps, if longer)."""
+    hang_multiple: float = 5.0
     startup_s: float = 900.0
     """Allowed time from the start event to the first logged step (model load, compile)."""
     straggler_ratio: float = 1.3
@@ -198,7 +199,7 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
         last_t, last_step = max(progress, key=lambda p: p[0])
         times = sorted(number(e.get("time")) for e in w.train if number(e.get("time")) is not None)
         gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
-        limit = max(cfg.hang_s, 5 * statistics.median(gaps)) if gaps else cfg.hang_s
+        limit = max(cfg.hang_s, cfg.hang_multiple * statistics.median(gaps)) if gaps else cfg.hang_s
     else:
         last_t, last_step, limit = w.started_t, None, cfg.startup_s
     idle = w.now - last_t

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Iterable, Protocol
 
@@ -132,6 +132,10 @@ class TelemetrySink(Protocol):
 
     def events(self, run_id: str, etypes: Iterable[str], limit: int | None = None) -> dict[str, list[dict]]: ...
 
+    def set_hang_limit(self, run_id: str, hang_s: float, multiple: float) -> None: ...
+
+    def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None: ...
+
     def close(self) -> None: ...
 
 
@@ -148,6 +152,7 @@ class Ingestor:
         self._lock = threading.Lock()  # runs, pending, seq
         self._flush_lock = threading.Lock()  # one writer at a time
         self._runs: dict[str, _RunState] = {}
+        self._alert_configs: dict[str, rules.AlertConfig] = {}  # runs with a hang limit of their own
         self._pending = _Pending()
         # Cursors start at this process's start time in microseconds, so a cursor kept by a
         # browser across a backend restart is always recognised as foreign.
@@ -456,9 +461,23 @@ class Ingestor:
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
                 checkpoint=st.checkpoint, last_collective=st.last_collective)
 
+    def set_hang_limit(self, run_id: str, hang_s: float, multiple: float) -> None:
+        """The job's own hang limit (its `hang_timeout_s`, `hang_step_multiple`), for its hang alert
+        and the watch that stops a hung run; the other rules keep this ingestor's limits."""
+        self._alert_configs[run_id] = replace(self.alert_config, hang_s=hang_s, hang_multiple=multiple)
+
+    def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None:
+        """The hang rule's finding for the attempt started at `since` (what the watch stops a hung
+        run on), or None. Until that attempt's `start` event arrives the window still holds the
+        attempt before it (killed: no `end` event), whose steps must not count."""
+        window = self.window(run_id, now)
+        window = replace(window, started_t=max(window.started_t or since, since))
+        found = rules.hang(window, self._alert_configs.get(run_id, self.alert_config))
+        return found[0] if found else None
+
     def evaluate(self, run_id: str, now: float | None = None) -> list[rules.Finding]:
         """Run the alert rules on a run's window and queue the findings for storage."""
-        findings = rules.evaluate(self.window(run_id, now), self.alert_config)
+        findings = rules.evaluate(self.window(run_id, now), self._alert_configs.get(run_id, self.alert_config))
         with self._lock:
             st = self._run(run_id)
             st.dirty = False

@@ -29,6 +29,7 @@ MODEL_ERROR = "model_error"
 CHECKPOINT_ERROR = "checkpoint_error"
 DIVERGED = "diverged"
 NODE_BUSY = "node_busy"  # refused before launch: the slots are held by an earlier run
+HANG = "hang"  # no step progress for the job's hang limit: the watch stopped the ranks
 UNKNOWN = "unknown"
 
 # Higher = more likely the root cause when several nodes fail together. A rank's own user error
@@ -36,8 +37,12 @@ UNKNOWN = "unknown"
 PRIORITY = {
     DISK_FULL: 95, OUT_OF_MEMORY: 90, DATA_ERROR: 85, CONFIG_ERROR: 85, MODEL_ERROR: 85, CHECKPOINT_ERROR: 85,
     DIVERGED: 85, KILLED: 80, PYTHON_EXCEPTION: 70, COMMAND_NOT_FOUND: 65, NODE_UNREACHABLE: 60,
-    NODE_BUSY: 50, RENDEZVOUS_FAILED: 40, NCCL_TIMEOUT: 30, PEER_LOST: 20, UNKNOWN: 0,
+    NODE_BUSY: 50, HANG: 45, RENDEZVOUS_FAILED: 40, NCCL_TIMEOUT: 30, PEER_LOST: 20, UNKNOWN: 0,
 }
+
+# What a new attempt from the newest checkpoint can cure: the hardware or the network failed, not
+# the job (a user error, out of memory, a diverged loss, a full disk fail the same way again).
+RESTARTABLE = frozenset({KILLED, NODE_UNREACHABLE, PEER_LOST, NCCL_TIMEOUT, HANG, RENDEZVOUS_FAILED})
 
 # The worker's user errors (subclasses of backend.job.errors.UserError, by class name): their message
 # says what to fix.
@@ -60,6 +65,7 @@ HELP = {
     CHECKPOINT_ERROR: "the checkpoint cannot be used as it is (the message names the file): resume from another one (resume_from_checkpoint) or start afresh",
     DIVERGED: "the loss became NaN/inf: lower learning_rate, use bfloat16 rather than float16, or check the data; resume from the last checkpoint",
     NODE_BUSY: "another run holds the node's GPUs or cores: wait for it to finish or stop it, then resume this run",
+    HANG: "the ranks made no step within the job's hang limit (hang_timeout_s, hang_step_multiple) and were stopped: the named rank or collective is where it stuck; max_restarts restarts such runs automatically",
     UNKNOWN: "the workers exited with an error",
 }
 
