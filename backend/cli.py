@@ -81,6 +81,53 @@ def add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", help="DeepSpeed-style hostfile ('host slots=N [key=value ...]'); default: this machine")
 
 
+_SLURM_FLAGS = {"partition": "--slurm-partition", "gpus_per_node": "--slurm-gpus-per-node",
+                "cpus_per_task": "--slurm-cpus-per-task", "time_limit": "--slurm-time", "account": "--slurm-account",
+                "python": "--slurm-python", "nodes": "nnodes"}
+
+
+def add_slurm_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Slurm", "submit the job to a Slurm partition instead of starting it on "
+                                               "--hostfile nodes (one node of the allocation per nnodes)")
+    group.add_argument("--slurm-partition", metavar="PARTITION", help="the partition to submit to")
+    group.add_argument("--slurm-gpus-per-node", type=int, default=0, metavar="N", help="--gres=gpu:N (0: a CPU job)")
+    group.add_argument("--slurm-cpus-per-task", type=int, metavar="N",
+                       help="CPUs per node (default: nproc_per_node)")
+    group.add_argument("--slurm-time", metavar="TIME", help="time limit (minutes, HH:MM:SS, D-HH:MM:SS)")
+    group.add_argument("--slurm-account", metavar="ACCOUNT", help="the account to charge")
+    group.add_argument("--slurm-python", default="python3", metavar="PYTHON",
+                       help="interpreter on the compute nodes with swift-studio installed (default python3)")
+    group.add_argument("--slurm-option", action="append", default=[], metavar="OPTION=VALUE",
+                       help="another #SBATCH option, e.g. qos=high (repeatable; scheduling options only)")
+
+
+def slurm_target(args: argparse.Namespace, spec: JobSpec):
+    """The Slurm target the flags describe, or None without --slurm-partition. CliError names
+    the flag of each problem."""
+    from backend.cluster.slurm import SlurmTarget
+
+    if not getattr(args, "slurm_partition", None):
+        return None
+    if getattr(args, "hostfile", None):
+        raise CliError(["--hostfile, --slurm-partition: give one of them (nodes, or a Slurm partition)"])
+    target = SlurmTarget(partition=args.slurm_partition, nodes=spec.nnodes, gpus_per_node=args.slurm_gpus_per_node,
+                         cpus_per_task=args.slurm_cpus_per_task or spec.nproc_per_node or 1,
+                         time_limit=args.slurm_time, account=args.slurm_account, python=args.slurm_python,
+                         extra=tuple(o if o.startswith("--") else f"--{o}" for o in args.slurm_option))
+    problems = target.problems() + target.job_problems(spec.nnodes)
+    if problems:
+        lines = []
+        for p in problems:
+            name = p.field.removeprefix("slurm.")
+            if name.startswith("extra["):
+                flag = f"--slurm-option #{int(name[6:-1]) + 1}"
+            else:
+                flag = _SLURM_FLAGS.get(name, p.field)
+            lines.append(f"{flag}: {p.message}")
+        raise CliError(lines)
+    return target
+
+
 # -- validate ----------------------------------------------------------------------------------
 def add_validate(parser: argparse.ArgumentParser) -> None:
     add_job_args(parser)
@@ -95,6 +142,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # -- plan --------------------------------------------------------------------------------------
 def add_plan(parser: argparse.ArgumentParser) -> None:
     add_job_args(parser)
+    add_slurm_args(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--run-id", help="run id (default: a new YYYYmmdd-HHMMSS-<hex> id)")
     parser.add_argument("--run-dir", help="run directory (default: <output_dir>/<run id>)")
@@ -105,7 +153,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from backend.job.planner import DEFAULT_MASTER_PORT, PlanError, plan
     from backend.runs.manager import make_run_id
 
-    spec, cluster, source = job_and_cluster(args)
+    spec, source = load_job(args.job), args.job
+    target = slurm_target(args, spec)
+    cluster = target.cluster() if target else load_cluster(args.hostfile)
     assessed = checked(spec, cluster, source)
     run_id = args.run_id or make_run_id(None, lambda _: False)
     run_dir = Path(args.run_dir or Path(spec.output_dir) / run_id).expanduser().resolve()
@@ -118,6 +168,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_dict(), "warnings": [str(w) for w in assessed.problems]}, indent=2))
         return 0
     print(result.summary())
+    if target:
+        from backend.cluster.slurm import sbatch_script
+        try:
+            print(f"\n# the batch script (sbatch --parsable {run_dir}/slurm/attempt-1.sbatch)")
+            print(sbatch_script(target, result, run_id, attempt=1), end="")
+        except ValueError as exc:
+            raise CliError([str(exc)]) from None
+        return 0
     for node in result.nodes:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in node.env.items())
         print(f"\n# node {node.node_rank}: {node.host}\n{env} {shlex.join(node.argv)}")

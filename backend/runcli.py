@@ -1,7 +1,7 @@
 """CLI subcommands of the cluster backend (registered in `backend.cli.COMMANDS`):
 
     swift-studio preflight [JOB.yaml] [--hostfile F] [--no-bandwidth]
-    swift-studio run JOB.yaml [--hostfile F] [--name N] [--detach]
+    swift-studio run JOB.yaml [--hostfile F | --slurm-partition P [--slurm-...]] [--name N] [--detach]
     swift-studio runs
     swift-studio status RUN
     swift-studio logs RUN [--node H] [--lines N] [--follow]
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import datetime
 
 # backend.cli imports this module lazily, when one of these subcommands runs.
-from backend.cli import CliError, add_db_arg, checked, load_cluster, load_job
+from backend.cli import CliError, add_db_arg, add_slurm_args, checked, load_cluster, load_job, slurm_target
 
 
 def _manager(args: argparse.Namespace, reattach: bool = True):
@@ -85,6 +85,7 @@ def add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", help="hostfile; default: this machine")
     parser.add_argument("--name", help="run name (default: a time-stamped id)")
     parser.add_argument("--detach", action="store_true", help="return once the workers run; they keep running")
+    add_slurm_args(parser)
     _add_db(parser)
 
 
@@ -92,10 +93,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from backend.runs import lifecycle
 
     spec = load_job(args.job)
-    cluster = load_cluster(args.hostfile)
+    target = slurm_target(args, spec)
+    cluster = target.cluster() if target else load_cluster(args.hostfile)
     assessed = checked(spec, cluster, args.job)
     with _manager(args) as m:
-        run_id = m.launch(spec, cluster, name=args.name, assessment=assessed)
+        run_id = m.launch(spec, cluster, name=args.name, assessment=assessed, slurm=target)
         print(f"run {run_id}: {m.run(run_id).run_dir}", flush=True)
         run = m.wait(run_id, states=(lifecycle.RUNNING, *lifecycle.FINAL))
         if args.detach or run.state in lifecycle.FINAL:

@@ -85,12 +85,13 @@ class NodePaths:
 # trap with a handler (not an ignore, which exec would inherit) keeps the wrapper alive through
 # the group's SIGTERM so it can record torchrun's exit code once the worker has checkpointed.
 # The exit file's bytes are taken before torchrun starts and the code is written over them in
-# place (`1<>` does not truncate), then renamed: a disk filled by the run still gets its code.
-_WRAPPER = (
+# place (`1<>` does not truncate), then renamed: a disk filled by the run still gets its code. It
+# exits with torchrun's code, which is what a Slurm step running it reports.
+WRAPPER = (
     'pidf=$1; exitf=$2; shift 2; echo $$ > "$pidf.tmp" && mv "$pidf.tmp" "$pidf"; '
     "printf '%-3s\\n' - > \"$exitf.tmp\"; "
     "trap : TERM INT HUP; "
-    '"$@"; rc=$?; printf \'%-3s\\n\' $rc 1<> "$exitf.tmp" && mv "$exitf.tmp" "$exitf"'
+    '"$@"; rc=$?; printf \'%-3s\\n\' $rc 1<> "$exitf.tmp" && mv "$exitf.tmp" "$exitf"; exit $rc'
 )
 PID_WAIT_S = 10.0
 
@@ -100,7 +101,7 @@ def detached_start(argv: Sequence[str], env: Mapping[str, str], paths: NodePaths
     # The workers name their node in their end slot (launcher.train), as the control plane does.
     full_env = {**env, RUN_ID_ENV: run_id, NODE_ENV: node_file_name(paths.node)}
     start = quote_argv([
-        "setsid", "sh", "-c", _WRAPPER, "swift-studio-node", paths.pid, paths.exit,
+        "setsid", "sh", "-c", WRAPPER, "swift-studio-node", paths.pid, paths.exit,
         *env_argv(full_env), *argv,
     ])
     tries = int(PID_WAIT_S / 0.05)

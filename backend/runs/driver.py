@@ -10,21 +10,23 @@ import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 from sqlalchemy.engine import Engine
 
-from backend.cluster import admission, nodes, ssh
+from backend.cluster import admission, nodes, slurm, ssh
 from backend.cluster import launch as launch_ops
 from backend.cluster.launch import NodeCommand, Started
 from backend.job.cluster import Cluster, Node
-from backend.job.planner import Plan
+from backend.cluster.slurm import SlurmTarget
+from backend.job.planner import DEFAULT_MASTER_PORT, Plan
 from backend.job.spec import JobSpec
 from backend.job.validate import Assessment, assess
 from backend.runs import lifecycle, recovery
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
+from backend.runs.slurmwatch import SlurmWatcher
 from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
 from backend.store.models import Attempt, NodeProcess, Run
 from backend.telemetry import export as metrics_export
@@ -69,10 +71,18 @@ class AttemptDriver:
         self.notices: dict[str, list[str]] = {}
 
     def start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
-                       resume: str | None, assessment: Assessment | None = None, automatic: bool = False) -> None:
+                       resume: str | None, assessment: Assessment | None = None, automatic: bool = False,
+                       slurm_target: SlurmTarget | None = None) -> None:
         """Record the new attempt (the run is `checking`, driven by this manager, when this
-        returns), then start it."""
+        returns), then start it: on the cluster's nodes, or as a Slurm job on `slurm_target`
+        (then `cluster` is `slurm_target.cluster()`, the allocation as the planner sees it)."""
         self.store.transition(run_id, lifecycle.CHECKING, by=self.owner)
+        if slurm_target is not None:
+            # The nodes are the allocation's, known once the job runs (`_slurm_watch` records them).
+            attempt = self.store.new_attempt(run_id, [], resume, automatic=automatic, slurm_json=json.dumps(
+                {"target": slurm_target.to_dict(), "job_id": None}))
+            self.spawn(run_id, self._slurm_attempt(run_id, attempt, spec, slurm_target, resume, assessment))
+            return
         # The job runs on the first `nnodes` nodes of the cluster (validation reports too few).
         cluster = Cluster(nodes=cluster.nodes[:spec.nnodes], source=cluster.source)
         members = [nodes.node_to_dict(n, setups.get(n.host)) for n in cluster.nodes]
@@ -122,6 +132,97 @@ class AttemptDriver:
             return
         self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
         await self._watch(run_id, attempt, started)
+
+    async def _slurm_attempt(self, run_id: str, attempt: Attempt, spec: JobSpec, target: SlurmTarget,
+                             resume: str | None, assessment: Assessment | None) -> None:
+        """Check, plan, write the run directory and the batch script, submit, then watch. Slurm
+        admits the job (no slot bookkeeping here); the checks that need the nodes run in the job."""
+        run = self.store.get(run_id)
+        login = slurm.LOGIN
+        cluster = target.cluster()
+        try:
+            assessment = assessment or assess(spec, cluster)
+            errors = [*(p for p in assessment.problems if p.severity == "error"), *target.problems(),
+                      *target.job_problems(spec.nnodes)]
+            if errors:
+                self.store.transition(run_id, lifecycle.FAILED, Failure(
+                    None, None, "invalid_job", "; ".join(str(p) for p in errors)), by=self.owner)
+                return
+            warning = await slurm.config_warning(self.pool, login)
+            if warning:
+                self.notice(run_id, warning)
+            if self._stop_requested(run_id):
+                return
+            self.store.transition(run_id, lifecycle.LAUNCHING, by=self.owner)
+            # The port is the allocation's (the script picks one free on its first node).
+            plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, DEFAULT_MASTER_PORT, resume, assessment))
+            self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
+            # The agents start after the event lines earlier attempts' agents delivered.
+            offsets = {f: o for f, o in self.sink.offsets(run_id, "").items() if f.startswith("events/")}
+            script = slurm.sbatch_script(target, plan, run_id, attempt.number, offsets)
+            path = slurm.script_file(attempt.number)
+            await launch_ops.write_files(self.pool, login, None, run.run_dir, {**plan.files, path: script})
+            job_id = await slurm.submit(self.pool, login, run.run_dir, f"{run.run_dir}/{path}")
+            self.store.update_attempt(attempt.id, slurm_json=json.dumps({"target": target.to_dict(), "job_id": job_id}))
+            self.notice(run_id, f"submitted Slurm job {job_id} ({path})")
+        except (ssh.NodeError, slurm.SlurmError, ValueError, RunError) as exc:
+            self.store.transition(run_id, lifecycle.FAILED, Failure(None, None, "launch_error", f"launch failed: {exc}"),
+                                  by=self.owner)
+            return
+        if self._stop_requested(run_id):
+            # The stopper may have looked before the job id was recorded.
+            await slurm.cancel(self.pool, login, job_id)
+            self.record_stop(run_id, None)
+            return
+        await self._slurm_watch(run_id, attempt.id, target, job_id, [])
+
+    async def _slurm_watch(self, run_id: str, attempt_id: int, target: SlurmTarget, job_id: str,
+                           hosts: list[str]) -> None:
+        run, attempt = self.store.get(run_id), next(a for a in self.store.attempts(run_id) if a.id == attempt_id)
+
+        def on_running(allocated: list[str]) -> None:
+            # The allocation's nodes, reached through the login node's shell: their files are in
+            # the shared run directory (logs, pid and exit files, checkpoints).
+            members = [nodes.node_to_dict(n, None) for n in slurm.allocation_nodes(target, allocated)]
+            self.store.update_attempt(attempt_id, cluster_json=json.dumps(members))
+            for rank, host in enumerate(allocated):
+                self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt_id, node=host, node_rank=rank,
+                                                   state="running"))
+            if self.store.get(run_id).state == lifecycle.LAUNCHING:
+                try:
+                    self.store.transition(run_id, lifecycle.RUNNING, by=self.owner)
+                except TransitionError as exc:  # a stop recorded first
+                    log.info("run %s: %s", run_id, exc)
+
+        watcher = SlurmWatcher(self.pool, slurm.LOGIN, run_id, run.run_dir, job_id, attempt.number,
+                               stop_requested=lambda: self._stop_requested(run_id), on_running=on_running,
+                               sink=self.sink, on_notice=lambda m: self.notice(run_id, m), hosts=list(hosts))
+        outcome = await watcher.run()
+        if outcome is not None and self.store.get(run_id).state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
+            for p in self.store.processes(attempt_id):
+                self.store.update_process(p.id, state="exited", ended_at=time.time())
+            try:
+                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+            except TransitionError as exc:  # a stop recorded first
+                log.info("run %s: %s", run_id, exc)
+        await watcher.read_telemetry()
+        self._report(run_id)
+        if outcome is not None and outcome.state == lifecycle.FAILED:
+            self._recover(run_id)
+
+    async def _slurm_stop(self, run_id: str, attempt: Attempt) -> None:
+        """`scancel` the attempt's job and wait until Slurm has ended it (SIGTERM: the workers
+        checkpoint; SIGKILL after the cluster's KillWait)."""
+        job_id = json.loads(attempt.slurm_json).get("job_id")
+        failure = None
+        if job_id:
+            try:
+                await slurm.cancel(self.pool, slurm.LOGIN, job_id)
+            except (slurm.SlurmError, ssh.NodeError) as exc:
+                failure = Failure(None, None, "stop_incomplete", f"stopped; cleanup incomplete: {exc}")
+        for p in self.store.processes(attempt.id):
+            self.store.update_process(p.id, state="exited", ended_at=time.time())
+        self.record_stop(run_id, failure)
 
     async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
                      attempt: Attempt, assessment: Assessment) -> Failure | None:
@@ -202,9 +303,24 @@ class AttemptDriver:
         if isinstance(decision, recovery.NoRestart):
             self.notice(run_id, f"not restarted automatically: {decision.why}")
             return
+        what = f"{(run.cause or 'failure').replace('_', ' ')} on node {run.failed_node or '?'}"
+        target = slurm_target_of(attempts[-1])
+        if target is not None:
+            # A new job on the same target; Slurm picks the nodes, so a node that failed twice is
+            # excluded from the allocation rather than the job re-planned without it.
+            if decision.left_out:
+                target = replace(target, extra=(*target.extra, f"--exclude={decision.left_out}"))
+                what += f"; excluded node {decision.left_out} (it failed twice)"
+            self.notice(run_id, f"automatic restart {decision.number} of {spec.max_restarts} after {what}: "
+                                "a new Slurm job resuming from the newest checkpoint")
+            try:
+                self.start_attempt(run_id, spec, target.cluster(), {}, resume="latest", automatic=True,
+                                   slurm_target=target)
+            except TransitionError as exc:  # a user resumed it first
+                log.info("run %s: %s", run_id, exc)
+            return
         cluster = Cluster(nodes=tuple(n for n, _ in decision.nodes), source="automatic restart")
         setups = {n.host: s for n, s in decision.nodes if s}
-        what = f"{(run.cause or 'failure').replace('_', ' ')} on node {run.failed_node or '?'}"
         if decision.left_out:
             spec = spec.model_copy(update={"nnodes": len(cluster.nodes)})
             problems = [p for p in assess(spec, cluster).problems if p.severity == "error"]
@@ -240,6 +356,9 @@ class AttemptDriver:
         run = self.store.get(run_id)
         attempt = self.store.current_attempt(run_id)
         if attempt is None or run.state in lifecycle.FINAL:
+            return
+        if attempt.slurm_json:
+            await self._slurm_stop(run_id, attempt)
             return
         members, processes = attempt_nodes(attempt), self.store.processes(attempt.id)
         report = await launch_ops.stop_all(self.pool, recorded(members, processes), run_id,
@@ -285,6 +404,9 @@ class AttemptDriver:
     async def reattach(self, run: Run) -> None:
         """Drive a run just adopted from a manager that went away."""
         attempt = self.store.current_attempt(run.id)
+        if attempt is not None and attempt.slurm_json:
+            await self._slurm_reattach(run, attempt)
+            return
         members = attempt_nodes(attempt)
         if run.state != lifecycle.RUNNING or not members:
             # Its manager went away while checking or launching: nothing is watched, so clean up
@@ -304,6 +426,34 @@ class AttemptDriver:
             return
         self.notice(run.id, "re-attached: the process that watched it is gone")
         self.spawn(run.id, self._watch(run.id, attempt, recorded(members, self.store.processes(attempt.id))))
+
+
+    async def _slurm_reattach(self, run: Run, attempt: Attempt) -> None:
+        """A submitted job goes on under Slurm whoever watched it: watch it again. One whose
+        submission was cut short (no job id recorded) is failed as interrupted."""
+        info = json.loads(attempt.slurm_json)
+        if run.stop_requested:
+            self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
+            return
+        if info.get("job_id") and run.state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
+            self.notice(run.id, f"re-attached to Slurm job {info['job_id']}: the process that watched it is gone")
+            hosts = [n.host for n, _ in attempt_nodes(attempt)]
+            self.spawn(run.id, self._slurm_watch(run.id, attempt.id, SlurmTarget.from_dict(info["target"]),
+                                                 info["job_id"], hosts))
+            return
+        try:
+            self.store.transition(run.id, lifecycle.FAILED, Failure(
+                None, None, "interrupted", f"the studio or CLI submitting it stopped while the run was {run.state}"),
+                by=self.owner)
+        except TransitionError as exc:
+            log.info("run %s: %s", run.id, exc)
+
+
+def slurm_target_of(attempt: Attempt | None) -> SlurmTarget | None:
+    """The Slurm target an attempt ran on; None for an attempt on SSH or local nodes."""
+    if attempt is None or not attempt.slurm_json:
+        return None
+    return SlurmTarget.from_dict(json.loads(attempt.slurm_json)["target"])
 
 
 def attempt_nodes(attempt: Attempt | None) -> list[tuple[Node, str | None]]:

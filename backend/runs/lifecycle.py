@@ -225,14 +225,16 @@ class RunStore:
                 s.add(run)
                 s.commit()
 
-    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None, automatic: bool = False) -> Attempt:
+    def new_attempt(self, run_id: str, nodes: list[dict], resume_from: str | None, automatic: bool = False,
+                    slurm_json: str | None = None) -> Attempt:
         with Session(self.engine) as s:
             run = s.get(Run, run_id)
             if run is None:
                 raise KeyError(run_id)
             run.attempts += 1
             attempt = Attempt(run_id=run_id, number=run.attempts, state=CHECKING,
-                              resume_from=resume_from, automatic=automatic, cluster_json=json.dumps(nodes))
+                              resume_from=resume_from, automatic=automatic, cluster_json=json.dumps(nodes),
+                              slurm_json=slurm_json)
             s.add(run)
             s.add(attempt)
             s.commit()
@@ -265,9 +267,13 @@ class RunStore:
             conn.execute(update(R).where(R.c.id == run_id).values(spec_yaml=spec_yaml, updated_at=time.time()))
 
     def set_plan(self, attempt_id: int, plan_json: str) -> None:
+        self.update_attempt(attempt_id, plan_json=plan_json)
+
+    def update_attempt(self, attempt_id: int, **fields) -> None:
         with Session(self.engine) as s:
             attempt = s.get(Attempt, attempt_id)
-            attempt.plan_json = plan_json
+            for key, value in fields.items():
+                setattr(attempt, key, value)
             s.add(attempt)
             s.commit()
 

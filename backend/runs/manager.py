@@ -26,6 +26,7 @@ from pathlib import Path
 
 from backend.cluster import nodes, remote, ssh
 from backend.cluster import launch as launch_ops
+from backend.cluster.slurm import SlurmTarget
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
@@ -33,7 +34,7 @@ from backend.job.spec import JobSpec, absolute_dir
 from backend.job.validate import Assessment
 from backend.runs import chat, lifecycle
 from backend.runs.driver import (AttemptDriver, Planner, RunError, assesses, attempt_nodes, default_planner,
-                                 spec_of)
+                                 slurm_target_of, spec_of)
 from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.runs.usage import Usage, usage_of, windows
 from backend.store.db import create_db_and_tables, make_engine
@@ -360,10 +361,12 @@ class RunManager:
 
     # -- launch / stop / resume / export -------------------------------------------------------
     def launch(self, spec: JobSpec, cluster: Cluster, name: str | None = None,
-               setups: Mapping[str, str] | None = None, assessment: Assessment | None = None) -> str:
+               setups: Mapping[str, str] | None = None, assessment: Assessment | None = None,
+               slurm: SlurmTarget | None = None) -> str:
         """Create the run and start it in the background; returns the run id at once. `assessment`:
         the job's `backend.job.validate.assess` on this cluster where the caller has it (the Train
-        form), so the launch does not read the model config and the DeepSpeed JSON again."""
+        form), so the launch does not read the model config and the DeepSpeed JSON again. `slurm`:
+        submit it as a Slurm job on that target instead (`cluster` is `slurm.cluster()`)."""
         run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
         output_dir = absolute_dir(spec.output_dir)
         spec = spec.model_copy(update={"output_dir": output_dir})
@@ -373,15 +376,24 @@ class RunManager:
         setups = nodes.setups_for(self.engine, cluster, setups)
         if assessment is not None and not assesses(assessment, spec, cluster):
             assessment = None  # of another job or cluster: this one is assessed at the start
-        self.driver.start_attempt(run_id, spec, cluster, setups, resume=None, assessment=assessment)
+        self.driver.start_attempt(run_id, spec, cluster, setups, resume=None, assessment=assessment,
+                                  slurm_target=slurm)
         return run_id
 
     def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
-        """A new attempt of a stopped or failed run from its latest complete checkpoint."""
+        """A new attempt of a stopped or failed run from its latest complete checkpoint: on `cluster`,
+        else where the last attempt ran (its nodes, or its Slurm target as a new job)."""
         run = self.run(run_id)
         if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
         spec = spec_of(run)
+        target = slurm_target_of(self.store.current_attempt(run_id)) if cluster is None else None
+        if target is not None:
+            try:
+                self.driver.start_attempt(run_id, spec, target.cluster(), {}, resume="latest", slurm_target=target)
+            except TransitionError as exc:
+                raise RunError(str(exc)) from None
+            return run_id
         if cluster is None:
             members = attempt_nodes(self.store.current_attempt(run_id))
             cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")

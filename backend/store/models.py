@@ -48,6 +48,7 @@ class Attempt(FailureColumns, table=True):
     automatic: bool = False    # started by automatic recovery (backend.runs.recovery), not by a user
     cluster_json: str = "[]"   # the nodes (address, slots, setup) this attempt ran on
     plan_json: str = "{}"
+    slurm_json: str | None = None  # a Slurm attempt: {"target": SlurmTarget.to_dict(), "job_id": id or null}
     started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
 

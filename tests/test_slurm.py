@@ -1,0 +1,201 @@
+"""The Slurm backend's pure part: the target's field checks, the batch script (planner's argv, no
+injection) and the parsing of Slurm's own output (captured from slurm-wlm 22.05 on this machine)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from backend.cluster import slurm
+from backend.cluster.slurm import SlurmTarget
+from backend.job.demo import demo_spec
+from backend.job.planner import plan
+
+RUNNING = ("JobId=1 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+           "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+           "Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-02T02:11:02 "
+           "EligibleTime=2026-12-02T02:11:02 AccrueTime=2026-12-02T02:11:02 StartTime=2026-12-02T02:11:05 EndTime=Unknown "
+           "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-02T02:11:05 Scheduler=Main Partition=debug "
+           "AllocNode:Sid=localhost:6574 ReqNodeList=(null) ExcNodeList=(null) NodeList=localhost BatchHost=localhost "
+           "NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=1,billing=2 Socks/Node=* "
+           "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=2 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+           "DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=/tmp/slt/job.sh "
+           "WorkDir=/work/wt-slurm/tests StdErr=/tmp/slt/j-1.out StdIn=/dev/null StdOut=/tmp/slt/j-1.out Power= \n")
+PENDING = ("JobId=2 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901758 Nice=0 "
+           "Account=(null) QOS=(null) JobState=PENDING Reason=Resources Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+           "Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-02T02:11:02 "
+           "StartTime=Unknown EndTime=Unknown Partition=debug AllocNode:Sid=localhost:6574 ReqNodeList=(null) "
+           "ExcNodeList=(null) NodeList= NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 TRES=cpu=2,mem=12052M,node=1,billing=2 "
+           "Command=/tmp/slt/job.sh WorkDir=/work/wt-slurm/tests StdErr=/tmp/slt/j-2.out StdIn=/dev/null Power= \n")
+CANCELLED = ("JobId=1 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+             "Account=(null) QOS=(null) JobState=CANCELLED Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+             "Reboot=0 ExitCode=0:15 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A Partition=debug "
+             "NodeList=localhost BatchHost=localhost NumNodes=1 NumCPUs=2 NumTasks=1 CPUs/Task=2 Power= \n")
+
+
+def target(**kw) -> SlurmTarget:
+    return SlurmTarget(**{"partition": "debug", "nodes": 1, "cpus_per_task": 2, **kw})
+
+
+def demo_plan(tmp_path, t: SlurmTarget, **spec_kw):
+    spec = demo_spec(tmp_path).model_copy(update={"nnodes": t.nodes, "nproc_per_node": 2, **spec_kw})
+    return plan(spec, t.cluster(), "run-1", str(tmp_path / "run-1"))
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"partition": "de bug"}, "slurm.partition"), ({"partition": "a\n#SBATCH --wrap=x"}, "slurm.partition"),
+    ({"nodes": 0}, "slurm.nodes"), ({"cpus_per_task": True}, "slurm.cpus_per_task"),
+    ({"gpus_per_node": -1}, "slurm.gpus_per_node"), ({"time_limit": "1 hour"}, "slurm.time_limit"),
+    ({"account": "x;y"}, "slurm.account"), ({"python": "python3 -c boom"}, "slurm.python"),
+    ({"extra": ("--wrap=id",)}, "slurm.extra[0]"), ({"extra": ("--qos=high", "--export=ALL,LD_PRELOAD=/x")}, "slurm.extra[1]"),
+    ({"extra": ("--qos=high\n#SBATCH --uid=0",)}, "slurm.extra[0]"), ({"extra": ("--output=/etc/x",)}, "slurm.extra[0]"),
+])
+def test_target_problems_name_the_field(kw, field):
+    assert [p.field for p in target(**kw).problems()] == [field]
+
+
+def test_a_good_target_has_no_problems_and_round_trips():
+    t = target(gpus_per_node=8, time_limit="1-02:00:00", account="ml-team", extra=("--qos=high", "--exclusive"))
+    assert t.problems() == []
+    assert SlurmTarget.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="unknown key 'gres'"):
+        SlurmTarget.from_dict({"partition": "debug", "gres": "gpu:8"})
+    assert [p.field for p in t.job_problems(nnodes=2)] == ["slurm.nodes"]
+
+
+def test_the_allocation_as_the_planner_sees_it():
+    gpu, cpu = target(nodes=2, gpus_per_node=4).cluster(), target(cpus_per_task=3).cluster()
+    assert [(n.slots, n.device) for n in gpu.nodes] == [(4, "cuda"), (4, "cuda")]
+    assert [(n.slots, n.device) for n in cpu.nodes] == [(3, "cpu")]
+
+
+def test_script_has_the_sbatch_lines_and_the_planners_worker(tmp_path):
+    t = target(nodes=1, gpus_per_node=2, time_limit="30", account="acct", extra=("--qos=high",))
+    p = demo_plan(tmp_path, t)
+    text = slurm.sbatch_script(t, p, "run-1", attempt=2, offsets={"events/rank-0.jsonl": 10})
+    options = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH ")]
+    assert options == ["--job-name=swift-studio-run-1", "--partition=debug", "--nodes=1", "--ntasks-per-node=1",
+                       "--cpus-per-task=2", "--gres=gpu:2", "--time=30", "--account=acct",
+                       f"--output={tmp_path}/run-1/logs/slurm-%j.out", "--open-mode=append", "--qos=high"]
+    # The planner's argv, with the allocation's values put in by the shell.
+    assert '--node_rank "$SLURM_NODEID"' in text and '--rdzv_endpoint "$SWIFT_STUDIO_HEAD:$SWIFT_STUDIO_PORT"' in text
+    assert "-m launcher.train --run-dir" in text and "--rdzv_id run-1" in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    # Each step asks for the node's CPUs and GPUs itself (srun does not inherit them since 22.05).
+    assert "srun --ntasks-per-node=1 --cpus-per-task=2 --gres=gpu:2 --kill-on-bad-exit=1 sh -c" in text
+    assert "srun --overlap --ntasks-per-node=1 --cpus-per-task=2 --gres=gpu:2 sh -c" in text
+    assert "telemetry/attempt-2" in text
+    assert "rank-0.jsonl" in text  # the agent starts after what earlier attempts' agents read
+    subprocess.run(["sh", "-n"], input=text, text=True, check=True)
+
+
+def test_script_refuses_what_it_cannot_write_safely(tmp_path):
+    t = target()
+    p = demo_plan(tmp_path, t)
+    with pytest.raises(ValueError, match="output_dir"):
+        slurm.sbatch_script(t, replace(p, run_dir="/tmp/my runs/x"), "run-1", 1)
+    with pytest.raises(ValueError, match="slurm.extra"):
+        slurm.sbatch_script(replace(t, extra=("--chdir=/",)), p, "run-1", 1)
+    with pytest.raises(ValueError, match="name"):
+        slurm.sbatch_script(t, p, "run;id", 1)
+
+
+def test_an_env_value_is_data_in_the_step(tmp_path):
+    """A value with a newline, `$(...)`, backticks and quotes reaches the process unchanged and
+    runs nothing (the step's shell text is what srun's `sh -c` gets)."""
+    evil = "a\n$(touch pwned)`touch pwned2`'\";touch pwned3 #"
+    command = slurm._command(["sh", "-c", 'printf %s "$EVIL"; printf "|%s" "$MASTER_ADDR" "$1"', "x", "$SLURM_NODEID"],
+                             {"EVIL": evil, "MASTER_ADDR": "planner-placeholder"})
+    out = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "SWIFT_STUDIO_HEAD": "head-1", "SLURM_NODEID": "0"})
+    assert out.stdout == evil + "|head-1|$SLURM_NODEID"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_scontrol_job():
+    running = slurm.parse_scontrol_job(RUNNING, "1")
+    assert (running.state, running.nodes, running.exit_code, running.running, running.final) == (
+        "RUNNING", "localhost", 0, True, False)
+    pending = slurm.parse_scontrol_job(PENDING, "2")
+    assert (pending.state, pending.reason, pending.nodes, pending.running) == ("PENDING", "Resources", None, False)
+    cancelled = slurm.parse_scontrol_job(CANCELLED, "1")
+    assert (cancelled.state, cancelled.signal, cancelled.final) == ("CANCELLED", 15, True)
+    assert slurm.parse_scontrol_job(RUNNING, "12") is None
+
+
+def test_parse_sbatch_hostnames_and_killwait():
+    assert slurm.parse_sbatch("17\n") == "17" and slurm.parse_sbatch("17;cluster-a\n") == "17"
+    with pytest.raises(slurm.SlurmError, match="no job id"):
+        slurm.parse_sbatch("sbatch: error: Batch job submission failed: Invalid partition name specified\n")
+    assert slurm.parse_hostnames("gpu-01\ngpu-02\n") == ["gpu-01", "gpu-02"]
+    assert slurm.stop_warning("KillWait                = 45 sec\n") is None
+    assert "KillWait is 30 s" in slurm.stop_warning("KillWait                = 30 sec\n")
+
+
+def _outcome(run_dir, state: slurm.JobState, hosts: list[str]):
+    import asyncio
+
+    from backend.cluster.nodes import Pool
+    from backend.runs.slurmwatch import SlurmWatcher
+
+    async def go():
+        pool = Pool()
+        try:
+            watcher = SlurmWatcher(pool, slurm.LOGIN, "run-1", str(run_dir), state.job_id, 1, lambda: False,
+                                   lambda hosts: None, hosts=hosts)
+            return await watcher.outcome(state)
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def test_a_failed_job_is_explained_by_the_ranks_own_report(tmp_path):
+    """Read through the login node's shell from the shared run directory, as on SSH nodes: the
+    exit code, the end slot of the node's workers (same group, same node) and the log."""
+    for d in ("pids", "logs", "events"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "pids/gpu-2.pid").write_text("4242\n")
+    (tmp_path / "pids/gpu-2.exit").write_text("1  \n")
+    (tmp_path / "pids/gpu-1.pid").write_text("4141\n")
+    (tmp_path / "pids/gpu-1.exit").write_text("0  \n")
+    (tmp_path / "logs/gpu-2.log").write_text("[rank1] error: DataError: train.jsonl:7: no messages\n")
+    end = {"type": "end", "status": "failed", "rank": 1, "node": "gpu-2", "pgid": 4242, "error_type": "DataError",
+           "error": "train.jsonl:7: no messages", "time": 1.0}
+    stale = {**end, "pgid": 999, "error_type": "ConfigError", "error": "an earlier attempt's"}
+    (tmp_path / "events/rank-1.end").write_text(json.dumps(end) + "\n" + json.dumps(stale) + "\n")
+    out = _outcome(tmp_path, slurm.JobState("7", "FAILED", exit_code=1), ["gpu-1", "gpu-2"])
+    assert out.state == "failed"
+    assert (out.failure.node, out.failure.cause, out.failure.exit_code) == ("gpu-2", "data_error", 1)
+    assert "train.jsonl:7" in out.failure.message and "Slurm job 7 ended FAILED" in out.failure.message
+
+
+def test_a_job_that_never_started_its_workers(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/slurm-8.out").write_text(f"srun: error: execve(): /opt/nope: No such file\n"
+                                               f"{slurm.IMPORT_CHECK_FAILED}\n")
+    out = _outcome(tmp_path, slurm.JobState("8", "FAILED", exit_code=3), ["gpu-1"])
+    assert (out.failure.cause, out.failure.node) == ("command_not_found", None)
+    assert "slurm.python" in out.failure.message and "logs/slurm-8.out" in out.failure.message
+    timeout = _outcome(tmp_path, slurm.JobState("9", "TIMEOUT", exit_code=0, signal=15), [])
+    assert timeout.failure.cause == "killed" and "ended TIMEOUT" in timeout.failure.message
+    assert _outcome(tmp_path, slurm.JobState("10", "COMPLETED", exit_code=0), []).state == "succeeded"
+
+
+def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):
+    from backend import cli
+
+    job = tmp_path / "job.yaml"
+    job.write_text(demo_spec(tmp_path / "out").model_copy(update={"nproc_per_node": 2}).to_yaml())
+    assert cli.main(["plan", str(job), "--slurm-partition", "debug", "--slurm-option", "qos=high",
+                     "--run-id", "r1"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=2" in out and "#SBATCH --qos=high" in out and "--rdzv_id r1" in out
+    assert cli.main(["plan", str(job), "--slurm-partition", "a b", "--slurm-time", "1h",
+                     "--slurm-option", "export=ALL,LD_PRELOAD=/x"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == ["--slurm-partition", "--slurm-time", "--slurm-option #1"]
+    assert cli.main(["run", str(job), "--slurm-partition", "debug", "--hostfile", "hosts"]) == 1
+    assert "--hostfile, --slurm-partition" in capsys.readouterr().err

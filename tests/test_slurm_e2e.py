@@ -1,0 +1,192 @@
+"""A real 2-rank CPU training job through the studio's Slurm path, on a real slurmctld + slurmd
+(tests/slurmctl.py) on this machine: the CLI submits it, the RunManager watches it (state from
+`scontrol`, telemetry from the agent step's file), a Slurm requeue resumes it from the checkpoint
+written on the requeue's SIGTERM, a stop is `scancel` and the workers checkpoint on its SIGTERM,
+and a resume (a new Slurm job) continues past that checkpoint to the end."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurmctl
+from backend.cluster import remote
+from backend.job.spec import JobSpec
+from backend.runs import lifecycle
+from backend.runs.manager import RunManager
+from launcher import checkpoint
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    why = slurmctl.missing()
+    if why:
+        pytest.skip(why)
+    cluster = slurmctl.start(tmp_path_factory.mktemp("slurm"))
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
+    # Slurm's tools find this cluster by SLURM_CONF; sbatch passes the environment on to the job,
+    # whose workers import this checkout.
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    os.environ["PYTHONPATH"] = str(ROOT)
+    yield cluster
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    cluster.stop()
+
+
+def job(tmp_path: Path, model: Path, max_steps: int, save_steps: int, max_restarts: int = 0) -> JobSpec:
+    return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                   output_dir=str(tmp_path / "out"), nnodes=1, nproc_per_node=2, max_steps=max_steps,
+                   save_steps=save_steps, max_restarts=max_restarts, logging_steps=1, torch_dtype="float32", max_length=64,
+                   gradient_checkpointing=False, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+
+
+def tagged(run_id: str) -> list[int]:
+    out = subprocess.run(["bash", "-c", remote.tagged_pids(run_id)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def wait_for(what: str, check, timeout: float):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(job(tmp_path, tiny_model, max_steps=200, save_steps=1000).to_yaml())
+    db = f"sqlite:///{tmp_path / 'studio.db'}"
+    t0 = time.time()
+    out = cli("run", str(spec_path), "--slurm-partition", "debug", "--name", "slurm-run", "--detach", "--db", db)
+    assert out.returncode == 0 and "slurm-run: running" in out.stdout, out.stdout + out.stderr
+    run_id, run_dir = "slurm-run", tmp_path / "out" / "slurm-run"
+    script = (run_dir / "slurm" / "attempt-1.sbatch").read_text()
+    assert "#SBATCH --job-name=swift-studio-slurm-run" in script and "#SBATCH --partition=debug" in script
+
+    # The CLI that submitted it is gone; a manager adopts the run and watches the job Slurm still runs.
+    m = RunManager(db)
+    try:
+        wait_for("the re-attach", lambda: any("re-attached to Slurm job" in n for n in m.notices(run_id)), 30)
+        first = m.store.current_attempt(run_id)
+        job_id = json.loads(first.slurm_json)["job_id"]
+        assert job_id and m.nodes_of(run_id) == ["localhost"]
+        # The agent's lines reach the store through the run directory: training progress is seen.
+        wait_for("step 4 in the telemetry", lambda: (m.progress(run_id) or {}).get("step", 0) >= 4, 60)
+
+        # Slurm's own recovery: a requeued job (as after a node failure) starts the script again,
+        # which resumes from the checkpoint the workers wrote on the requeue's SIGTERM. Slurm holds a
+        # requeued batch job for 120 s (BeginTime); the admin's `StartTime=now` releases it.
+        slurm_cluster.run("scontrol", "requeue", job_id)
+        # Requeued once its processes have ended (the checkpoint written): PENDING, held by BeginTime.
+        wait_for("the requeue", lambda: "JobState=PENDING" in slurm_cluster.run("scontrol", "show", "job", "-o",
+                                                                                  job_id).stdout, 60)
+        slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        requeued = wait_for("the requeued job's resume", lambda: (m.progress(run_id) or {}).get("resumed_from"), 60)
+        assert m.run(run_id).state == lifecycle.RUNNING and m.run(run_id).attempts == 1
+        assert any("requeued" in n for n in m.notices(run_id)), m.notices(run_id)
+        wait_for("a step past the requeue", lambda: m.progress(run_id)["step"] > requeued, 60)
+
+        t_stop = time.time()
+        stopped = m.stop(run_id)
+        stop_s = time.time() - t_stop
+        assert stopped.state == lifecycle.STOPPED, (stopped.state, stopped.message)
+        state = slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+        assert "JobState=CANCELLED" in state, state
+        # Slurm ended the job only once the workers had exited: nothing of the run is left.
+        assert tagged(run_id) == []
+        saved = checkpoint.latest(run_dir)
+        assert saved is not None, "the workers saved no checkpoint on scancel's SIGTERM"
+        step = int(saved.name.split("-")[1])
+        assert requeued < step < 200
+        ends = [json.loads(p.read_text()) for p in sorted((run_dir / "events").glob("rank-*.end"))]
+        assert [e["status"] for e in ends] == ["stopped", "stopped"], ends
+    finally:
+        m.close()
+
+    t_resume = time.time()
+    out = cli("resume", run_id, "--db", db)
+    assert out.returncode == 0 and f"{run_id}: succeeded" in out.stdout, out.stdout + out.stderr
+    m = RunManager(db, reattach=False)
+    try:
+        second = m.store.current_attempt(run_id)
+        assert second.number == 2 and json.loads(second.slurm_json)["job_id"] != job_id
+        assert (run_dir / "slurm" / "attempt-2.sbatch").exists()
+        progress = m.progress(run_id)
+        assert progress["resumed_from"] == step and progress["step"] == 200, progress
+        assert checkpoint.latest(run_dir).name == "checkpoint-200"
+    finally:
+        m.close()
+    lines = [json.loads(x) for x in (run_dir / "telemetry/attempt-2/restart-0/localhost.jsonl").read_text().splitlines()]
+    assert {"hello", "host", "event", "bye"} <= {x["kind"] for x in lines}
+    print(f"submit→stop {t_stop - t0:.1f} s (stop {stop_s:.1f} s, checkpoint-{step}, requeue resumed from "
+          f"{requeued}), resume→end {time.time() - t_resume:.1f} s")
+
+
+def test_a_python_that_does_not_import_the_worker_fails_the_run_naming_it(slurm_cluster, tiny_model, tmp_path):
+    """The pre-flight that needs the allocation (the import check on every node) fails the run
+    before any worker starts, naming the field to fix."""
+    from backend.cluster.slurm import SlurmTarget
+
+    target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2, python="/nonexistent/bin/python3")
+    m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}")
+    try:
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=3, save_steps=3), target.cluster(), slurm=target)
+        run = m.wait(run_id, timeout=60)
+        assert (run.state, run.cause) == (lifecycle.FAILED, "command_not_found"), (run.state, run.message)
+        assert "slurm.python" in run.message and "ended FAILED" in run.message, run.message
+        assert list(Path(run.run_dir).glob("pids/*.pid")) == []  # no worker started
+    finally:
+        m.close()
+
+
+def test_killed_workers_are_restarted_as_a_new_slurm_job(slurm_cluster, tiny_model, tmp_path):
+    """Automatic recovery (max_restarts) on Slurm: SIGKILLed workers fail the job, and the run
+    goes on as a new job on the same target, from the newest checkpoint."""
+    from backend.cluster.slurm import SlurmTarget
+
+    target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2)
+    m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}")
+    try:
+        t0 = time.time()
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=120, save_steps=10, max_restarts=1), target.cluster(),
+                          slurm=target)
+        run_dir = Path(m.run(run_id).run_dir)
+        wait_for("a checkpoint", lambda: checkpoint.latest(run_dir), 90)
+        workers = [pid for pid in tagged(run_id)
+                   if b"launcher.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                   and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        wait_for("the automatic restart", lambda: len(m.attempts(run_id)) == 2, 60)
+        done = m.wait(run_id, timeout=120)
+        assert done.state == lifecycle.SUCCEEDED, (done.state, done.message)
+        first, second = m.attempts(run_id)
+        assert (first.state, first.cause) == ("failed", "killed"), (first.state, first.cause, first.message)
+        assert second.automatic and json.loads(second.slurm_json)["job_id"] != json.loads(first.slurm_json)["job_id"]
+        assert any("a new Slurm job resuming" in n for n in m.notices(run_id)), m.notices(run_id)
+        assert m.progress(run_id)["resumed_from"] >= 10 and m.progress(run_id)["step"] == 120
+        print(f"kill → restart → end: {time.time() - t0:.1f} s")
+    finally:
+        m.close()
