@@ -172,10 +172,17 @@ def matmul_params(config) -> int:
     """Parameters in the matmuls of one token's forward (embedding lookup excluded), as in the
     shared HF baseline, for MFU = 6·N + 12·L·h·T FLOPs per token."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    if getattr(config, "num_experts_per_tok", 0):
+        from backend.job.modelcfg import parse_model_config
+
+        # A token passes through its experts only: the config's count of active parameters, less
+        # the embedding lookup (the output layer is a matmul, tied or not).
+        moe = parse_model_config(config.to_dict())
+        return moe.active_param_count() - moe.embedding_params * (1 if moe.tie_word_embeddings else 2) + h * vocab
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", heads) * getattr(config, "head_dim", h // heads)
-    q = heads * getattr(config, "head_dim", h // heads)
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // heads  # Mistral-style configs hold None
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    per_layer = h * heads * head_dim * 2 + h * kv * 2 + 3 * h * config.intermediate_size
     return layers * per_layer + h * vocab
 
 

@@ -244,6 +244,24 @@ with open(f"{sys.argv[2]}/outcome-{dist.get_rank()}", "w") as f:  # the ranks' p
     assert len(outcomes) == 2 and all(o.startswith("FAILED") for o in outcomes), (outcomes, proc.log[-3000:])
 
 
+def test_mfu_counts_the_experts_a_token_passes_and_reads_configs_without_head_dim():
+    """Mixtral's config holds head_dim None (which crashed the worker's FLOPs count); a token runs
+    2 of its 4 experts: attention, 2 experts, the router and norms per layer, the head once."""
+    from transformers import AutoConfig
+
+    from launcher.model import matmul_params
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+    mixtral = AutoConfig.for_model("mixtral", num_local_experts=4, num_experts_per_tok=2, **sizes)
+    assert mixtral.head_dim is None
+    attention = 64 * 64 * 2 + 64 * 32 * 2
+    per_layer = attention + 2 * 3 * 64 * 128 + 64 * 4 + 2 * 64
+    assert matmul_params(mixtral) == 2 * per_layer + 64 + 64 * 100
+    mistral = AutoConfig.for_model("mistral", head_dim=None, **sizes)
+    assert matmul_params(mistral) == 2 * (attention + 3 * 64 * 128) + 64 * 100
+
+
 def test_the_memory_estimate_gathers_only_the_ranks_experts():
     """Qwen3-30B-A3B (128 experts) on 8 ranks, FSDP2: stored states are 1/8 with or without EP; what
     FSDP gathers for a layer holds 128/EP experts."""
@@ -265,3 +283,19 @@ def test_the_memory_estimate_gathers_only_the_ranks_experts():
     gathered_saving = 2 * 2 * experts * (1 - 1 / 8) / 2 ** 30  # two layers in flight, bf16
     assert plain.parameters_gib - ep8.parameters_gib == pytest.approx(gathered_saving, rel=1e-6)
     assert any("EP=8: each rank runs 16 of the 128 experts" in note for note in ep8.notes)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family,sizes", [
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": []})])
+def test_ep2_trains_and_exports_other_moe_families_like_fsdp2(tmp_path, family, sizes):
+    """Mixtral and Qwen2-MoE (a shared expert beside the routed ones) under EP=2 x FSDP2: losses,
+    grad norms and routing of 20 steps, and the exported model, equal to FSDP2 without EP."""
+    model = build_tiny_model(tmp_path / "model", family, **sizes)
+    spec_fields = equality_job(model, router_aux_loss_coef=0.01, train_type="full", fsdp="full_shard")
+    plain = trained(tmp_path, "plain", 2, **spec_fields)
+    ep = trained(tmp_path, "ep", 2, **spec_fields, **{EP: 2})
+    assert_same_training(ep, plain)
+    assert_same_export(ep, plain, tmp_path)
