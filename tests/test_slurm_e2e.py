@@ -68,6 +68,20 @@ def wait_for(what: str, check, timeout: float):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def latest_event(run_dir: Path, etype: str) -> dict | None:
+    """Rank 0's newest event of `etype` as the worker wrote it (the telemetry store gets it seconds
+    later, by which time a short run may have finished)."""
+    latest = None
+    for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if event.get("type") == etype:
+            latest = event
+    return latest
+
+
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "backend.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
@@ -102,15 +116,17 @@ def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
         wait_for("the requeue", lambda: "JobState=PENDING" in slurm_cluster.run("scontrol", "show", "job", "-o",
                                                                                   job_id).stdout, 60)
         slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-        requeued = wait_for("the requeued job's resume", lambda: (m.progress(run_id) or {}).get("resumed_from"), 60)
+        requeued = wait_for("the requeued job's resume",
+                            lambda: (latest_event(run_dir, "start") or {}).get("resumed_from"), 60)
+        wait_for("a step past the requeue", lambda: (latest_event(run_dir, "train") or {}).get("step", 0) > requeued,
+                 60)
         assert m.run(run_id).state == lifecycle.RUNNING and m.run(run_id).attempts == 1
-        assert any("requeued" in n for n in m.notices(run_id)), m.notices(run_id)
-        wait_for("a step past the requeue", lambda: m.progress(run_id)["step"] > requeued, 60)
 
         t_stop = time.time()
         stopped = m.stop(run_id)
         stop_s = time.time() - t_stop
         assert stopped.state == lifecycle.STOPPED, (stopped.state, stopped.message)
+        assert any("requeued" in n for n in m.notices(run_id)), m.notices(run_id)
         state = slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout
         assert "JobState=CANCELLED" in state, state
         # Slurm ended the job only once the workers had exited: nothing of the run is left.
