@@ -238,7 +238,7 @@ class Trainer:
             shutil.copy(self.run_dir / "job.yaml", tmp / "job.yaml")
             state = {"step": step, "epoch": step / self.plan.steps_per_epoch, "steps_per_epoch": self.plan.steps_per_epoch,
                      "max_steps": self.plan.max_steps, "world_size": d.world_size, **self._layout(),
-                     "engine": self.engine.name,
+                     "engine": self.engine.name, "optimizer_state": self.engine.optimizer_state,
                      "train_type": self.spec.train_type, "base_model": self.spec.model}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         d.barrier()
@@ -267,8 +267,8 @@ class Trainer:
         if written != self._layout() and not self.engine.reshards:
             raise ConfigError(f"resume: {path} was written with {written} and {self.engine.name} cannot reshard it "
                               f"onto {self._layout()}; resume with the layout it was written with")
-        if (state.get("engine") == "pp") != (self.engine.name == "pp"):
-            # Other engines' DCP keys and optimizer state are laid out differently.
+        if state.get("optimizer_state", "nested") != self.engine.optimizer_state:
+            # Only a pipeline keys its optimizer state per parameter.
             raise ConfigError(f"resume: {path} was written by the {state.get('engine')} engine and this job runs "
                               f"{self.engine.name}: a pipeline's checkpoint resumes only with "
                               "pipeline_model_parallel_size > 1, and only such a job resumes from one")

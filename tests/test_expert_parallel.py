@@ -3,7 +3,6 @@ model's routers report: the same job with and without EP trains, resumes and exp
 model; the routing series and the imbalance alert."""
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from backend.job.capabilities import TransformersPlan, transformers_plan, unsupported, world_problems
 from backend.job.spec import JobSpec, parse_spec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, build_tiny_model, equality_job,
-                    events, losses, run_worker, trained, write_run)
+                    events, losses, probe_ranks, trained, write_run)
 
 STEPS = EQUALITY_STEPS
 EP = "expert_model_parallel_size"
@@ -219,29 +218,23 @@ def test_peft_lora_on_the_experts_fails_under_transformers_ep(tmp_path, moe_mode
     """Pins the engine behaviour behind the target_modules refusal (peft 0.21, transformers 5.24):
     LoRA with 'all-linear' (the router and the stacked experts) fails in the first step under EP.
     When this fails, they compose: lift the refusal."""
-    script = tmp_path / "probe.py"
-    script.write_text('''
+    outcomes, log = probe_ranks(tmp_path, 2, '''
 import sys, torch, torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 dist.init_process_group("gloo")
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32,
                                              distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
 model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
 ids = torch.arange(3, 35).reshape(2, 16)
 try:
     model(input_ids=ids, labels=ids).loss.backward()
-    outcome = "RAN"
+    report("RAN")
 except Exception as exc:
-    outcome = f"FAILED {type(exc).__name__}"
-with open(f"{sys.argv[2]}/outcome-{dist.get_rank()}", "w") as f:  # the ranks' prints interleave
-    f.write(outcome)
-''')
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
-                                      str(moe_model), str(tmp_path)])
-    outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(2) if (tmp_path / f"outcome-{rank}").exists()]
-    assert len(outcomes) == 2 and all(o.startswith("FAILED") for o in outcomes), (outcomes, proc.log[-3000:])
+    report(f"FAILED {type(exc).__name__}")
+''', moe_model)
+    assert len(outcomes) == 2 and all(o.startswith("FAILED") for o in outcomes), (outcomes, log[-3000:])
 
 
 def test_mfu_counts_the_experts_a_token_passes_and_reads_configs_without_head_dim():

@@ -3,14 +3,13 @@ with and without PP trains the same, resumes the same and exports the same model
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from backend.job.capabilities import pp_problems, same_data_ranks, seq_multiple, unsupported, world_problems
 from backend.job.spec import JobSpec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, equality_job, events, losses,
-                    run_worker, trained, write_run)
+                    probe_ranks, run_worker, trained, write_run)
 
 STEPS = EQUALITY_STEPS
 
@@ -185,9 +184,8 @@ def test_torch_ddp_fails_under_a_pipeline_schedule(tmp_path):
     DistributedDataParallel stage fails DDP's bucket rebuild in the second step of a schedule (its
     reducer counts each parameter once per micro-batch). When this passes, torch's DDP can serve
     LoRA's replicated stages again."""
-    script = tmp_path / "probe.py"
-    script.write_text('''
-import sys, torch, torch.distributed as dist
+    outcomes, log = probe_ranks(tmp_path, 4, '''
+import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
@@ -202,16 +200,11 @@ x = torch.randn(4, 8)
 try:
     for _ in range(2):
         schedule.step(*((x,) if pp_rank == 0 else ()), target=x if pp_rank == 1 else None)
-    outcome = "RAN"
+    report("RAN")
 except RuntimeError as exc:
-    outcome = f"FAILED {'rebuilt parameter indices' in str(exc.__cause__ or exc)}"
-with open(f"{sys.argv[1]}/outcome-{dist.get_rank()}", "w") as f:  # the ranks' prints interleave
-    f.write(outcome)
+    report(f"FAILED {'rebuilt parameter indices' in str(exc.__cause__ or exc)}")
 ''')
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script),
-                                      str(tmp_path)])
-    outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(4) if (tmp_path / f"outcome-{rank}").exists()]
-    assert "FAILED True" in outcomes and "RAN" not in outcomes, (outcomes, proc.log[-3000:])
+    assert "FAILED True" in outcomes and "RAN" not in outcomes, (outcomes, log[-3000:])
 
 
 @pytest.mark.e2e

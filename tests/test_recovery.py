@@ -81,6 +81,7 @@ from sqlmodel import Session, select  # noqa: E402
 from backend.job.cluster import Cluster  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from backend.store.telemetry_models import RunEvent  # noqa: E402
+from worker import until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,15 +111,13 @@ def train_events(m: RunManager, run_id: str, attempt: int | None = None) -> list
 
 
 def wait_for(what: str, pred, m: RunManager, run_id: str, timeout: float = 120):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    run = m.run(run_id)
-    raise AssertionError(f"{what}: not within {timeout} s; run {run.state} attempt {run.attempts}: {run.message}\n"
-                         + "\n".join(attempt_timeline(m.attempts(run_id))) + "\n" + "\n".join(m.notices(run_id)))
+    """`pred()` once truthy; on time-out the run's state, attempts and notices say why not."""
+    def state() -> str:
+        run = m.run(run_id)
+        return "\n".join([f"run {run.state} attempt {run.attempts}: {run.message}",
+                          *attempt_timeline(m.attempts(run_id)), *m.notices(run_id)])
+
+    return until(pred, timeout, every=0.2, name=what, why=state)
 
 
 def first_step_of(m: RunManager, run_id: str, attempt: int) -> float | None:

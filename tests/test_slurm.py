@@ -125,6 +125,34 @@ def test_parse_scontrol_job():
     assert slurm.parse_scontrol_job(RUNNING, "12") is None
 
 
+def test_crafted_scontrol_output_cannot_override_the_state_or_crash_the_watch():
+    """A job's Comment (which its owner sets) holding `JobState=COMPLETED` does not override the
+    real state (the first key wins); numbers that are not numbers are a SlurmError, not a crash."""
+    crafted = RUNNING.replace("Power= ", "Comment=JobState=COMPLETED ExitCode=0:0 Power= ")
+    assert slurm.parse_scontrol_job(crafted, "1").state == "RUNNING"
+    for bad in ("ExitCode=0:0", "Restarts=0"):
+        with pytest.raises(slurm.SlurmError, match="unreadable"):
+            slurm.parse_scontrol_job(RUNNING.replace(bad, bad.split("=")[0] + "=x"), "1")
+    with pytest.raises(slurm.SlurmError, match="no job id"):
+        slurm.parse_sbatch("\u00b2\n")  # str.isdigit() says yes to a superscript two
+
+
+def test_a_second_exclusion_keeps_the_first():
+    t = target(extra=("--qos=high", "--exclude=gpu-9"))
+    twice = t.excluding("gpu-1").excluding("gpu-2").excluding("gpu-1")
+    assert twice.extra == ("--qos=high", "--exclude=gpu-9,gpu-1,gpu-2") and twice.problems() == []
+
+
+def test_the_script_removes_an_earlier_attempts_exit_codes_before_anything_can_fail(tmp_path):
+    """Otherwise a job that ends before its workers start (the import check) would be explained
+    by the last attempt's exit code and log."""
+    t = target()
+    text = slurm.sbatch_script(t, demo_plan(tmp_path, t), "run-1", attempt=2)
+    lines = text.splitlines()
+    first_srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines.index("rm -f pids/*.pid pids/*.exit") < first_srun
+
+
 def test_parse_sbatch_hostnames_and_killwait():
     assert slurm.parse_sbatch("17\n") == "17" and slurm.parse_sbatch("17;cluster-a\n") == "17"
     with pytest.raises(slurm.SlurmError, match="no job id"):
@@ -134,7 +162,7 @@ def test_parse_sbatch_hostnames_and_killwait():
     assert "KillWait is 30 s" in slurm.stop_warning("KillWait                = 30 sec\n")
 
 
-def _outcome(run_dir, state: slurm.JobState, hosts: list[str]):
+def _outcome(run_dir, state: slurm.JobState | None, hosts: list[str], job_id: str | None = None):
     import asyncio
 
     from backend.cluster.nodes import Pool
@@ -143,7 +171,7 @@ def _outcome(run_dir, state: slurm.JobState, hosts: list[str]):
     async def go():
         pool = Pool()
         try:
-            watcher = SlurmWatcher(pool, slurm.LOGIN, "run-1", str(run_dir), state.job_id, 1, lambda: False,
+            watcher = SlurmWatcher(pool, slurm.LOGIN, "run-1", str(run_dir), job_id or state.job_id, 1, lambda: False,
                                    lambda hosts: None, hosts=hosts)
             return await watcher.outcome(state)
         finally:
@@ -182,6 +210,46 @@ def test_a_job_that_never_started_its_workers(tmp_path):
     timeout = _outcome(tmp_path, slurm.JobState("9", "TIMEOUT", exit_code=0, signal=15), [])
     assert timeout.failure.cause == "killed" and "ended TIMEOUT" in timeout.failure.message
     assert _outcome(tmp_path, slurm.JobState("10", "COMPLETED", exit_code=0), []).state == "succeeded"
+
+
+def test_a_job_slurm_forgot_is_judged_by_its_nodes_exit_codes(tmp_path):
+    """Past MinJobAge `scontrol` no longer knows the job (a studio down overnight): the nodes' exit
+    codes in the run directory say how it ended."""
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "logs").mkdir()
+    for host, code in (("gpu-1", 0), ("gpu-2", 0)):
+        (tmp_path / f"pids/{host}.pid").write_text("4141\n")
+        (tmp_path / f"pids/{host}.exit").write_text(f"{code}  \n")
+    assert _outcome(tmp_path, None, ["gpu-1", "gpu-2"], job_id="11").state == "succeeded"
+    (tmp_path / "pids/gpu-2.exit").write_text("1  \n")
+    (tmp_path / "logs/gpu-2.log").write_text("[rank1] error: RuntimeError: boom\n")
+    failed = _outcome(tmp_path, None, ["gpu-1", "gpu-2"], job_id="11")
+    assert (failed.state, failed.failure.node) == ("failed", "gpu-2") and "unknown to Slurm" in failed.failure.message
+
+
+def test_a_silent_controller_cancels_the_job_before_failing_it(tmp_path, monkeypatch):
+    """A restart must not start a second job beside one that may still run: the silent job is
+    cancelled first, and one that cannot be cancelled fails with a cause no restart follows."""
+    import asyncio
+
+    from backend.runs.slurmwatch import SlurmWatcher
+    from backend.telemetry import logclass
+
+    cancelled = []
+
+    async def cancel(pool, login, job_id):
+        cancelled.append(job_id)
+
+    async def unreachable(pool, login, job_id):
+        raise slurm.SlurmError("scancel 12: Unable to contact slurm controller")
+
+    watcher = SlurmWatcher(None, slurm.LOGIN, "run-1", str(tmp_path), "12", 1, lambda: False, lambda hosts: None)
+    monkeypatch.setattr(slurm, "cancel", cancel)
+    gone = asyncio.run(watcher._silent(slurm.SlurmError("timed out")))
+    assert cancelled == ["12"] and gone.failure.cause == logclass.NODE_UNREACHABLE
+    monkeypatch.setattr(slurm, "cancel", unreachable)
+    alive = asyncio.run(watcher._silent(slurm.SlurmError("timed out")))
+    assert alive.failure.cause not in logclass.RESTARTABLE and "squeue -j 12" in alive.failure.message
 
 
 def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from backend.job.spec import JobSpec
 from backend.runs import lifecycle
 from backend.runs.manager import RunManager
 from launcher import checkpoint
+from worker import until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,13 +61,7 @@ def tagged(run_id: str) -> list[int]:
 
 
 def wait_for(what: str, check, timeout: float):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return until(check, timeout, every=0.3, name=what)
 
 
 def latest_event(run_dir: Path, etype: str) -> dict | None:
@@ -206,3 +202,42 @@ def test_killed_workers_are_restarted_as_a_new_slurm_job(slurm_cluster, tiny_mod
         print(f"kill → restart → end: {time.time() - t0:.1f} s")
     finally:
         m.close()
+
+
+def test_a_submission_cut_short_is_found_by_the_runs_name_and_cancelled(slurm_cluster, tiny_model, tmp_path):
+    """The process that ran sbatch died before it recorded the job id: the manager that adopts the
+    run finds the job by the run's job name, cancels it (no second job in the run directory) and
+    fails the run as interrupted. A job of another name is left alone."""
+    from backend.cluster.slurm import SlurmTarget
+    from backend.runs.lifecycle import Owner
+    from backend.store.models import Run
+
+    db = f"sqlite:///{tmp_path / 'studio.db'}"
+    spec = job(tmp_path, tiny_model, max_steps=10, save_steps=10)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    owner = Owner(socket.gethostname(), gone.pid, "cut")
+    m = RunManager(db, reattach=False)
+    try:
+        m.store.create(Run(id="cut", name="cut", spec_yaml=spec.to_yaml(), output_dir=spec.output_dir,
+                           run_dir=str(tmp_path / "out" / "cut")))
+        m.store.transition("cut", lifecycle.CHECKING, by=owner)
+        m.store.new_attempt("cut", [], None, slurm_json=json.dumps(
+            {"target": SlurmTarget(partition="debug").to_dict(), "job_id": None}))
+        m.store.transition("cut", lifecycle.LAUNCHING, by=owner)
+    finally:
+        m.close()
+    submitted = [slurm_cluster.run("sbatch", "--parsable", f"--job-name={name}", "--output=/dev/null",
+                                   "--wrap=sleep 120").stdout.strip() for name in ("swift-studio-cut", "other")]
+    try:
+        m = RunManager(db)  # adopts the run whose owner is gone
+        try:
+            run = m.wait("cut", timeout=60)
+        finally:
+            m.close()
+        assert (run.state, run.cause) == ("failed", "interrupted") and "submitting" in run.message, run.message
+        states = [slurm_cluster.run("scontrol", "show", "job", "-o", job_id).stdout for job_id in submitted]
+        assert "JobState=CANCELLED" in states[0], states[0]
+        assert "JobState=CANCELLED" not in states[1], states[1]
+    finally:
+        slurm_cluster.run("scancel", *submitted, check=False)

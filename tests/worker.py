@@ -71,6 +71,29 @@ def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout
     return proc
 
 
+# Prepended to a probe script: each rank writes its outcome to a file of its own (their prints
+# interleave on one line), in the directory the probe gets as sys.argv[1].
+PROBE_REPORT = '''
+def report(outcome):
+    import os, sys, torch.distributed as dist
+    with open(os.path.join(sys.argv[1], f"outcome-{dist.get_rank()}"), "w") as f:
+        f.write(outcome)
+'''
+
+
+def probe_ranks(tmp_path: Path, nproc: int, body: str, *args) -> tuple[list[str], str]:
+    """`body`, a script that calls `report(outcome)` on every rank, run by torchrun on `nproc` gloo
+    ranks with `args` after the outcome directory: the outcomes in rank order (a rank that died
+    before reporting has none), and the log."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE_REPORT + body)
+    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                      str(script), str(tmp_path), *map(str, args)])
+    outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(nproc)
+                if (tmp_path / f"outcome-{rank}").exists()]
+    return outcomes, proc.log
+
+
 def run_ok(run_dir: Path, **kw) -> subprocess.CompletedProcess:
     """run_worker, asserting it succeeded; the failure shows the end of the run's log."""
     proc = run_worker(run_dir, **kw)
@@ -185,8 +208,9 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, 0, "train")}
 
 
-def until(what, timeout: float = 240.0, every: float = 0.1):
-    """`what()` once it is truthy, polled every `every` s; AssertionError after `timeout` s."""
+def until(what, timeout: float = 240.0, every: float = 0.1, name: str = "", why=None):
+    """`what()` once it is truthy, polled every `every` s; AssertionError after `timeout` s, naming
+    what was awaited (`name`) and what `why()` says of the state then."""
     import time
 
     end = time.monotonic() + timeout
@@ -195,4 +219,4 @@ def until(what, timeout: float = 240.0, every: float = 0.1):
         if found:
             return found
         time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f} s")
+    raise AssertionError(f"{name or 'the condition'}: not within {timeout:.0f} s" + (f"\n{why()}" if why else ""))

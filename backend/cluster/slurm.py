@@ -24,7 +24,7 @@ import json
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from backend.cluster import remote, ssh
@@ -106,6 +106,15 @@ class SlurmTarget:
                 out.append(Problem(f"slurm.extra[{i}]", f"--{m.group(1)} is not allowed here "
                                                         f"(allowed: {', '.join(sorted(EXTRA_OPTIONS))})"))
         return out
+
+    def excluding(self, host: str) -> "SlurmTarget":
+        """This target without `host`: one `--exclude` listing it beside those already excluded
+        (sbatch keeps only the last of several)."""
+        excluded = [h for line in self.extra if line.startswith("--exclude=")
+                    for h in line.removeprefix("--exclude=").split(",") if h]
+        others = tuple(line for line in self.extra if not line.startswith("--exclude="))
+        hosts = excluded + ([host] if host not in excluded else [])
+        return replace(self, extra=(*others, f"--exclude={','.join(hosts)}"))
 
     def job_problems(self, nnodes: int) -> list[Problem]:
         """The target against the job: the allocation is the job's nodes, no more (the planner
@@ -250,6 +259,8 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         "",
         f"cd {q(run_dir)} || exit 1",
         "mkdir -p logs pids",
+        "# An earlier attempt's exit codes must not speak for this job if it ends before its workers start.",
+        "rm -f pids/*.pid pids/*.exit",
         "# The pre-flight that needs the allocation: the worker imports on every node.",
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {check_step} || "
         f"{{ echo {q(IMPORT_CHECK_FAILED)} >&2; exit 3; }}",
@@ -290,25 +301,39 @@ class JobState:
 
 
 _FIELD = re.compile(r"(\S+?)=(\S*)")
+_JOB_ID = re.compile(r"^[0-9]+$")
+_EXIT = re.compile(r"^(-?[0-9]+):(-?[0-9]+)$")
+
+
+def _fields(line: str) -> dict[str, str]:
+    """`Key=Value` words, the first of each key: a later one (inside a Comment=…) cannot override it."""
+    out: dict[str, str] = {}
+    for key, value in _FIELD.findall(line):
+        out.setdefault(key, value)
+    return out
 
 
 def parse_scontrol_job(text: str, job_id: str) -> JobState | None:
     """`scontrol show job -o <id>` (one line, `Key=Value` words) → the job's state; None for a job
     Slurm no longer knows (`slurm_load_jobs error: Invalid job id specified`)."""
     for line in text.splitlines():
-        values = dict(_FIELD.findall(line))
+        values = _fields(line)
         if values.get("JobId") != str(job_id):
             continue
-        state = values.get("JobState", "")
         exit_code = sig = None
-        if ":" in values.get("ExitCode", ""):
-            code, _, signal_no = values["ExitCode"].partition(":")
-            exit_code, sig = int(code), int(signal_no)
+        if "ExitCode" in values:
+            m = _EXIT.match(values["ExitCode"])
+            if not m:
+                raise SlurmError(f"scontrol show job {job_id}: unreadable ExitCode={values['ExitCode']!r}")
+            exit_code, sig = int(m.group(1)), int(m.group(2))
+        restarts = values.get("Restarts", "0") or "0"
+        if not _JOB_ID.match(restarts):
+            raise SlurmError(f"scontrol show job {job_id}: unreadable Restarts={restarts!r}")
         reason = values.get("Reason")
         nodes = values.get("NodeList")
-        return JobState(job_id=str(job_id), state=state, reason=None if reason in (None, "None") else reason,
-                        exit_code=exit_code, signal=sig, nodes=None if nodes in (None, "", "(null)") else nodes,
-                        requeued=int(values.get("Restarts", "0") or 0))
+        return JobState(job_id=str(job_id), state=values.get("JobState", ""),
+                        reason=None if reason in (None, "None") else reason, exit_code=exit_code, signal=sig,
+                        nodes=None if nodes in (None, "", "(null)") else nodes, requeued=int(restarts))
     return None
 
 
@@ -316,7 +341,7 @@ def parse_sbatch(text: str) -> str:
     """`sbatch --parsable` prints `<job id>` or `<job id>;<cluster>`."""
     first = text.strip().splitlines()[0] if text.strip() else ""
     job_id = first.split(";")[0]
-    if not job_id.isdigit():
+    if not _JOB_ID.match(job_id):
         raise SlurmError(f"sbatch printed no job id: {text.strip()[:200]!r}")
     return job_id
 
@@ -374,6 +399,14 @@ async def hostnames(pool: Pool, login: Node, nodelist: str) -> list[str]:
 async def config_warning(pool: Pool, login: Node) -> str | None:
     res = await _run(pool, login, ["scontrol", "show", "config"])
     return stop_warning(res.stdout) if res.ok else None
+
+
+async def jobs_named(pool: Pool, login: Node, run_id: str) -> list[str]:
+    """The ids of this user's jobs that carry the run's job name (`squeue --me --name`)."""
+    res = await _run(pool, login, ["squeue", "--me", "-h", f"--name={job_name(run_id)}", "-o", "%i"])
+    if not res.ok:
+        raise SlurmError(f"squeue --name={job_name(run_id)}: {res.first_error_line()}")
+    return [line.strip() for line in res.stdout.splitlines() if _JOB_ID.match(line.strip())]
 
 
 async def cancel(pool: Pool, login: Node, job_id: str, wait_s: float = CANCEL_WAIT_S) -> JobState | None:

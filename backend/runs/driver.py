@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -67,7 +67,7 @@ class AttemptDriver:
         self.store, self.owner, self.pool, self.planner, self.sink, self.engine = store, owner, pool, planner, sink, engine
         self.spawn = spawn
         """Runs a coroutine of a run on the loop, failing the run where the coroutine raises."""
-        self.watchers: dict[str, AttemptWatcher] = {}
+        self.watchers: dict[str, AttemptWatcher | SlurmWatcher] = {}
         self.notices: dict[str, list[str]] = {}
 
     def start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
@@ -197,6 +197,7 @@ class AttemptDriver:
         watcher = SlurmWatcher(self.pool, slurm.LOGIN, run_id, run.run_dir, job_id, attempt.number,
                                stop_requested=lambda: self._stop_requested(run_id), on_running=on_running,
                                sink=self.sink, on_notice=lambda m: self.notice(run_id, m), hosts=list(hosts))
+        self.watchers[run_id] = watcher
         outcome = await watcher.run()
         if outcome is not None and self.store.get(run_id).state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
             for p in self.store.processes(attempt_id):
@@ -309,7 +310,7 @@ class AttemptDriver:
             # A new job on the same target; Slurm picks the nodes, so a node that failed twice is
             # excluded from the allocation rather than the job re-planned without it.
             if decision.left_out:
-                target = replace(target, extra=(*target.extra, f"--exclude={decision.left_out}"))
+                target = target.excluding(decision.left_out)
                 what += f"; excluded node {decision.left_out} (it failed twice)"
             self.notice(run_id, f"automatic restart {decision.number} of {spec.max_restarts} after {what}: "
                                 "a new Slurm job resuming from the newest checkpoint")
@@ -414,19 +415,13 @@ class AttemptDriver:
             if members:
                 await launch_ops.stop_all(self.pool, recorded(members, self.store.processes(attempt.id)), run.id,
                                           run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
-            try:
-                self.store.transition(run.id, lifecycle.FAILED, Failure(
-                    None, None, "interrupted", f"the studio or CLI starting it stopped while the run was {run.state}"),
-                    by=self.owner)
-            except TransitionError as exc:
-                log.info("run %s: %s", run.id, exc)
+            self._fail_interrupted(run, "starting")
             return
         if run.stop_requested:
             self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
             return
         self.notice(run.id, "re-attached: the process that watched it is gone")
         self.spawn(run.id, self._watch(run.id, attempt, recorded(members, self.store.processes(attempt.id))))
-
 
     async def _slurm_reattach(self, run: Run, attempt: Attempt) -> None:
         """A submitted job goes on under Slurm whoever watched it: watch it again. One whose
@@ -441,9 +436,20 @@ class AttemptDriver:
             self.spawn(run.id, self._slurm_watch(run.id, attempt.id, SlurmTarget.from_dict(info["target"]),
                                                  info["job_id"], hosts))
             return
+        # Its submission was cut short before the job id was recorded: a job sbatch did start
+        # carries the run's name; it is cancelled, nothing else.
+        try:
+            for job_id in await slurm.jobs_named(self.pool, slurm.LOGIN, run.id):
+                await slurm.cancel(self.pool, slurm.LOGIN, job_id)
+        except (slurm.SlurmError, ssh.NodeError) as exc:
+            self.notice(run.id, f"could not look for or cancel the run's Slurm job ({exc}): check `squeue --me`")
+        self._fail_interrupted(run, "submitting")
+
+    def _fail_interrupted(self, run: Run, doing: str) -> None:
+        """The studio or CLI driving the run went away while it was `doing` that."""
         try:
             self.store.transition(run.id, lifecycle.FAILED, Failure(
-                None, None, "interrupted", f"the studio or CLI submitting it stopped while the run was {run.state}"),
+                None, None, "interrupted", f"the studio or CLI {doing} it stopped while the run was {run.state}"),
                 by=self.owner)
         except TransitionError as exc:
             log.info("run %s: %s", run.id, exc)

@@ -9,7 +9,6 @@ ended, the cause of a failure comes from the same files as on SSH nodes: each no
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shlex
 import time
@@ -21,7 +20,8 @@ from backend.cluster.launch import end_slots
 from backend.cluster.nodes import Pool
 from backend.job.cluster import Node
 from backend.runs.lifecycle import Failure
-from backend.runs.watch import CAUSE_LINES, TAIL_LINES, WATCH_INTERVAL_S, Outcome, choose_root, failure_from
+from backend.runs.watch import (CAUSE_LINES, TAIL_LINES, WATCH_INTERVAL_S, Outcome, agent_record, choose_root, ends_of,
+                                failure_from)
 from backend.telemetry import logclass
 from backend.telemetry.ingest import TelemetrySink
 
@@ -54,10 +54,18 @@ class SlurmWatcher:
     on_notice: Callable[[str], None] = lambda message: log.warning("%s", message)
     hosts: list[str] = field(default_factory=list)
     last: slurm.JobState | None = None
+    first_pass: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once Slurm has answered about the job (or the watch ended): the state shown is current."""
     _tails: dict[str, _Tail] = field(default_factory=dict)
 
     async def run(self) -> Outcome | None:
         """Watch until the job ends; None when a stop was requested (the stopper records it)."""
+        try:
+            return await self._watch()
+        finally:
+            self.first_pass.set()
+
+    async def _watch(self) -> Outcome | None:
         silent_since: float | None = None
         restarts = 0
         while True:
@@ -69,12 +77,12 @@ class SlurmWatcher:
             except (slurm.SlurmError, ssh.NodeError) as exc:
                 silent_since = silent_since or time.time()
                 if time.time() - silent_since >= CONTROLLER_SILENT_S:
-                    return Outcome("failed", Failure(None, None, logclass.NODE_UNREACHABLE,
-                                                     f"Slurm does not answer about job {self.job_id}: {exc}"))
+                    return await self._silent(exc)
                 await asyncio.sleep(WATCH_INTERVAL_S)
                 continue
             if state is not None:
                 self.last = state
+                self.first_pass.set()
                 if state.requeued > restarts:
                     restarts = state.requeued
                     self.on_notice(f"Slurm requeued job {self.job_id} ({state.reason or state.state}); "
@@ -83,12 +91,35 @@ class SlurmWatcher:
                 if (state.running or state.final) and not self.hosts and state.nodes:
                     self.hosts = await slurm.hostnames(self.pool, self.login, state.nodes)
                     self.on_running(self.hosts)
-            await self.read_telemetry()
+            await self._read_telemetry_guarded()
             if state is None or state.final:
                 if self.stop_requested():
                     return None
                 return await self.outcome(state or self.last)
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _silent(self, exc: Exception) -> Outcome:
+        """The controller has not answered for CONTROLLER_SILENT_S: the job may still run, so it is
+        cancelled first; only a job Slurm confirms ended fails as a cause a restart may cure (a new
+        job must not share the run directory with a live one)."""
+        what = f"Slurm did not answer about job {self.job_id} for {CONTROLLER_SILENT_S:.0f} s ({exc})"
+        try:
+            await slurm.cancel(self.pool, self.login, self.job_id)
+        except (slurm.SlurmError, ssh.NodeError) as again:
+            return Outcome("failed", Failure(None, None, logclass.UNKNOWN,
+                                             f"{what}, and cancelling it failed ({again}): it may still run; check "
+                                             f"`squeue -j {self.job_id}` before resuming"))
+        return Outcome("failed", Failure(None, None, logclass.NODE_UNREACHABLE, f"{what}; cancelled it"))
+
+    async def _read_telemetry_guarded(self) -> None:
+        """The agents' lines, as on SSH nodes: a read or store failure is a notice, and the next
+        round reads again from the offsets reached (the sink takes an event line once)."""
+        try:
+            await self.read_telemetry()
+        except Exception as exc:  # noqa: BLE001 - the shell or the store failed; the job runs on
+            log.exception("reading telemetry of job %s failed", self.job_id)
+            self.on_notice(f"telemetry of Slurm job {self.job_id} could not be read or stored "
+                           f"({type(exc).__name__}: {exc}); retrying")
 
     async def read_telemetry(self) -> None:
         """Hand the agents' new complete lines to the sink."""
@@ -103,16 +134,13 @@ class SlurmWatcher:
             while True:
                 chunk = (await self.pool.run(self.login, remote.read_from(f"{base}/{rel}", tail.offset, READ_MAX),
                                              None, timeout=30)).raw
-                tail.offset += len(chunk)
-                data = tail.partial + chunk
-                *lines, tail.partial = data.split(b"\n")
+                *lines, partial = (tail.partial + chunk).split(b"\n")
                 for line in lines:
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
+                    obj = agent_record(line)
+                    if obj is not None:
                         self.sink.on_agent_line(self.run_id, node, obj, attempt=self.attempt)
+                # Moved on only once the sink took every line of the chunk.
+                tail.offset, tail.partial = tail.offset + len(chunk), partial
                 if len(chunk) < READ_MAX:
                     break
 
@@ -123,6 +151,7 @@ class SlurmWatcher:
         if state is not None and state.reason:
             what += f" ({state.reason})"
         candidates = []
+        codes = []
         slots = await self._read(end_slots(self.pool, self.login, self.run_dir), [])
         for host in self.hosts:
             paths = remote.NodePaths(self.run_dir, host)
@@ -131,6 +160,7 @@ class SlurmWatcher:
                 _, code = remote.parse_probe(probe.stdout) if probe else (False, None)
             except ValueError:
                 code = None
+            codes.append(code)
             if code == 0:
                 continue
             pgid_text = await self._read(self.pool.run(self.login, f"cat -- {shlex.quote(paths.pid)} 2>/dev/null; true",
@@ -139,9 +169,13 @@ class SlurmWatcher:
             if pgid is None and code is None:
                 continue  # the node's workers never started (the batch script ended before)
             tail = await self._read(self.pool.run(self.login, remote.tail(paths.log, CAUSE_LINES), None, timeout=15), None)
-            ends = [e for e in slots if e.get("node") == remote.node_file_name(host) and e.get("pgid") == pgid]
-            cause, failure = failure_from(host, code, tail.stdout.splitlines() if tail else [], ends)
+            cause, failure = failure_from(host, code, tail.stdout.splitlines() if tail else [],
+                                          ends_of(host, pgid, slots))
             candidates.append((cause, failure, 0.0))
+        if state is None and codes and all(code == 0 for code in codes):
+            # Slurm forgot the job (MinJobAge after its end, a studio down for long): every
+            # node's workers exited 0, which is the outcome.
+            return Outcome("succeeded")
         if candidates:
             root = choose_root(candidates)
             return Outcome("failed", Failure(root.node, root.exit_code, root.cause, f"{root.message}; {what}",

@@ -15,7 +15,7 @@ import logging
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import asyncssh
 
@@ -83,11 +83,21 @@ def failure_from(node: str, exit_code: int | None, tail: list[str],
     return cause, Failure(node, exit_code, cause.kind, message, "\n".join(tail[-TAIL_LINES:]))
 
 
-def ends_of(node: NodeWatch, slots: list[dict]) -> list[dict]:
-    """The slots this attempt's ranks on `node` wrote: same torchrun group, same node name (a
+def ends_of(host: str, pgid: int | None, slots: list[dict]) -> list[dict]:
+    """The slots this attempt's ranks on `host` wrote: same torchrun group, same node name (a
     shared run directory holds every node's, and an earlier attempt's until overwritten)."""
-    name = remote.node_file_name(node.host)
-    return [e for e in slots if e.get("pgid") == node.started.pgid and e.get("node") in (name, None)]
+    name = remote.node_file_name(host)
+    return [e for e in slots if e.get("pgid") == pgid and e.get("node") in (name, None)]
+
+
+def agent_record(line: str | bytes) -> dict | None:
+    """One line of a node agent's output as the sink takes it; None for anything else (a
+    shell's or a library's stray output on the same stream)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _number(value) -> float:
@@ -208,41 +218,39 @@ class AttemptWatcher:
         slots = [e for _, ends in reads for e in ends]
         candidates = []
         for n, (tail, _) in zip(failed, reads):
-            cause, failure = failure_from(n.host, n.exit_code, tail, ends_of(n, slots))
+            cause, failure = failure_from(n.host, n.exit_code, tail, ends_of(n.host, n.started.pgid, slots))
             candidates.append((cause, failure, n.last_seen))
         for n in lost:
             cause = logclass.Cause(logclass.NODE_UNREACHABLE,
                                    f"no answer over SSH for {time.time() - (n.unreachable_since or n.last_seen):.0f} s")
             candidates.append((cause, Failure(n.host, None, cause.kind, logclass.describe(cause, n.host), ""), n.last_seen))
-        root = choose_root(candidates)
         # Stop whatever is still running anywhere; a lost node is tried too (it may answer again).
-        others = [n.started for n in self.nodes if n.started.pgid]
-        report = await launch.stop_all(self.pool, others, self.run_id, self.run_dir, grace_s=FAIL_STOP_GRACE_S)
-        for n in self.nodes:
-            if n.alive and n.host not in report.unreachable:
-                n.alive = False
-                self.on_update(n)
-        if not report.clean:
-            root = Failure(root.node, root.exit_code, root.cause, f"{root.message} [cleanup: {report.detail()}]",
-                           root.log_tail)
-        return Outcome("failed", root)
+        return await self._stopped_with(choose_root(candidates), FAIL_STOP_GRACE_S)
 
     async def _hung(self, finding) -> Outcome:
         """The ranks made no step within the job's hang limit: stop them all (SIGTERM lets them
         log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
         the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
+        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
+        return await self._stopped_with(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)),
+                                        HANG_STOP_GRACE_S, timed=True)
+
+    async def _stopped_with(self, failure: Failure, grace_s: float, timed: bool = False) -> Outcome:
+        """The attempt failed with `failure`: stop every node's group (SIGKILL after `grace_s`); the
+        failure says what the cleanup could not verify and, `timed`, how long the stop took."""
         started = time.time()
         report = await launch.stop_all(self.pool, [n.started for n in self.nodes if n.started.pgid], self.run_id,
-                                       self.run_dir, grace_s=HANG_STOP_GRACE_S)
+                                       self.run_dir, grace_s=grace_s)
         for n in self.nodes:
             if n.alive and n.host not in report.unreachable:
                 n.alive = False
                 self.on_update(n)
-        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
-        message = logclass.describe(cause, finding.node) + f"; stopped its ranks in {time.time() - started:.0f} s"
+        message = failure.message
+        if timed:
+            message += f"; stopped its ranks in {time.time() - started:.0f} s"
         if not report.clean:
             message += f" [cleanup: {report.detail()}]"
-        return Outcome("failed", Failure(finding.node, None, logclass.HANG, message, ""))
+        return Outcome("failed", replace(failure, message=message))
 
     async def _read_failure(self, n: NodeWatch) -> tuple[list[str], list[dict]]:
         """(log tail, end slots) as the node sees them; what cannot be read is empty."""
@@ -274,18 +282,16 @@ class AttemptWatcher:
                 command = f"{remote.quote_argv(argv)} 2>> {shlex.quote(errlog)}"
                 stream = await shell.stream(remote.with_setup(n.started.setup, command))
                 async for line in stream:
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
+                    obj = agent_record(line)
+                    if obj is None:
                         continue
-                    if isinstance(obj, dict):
-                        self.sink.on_agent_line(self.run_id, name, obj, attempt=self.attempt)
-                        delay = 0.5
-                        if sink_failing:
-                            sink_failing = False
-                            self.on_notice(f"telemetry from {n.host} is stored again")
-                        if obj.get("kind") == "bye":
-                            return
+                    self.sink.on_agent_line(self.run_id, name, obj, attempt=self.attempt)
+                    delay = 0.5
+                    if sink_failing:
+                        sink_failing = False
+                        self.on_notice(f"telemetry from {n.host} is stored again")
+                    if obj.get("kind") == "bye":
+                        return
             except (ssh.NodeError, OSError, asyncssh.Error) as exc:
                 log.info("agent stream from %s ended: %s", n.host, exc)
             except Exception as exc:  # noqa: BLE001 - the store failed (a locked or full database)

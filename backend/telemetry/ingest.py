@@ -446,10 +446,11 @@ class Ingestor:
             return {n: {k: (list(v) if isinstance(v, deque) else v) for k, v in s.items()} for n, s in st.nodes.items()}
 
     # ---------------------------------------------------------------------- alerts, compaction
-    def window(self, run_id: str, now: float | None = None) -> rules.Window:
+    def window(self, run_id: str, now: float | None = None, devices: bool = True) -> rules.Window:
         """What the rules see. `running` needs a start event without an end event *and* an agent
         heard from within AGENT_SILENT_S: agents exit when the run's processes are gone, so a run
-        that died without an end event (killed, node lost) is not mistaken for a hang."""
+        that died without an end event (killed, node lost) is not mistaken for a hang. Without
+        `devices`, the GPU samples (what the time-based rules read) are left out."""
         now = self.clock() if now is None else now
         with self._lock:
             st = self._run(run_id)
@@ -457,7 +458,8 @@ class Ingestor:
                          for s in st.nodes.values())
             return rules.Window(
                 now=now, running=st.running and agents, started_t=st.started_t,
-                util={k: list(v) for k, v in st.util.items()}, mem=dict(st.mem), train=list(st.train),
+                util={k: list(v) for k, v in st.util.items()} if devices else {},
+                mem=dict(st.mem) if devices else {}, train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
                 checkpoint=st.checkpoint, last_collective=st.last_collective)
 
@@ -470,7 +472,7 @@ class Ingestor:
         """The hang rule's finding for the attempt started at `since` (what the watch stops a hung
         run on), or None. Until that attempt's `start` event arrives the window still holds the
         attempt before it (killed: no `end` event), whose steps must not count."""
-        window = self.window(run_id, now)
+        window = self.window(run_id, now, devices=False)  # asked every watch round: no device series copied
         window = replace(window, started_t=max(window.started_t or since, since))
         found = rules.hang(window, self._alert_configs.get(run_id, self.alert_config))
         return found[0] if found else None

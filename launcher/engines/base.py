@@ -19,6 +19,9 @@ class Engine:
     name = "engine"
     #: whether a checkpoint can be loaded with a different world size
     reshards = True
+    #: how the optimizer state is keyed in its checkpoint: "nested" (torch's, per parameter group)
+    #: or "flat" (per parameter, where ranks hold different parameters); the two do not load each other
+    optimizer_state = "nested"
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         raise NotImplementedError

@@ -75,6 +75,7 @@ class PPEngine(TorchOptimizerEngine):
     #: DCP keeps each stage's HF keys with their global shapes: every rank reads its own stages'
     #: keys, so a checkpoint resumes onto another PP split or DP degree
     reshards = True
+    optimizer_state = "flat"  # STATE_OPTIONS
 
     def __init__(self, model, spec, dist, total_steps: int):
         self.spec, self.dist, self.model = spec, dist, model
@@ -104,8 +105,8 @@ class PPEngine(TorchOptimizerEngine):
             base.lm_head = None
         model.to(dist.device)
         self.is_last = n_stages - 1 in self.stage_ids
-        # Autocast where no FSDP2 policy casts the weights (one pipeline).
-        self.autocast = spec.torch_dtype != "float32"
+        # Autocast where no FSDP2 policy casts the weights: one pipeline (several run on FSDP2).
+        self.autocast = spec.torch_dtype != "float32" and dp == 1
         if dp > 1:
             stages = self._replicate(stages, mesh, spec)
         pipeline = [PipelineStage(stage, s, n_stages, dist.device, group=self.pp_group)
@@ -137,7 +138,6 @@ class PPEngine(TorchOptimizerEngine):
         if spec.torch_dtype != "float32":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[spec.torch_dtype],
                                                        reduce_dtype=reduce_dtype(spec))
-            self.autocast = False
         for stage in stages:
             for layer in stage.layers:
                 fully_shard(layer, **kwargs)
