@@ -53,6 +53,15 @@ class Dist:
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Every process group of this rank (the world, the control group, the engines' meshes)
+        times out a collective issued from now on after `seconds`. torch has no public call to
+        change a group's timeout after it is made; `_set_pg_timeout` is the private one torchtitan
+        uses for the same purpose (tests/test_collective_timeout.py pins it)."""
+        timeout = timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
 
 def init(timeout_s: int, same_data_ranks: int = 1) -> Dist:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -10,6 +10,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from backend.job.capabilities import seq_multiple, transformers_plan
 from backend.job.errors import UserError
+from backend.job.limits import collective_timeout_s
 from backend.job.planner import STOP_BUDGET_ENV, STOP_BUDGET_S
 from backend.job.spec import JobSpec
 from launcher import checkpoint, data
@@ -32,6 +34,8 @@ from launcher.moe import RouterMeter
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
 STOP_MARGIN_S = 3.0  # of the stop budget: for leaving the loop, the end event and the exit
+TIMED_STEPS_MIN = 3  # steps measured before the collective timeout follows the step time
+STEP_TIMES_KEPT = 100
 
 
 class Diverged(UserError):
@@ -135,6 +139,8 @@ class Trainer:
         self.stop = StopSignal(self._stop_timed_out,
                                float(os.environ.get(STOP_BUDGET_ENV, STOP_BUDGET_S)))
         self.last_save_s: float | None = None
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self.collective_timeout_s = float(spec.ddp_timeout)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -309,8 +315,8 @@ class Trainer:
             # A stop is one decision of all ranks: to stop, and whether the checkpoint still fits.
             (stop_votes, late), wait = d.all_reduce([float(self.stop.requested),
                                                      float(self.stop.too_late(self.last_save_s))], "max")
-            window.add(time.perf_counter() - started, wait, step_data_wait, sum(m[1] for m in micro),
-                       sum(m[2] for m in micro))
+            self.step_times.append(time.perf_counter() - started)
+            window.add(self.step_times[-1], wait, step_data_wait, sum(m[1] for m in micro), sum(m[2] for m in micro))
             is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps
             if is_log or len(pending) >= NONFINITE_LIMIT:
                 step_losses, norms = self._reduce_pending(pending)
@@ -324,6 +330,7 @@ class Trainer:
             if is_log:
                 self._log(window, window_losses)
                 window, window_losses = Window(), []
+                self._follow_step_time()
             due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
             if stop_votes and late:
                 # (every rank has saved as often: the vote is late only where the last save time is known)
@@ -331,12 +338,42 @@ class Trainer:
                                                           "more than is left of the"))
             if stop_votes or due:
                 saving = time.perf_counter()
-                self._save()
+                self._save_under_ddp_timeout()
                 self.last_save_s = time.perf_counter() - saving
                 # tokens/s and MFU measure training, not checkpoint writes.
                 window.started += self.last_save_s
             if stop_votes:
                 raise Stopped()
+
+    def _follow_step_time(self) -> None:
+        """Set the collective timeout from the measured step time (backend.job.limits), where it
+        moved by more than a tenth. Called right after the logging all-reduce, which every rank
+        has passed: none is still waiting in a collective issued under the old limit."""
+        if len(self.step_times) < TIMED_STEPS_MIN:
+            return
+        seconds = collective_timeout_s(self.spec, self.step_times)
+        if abs(seconds - self.collective_timeout_s) <= 0.1 * self.collective_timeout_s:
+            return
+        self.dist.set_collective_timeout(seconds)
+        self.collective_timeout_s = seconds
+        if self.dist.is_main:
+            step_s = float(np.median(self.step_times))
+            self.events.emit("collective_timeout", step=self.step, timeout_s=seconds, step_time_s=step_s)
+            log.info("collective timeout %.0f s (median step %.3g s; hang_timeout_s %g, hang_step_multiple %g, "
+                     "ddp_timeout %d)", seconds, step_s, self.spec.hang_timeout_s, self.spec.hang_step_multiple,
+                     self.spec.ddp_timeout)
+
+    def _save_under_ddp_timeout(self) -> None:
+        """A checkpoint's collectives (rank 0 writes while the others wait) get ddp_timeout, not
+        the step-time limit."""
+        tuned = self.collective_timeout_s != self.spec.ddp_timeout
+        if tuned:
+            self.dist.set_collective_timeout(self.spec.ddp_timeout)
+        try:
+            self._save()
+        finally:
+            if tuned:
+                self.dist.set_collective_timeout(self.collective_timeout_s)
 
     def _forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         if not self.routers.active:

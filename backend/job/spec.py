@@ -142,7 +142,9 @@ class JobSpec(BaseModel):
     resume_from_checkpoint: str | None = Field(None, description="Checkpoint directory to resume from.")
 
     # Runtime
-    ddp_timeout: int = Field(1800, ge=1, description="Collective timeout in seconds.")
+    ddp_timeout: int = Field(1800, ge=1, description="Collective timeout in seconds at the start and around "
+                             "checkpoints; once steps are measured it follows the step time (twice the hang "
+                             "limit, at least 30 s over it) and never exceeds this.")
     max_restarts: int = Field(0, ge=0, le=100, description="Automatic restarts from the newest checkpoint after a "
                               "failure a restart can cure (a killed rank, a lost node, a collective timeout, a hang); "
                               "0: off. A node that fails twice is left out when the job fits the others.")

@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.job.limits import hang_limit_s
 from backend.telemetry import logclass
 
 
@@ -199,7 +200,7 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
         last_t, last_step = max(progress, key=lambda p: p[0])
         times = sorted(number(e.get("time")) for e in w.train if number(e.get("time")) is not None)
         gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
-        limit = max(cfg.hang_s, cfg.hang_multiple * statistics.median(gaps)) if gaps else cfg.hang_s
+        limit = hang_limit_s(cfg.hang_s, cfg.hang_multiple, gaps)
     else:
         last_t, last_step, limit = w.started_t, None, cfg.startup_s
     idle = w.now - last_t
