@@ -110,11 +110,9 @@ def slurm_target(args: argparse.Namespace, spec: JobSpec):
         return None
     if getattr(args, "hostfile", None):
         raise CliError(["--hostfile, --slurm-partition: give one of them (nodes, or a Slurm partition)"])
-    target = SlurmTarget(partition=args.slurm_partition, nodes=spec.nnodes, gpus_per_node=args.slurm_gpus_per_node,
-                         cpus_per_task=args.slurm_cpus_per_task or spec.nproc_per_node or 1,
-                         time_limit=args.slurm_time, account=args.slurm_account, python=args.slurm_python,
-                         extra=tuple(o if o.startswith("--") else f"--{o}" for o in args.slurm_option))
-    problems = target.problems() + target.job_problems(spec.nnodes)
+    target, problems = SlurmTarget.for_job(spec, args.slurm_partition, args.slurm_gpus_per_node,
+                                           args.slurm_cpus_per_task, args.slurm_time, args.slurm_account,
+                                           args.slurm_python, args.slurm_option)
     if problems:
         lines = []
         for p in problems:

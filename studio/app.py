@@ -33,6 +33,8 @@ def build_app(studio: Studio) -> gr.Blocks:
         # it again changes no state (and does not check the Train form a second time); the page is
         # built before the manager otherwise, and its load shows the inventory.
         cluster_state = gr.State(studio.load_cluster(wait=False)[0])
+        # The Slurm partition the Cluster tab targets (its settings), None for the SSH nodes.
+        slurm_state = gr.State(studio.slurm_settings())
         gr.Markdown("## swift-studio", elem_id="title")
         with gr.Tabs(elem_id="tabs", selected="train") as tabs:
             with gr.Tab("Cluster", id="cluster"):
@@ -47,11 +49,11 @@ def build_app(studio: Studio) -> gr.Blocks:
                 export = export_tab.build()
             with gr.Tab("Chat", id="chat") as chat_page:
                 chat = chat_tab.build(studio)
-        cluster_tab.wire(cluster, studio, cluster_state)
-        cluster_tab.wire_preflight(cluster, studio, cluster_state, train["form"])
-        train_tab.wire(train, studio, cluster_state)
+        cluster_tab.wire(cluster, studio, cluster_state, slurm_state)
+        cluster_tab.wire_preflight(cluster, studio, cluster_state, slurm_state, train["form"])
+        train_tab.wire(train, studio, cluster_state, slurm_state)
         monitor_tab.wire(monitor, studio, tabs, monitor_page, export["run"])
-        train_tab.wire_launch(train, studio, cluster_state, tabs, monitor["run"], monitor["choices"])
+        train_tab.wire_launch(train, studio, cluster_state, slurm_state, tabs, monitor["run"], monitor["choices"])
         runs_tab.wire(runs, studio, runs_page)
         export_tab.wire(export, studio, export_page)
         chat_tab.wire(chat, studio, chat_page)
@@ -62,6 +64,7 @@ def build_app(studio: Studio) -> gr.Blocks:
         # whole history, so the charts are complete.
         app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"])
         app.load(cluster["load_price"], None, [cluster["price"]])
+        app.load(**cluster["load_slurm"])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     # Every handler belongs to the page: none is listed in the API info or offered to Gradio's
     # clients. Set here, once, so a listener added later cannot be public by default; the web

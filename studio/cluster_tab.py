@@ -8,9 +8,10 @@ from typing import Any
 
 import gradio as gr
 
+from backend.cluster.slurm import SlurmTarget
 from backend.job.cluster import Cluster, DEVICES, HostfileError, local_cluster, parse_hostfile_text
-from studio.cluster_view import (NODE_COLUMNS, NODE_FORM_KEYS, cluster_summary, node_rows, preflight_html, put_node,
-                                 remove_node)
+from studio.cluster_view import (NODE_COLUMNS, NODE_FORM_KEYS, SLURM_KEYS, cluster_summary, node_rows, preflight_html,
+                                 put_node, remove_node, slurm_form, slurm_settings, slurm_summary)
 from studio.context import Studio
 from studio.errors import user_message
 from studio.train_view import check_form, form_values, problems_md
@@ -18,6 +19,10 @@ from studio.train_view import check_form, form_values, problems_md
 
 def build() -> dict[str, Any]:
     c: dict[str, Any] = {}
+    c["target"] = gr.Radio(TARGETS, value=SSH, label="Run on", elem_id="cluster-target",
+                           info="The nodes below over SSH, or a Slurm partition: the job is submitted with sbatch "
+                                "from this machine (a Slurm login node) and runs on the nodes Slurm allocates.")
+    c["target_summary"] = gr.Markdown(elem_id="cluster-target-summary")
     c["summary"] = gr.Markdown(elem_id="cluster-summary")
     c["nodes"] = gr.Dataframe(headers=NODE_COLUMNS, interactive=False, label="Nodes",
                               elem_id="cluster-nodes", wrap=True)
@@ -48,6 +53,24 @@ def build() -> dict[str, Any]:
         with gr.Row():
             c["apply_hostfile"] = gr.Button("Use this hostfile", size="sm")
             c["upload_hostfile"] = gr.UploadButton("Load hostfile…", size="sm", file_count="single")
+    with gr.Accordion("Slurm partition", open=False, elem_id="cluster-slurm"):
+        with gr.Row():
+            c["slurm_partition"] = gr.Textbox(label="Partition · partition", elem_id="slurm-partition")
+            c["slurm_gpus_per_node"] = gr.Number(label="GPUs per node · gpus_per_node", value=0, precision=0,
+                                                 info="--gres=gpu:N; 0 = a CPU job", elem_id="slurm-gpus")
+            c["slurm_cpus_per_task"] = gr.Number(label="CPUs per task · cpus_per_task", value=None, precision=0,
+                                                 info="Empty = the job's nproc_per_node", elem_id="slurm-cpus")
+            c["slurm_time_limit"] = gr.Textbox(label="Time limit · time_limit", elem_id="slurm-time",
+                                               info="Minutes, HH:MM:SS or D-HH:MM:SS; empty = the partition's")
+        with gr.Row():
+            c["slurm_account"] = gr.Textbox(label="Account · account", info="Empty = your default account",
+                                            elem_id="slurm-account")
+            c["slurm_python"] = gr.Textbox(label="Python · python", value="python3", elem_id="slurm-python",
+                                           info="Interpreter on the compute nodes with swift-studio installed")
+            c["slurm_extra"] = gr.Textbox(label="More #SBATCH options · extra", lines=2, elem_id="slurm-extra",
+                                          info="One per line, e.g. qos=high or --constraint=a100 (scheduling "
+                                               "options only)")
+        c["use_slurm"] = gr.Button("Use this partition", size="sm", elem_id="slurm-use")
     with gr.Row(equal_height=True):
         c["preflight"] = gr.Button("Run pre-flight", variant="primary", elem_id="cluster-preflight", scale=3)
         c["bandwidth"] = gr.Checkbox(label="Measure all-reduce bandwidth", value=False, scale=1,
@@ -58,14 +81,23 @@ def build() -> dict[str, Any]:
     return c
 
 
-def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dict[str, gr.components.Component]) -> None:
+SSH, SLURM = "SSH nodes", "Slurm partition"
+TARGETS = [SSH, SLURM]
+
+
+def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, slurm_state: gr.State,
+                   form: dict[str, gr.components.Component]) -> None:
     """Pre-flight of the current cluster for the job on the Train tab; while that form has errors
-    the job-specific checks (GPU count, output directory, interface) use the defaults."""
+    the job-specific checks (GPU count, output directory, interface) use the defaults. On a Slurm
+    partition: what the login node can check (the partition exists and has nodes the job fits on)."""
 
     def on_preflight(data: dict):
-        cluster = data[state]
-        view = check_form(form_values(form, data), cluster)
+        cluster, settings = data[state], data[slurm_state]
+        view = check_form(form_values(form, data), cluster, settings)
         spec = view.spec if view.ok else None
+        if settings is not None:
+            yield from slurm_preflight(studio, spec, settings)
+            return
         note = "" if spec else " The Train form has errors, so the job's own settings are not checked."
         yield f"<p>Pre-flight on {len(cluster.nodes)} node(s)… (login, clock, packages, GPUs, disk, network).{note}</p>"
         try:
@@ -75,7 +107,29 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, form: dic
             return
         yield preflight_html(report)
 
-    c["preflight"].click(on_preflight, {state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
+    c["preflight"].click(on_preflight, {state, slurm_state, c["bandwidth"], *form.values()}, [c["preflight_report"]])
+
+
+def slurm_preflight(studio: Studio, spec, settings: dict[str, Any]):
+    """The partition check from the login node, as page updates; the checks on the nodes themselves
+    run in the job (its import check)."""
+    target, problems = SlurmTarget.for_job(spec, **settings)
+    if problems:
+        yield "<p>✖ The Slurm settings have problems:</p><ul>" + "".join(
+            f"<li><b>{html.escape(p.field)}</b>: {html.escape(p.message)}</li>" for p in problems) + "</ul>"
+        return
+    yield f"<p>Checking partition {html.escape(target.partition)} with sinfo…</p>"
+    try:
+        unfit = studio.manager.check_partition(target)
+    except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
+        yield f"<p>✖ {html.escape(user_message('The partition check', exc))}</p>"
+        return
+    if unfit:
+        yield "<p>✖ " + "<br>".join(f"<b>{html.escape(p.field)}</b>: {html.escape(p.message)}" for p in unfit) + "</p>"
+        return
+    yield (f"<p id='slurm-preflight-ok'>✔ Partition <b>{html.escape(target.partition)}</b> has {target.nodes} node(s) "
+           "this job fits on. The job checks its nodes itself when it starts (the worker's import on each node)."
+           + ("" if spec else " The Train form has errors, so the job's own node count is not checked.") + "</p>")
 
 
 CLEAR_SETUP = "-"  # typed as a node's setup line: remove it
@@ -97,7 +151,44 @@ def show_cluster(cluster: Cluster, setups: dict[str, str], message: str = "") ->
             gr.update(choices=[n.host for n in cluster.nodes], value=None), message)
 
 
-def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
+def wire_slurm(c: dict[str, Any], studio: Studio, slurm_state: gr.State) -> None:
+    """The target switch and the Slurm fields: the settings (None: the SSH nodes) go into
+    `slurm_state`, which the Train tab checks and launches with, and are kept for the next visit."""
+    fields = [c[f"slurm_{key}"] for key in SLURM_KEYS]
+    outputs = [slurm_state, c["target"], c["target_summary"], c["message"]]
+
+    def shown(settings: dict[str, Any] | None, message: str = "") -> tuple:
+        summary = slurm_summary(settings) if settings else "**Target: the nodes below, over SSH**"
+        return settings, SLURM if settings else SSH, summary, message
+
+    def on_target(choice: str, *values) -> tuple:
+        if choice != SLURM:
+            return saved(None, "Using the SSH nodes.")
+        settings = slurm_settings(dict(zip(SLURM_KEYS, values)))
+        _, problems = SlurmTarget.for_job(None, **settings)
+        if problems:
+            return (None, SSH, gr.skip(), "**Slurm partition not used:**\n"
+                    + "\n".join(f"- ✖ **{p.field}**: {p.message}" for p in problems))
+        return saved(settings, f"Using Slurm partition `{settings['partition']}`.")
+
+    def saved(settings: dict[str, Any] | None, message: str) -> tuple:
+        try:
+            studio.save_slurm_settings(settings)
+        except OSError as exc:
+            message += f" (not kept for the next visit: {exc})"
+        return shown(settings, message)
+
+    c["target"].input(on_target, [c["target"], *fields], outputs)
+    c["use_slurm"].click(lambda *values: on_target(SLURM, *values), fields, outputs)
+
+    def on_load() -> tuple:
+        settings = studio.slurm_settings()
+        return (*shown(settings)[:3], *(slurm_form(settings) if settings else [gr.skip()] * len(fields)))
+
+    c["load_slurm"] = dict(fn=on_load, inputs=None, outputs=[slurm_state, c["target"], c["target_summary"], *fields])
+
+
+def wire(c: dict[str, Any], studio: Studio, state: gr.State, slurm_state: gr.State) -> None:
     outputs = [state, c["summary"], c["nodes"], c["hostfile"], c["remove_host"], c["message"]]
 
     def show(cluster: Cluster, message: str = "") -> tuple:
@@ -163,6 +254,7 @@ def wire(c: dict[str, Any], studio: Studio, state: gr.State) -> None:
                                                      "it can be read.")
 
     c["on_load"] = on_load
+    wire_slurm(c, studio, slurm_state)
     c["price"].input(studio.save_gpu_hour_price, [c["price"]], None)
     c["load_price"] = lambda: studio.gpu_hour_price()
     c["outputs"] = outputs

@@ -62,6 +62,42 @@ def cluster_summary(cluster: Cluster) -> str:
     return f"**{where}** · {slots} {kind} in total · backend `{cluster.backend}`"
 
 
+SLURM_KEYS = ("partition", "gpus_per_node", "cpus_per_task", "time_limit", "account", "python", "extra")
+"""The Cluster tab's Slurm fields: `backend.cluster.slurm.SlurmTarget.for_job`'s arguments."""
+
+
+def slurm_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The Slurm fields as stored and given to `SlurmTarget.for_job`: text stripped (empty = not
+    set), whole numbers as int (a fraction is kept, for the target's own check to name), the extra
+    options one per line."""
+    out: dict[str, Any] = {}
+    for key in SLURM_KEYS:
+        value = values.get(key)
+        if key == "extra":
+            out[key] = [line.strip() for line in str(value or "").splitlines() if line.strip()]
+        elif key in ("gpus_per_node", "cpus_per_task"):
+            number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            out[key] = int(number) if number is not None and number == int(number) else number
+        else:
+            out[key] = str(value or "").strip() or None
+    out["gpus_per_node"] = out["gpus_per_node"] or 0
+    return out
+
+
+def slurm_form(settings: dict[str, Any] | None) -> list[Any]:
+    """The Slurm fields' values for stored settings (the inverse of `slurm_settings`)."""
+    settings = settings or {}
+    return [("\n".join(settings.get(k) or []) if k == "extra" else settings.get(k)) for k in SLURM_KEYS]
+
+
+def slurm_summary(settings: dict[str, Any]) -> str:
+    gpus = settings.get("gpus_per_node") or 0
+    cpus = settings.get("cpus_per_task")
+    per_node = f"{gpus} GPU(s)" if gpus else (f"{cpus} CPU(s)" if cpus else "the job's nproc_per_node in CPUs")
+    return (f"**Slurm partition `{settings.get('partition') or '?'}`** · {per_node} per node · as many nodes as the "
+            "job's nnodes · submitted with sbatch from this machine")
+
+
 STATUS_MARK = {"ok": "✔", "warning": "⚠", "error": "✖", "skipped": "–"}
 """The mark of a check status or a problem / alert severity, wherever the studio shows one."""
 PREFLIGHT_COLOUR = {"ok": "#dcfce7", "warning": "#fef9c3", "error": "#fee2e2", "skipped": "#f4f4f5"}

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from backend.cluster.slurm import SlurmTarget, sbatch_script, script_file
 from backend.job.msswift import ms_swift_defaults
 from backend.job.planner import Plan, PlanError, plan
 from backend.job.spec import JobSpec, absolute_dir
@@ -67,14 +68,22 @@ def node_lines(result: Plan) -> str:
     return "\n\n".join(blocks)
 
 
-def preview(assessed: Assessment) -> tuple[str, dict | None]:
-    """(command preview text, DeepSpeed config or None) for a valid spec on its cluster."""
+def preview(assessed: Assessment, slurm: SlurmTarget | None = None) -> tuple[str, dict | None]:
+    """(command preview text, DeepSpeed config or None) for a valid spec on its cluster; on a
+    Slurm target the batch script the launch submits."""
     spec, cluster = assessed.spec, assessed.cluster
     run_dir = Path(absolute_dir(spec.output_dir)) / PREVIEW_RUN_ID
     try:
         result = plan(spec, cluster, PREVIEW_RUN_ID, run_dir, assessment=assessed)
     except PlanError as exc:
         return f"# no launch plan: {exc}", None
+    if slurm is not None:
+        try:
+            script = sbatch_script(slurm, result, PREVIEW_RUN_ID, attempt=1)
+        except ValueError as exc:
+            return f"# no batch script: {exc}", result.ds_config
+        return (f"# {result.summary()}\n# {PREVIEW_RUN_ID} is chosen at launch; the launch writes this script to "
+                f"{run_dir}/{script_file(1)} and submits it with sbatch --parsable.\n\n{script}"), result.ds_config
     others = " (node N: NODE_RANK=N)" if spec.nnodes > 1 else ""
     swift = swift_command(spec, result.layout.nproc_per_node, result.master_addr, result.master_port)
     text = (f"# {result.summary()}\n# {PREVIEW_RUN_ID} is chosen at launch.\n\n{node_lines(result)}\n\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -91,19 +92,36 @@ class Studio:
     def settings_file(self) -> Path:
         return self.data_dir / "settings.json"
 
+    def _settings(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.settings_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save_setting(self, key: str, value: Any) -> None:
+        """One setting changed, the others kept (written whole, through a file of this process)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.settings_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._settings() | {key: value}))
+        tmp.replace(self.settings_file)
+
     def gpu_hour_price(self) -> float | None:
         """The price of one GPU-hour the user gave in the Cluster tab (any currency), else None."""
-        try:
-            value = json.loads(self.settings_file.read_text()).get("price_per_gpu_hour")
-        except (OSError, ValueError, AttributeError):
-            return None
+        value = self._settings().get("price_per_gpu_hour")
         return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
     def save_gpu_hour_price(self, price: float | None) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.settings_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"price_per_gpu_hour": price if price and price > 0 else None}))
-        tmp.replace(self.settings_file)
+        self._save_setting("price_per_gpu_hour", price if price and price > 0 else None)
+
+    def slurm_settings(self) -> dict[str, Any] | None:
+        """The Slurm partition the Cluster tab targets (its fields, `studio.cluster_view.SLURM_KEYS`),
+        else None: the SSH nodes."""
+        value = self._settings().get("slurm")
+        return value if isinstance(value, dict) else None
+
+    def save_slurm_settings(self, settings: dict[str, Any] | None) -> None:
+        self._save_setting("slurm", settings)
 
     def preset_names(self) -> list[str]:
         saved = sorted(p.stem for p in self.presets_dir.glob("*.yaml")) if self.presets_dir.is_dir() else []

@@ -96,7 +96,7 @@ def build(studio: Studio) -> dict[str, Any]:
     return c
 
 
-def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
+def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
     view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"],
                     *c["groups"].values(), c["checked"]]
@@ -131,26 +131,26 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         return updates
 
     def on_edit(data: dict) -> dict:
-        values, cluster = form_values(form, data), data[cluster_state]
-        key = check_key(values, cluster)
+        values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
+        key = check_key(values, cluster, slurm)
         if key == data[c["checked"]]:
             return {c["checked"]: gr.skip()}  # (an empty dict would read as one output value)
-        return render(check_form(values, cluster), key)
+        return render(check_form(values, cluster, slurm), key)
 
-    inputs = {*form.values(), cluster_state}
+    inputs = {*form.values(), cluster_state, slurm_state}
     # Gradio's `input` of a Textbox follows keystrokes only: a paste, a drop or the browser's
     # autofill do not send it. Its `change` does, but also follows every value a fill sets, one
     # field at a time, each time with the other fields not yet filled. The browser's own `input`
     # event is the user's edit however it was made (a value set by a handler sends none): the
     # page presses the hidden check button on it. A keystroke sends both; on_edit skips a form
     # state already checked, so each state is checked once.
-    gr.on([comp.input for comp in form.values()] + [c["check"].click, cluster_state.change], on_edit,
+    gr.on([comp.input for comp in form.values()] + [c["check"].click, cluster_state.change, slurm_state.change], on_edit,
           inputs={*inputs, c["checked"]}, outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
     gr.on(None, None, js=WATCH_EDITS_JS)  # on page load
 
-    def fill(spec: dict[str, Any], cluster: Cluster, message: str) -> dict:
+    def fill(spec: dict[str, Any], cluster: Cluster, slurm: dict | None, message: str) -> dict:
         values = default_form() | spec_to_form(spec)
-        return (render(check_form(values, cluster), check_key(values, cluster), values, open_errors=True)
+        return (render(check_form(values, cluster, slurm), check_key(values, cluster, slurm), values, open_errors=True)
                 | {c["form_message"]: message})
 
     fill_outputs = [*view_outputs, c["form_message"]]
@@ -158,7 +158,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
     def not_filled(message: str) -> dict:
         return {c["form_message"]: message}
 
-    def on_load_preset(name: str | None, cluster: Cluster) -> dict:
+    def on_load_preset(name: str | None, cluster: Cluster, slurm: dict | None) -> dict:
         if not name:
             return not_filled("Pick a preset first.")
         try:
@@ -167,10 +167,10 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             return not_filled(user_message(f"Loading preset {name}", exc))
         if spec is None:
             return not_filled(f"Preset **{name}** not loaded:\n" + problems_md(problems))
-        return fill(spec, cluster, f"Loaded preset **{name}**.")
+        return fill(spec, cluster, slurm, f"Loaded preset **{name}**.")
 
     def on_save_preset(name: str, data: dict) -> tuple:
-        view = check_form(form_values(form, data), data[cluster_state])
+        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
         if view.spec is None:
             return gr.skip(), "✖ Not saved: fix these first.\n\n" + "\n".join(problem_lines(view, errors_only=True))
         try:
@@ -179,7 +179,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             return gr.skip(), str(exc)
         return gr.update(choices=studio.preset_names(), value=path.stem), f"Saved preset **{path.stem}** to `{path}`."
 
-    def on_upload_yaml(file: str, cluster: Cluster) -> dict:
+    def on_upload_yaml(file: str, cluster: Cluster, slurm: dict | None) -> dict:
         path = Path(file)
         try:
             data = yaml.safe_load(path.read_text())
@@ -188,9 +188,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
         spec, problems = parse_spec(data, source=path.name)
         if spec is None:
             return not_filled(f"`{path.name}` not loaded:\n" + problems_md(problems))
-        return fill(spec.model_dump(), cluster, f"Loaded `{path.name}`.")
+        return fill(spec.model_dump(), cluster, slurm, f"Loaded `{path.name}`.")
 
-    def on_import(text: str, cluster: Cluster) -> dict:
+    def on_import(text: str, cluster: Cluster, slurm: dict | None) -> dict:
         try:
             result = import_command(text or "")
         except CommandError as exc:
@@ -200,37 +200,42 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State) -> None:
             return not_filled("Command not imported:\n" + problems_md(problems))
         notes = ([f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
                  + [f"- ms-swift default: {d}" for d in result.defaults])
-        return fill(spec.model_dump(), cluster,
+        return fill(spec.model_dump(), cluster, slurm,
                     "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
 
-    c["load_preset"].click(on_load_preset, [c["preset"], cluster_state], fill_outputs)
-    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state], fill_outputs)
-    c["import"].click(on_import, [c["import_text"], cluster_state], fill_outputs)
+    c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state], fill_outputs)
+    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state], fill_outputs)
+    c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state], fill_outputs)
     save_inputs = {c["save_name"], *inputs}
     c["save_preset"].click(lambda data: on_save_preset(data[c["save_name"]], data), save_inputs,
                            [c["preset"], c["form_message"]])
 
-    def on_page_load(cluster: Cluster) -> dict:
+    def on_page_load(cluster: Cluster, slurm: dict | None) -> dict:
         # Presets saved since the page was built (here or in another browser) are offered too.
-        return on_load_preset("demo", cluster) | {c["preset"]: gr.update(choices=studio.preset_names())}
+        return on_load_preset("demo", cluster, slurm) | {c["preset"]: gr.update(choices=studio.preset_names())}
 
-    c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state], outputs=[c["preset"], *fill_outputs])
+    c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state, slurm_state], outputs=[c["preset"], *fill_outputs])
     c["render"], c["view_outputs"] = render, view_outputs
 
 
-def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs: gr.Tabs,
+def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state: gr.State, tabs: gr.Tabs,
                 monitor_run: gr.Dropdown, run_choices) -> None:
     """Launch: the form must be valid, pre-flight must pass, then the run starts and the page
-    moves to the Monitor tab on it. Each stage shows while it runs."""
+    moves to the Monitor tab on it. Each stage shows while it runs. On a Slurm partition the
+    pre-flight is the partition check, and the launch submits the batch script the preview shows."""
     form: dict[str, gr.components.Component] = c["form"]
 
     def on_launch(data: dict):
-        values, cluster = form_values(form, data), data[cluster_state]
-        view = check_form(values, cluster)
+        values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
+        view = check_form(values, cluster, slurm)
         if not view.ok:
             # Listed here, at the button, each linking to its field, with the fields marked.
-            yield (c["render"](view, check_key(values, cluster), open_errors=True)
+            yield (c["render"](view, check_key(values, cluster, slurm), open_errors=True)
                    | {c["launch_status"]: launch_refusal_md(view)})
+            return
+        name = (data[c["run_name"]] or "").strip() or None
+        if view.slurm is not None:
+            yield from submit(view, name)
             return
         yield {c["launch_status"]: f"Pre-flight on {len(cluster.nodes[: view.spec.nnodes])} node(s)…"}
         try:
@@ -239,13 +244,31 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, tabs
                 yield {c["launch_status"]: "✖ Not launched: pre-flight found errors.\n\n" + preflight_problems_md(report)}
                 return
             yield {c["launch_status"]: f"Pre-flight passed in {report.seconds:.1f} s. Launching…"}
-            run_id = studio.manager.launch(view.spec, cluster, name=(data[c["run_name"]] or "").strip() or None,
-                                           assessment=view.assessment)
+            run_id = studio.manager.launch(view.spec, cluster, name=name, assessment=view.assessment)
         except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
             yield {c["launch_status"]: user_message("Launch", exc)}
             return
-        yield {c["launch_status"]: f"✔ Launched run `{run_id}`.", tabs: gr.update(selected="monitor"),
-               monitor_run: run_choices(run_id)}
+        yield launched(run_id)
 
-    c["launch"].click(on_launch, {*form.values(), cluster_state, c["run_name"]},
+    def submit(view, name: str | None):
+        target = view.slurm
+        yield {c["launch_status"]: f"Checking Slurm partition `{target.partition}`…"}
+        try:
+            unfit = studio.manager.check_partition(target)
+            if unfit:
+                yield {c["launch_status"]: "✖ Not submitted:\n\n" + problems_md(unfit)}
+                return
+            yield {c["launch_status"]: f"Partition `{target.partition}` fits the job. Submitting…"}
+            run_id = studio.manager.launch(view.spec, target.cluster(), name=name, assessment=view.assessment,
+                                           slurm=target)
+        except Exception as exc:  # noqa: BLE001 - one line on the page, the traceback in the server log
+            yield {c["launch_status"]: user_message("Submitting to Slurm", exc)}
+            return
+        yield launched(run_id)
+
+    def launched(run_id: str) -> dict:
+        return {c["launch_status"]: f"✔ Launched run `{run_id}`.", tabs: gr.update(selected="monitor"),
+                monitor_run: run_choices(run_id)}
+
+    c["launch"].click(on_launch, {*form.values(), cluster_state, slurm_state, c["run_name"]},
                       [c["launch_status"], tabs, monitor_run, *c["view_outputs"]])

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.cluster.slurm import SlurmTarget
 from backend.job.capabilities import PARALLEL_FIELDS, parallel_refusals
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
@@ -32,6 +33,8 @@ class TrainView:
     """Parallel dimensions this cluster and engine cannot run, with the reason (the form greys them)."""
     assessment: Assessment | None = None
     """What all of the above was computed from, once; a launch of this form reuses it."""
+    slurm: SlurmTarget | None = None
+    """The Slurm target of this job, where the Cluster tab targets a partition."""
 
     @property
     def ok(self) -> bool:
@@ -46,20 +49,27 @@ def form_values(form: dict[str, Any], data: dict) -> dict[str, Any]:
     return {name: data[component] for name, component in form.items()}
 
 
-def check_key(values: dict[str, Any], cluster: Cluster) -> tuple:
-    """What a check of the form reads: the spec mapping of the widget values and the cluster. The
-    browser echoes a fill's values back as a change of every field; the same key means the same
-    check, so the echo is not checked a second time."""
+def check_key(values: dict[str, Any], cluster: Cluster, slurm: dict[str, Any] | None = None) -> tuple:
+    """What a check of the form reads: the spec mapping of the widget values, the cluster and the
+    Slurm settings. The browser echoes a fill's values back as a change of every field; the same
+    key means the same check, so the echo is not checked a second time."""
     data, problems = form_to_data(values)
-    return data, problems, cluster
+    return data, problems, cluster, slurm
 
 
-def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
-    """Everything the Train tab derives from the form and the cluster, computed afresh on every edit."""
+def check_form(values: dict[str, Any], cluster: Cluster, slurm: dict[str, Any] | None = None) -> TrainView:
+    """Everything the Train tab derives from the form and the cluster, computed afresh on every
+    edit. `slurm`: the Cluster tab's Slurm settings, where it targets a partition; the job is then
+    checked on the allocation they describe, and the preview is the batch script."""
     data, problems = form_to_data(values)
     spec, spec_problems = parse_spec(data, source="form")
     problems += spec_problems
     view = TrainView(spec=None if problems else spec)
+    if view.spec is not None and slurm is not None:
+        view.slurm, slurm_problems = SlurmTarget.for_job(view.spec, **slurm)
+        problems += slurm_problems
+        if not slurm_problems:
+            cluster = view.slurm.cluster()
     if view.spec is not None:
         view.assessment = assessed = assess(view.spec, cluster)
         problems += assessed.problems
@@ -68,7 +78,7 @@ def check_form(values: dict[str, Any], cluster: Cluster) -> TrainView:
         view.greyed = greyed_dimensions(view.spec, assessed.layout, cluster)
         view.memory_md = memory_md(assessed)
         if not any(p.severity == "error" for p in problems):
-            view.commands, ds_config = preview(assessed)
+            view.commands, ds_config = preview(assessed, view.slurm)
             view.ds_json = json.dumps(ds_config, indent=2) if ds_config else "// DeepSpeed is not used (deepspeed is empty)"
         else:
             view.commands = "# fix the problems marked on the form to see the launch commands"

@@ -12,6 +12,7 @@ from backend.cluster import slurm
 from backend.cluster.slurm import SlurmTarget
 from backend.job.demo import demo_spec
 from backend.job.planner import plan
+from backend.job.spec import JobSpec
 
 RUNNING = ("JobId=1 JobName=job.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
            "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
@@ -252,6 +253,57 @@ def test_a_silent_controller_cancels_the_job_before_failing_it(tmp_path, monkeyp
     assert alive.failure.cause not in logclass.RESTARTABLE and "squeue -j 12" in alive.failure.message
 
 
+def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
+    """The SSH watch's hang rule, asked each round while the job runs, from when it was first
+    seen running (or last requeued); the job is cancelled before the attempt fails."""
+    import asyncio
+    import time
+
+    from backend.cluster.nodes import Pool
+    from backend.runs import slurmwatch
+    from backend.telemetry import logclass
+    from backend.telemetry.alerts import Finding
+
+    asked, cancelled, states = [], [], iter([slurm.JobState("13", "RUNNING"), slurm.JobState("13", "RUNNING"),
+                                             slurm.JobState("13", "RUNNING", requeued=1),
+                                             slurm.JobState("13", "RUNNING", requeued=1)])
+
+    class Sink:
+        def on_agent_line(self, *args, **kw):
+            pass
+
+        def hang(self, run_id, since):
+            asked.append(since)
+            return (Finding("hang", "hang:12", "error", time.time(), "no training step for 11 s (last logged step 12)",
+                            node="gpu-2", rank=3) if len(asked) == 4 else None)
+
+    async def job_state(pool, login, job_id):
+        return next(states)
+
+    async def cancel(pool, login, job_id):
+        cancelled.append(job_id)
+
+    monkeypatch.setattr(slurm, "job_state", job_state)
+    monkeypatch.setattr(slurm, "cancel", cancel)
+    monkeypatch.setattr(slurmwatch, "WATCH_INTERVAL_S", 0.01)
+
+    async def go():
+        pool = Pool()
+        try:
+            watcher = slurmwatch.SlurmWatcher(pool, slurm.LOGIN, "run-1", str(tmp_path), "13", 1, lambda: False,
+                                              lambda hosts: None, sink=Sink(), on_notice=lambda m: None,
+                                              hosts=["gpu-1", "gpu-2"])
+            return await watcher.run()
+        finally:
+            await pool.close()
+
+    out = asyncio.run(go())
+    assert cancelled == ["13"]
+    assert (out.state, out.failure.cause, out.failure.node) == ("failed", logclass.HANG, "gpu-2")
+    assert "last logged step 12" in out.failure.message and "cancelled Slurm job 13" in out.failure.message
+    assert asked[0] == asked[1] < asked[2] == asked[3], asked  # the requeue restarted the count
+
+
 def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):
     from backend import cli
 
@@ -267,3 +319,26 @@ def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):
     assert [line.split(":")[0] for line in err] == ["--slurm-partition", "--slurm-time", "--slurm-option #1"]
     assert cli.main(["run", str(job), "--slurm-partition", "debug", "--hostfile", "hosts"]) == 1
     assert "--hostfile, --slurm-partition" in capsys.readouterr().err
+
+
+def test_sinfo_nodes_and_whether_the_partition_can_hold_the_job():
+    nodes = slurm.parse_sinfo("gpu-01|64|gpu:a100:8(S:0-1)\ngpu-02|64|gpu:8\ngpu-02|64|gpu:8\ncpu-01|32|(null)\n"
+                              "garbage line\nbad name!|4|(null)\n")
+    assert nodes == {"gpu-01": (64, 8), "gpu-02": (64, 8), "cpu-01": (32, 0)}
+    fits = slurm.SlurmTarget("p", nodes=2, gpus_per_node=8, cpus_per_task=16)
+    assert slurm.partition_problems(fits, nodes) == []
+    too_many = slurm.partition_problems(replace(fits, nodes=3), nodes)
+    assert [p.field for p in too_many] == ["slurm.nodes"]
+    assert "needs 3 node(s) with 16 CPUs and 8 GPUs" in too_many[0].message and "has 2 of 3" in too_many[0].message
+    assert "has 2 of 3" in slurm.partition_problems(slurm.SlurmTarget("p", cpus_per_task=33, nodes=3), nodes)[0].message
+    missing = slurm.partition_problems(fits, {})
+    assert [p.field for p in missing] == ["slurm.partition"] and "'p' does not exist" in missing[0].message
+
+
+def test_a_target_for_a_job_takes_its_nodes_and_processes():
+    spec = JobSpec(model="m", dataset=["d.jsonl"], nnodes=2, nproc_per_node=4)
+    target, problems = slurm.SlurmTarget.for_job(spec, "gpu", extra=["qos=high", "--constraint=a100"])
+    assert problems == [] and (target.nodes, target.cpus_per_task, target.python) == (2, 4, "python3")
+    assert target.extra == ("--qos=high", "--constraint=a100")
+    _, bad = slurm.SlurmTarget.for_job(None, "", time_limit="soon", extra=["wrap=rm"])
+    assert {p.field for p in bad} == {"slurm.partition", "slurm.time_limit", "slurm.extra[0]"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -241,3 +242,64 @@ def test_a_submission_cut_short_is_found_by_the_runs_name_and_cancelled(slurm_cl
         assert "JobState=CANCELLED" not in states[1], states[1]
     finally:
         slurm_cluster.run("scancel", *submitted, check=False)
+
+
+def test_the_studio_submits_to_a_slurm_partition(slurm_cluster, tmp_path):
+    """In a real browser: the Cluster tab targets the partition (a bad name is refused at the field,
+    an unknown partition by the pre-flight's sinfo), the Train tab previews the batch script, the
+    launch submits it and the Monitor follows the job to its end; the target is kept on a reload."""
+    pytest.importorskip("playwright")
+    from playwright.sync_api import expect, sync_playwright
+
+    from studio_server import Shots, launch_browser, open_studio, start_studio
+
+    studio = start_studio(tmp_path / "studio")
+    shot = Shots("slurm")
+    try:
+        with sync_playwright() as p:
+            browser = launch_browser(p)
+            page = open_studio(browser, studio.url)
+            page.get_by_role("tab", name="Cluster").click()
+            page.locator("#cluster-target").get_by_text("Slurm partition", exact=True).click()
+            expect(page.locator("#cluster-message")).to_contain_text("slurm.partition", timeout=15000)
+            expect(page.locator("#cluster-target input[value='SSH nodes']")).to_be_checked()
+            page.locator("#cluster-slurm").get_by_text("Slurm partition", exact=True).click()  # the accordion
+
+            page.locator("#slurm-partition textarea, #slurm-partition input").first.fill("nope")
+            page.locator("#slurm-use").click()
+            expect(page.locator("#cluster-target-summary")).to_contain_text("Slurm partition nope", timeout=15000)
+            page.locator("#cluster-preflight").click()
+            expect(page.locator("#preflight-report")).to_contain_text("'nope' does not exist", timeout=30000)
+            shot(page, "unknown-partition")
+
+            page.locator("#slurm-partition textarea, #slurm-partition input").first.fill("debug")
+            page.locator("#slurm-use").click()
+            expect(page.locator("#cluster-target-summary")).to_contain_text("Slurm partition debug", timeout=15000)
+            page.locator("#cluster-preflight").click()
+            expect(page.locator("#slurm-preflight-ok")).to_be_visible(timeout=30000)
+            shot(page, "partition-fits")
+
+            page.get_by_role("tab", name="Train").click()
+            page.get_by_text("Checkpoints and logging").click()
+            for name, value in {"max_steps": "6", "save_steps": "3", "logging_steps": "1"}.items():
+                page.locator(f"#f-{name} input").fill(value)
+            commands = page.locator("#train-commands")
+            expect(commands).to_contain_text("#SBATCH --partition=debug", timeout=15000)
+            expect(commands).to_contain_text("srun", timeout=15000)
+            shot(page, "batch-script")
+            page.locator("#launch").click()
+            expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
+            run_id = re.search(r"Launched run (\S+?)\.", page.locator("#launch-status").inner_text()).group(1)
+            status = page.locator("#monitor-status")
+            expect(status).to_contain_text("succeeded", timeout=180000)
+            shot(page, "succeeded")
+            run_dir = studio.output_dir / run_id
+            assert list((run_dir / "slurm").glob("attempt-1.sbatch")), sorted(run_dir.iterdir())
+            assert (run_dir / "checkpoint-6" / "complete").exists()
+
+            page.reload()
+            page.get_by_role("tab", name="Cluster").click()
+            expect(page.locator("#cluster-target input[value='Slurm partition']")).to_be_checked(timeout=15000)
+            browser.close()
+    finally:
+        studio.stop()

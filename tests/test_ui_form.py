@@ -343,3 +343,38 @@ def test_two_studios_adding_the_same_new_node_at_once_both_succeed(tmp_path, mon
     assert [n.host for n in found.nodes] == ["localhost", "gpu9"] and setups["gpu9"] in ("one", "two")
     for m in managers:
         m.close()
+
+
+def test_on_a_slurm_partition_the_form_is_checked_on_the_allocation_and_previews_the_batch_script():
+    from studio.cluster_view import slurm_form, slurm_settings
+
+    values = default_form() | spec_to_form(demo_spec().model_dump()) | {"nnodes": 2, "nproc_per_node": 4}
+    settings = slurm_settings({"partition": " debug ", "gpus_per_node": None, "cpus_per_task": 4.0,
+                               "time_limit": "", "account": None, "python": "/opt/venv/bin/python",
+                               "extra": "qos=high\n\n --constraint=a100 \n"})
+    assert settings == {"partition": "debug", "gpus_per_node": 0, "cpus_per_task": 4, "time_limit": None,
+                        "account": None, "python": "/opt/venv/bin/python", "extra": ["qos=high", "--constraint=a100"]}
+    assert slurm_settings(dict(zip(("partition", "gpus_per_node", "cpus_per_task", "time_limit", "account", "python",
+                                    "extra"), slurm_form(settings)))) == settings
+    view = check_form(values, local_cluster(), settings)
+    assert view.ok, problem_lines(view)
+    assert view.slurm.nodes == 2 and view.assessment.cluster.source == "slurm partition debug"
+    assert "| 2 × 4 | 8 |" in view.layout_md
+    assert "#SBATCH --partition=debug" in view.commands and "#SBATCH --nodes=2" in view.commands
+    assert "#SBATCH --qos=high" in view.commands and "srun" in view.commands
+    bad = check_form(values, local_cluster(), settings | {"partition": "no such!", "cpus_per_task": 2.5})
+    assert not bad.ok and {p.field for p in bad.other_problems} >= {"slurm.partition", "slurm.cpus_per_task"}
+    assert check_key(values, local_cluster(), settings) != check_key(values, local_cluster(), None)
+
+
+def test_studio_settings_keep_each_other(tmp_path):
+    from studio.context import Studio
+
+    studio = Studio(tmp_path, tmp_path / "out")
+    studio.save_gpu_hour_price(2.5)
+    studio.save_slurm_settings({"partition": "debug"})
+    assert studio.gpu_hour_price() == 2.5 and studio.slurm_settings() == {"partition": "debug"}
+    studio.save_slurm_settings(None)
+    assert studio.slurm_settings() is None and studio.gpu_hour_price() == 2.5
+    (tmp_path / "settings.json").write_text("[1, 2]")  # not ours: read as no settings, not a crash
+    assert studio.slurm_settings() is None and studio.gpu_hour_price() is None

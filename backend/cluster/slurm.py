@@ -23,15 +23,18 @@ import asyncio
 import json
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from backend.cluster import remote, ssh
-from backend.cluster.nodes import Pool
+from backend.cluster import remote
 from backend.job.cluster import Cluster, Node
 from backend.job.planner import NODE_ENV, STOP_BUDGET_S, Plan
-from backend.job.spec import Problem
+from backend.job.spec import JobSpec, Problem
+
+if TYPE_CHECKING:  # the page imports the target and the script; the SSH and database libraries wait
+    from backend.cluster import ssh
+    from backend.cluster.nodes import Pool
 
 JOB_NAME_PREFIX = "swift-studio-"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -115,6 +118,20 @@ class SlurmTarget:
         others = tuple(line for line in self.extra if not line.startswith("--exclude="))
         hosts = excluded + ([host] if host not in excluded else [])
         return replace(self, extra=(*others, f"--exclude={','.join(hosts)}"))
+
+    @classmethod
+    def for_job(cls, spec: JobSpec | None, partition: str | None, gpus_per_node: int = 0,
+                cpus_per_task: int | None = None, time_limit: str | None = None, account: str | None = None,
+                python: str | None = None, extra: Sequence[str] = ()) -> tuple[SlurmTarget, list[Problem]]:
+        """The target for `spec` from what a user gives (the CLI's flags, the Cluster tab's fields):
+        the job's `nnodes`; CPUs per task default to the job's processes per node; an extra option
+        may be written without its `--`. With every problem of the target against the job; without
+        a job (the Cluster tab, before the form is valid) the settings' own problems."""
+        target = cls(partition=partition or "", nodes=spec.nnodes if spec else 1, gpus_per_node=gpus_per_node,
+                     cpus_per_task=cpus_per_task or (spec.nproc_per_node if spec else None) or 1,
+                     time_limit=time_limit or None, account=account or None, python=python or "python3",
+                     extra=tuple(o if o.startswith("--") else f"--{o}" for o in extra))
+        return target, target.problems() + (target.job_problems(spec.nnodes) if spec else [])
 
     def job_problems(self, nnodes: int) -> list[Problem]:
         """The target against the job: the allocation is the job's nodes, no more (the planner
@@ -399,6 +416,46 @@ async def hostnames(pool: Pool, login: Node, nodelist: str) -> list[str]:
 async def config_warning(pool: Pool, login: Node) -> str | None:
     res = await _run(pool, login, ["scontrol", "show", "config"])
     return stop_warning(res.stdout) if res.ok else None
+
+
+_GPU_GRES = re.compile(r"(?:^|,)gpu(?::[A-Za-z0-9_.-]+)?:(\d+)")
+
+
+def parse_sinfo(text: str) -> dict[str, tuple[int, int]]:
+    """`sinfo -h -N -o %N|%c|%G` as {node: (CPUs, GPUs)}; a node listed twice (in two partitions)
+    counts once, a line that is not of this form not at all."""
+    nodes: dict[str, tuple[int, int]] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3 or not _NAME.match(parts[0]) or not parts[1].isdigit():
+            continue
+        gpus = sum(int(m.group(1)) for m in _GPU_GRES.finditer(parts[2].split("(")[0]))
+        nodes.setdefault(parts[0], (int(parts[1]), gpus))
+    return nodes
+
+
+def partition_problems(target: SlurmTarget, nodes: Mapping[str, tuple[int, int]]) -> list[Problem]:
+    """Whether the partition's nodes (`parse_sinfo`) can ever hold the job: Slurm would keep a job
+    it can never schedule pending, with a reason only squeue shows."""
+    if not nodes:
+        return [Problem("slurm.partition", f"partition {target.partition!r} does not exist or has no nodes "
+                                           f"(sinfo -p {target.partition})")]
+    fit = [n for n, (cpus, gpus) in nodes.items() if cpus >= target.cpus_per_task and gpus >= target.gpus_per_node]
+    if len(fit) >= target.nodes:
+        return []
+    need = f"{target.cpus_per_task} CPUs" + (f" and {target.gpus_per_node} GPUs (gres gpu)" if target.gpus_per_node else "")
+    return [Problem("slurm.nodes", f"the job needs {target.nodes} node(s) with {need} each; partition "
+                                   f"{target.partition!r} has {len(fit)} of {len(nodes)} such node(s) "
+                                   f"({', '.join(f'{n}: {c} CPUs, {g} GPUs' for n, (c, g) in sorted(nodes.items())[:8])})")]
+
+
+async def check_partition(pool: Pool, login: Node, target: SlurmTarget) -> list[Problem]:
+    """The pre-flight a login node can do: the partition exists and has nodes the job fits on.
+    Raises SlurmError where sinfo fails (no controller)."""
+    res = await _run(pool, login, ["sinfo", "-h", "-N", f"--partition={target.partition}", "-o", "%N|%c|%G"])
+    if not res.ok:
+        raise SlurmError(f"sinfo --partition={target.partition}: {res.first_error_line()}")
+    return partition_problems(target, parse_sinfo(res.stdout))
 
 
 async def jobs_named(pool: Pool, login: Node, run_id: str) -> list[str]:

@@ -148,6 +148,11 @@ class AttemptDriver:
                 self.store.transition(run_id, lifecycle.FAILED, Failure(
                     None, None, "invalid_job", "; ".join(str(p) for p in errors)), by=self.owner)
                 return
+            unfit = await slurm.check_partition(self.pool, login, target)
+            if unfit:
+                self.store.transition(run_id, lifecycle.FAILED, Failure(
+                    None, None, "invalid_job", "; ".join(str(p) for p in unfit)), by=self.owner)
+                return
             warning = await slurm.config_warning(self.pool, login)
             if warning:
                 self.notice(run_id, warning)

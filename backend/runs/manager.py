@@ -26,11 +26,11 @@ from pathlib import Path
 
 from backend.cluster import nodes, remote, ssh
 from backend.cluster import launch as launch_ops
-from backend.cluster.slurm import SlurmTarget
+from backend.cluster.slurm import LOGIN as SLURM_LOGIN, SlurmTarget, check_partition
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
-from backend.job.spec import JobSpec, absolute_dir
+from backend.job.spec import JobSpec, Problem, absolute_dir
 from backend.job.validate import Assessment
 from backend.runs import chat, lifecycle
 from backend.runs.driver import (AttemptDriver, Planner, RunError, assesses, attempt_nodes, default_planner,
@@ -358,6 +358,11 @@ class RunManager:
         from backend.cluster import preflight
         setups = nodes.setups_for(self.engine, cluster, setups)
         return self._call(preflight.run_preflight(self.pool, cluster, spec, setups, bandwidth=bandwidth))
+
+    def check_partition(self, target: SlurmTarget) -> list[Problem]:
+        """Whether the target's partition exists and has nodes the job fits on (`sinfo`, from this
+        machine); raises SlurmError where Slurm does not answer."""
+        return self._call(check_partition(self.pool, SLURM_LOGIN, target))
 
     # -- launch / stop / resume / export -------------------------------------------------------
     def launch(self, spec: JobSpec, cluster: Cluster, name: str | None = None,

@@ -13,7 +13,7 @@ import logging
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backend.cluster import remote, slurm, ssh
 from backend.cluster.launch import end_slots
@@ -56,6 +56,9 @@ class SlurmWatcher:
     last: slurm.JobState | None = None
     first_pass: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once Slurm has answered about the job (or the watch ended): the state shown is current."""
+    running_since: float | None = None
+    """When this watch first saw the job run, or Slurm last requeued it: its hang limit counts from
+    here until its first step."""
     _tails: dict[str, _Tail] = field(default_factory=dict)
 
     async def run(self) -> Outcome | None:
@@ -84,7 +87,7 @@ class SlurmWatcher:
                 self.last = state
                 self.first_pass.set()
                 if state.requeued > restarts:
-                    restarts = state.requeued
+                    restarts, self.running_since = state.requeued, None
                     self.on_notice(f"Slurm requeued job {self.job_id} ({state.reason or state.state}); "
                                    "it resumes from the latest checkpoint")
                 # A job that ended between two looks still ran on its nodes (NodeList is kept).
@@ -92,6 +95,11 @@ class SlurmWatcher:
                     self.hosts = await slurm.hostnames(self.pool, self.login, state.nodes)
                     self.on_running(self.hosts)
             await self._read_telemetry_guarded()
+            if state is not None and state.running and self.sink is not None:
+                self.running_since = self.running_since or time.time()
+                hung = self.sink.hang(self.run_id, self.running_since)
+                if hung is not None and not self.stop_requested():
+                    return await self._hung(hung)
             if state is None or state.final:
                 if self.stop_requested():
                     return None
@@ -99,17 +107,27 @@ class SlurmWatcher:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _silent(self, exc: Exception) -> Outcome:
-        """The controller has not answered for CONTROLLER_SILENT_S: the job may still run, so it is
-        cancelled first; only a job Slurm confirms ended fails as a cause a restart may cure (a new
-        job must not share the run directory with a live one)."""
+        """The controller has not answered for CONTROLLER_SILENT_S: the job may still run."""
         what = f"Slurm did not answer about job {self.job_id} for {CONTROLLER_SILENT_S:.0f} s ({exc})"
+        return await self._cancelled(Failure(None, None, logclass.NODE_UNREACHABLE, what))
+
+    async def _hung(self, finding) -> Outcome:
+        """The ranks made no step within the job's hang limit (the same rule as on SSH nodes): the
+        job is cancelled (none of its ranks can reach the step boundary a checkpoint needs)."""
+        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
+        return await self._cancelled(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)))
+
+    async def _cancelled(self, failure: Failure) -> Outcome:
+        """Cancel the job, then fail the attempt with `failure`. Only a job Slurm confirms ended
+        keeps a cause a restart may cure: a new job must not share the run directory with a live
+        one, so where the cancel fails the cause becomes one no restart follows."""
         try:
             await slurm.cancel(self.pool, self.login, self.job_id)
         except (slurm.SlurmError, ssh.NodeError) as again:
-            return Outcome("failed", Failure(None, None, logclass.UNKNOWN,
-                                             f"{what}, and cancelling it failed ({again}): it may still run; check "
-                                             f"`squeue -j {self.job_id}` before resuming"))
-        return Outcome("failed", Failure(None, None, logclass.NODE_UNREACHABLE, f"{what}; cancelled it"))
+            return Outcome("failed", Failure(failure.node, None, logclass.UNKNOWN,
+                                             f"{failure.message}, and cancelling it failed ({again}): it may still "
+                                             f"run; check `squeue -j {self.job_id}` before resuming"))
+        return Outcome("failed", replace(failure, message=f"{failure.message}; cancelled Slurm job {self.job_id}"))
 
     async def _read_telemetry_guarded(self) -> None:
         """The agents' lines, as on SSH nodes: a read or store failure is a notice, and the next
