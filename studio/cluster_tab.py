@@ -161,13 +161,13 @@ def wire_slurm(c: dict[str, Any], studio: Studio, slurm_state: gr.State) -> None
         summary = slurm_summary(settings) if settings else "**Target: the nodes below, over SSH**"
         return settings, SLURM if settings else SSH, summary, message
 
-    def on_target(choice: str, *values) -> tuple:
+    def on_target(current: dict[str, Any] | None, choice: str, *values) -> tuple:
         if choice != SLURM:
             return saved(None, "Using the SSH nodes.")
         settings = slurm_settings(dict(zip(SLURM_KEYS, values)))
         _, problems = SlurmTarget.for_job(None, **settings)
-        if problems:
-            return (None, SSH, gr.skip(), "**Slurm partition not used:**\n"
+        if problems:  # the target stays what it was
+            return (gr.skip(), SLURM if current else SSH, gr.skip(), "**Slurm partition not used:**\n"
                     + "\n".join(f"- ✖ **{p.field}**: {p.message}" for p in problems))
         return saved(settings, f"Using Slurm partition `{settings['partition']}`.")
 
@@ -178,8 +178,8 @@ def wire_slurm(c: dict[str, Any], studio: Studio, slurm_state: gr.State) -> None
             message += f" (not kept for the next visit: {exc})"
         return shown(settings, message)
 
-    c["target"].input(on_target, [c["target"], *fields], outputs)
-    c["use_slurm"].click(lambda *values: on_target(SLURM, *values), fields, outputs)
+    c["target"].input(on_target, [slurm_state, c["target"], *fields], outputs)
+    c["use_slurm"].click(lambda current, *values: on_target(current, SLURM, *values), [slurm_state, *fields], outputs)
 
     def on_load() -> tuple:
         settings = studio.slurm_settings()

@@ -67,17 +67,18 @@ SLURM_KEYS = ("partition", "gpus_per_node", "cpus_per_task", "time_limit", "acco
 
 
 def slurm_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """The Slurm fields as stored and given to `SlurmTarget.for_job`: text stripped (empty = not
-    set), whole numbers as int (a fraction is kept, for the target's own check to name), the extra
-    options one per line."""
+    """The Slurm fields (or settings as stored, which a hand edit may have changed) as given to
+    `SlurmTarget.for_job`: only its keys, text stripped (empty = not set), whole numbers as int (a
+    fraction is kept, for the target's own check to name), the extra options one per line."""
     out: dict[str, Any] = {}
     for key in SLURM_KEYS:
         value = values.get(key)
         if key == "extra":
-            out[key] = [line.strip() for line in str(value or "").splitlines() if line.strip()]
+            lines = value if isinstance(value, list) else str(value or "").splitlines()
+            out[key] = [str(line).strip() for line in lines if str(line).strip()]
         elif key in ("gpus_per_node", "cpus_per_task"):
-            number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-            out[key] = int(number) if number is not None and number == int(number) else number
+            whole = isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value)
+            out[key] = int(value) if whole else (None if value in (None, "") else value)
         else:
             out[key] = str(value or "").strip() or None
     out["gpus_per_node"] = out["gpus_per_node"] or 0

@@ -117,8 +117,10 @@ class Studio:
     def slurm_settings(self) -> dict[str, Any] | None:
         """The Slurm partition the Cluster tab targets (its fields, `studio.cluster_view.SLURM_KEYS`),
         else None: the SSH nodes."""
+        from studio.cluster_view import slurm_settings
+
         value = self._settings().get("slurm")
-        return value if isinstance(value, dict) else None
+        return slurm_settings(value) if isinstance(value, dict) else None
 
     def save_slurm_settings(self, settings: dict[str, Any] | None) -> None:
         self._save_setting("slurm", settings)

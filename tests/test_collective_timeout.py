@@ -80,7 +80,7 @@ def test_torch_private_set_pg_timeout_shortens_every_group_already_made(tmp_path
 
 
 @pytest.mark.e2e
-def test_a_worker_whose_peer_stops_ends_at_the_step_time_limit_not_ddp_timeout(tmp_path, tiny_model):
+def test_a_worker_whose_peer_stops_ends_at_the_step_time_limit_not_ddp_timeout(tmp_path, tiny_model, capsys):
     from worker import kill_tree, torchrun_argv, worker_env, write_run
 
     run = write_run(tmp_path / "run", model=str(tiny_model), dataset=[DEMO], max_length=32, max_steps=100000,
@@ -114,8 +114,9 @@ def test_a_worker_whose_peer_stops_ends_at_the_step_time_limit_not_ddp_timeout(t
         waited = time.monotonic() - stopped
         assert ended(), (run / "logs" / "local.log").read_text()[-3000:]
         slot = json.loads(ended())
-        print(f"peer stopped: the other rank failed {waited:.1f} s later (collective timeout {limit:.0f} s, "
-              "ddp_timeout 1800 s)")
+        with capsys.disabled():
+            print(f"\ncollective timeout: a rank stopped with SIGSTOP, its peer failed {waited:.1f} s later "
+                  f"(collective timeout {limit:.0f} s from the step time, ddp_timeout 1800 s)")
         assert slot["status"] == "failed" and limit - 10 < waited < limit + 20, (waited, slot)
         assert logclass.classify_end(slot).kind == logclass.NCCL_TIMEOUT, slot["error"]
     finally:

@@ -331,6 +331,9 @@ def test_sinfo_nodes_and_whether_the_partition_can_hold_the_job():
     assert [p.field for p in too_many] == ["slurm.nodes"]
     assert "needs 3 node(s) with 16 CPUs and 8 GPUs" in too_many[0].message and "has 2 of 3" in too_many[0].message
     assert "has 2 of 3" in slurm.partition_problems(slurm.SlurmTarget("p", cpus_per_task=33, nodes=3), nodes)[0].message
+    # A node left out after failing twice no longer counts (the job would pend for ever).
+    without = slurm.partition_problems(fits.excluding("gpu-02"), nodes)
+    assert "has 1 of 3 such node(s), 1 excluded" in without[0].message, without
     missing = slurm.partition_problems(fits, {})
     assert [p.field for p in missing] == ["slurm.partition"] and "'p' does not exist" in missing[0].message
 

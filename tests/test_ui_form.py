@@ -373,8 +373,16 @@ def test_studio_settings_keep_each_other(tmp_path):
     studio = Studio(tmp_path, tmp_path / "out")
     studio.save_gpu_hour_price(2.5)
     studio.save_slurm_settings({"partition": "debug"})
-    assert studio.gpu_hour_price() == 2.5 and studio.slurm_settings() == {"partition": "debug"}
+    assert studio.gpu_hour_price() == 2.5 and studio.slurm_settings()["partition"] == "debug"
     studio.save_slurm_settings(None)
     assert studio.slurm_settings() is None and studio.gpu_hour_price() == 2.5
+    # Edited by hand: unknown keys dropped, values kept for the target's check to name.
+    (tmp_path / "settings.json").write_text('{"slurm": {"partition": "debug", "nodes": 9, "extra": "qos=high", '
+                                            '"gpus_per_node": "8"}}')
+    settings = studio.slurm_settings()
+    assert settings == {"partition": "debug", "gpus_per_node": "8", "cpus_per_task": None, "time_limit": None,
+                        "account": None, "python": None, "extra": ["qos=high"]}
+    from backend.cluster.slurm import SlurmTarget
+    assert [p.field for p in SlurmTarget.for_job(None, **settings)[1]] == ["slurm.gpus_per_node"]
     (tmp_path / "settings.json").write_text("[1, 2]")  # not ours: read as no settings, not a crash
     assert studio.slurm_settings() is None and studio.gpu_hour_price() is None

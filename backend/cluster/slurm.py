@@ -110,11 +110,16 @@ class SlurmTarget:
                                                         f"(allowed: {', '.join(sorted(EXTRA_OPTIONS))})"))
         return out
 
+    @property
+    def excluded(self) -> list[str]:
+        """The hosts its `--exclude` options name, as written (a host list expression unexpanded)."""
+        return [h for line in self.extra if line.startswith("--exclude=")
+                for h in line.removeprefix("--exclude=").split(",") if h]
+
     def excluding(self, host: str) -> "SlurmTarget":
         """This target without `host`: one `--exclude` listing it beside those already excluded
         (sbatch keeps only the last of several)."""
-        excluded = [h for line in self.extra if line.startswith("--exclude=")
-                    for h in line.removeprefix("--exclude=").split(",") if h]
+        excluded = self.excluded
         others = tuple(line for line in self.extra if not line.startswith("--exclude="))
         hosts = excluded + ([host] if host not in excluded else [])
         return replace(self, extra=(*others, f"--exclude={','.join(hosts)}"))
@@ -440,12 +445,15 @@ def partition_problems(target: SlurmTarget, nodes: Mapping[str, tuple[int, int]]
     if not nodes:
         return [Problem("slurm.partition", f"partition {target.partition!r} does not exist or has no nodes "
                                            f"(sinfo -p {target.partition})")]
-    fit = [n for n, (cpus, gpus) in nodes.items() if cpus >= target.cpus_per_task and gpus >= target.gpus_per_node]
+    excluded = set(target.excluded) & set(nodes)
+    fit = [n for n, (cpus, gpus) in nodes.items()
+           if n not in excluded and cpus >= target.cpus_per_task and gpus >= target.gpus_per_node]
     if len(fit) >= target.nodes:
         return []
     need = f"{target.cpus_per_task} CPUs" + (f" and {target.gpus_per_node} GPUs (gres gpu)" if target.gpus_per_node else "")
+    left_out = f", {len(excluded)} excluded" if excluded else ""
     return [Problem("slurm.nodes", f"the job needs {target.nodes} node(s) with {need} each; partition "
-                                   f"{target.partition!r} has {len(fit)} of {len(nodes)} such node(s) "
+                                   f"{target.partition!r} has {len(fit)} of {len(nodes)} such node(s){left_out} "
                                    f"({', '.join(f'{n}: {c} CPUs, {g} GPUs' for n, (c, g) in sorted(nodes.items())[:8])})")]
 
 
