@@ -345,3 +345,45 @@ def test_a_target_for_a_job_takes_its_nodes_and_processes():
     assert target.extra == ("--qos=high", "--constraint=a100")
     _, bad = slurm.SlurmTarget.for_job(None, "", time_limit="soon", extra=["wrap=rm"])
     assert {p.field for p in bad} == {"slurm.partition", "slurm.time_limit", "slurm.extra[0]"}
+
+
+def test_the_pre_flight_inside_the_allocation_judges_every_nodes_report(tmp_path):
+    """`judge` as the batch script runs it: a node whose report is missing (its run directory is not
+    the shared one) and a node without the GPUs asked for fail it, naming the node; the write
+    test's token is removed; the report is left for the studio."""
+    from backend.cluster import allocation
+    from backend.cluster.preflight import PROBE_PY, TOKEN_DIR, allocation_params
+
+    run_dir = tmp_path / "out" / "run-1"
+    reports = allocation.report_dir(run_dir, 2)
+    reports.mkdir(parents=True)
+    (run_dir / "job.yaml").write_text(demo_spec(output_dir=str(tmp_path / "out")).to_yaml())
+    assert allocation.main(["probe", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2",
+                            "--node", "gpu-1"]) == 0
+    probe = json.loads((reports / "gpu-1.json").read_text())
+    assert probe["token_written"] and (tmp_path / "out" / TOKEN_DIR / "t-2").exists()
+    assert allocation_params(str(tmp_path / "out"), "t-2")["output_dir"] == str(tmp_path / "out") and PROBE_PY
+
+    code = allocation.main(["judge", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2",
+                            "--gpus-per-node", "8", "gpu-1", "gpu-2"])
+    report = json.loads((reports / "report.json").read_text())
+    errors = {(r["node"], r["check"]) for r in report["results"] if r["status"] == "error"}
+    assert code == 3 and errors == {("gpu-1", "gpus"), ("gpu-2", "shared_dir")}, report
+    assert not (tmp_path / "out" / TOKEN_DIR).exists()
+
+
+def test_a_job_whose_pre_flight_failed_names_the_node_and_check(tmp_path):
+    from backend.cluster import allocation
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/slurm-14.out").write_text(f"{slurm.PREFLIGHT_FAILED}\n")
+    reports = allocation.report_dir(tmp_path, 1)
+    reports.mkdir(parents=True)
+    (reports / "report.json").write_text(json.dumps({"results": [
+        {"node": "gpu-2", "check": "gpus", "status": "error", "reason": "0 GPU(s), the job needs 8", "fix": "check gres"},
+        {"node": "gpu-1", "check": "disk", "status": "ok", "reason": "90 GiB free", "fix": ""}]}))
+    out = _outcome(tmp_path, slurm.JobState("14", "FAILED", exit_code=3), [])
+    assert out.failure.cause == "config_error", out.failure
+    assert "gpu-2 gpus: 0 GPU(s), the job needs 8 (fix: check gres)" in out.failure.message
+    (reports / "report.json").write_text("{crafted")  # unreadable: the pre-flight could not run
+    assert _outcome(tmp_path, slurm.JobState("14", "FAILED", exit_code=3), []).failure.cause == "command_not_found"

@@ -338,6 +338,31 @@ def _gpus(host: str, d: dict, gpu_node: bool, needed: int | None) -> CheckResult
     return CheckResult(host, "gpus", "ok", text)
 
 
+def allocation_params(output_dir: str, token: str) -> dict:
+    """PROBE_PY's parameters for a node of a Slurm allocation (no port: the script picks it)."""
+    return {"packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": token,
+            "pick_port": False}
+
+
+def evaluate_allocation(found: Mapping[str, dict | None], spec: JobSpec, gpus_per_node: int) -> list[CheckResult]:
+    """Pure: the pre-flight rows of a Slurm allocation from each node's PROBE_PY report (None: the
+    node's report is not in the shared run directory). The same checks as on SSH nodes but login,
+    the clock (srun started the probes, there is no round trip to measure) and the port."""
+    device = "cuda" if gpus_per_node else "cpu"
+    probes, rows = [], []
+    for host, data in found.items():
+        if data is None:
+            rows.append(CheckResult(host, "shared_dir", "error", "its pre-flight report is not in the run directory "
+                                    "as the allocation's first node sees it",
+                                    "put output_dir on storage every node of the partition shares"))
+            continue
+        probes.append(_NodeProbe(Node(host=host, slots=gpus_per_node or spec.nproc_per_node or 1, device=device),
+                                 None, data, rtt=(data["time"], data["time"])))
+    rows += [r for r in evaluate_round1(probes, spec, spec.env.get("NCCL_SOCKET_IFNAME") or None)
+             if r.check not in ("ssh", "clock")]
+    return rows
+
+
 async def _round1(pool: Pool, node: Node, setup: str | None, params: dict) -> _NodeProbe:
     probe = _NodeProbe(node, setup)
     try:

@@ -200,6 +200,7 @@ _FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.gets
 # The step's import check: the pre-flight that has to run on the allocated nodes themselves.
 _IMPORT_CHECK_PY = "import torch, launcher.train, backend.telemetry.agent"
 IMPORT_CHECK_FAILED = "swift-studio: the import check failed on a node of the allocation"
+PREFLIGHT_FAILED = "swift-studio: the pre-flight failed on the allocation"
 
 
 def _command(argv: tuple[str, ...] | list[str], env: Mapping[str, str]) -> str:
@@ -269,6 +270,10 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         f"> {out_dir}/\"$node.jsonl\" 2>> \"logs/agent-$node.log\"",
     ])
     check_step = remote.quote_argv([target.python, "-c", _IMPORT_CHECK_PY])
+    preflight = [target.python, "-m", "backend.cluster.allocation"]
+    common = ["--run-dir", run_dir, "--attempt", str(int(attempt)), "--token", f"slurm-{run_id}-{int(attempt)}"]
+    probe_step = "; ".join([_NODE_NAME, f"exec {remote.quote_argv([*preflight, 'probe', *common])} --node \"$node\""])
+    judge = remote.quote_argv([*preflight, "judge", *common, "--gpus-per-node", str(target.gpus_per_node)])
     # Given to each step: since Slurm 22.05 srun no longer takes --cpus-per-task from the batch
     # job, and a step sees only the GPUs it asks for (the agent reads them through NVML).
     step_resources = f"--ntasks-per-node=1 --cpus-per-task={target.cpus_per_task}"
@@ -283,7 +288,12 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         "mkdir -p logs pids",
         "# An earlier attempt's exit codes must not speak for this job if it ends before its workers start.",
         "rm -f pids/*.pid pids/*.exit",
-        "# The pre-flight that needs the allocation: the worker imports on every node.",
+        "# The pre-flight inside the allocation: every node reports (versions, GPUs, disk, interfaces, the",
+        "# output directory), this node judges them as the SSH pre-flight would, then the worker imports.",
+        f"mkdir -p preflight/attempt-{int(attempt)}",
+        f"srun --ntasks-per-node=1 sh -c {q(probe_step)} swift-studio-probe && "
+        f"{judge} $(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | tr -c 'A-Za-z0-9._\\n-' _) || "
+        f"{{ echo {q(PREFLIGHT_FAILED)} >&2; exit 3; }}",
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {check_step} || "
         f"{{ echo {q(IMPORT_CHECK_FAILED)} >&2; exit 3; }}",
         "# The rendezvous runs on the allocation's first node, on a port free there (the batch step runs on it).",

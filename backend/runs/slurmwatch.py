@@ -9,13 +9,14 @@ ended, the cause of a failure comes from the same files as on SSH nodes: each no
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from backend.cluster import remote, slurm, ssh
+from backend.cluster import allocation, preflight, remote, slurm, ssh
 from backend.cluster.launch import end_slots
 from backend.cluster.nodes import Pool
 from backend.job.cluster import Node
@@ -205,7 +206,9 @@ class SlurmWatcher:
         lines = out.stdout.splitlines() if out else []
         exit_code = state.exit_code if state else None
         cause = logclass.classify_tail(lines, exit_code)
-        if exit_code == 3 and any(slurm.IMPORT_CHECK_FAILED in line for line in lines):
+        if exit_code == 3 and any(slurm.PREFLIGHT_FAILED in line for line in lines):
+            cause = await self._preflight_cause(lines)
+        elif exit_code == 3 and any(slurm.IMPORT_CHECK_FAILED in line for line in lines):
             cause = logclass.Cause(logclass.COMMAND_NOT_FOUND,
                                    f"slurm.python does not import the worker on a node of the allocation "
                                    f"(logs/slurm-{self.job_id}.out)")
@@ -213,6 +216,27 @@ class SlurmWatcher:
             cause = logclass.Cause(logclass.KILLED, what)
         return Outcome("failed", Failure(None, exit_code, cause.kind, f"{logclass.describe(cause)}; {what}",
                                          "\n".join(lines)))
+
+    async def _preflight_cause(self, lines: list[str]) -> logclass.Cause:
+        """What the pre-flight inside the allocation found (its report.json), each error with its
+        node and fix; a missing package is a command not found, anything else the job's setup."""
+        path = f"{allocation.report_dir(self.run_dir, self.attempt)}/report.json"
+        out = await self._read(self.pool.run(self.login, f"cat -- {shlex.quote(path)} 2>/dev/null; true", None,
+                                             timeout=15), None)
+        try:
+            errors = [r for r in json.loads(out.stdout)["results"] if r["status"] == "error"] if out else []
+        except (ValueError, KeyError, TypeError):
+            errors = []
+        if not errors:  # the probe or the judge did not run (no python there, no swift-studio)
+            return logclass.Cause(logclass.COMMAND_NOT_FOUND,
+                                  f"the pre-flight could not run on the allocation (slurm.python, swift-studio "
+                                  f"installed there?): {logclass.classify_tail(lines).summary} "
+                                  f"(logs/slurm-{self.job_id}.out)")
+        text = "; ".join(f"{r['node']} {r['check']}: {r['reason']}" + (f" (fix: {r['fix']})" if r.get("fix") else "")
+                         for r in errors[:6])
+        missing = any(r["check"] in preflight.PACKAGES or r["check"] == "python" for r in errors)
+        return logclass.Cause(logclass.COMMAND_NOT_FOUND if missing else logclass.CONFIG_ERROR,
+                              f"the pre-flight inside the allocation failed: {text} ({path})")
 
     @staticmethod
     async def _read(coro, default):
