@@ -15,6 +15,7 @@ from studio.run_view import listed_runs
 
 LATEST = "latest complete checkpoint"
 NOT_LOADED = "No model loaded: pick a run and a checkpoint, then Load."
+EMPTY_ANSWER = "*(no text: the model ended this answer without writing anything visible)*"
 
 
 def source_choices(checkpoints: list[tuple[int, str]], exported: str | None) -> list[tuple[str, str] | str]:
@@ -32,6 +33,16 @@ def status_line(ready: dict) -> str:
             f"{ready.get('dtype')}, worker pid {ready.get('pid')}) in {ready.get('load_s')} s · base: "
             f"{ready.get('base_from')} · prompts: "
             f"{ready.get('template')} · {ready.get('max_positions')} positions{skipped}")
+
+
+def on_screen(turns: list[dict], answering: bool = False) -> list[dict]:
+    """A chatbot's turns as shown: a finished answer with no visible text (the model ended it at once,
+    or wrote only spaces and newlines) says so instead of an empty bubble; the history keeps what the
+    model wrote. `answering`: the last turn is still streaming."""
+    last = len(turns) - 1
+    return [{**turn, "content": EMPTY_ANSWER}
+            if turn["role"] == "assistant" and not turn["content"].strip() and not (answering and i == last) else turn
+            for i, turn in enumerate(turns)]
 
 
 def answer_note(side: str, done: dict) -> str:
@@ -105,14 +116,19 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
 
     def on_send(message: str, history: dict, session: str | None, max_new_tokens: float, temperature: float):
         if not session:
-            yield history["base"], history["tuned"], history, gr.skip(), "Load a model first."
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Load a model first."
             return
         if not (message or "").strip():
-            yield history["base"], history["tuned"], history, gr.skip(), "Type a message first."
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Type a message first."
             return
         asked = {side: [*history[side], {"role": "user", "content": message}] for side in SIDES}
         shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
         notes: list[str] = []
+        answering = set(SIDES)
+
+        def screens():
+            return tuple(on_screen(shown[side], side in answering) for side in ("base", "tuned"))
+
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Generating…"
         try:
             events = studio.manager.chat_reply(session, [(side, asked[side]) for side in SIDES], int(max_new_tokens),
@@ -122,16 +138,19 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                 side = event["model"]
                 if event["type"] == "token":
                     shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
-                    yield shown["base"], shown["tuned"], gr.skip(), gr.skip(), gr.skip()
+                    yield *screens(), gr.skip(), gr.skip(), gr.skip()
                 else:
+                    answering.discard(side)
                     notes.append(answer_note(side, event))
-                    yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), " · ".join(notes)
+                    yield *screens(), gr.skip(), gr.skip(), " · ".join(notes)
         except Exception as exc:  # noqa: BLE001
             # The turn stays out of both histories (and off the chatbots) and the message in its box:
             # Send asks again.
-            yield history["base"], history["tuned"], gr.skip(), gr.skip(), user_message("Answering", exc)
+            yield (*(on_screen(history[side]) for side in ("base", "tuned")), gr.skip(), gr.skip(),
+                   user_message("Answering", exc))
             return
-        yield shown["base"], shown["tuned"], shown, "", " · ".join(notes)
+        answering.clear()
+        yield *screens(), shown, "", " · ".join(notes)
 
     def on_clear():
         return [], [], {"base": [], "tuned": []}, ""

@@ -283,6 +283,17 @@ def test_the_model_choices_and_the_status_line():
         "Fine-tuned: 5 tokens in 0.2 s (left out the 2 oldest message(s))")
 
 
+def test_an_answer_without_visible_text_says_so_once_it_is_finished():
+    from studio.chat_tab import EMPTY_ANSWER, on_screen
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n \n"},
+             {"role": "user", "content": "again"}, {"role": "assistant", "content": ""}]
+    assert [t["content"] for t in on_screen(turns, answering=True)] == ["hi", EMPTY_ANSWER, "again", ""]
+    assert [t["content"] for t in on_screen(turns)] == ["hi", EMPTY_ANSWER, "again", EMPTY_ANSWER]
+    assert turns[1]["content"] == "\n \n"  # the history keeps what the model wrote
+    assert on_screen([{"role": "user", "content": " "}]) == [{"role": "user", "content": " "}]
+
+
 def test_a_reader_that_goes_away_mid_answer_leaves_the_session_serving(tmp_path):
     """A cancelled wait (Gradio cancelling the event, a caller that stops reading) must not end the
     worker's line stream: the next exchange is answered, the rest of the abandoned one skipped."""

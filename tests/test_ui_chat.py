@@ -1,6 +1,6 @@
 """The Chat tab in a real browser against a real studio: a tiny LoRA run trained by the worker on
 this machine is loaded, one message is answered by the base and the fine-tuned model, and both
-answers stream into their chatbots; a run without a checkpoint is refused by name; a worker killed
+answers are shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
 between two messages is reported and loading again works; stopping the studio ends its worker. The
 studio process never loads torch.
 Screenshots: test-artifacts/ui/chat/."""
@@ -26,20 +26,6 @@ from worker import ROOT, until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
-# Every distinct text the last answer of a chatbot showed, recorded as the page changes.
-RECORD_JS = """(id) => {
-  window.seen = window.seen || {};
-  window.seen[id] = [];
-  const root = document.querySelector(`#${id}`);
-  new MutationObserver(() => {
-    const bots = root.querySelectorAll('.message.bot');
-    const text = bots.length ? bots[bots.length - 1].innerText : '';
-    const seen = window.seen[id];
-    if (text && seen[seen.length - 1] !== text) seen.push(text);
-  }).observe(root, {subtree: true, childList: true, characterData: true});
-}"""
-
-
 def job(model, output_dir, **extra) -> JobSpec:
     return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"],
                    output_dir=str(output_dir), nproc_per_node=1, max_steps=3, save_steps=3, logging_steps=3,
@@ -75,8 +61,6 @@ def chat_workers(pid: int) -> list[psutil.Process]:
 
 
 def send(page, message: str) -> None:
-    for chatbot in ("chat-base", "chat-tuned"):
-        page.evaluate(RECORD_JS, chatbot)
     page.locator("#chat-message textarea").fill(message)
     page.locator("#chat-send").click()
 
@@ -117,11 +101,10 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
                                         timeout=ANSWER_MS)
         for chatbot in ("chat-base", "chat-tuned"):
             expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What is 2 + 3?")
-            seen = page.evaluate(f"window.seen['{chatbot}']")
-            # The answer is shown. That it streams piece by piece is the manager's (test_chat_e2e):
-            # on a loaded machine the page may render several streamed updates in one frame (seen
-            # in a full run of the suite on 2 cores: the whole answer arrived as one change).
-            assert seen and seen[-1].strip(), (chatbot, seen)
+            # The answer is shown: its text, or, where the sampled answer had none (a tiny model trained
+            # for 3 steps may end it at once), a line that says so, never an empty bubble.
+            # That it streams piece by piece is the manager's test (test_chat_e2e).
+            expect(page.locator(f"#{chatbot} .message.bot").last).to_have_text(re.compile(r"\S"), timeout=30_000)
         assert page.locator("#chat-message textarea").input_value() == ""
         shot(page, "answered")
 
