@@ -269,6 +269,9 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
                                              slurm.JobState("13", "RUNNING", requeued=1)])
 
     class Sink:
+        def read_offsets(self, run_id, prefix):
+            return {}
+
         def on_agent_line(self, *args, **kw):
             pass
 
@@ -302,6 +305,87 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
     assert (out.state, out.failure.cause, out.failure.node) == ("failed", logclass.HANG, "gpu-2")
     assert "last logged step 12" in out.failure.message and "cancelled Slurm job 13" in out.failure.message
     assert asked[0] == asked[1] < asked[2] == asked[3], asked  # the requeue restarted the count
+
+
+def test_a_requeued_job_is_followed_onto_the_nodes_it_runs_on_next(tmp_path, monkeypatch):
+    """A job Slurm requeued (a node failed) may start again elsewhere: the watch reads its nodes
+    again, so the Monitor, the failure's node and the exit files are the new allocation's."""
+    import asyncio
+
+    from backend.runs import slurmwatch
+
+    states = iter([slurm.JobState("14", "RUNNING", nodes="gpu-[1-2]"), slurm.JobState("14", "RUNNING", nodes="gpu-[1-2]"),
+                   slurm.JobState("14", "PENDING", requeued=1),
+                   slurm.JobState("14", "RUNNING", requeued=1, nodes="gpu-[2-3]"),
+                   slurm.JobState("14", "COMPLETED", requeued=1, nodes="gpu-[2-3]", exit_code=0)])
+    allocations = []
+
+    async def job_state(pool, login, job_id):
+        return next(states)
+
+    async def hostnames(pool, login, nodelist):
+        first, last = nodelist.removeprefix("gpu-[").removesuffix("]").split("-")
+        return [f"gpu-{i}" for i in range(int(first), int(last) + 1)]
+
+    monkeypatch.setattr(slurm, "job_state", job_state)
+    monkeypatch.setattr(slurm, "hostnames", hostnames)
+    monkeypatch.setattr(slurmwatch, "WATCH_INTERVAL_S", 0.01)
+    watcher = slurmwatch.SlurmWatcher(None, slurm.LOGIN, "run-1", str(tmp_path), "14", 1, lambda: False,
+                                      allocations.append, on_notice=lambda m: None)
+    assert asyncio.run(watcher.run()).state == "succeeded"
+    assert allocations == [["gpu-1", "gpu-2"], ["gpu-2", "gpu-3"]]
+    assert watcher.hosts == ["gpu-2", "gpu-3"]
+
+
+def test_a_watch_that_starts_again_reads_the_agent_files_on_from_where_the_store_got(tmp_path):
+    """A studio restarted while a Slurm job runs re-attaches with a new watch: it must go on from
+    the offsets committed with the samples, not store every GPU sample of the job again, and a
+    line half written when it last read is taken once it is whole."""
+    import asyncio
+
+    import sqlalchemy
+
+    from backend.cluster.nodes import Pool
+    from backend.runs.slurmwatch import SlurmWatcher
+    from backend.telemetry.ingest import Ingestor
+
+    agent = tmp_path / "telemetry" / "attempt-1" / "restart-0" / "gpu-1.jsonl"
+    agent.parent.mkdir(parents=True)
+
+    def sample(t):
+        return json.dumps({"kind": "gpu", "t": 1000.0 + t, "gpu": 0, "util_pct": 50.0, "mem_used_gib": 1.0}) + "\n"
+
+    db = f"sqlite:///{tmp_path / 'telemetry.db'}"
+
+    def watch_once():
+        """A new studio process: its own ingestor on the database, its own watch of job 21."""
+        engine = sqlalchemy.create_engine(db)
+        sink = Ingestor(engine, autostart=False)
+
+        async def go():
+            pool = Pool()
+            try:
+                await SlurmWatcher(pool, slurm.LOGIN, "run-1", str(tmp_path), "21", 1, lambda: False,
+                                   lambda hosts: None, sink=sink).read_telemetry()
+            finally:
+                await pool.close()
+        asyncio.run(go())
+        sink.flush()
+        with engine.connect() as conn:
+            count = conn.execute(sqlalchemy.text("SELECT COUNT(*) FROM telemetry_sample")).scalar()
+        engine.dispose()
+        return count
+
+    first = sample(0) + sample(1)
+    half = sample(2)
+    agent.write_text(first + half[:10])
+    stored = watch_once()
+    assert stored > 0
+    per_line = stored // 2
+    assert watch_once() == stored  # nothing new in the file: nothing stored again
+    with agent.open("a") as f:
+        f.write(half[10:] + sample(3))
+    assert watch_once() == stored + 2 * per_line
 
 
 def test_cli_plan_shows_the_script_and_names_the_flags(tmp_path, capsys):

@@ -118,6 +118,9 @@ def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
         wait_for("a step past the requeue", lambda: (latest_event(run_dir, "train") or {}).get("step", 0) > requeued,
                  60)
         assert m.run(run_id).state == lifecycle.RUNNING and m.run(run_id).attempts == 1
+        # The allocation is read again after the requeue: the processes before it have ended.
+        wait_for("the requeued allocation", lambda: sorted(p.state for p in m.processes(run_id)) == [
+            "exited", "running"], 30)
 
         t_stop = time.time()
         stopped = m.stop(run_id)

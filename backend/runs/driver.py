@@ -190,6 +190,11 @@ class AttemptDriver:
             # the shared run directory (logs, pid and exit files, checkpoints).
             members = [nodes.node_to_dict(n, None) for n in slurm.allocation_nodes(target, allocated)]
             self.store.update_attempt(attempt_id, cluster_json=json.dumps(members))
+            # After a requeue the batch script starts anew, maybe on other nodes: the processes of
+            # the allocation before it have ended.
+            for p in self.store.processes(attempt_id):
+                if p.state == "running":
+                    self.store.update_process(p.id, state="exited", ended_at=time.time())
             for rank, host in enumerate(allocated):
                 self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt_id, node=host, node_rank=rank,
                                                    state="running"))

@@ -50,7 +50,7 @@ class SlurmWatcher:
     attempt: int
     stop_requested: Callable[[], bool]
     on_running: Callable[[list[str]], None]
-    """Called once the job runs, with its hosts (the allocation)."""
+    """Called once the job runs, with its hosts (the allocation), and again after each requeue."""
     sink: TelemetrySink | None = None
     on_notice: Callable[[str], None] = lambda message: log.warning("%s", message)
     hosts: list[str] = field(default_factory=list)
@@ -60,7 +60,8 @@ class SlurmWatcher:
     running_since: float | None = None
     """When this watch first saw the job run, or Slurm last requeued it: its hang limit counts from
     here until its first step."""
-    _tails: dict[str, _Tail] = field(default_factory=dict)
+    _tails: dict[str, _Tail] | None = None
+    """Where the reading of each agent file has got to; from the sink's committed offsets at first."""
 
     async def run(self) -> Outcome | None:
         """Watch until the job ends; None when a stop was requested (the stopper records it)."""
@@ -88,7 +89,8 @@ class SlurmWatcher:
                 self.last = state
                 self.first_pass.set()
                 if state.requeued > restarts:
-                    restarts, self.running_since = state.requeued, None
+                    # Slurm may start it again on other nodes: they are read again once it runs.
+                    restarts, self.running_since, self.hosts = state.requeued, None, []
                     self.on_notice(f"Slurm requeued job {self.job_id} ({state.reason or state.state}); "
                                    "it resumes from the latest checkpoint")
                 # A job that ended between two looks still ran on its nodes (NodeList is kept).
@@ -141,23 +143,30 @@ class SlurmWatcher:
                            f"({type(exc).__name__}: {exc}); retrying")
 
     async def read_telemetry(self) -> None:
-        """Hand the agents' new complete lines to the sink."""
+        """Hand the agents' new complete lines to the sink, each with where it was read (so a
+        watch of the same job that starts again, after a re-attach, goes on from the offsets the
+        sink committed and stores nothing twice)."""
         if self.sink is None:
             return
-        base = f"{self.run_dir}/telemetry/attempt-{self.attempt}"
-        res = await self.pool.run(self.login, f"cd {shlex.quote(base)} 2>/dev/null && ls -1d -- restart-*/*.jsonl "
-                                              "2>/dev/null; true", None, timeout=15)
+        files = f"telemetry/attempt-{self.attempt}/"
+        if self._tails is None:
+            self._tails = {name.removeprefix(files): _Tail(offset)
+                           for name, offset in self.sink.read_offsets(self.run_id, files).items()}
+        res = await self.pool.run(self.login, f"cd {shlex.quote(self.run_dir + '/' + files)} 2>/dev/null && "
+                                              "ls -1d -- restart-*/*.jsonl 2>/dev/null; true", None, timeout=15)
         for rel in sorted(res.stdout.split(), key=_restart_order):
             node = rel.split("/", 1)[1][: -len(".jsonl")]
             tail = self._tails.setdefault(rel, _Tail())
             while True:
-                chunk = (await self.pool.run(self.login, remote.read_from(f"{base}/{rel}", tail.offset, READ_MAX),
-                                             None, timeout=30)).raw
+                chunk = (await self.pool.run(self.login, remote.read_from(f"{self.run_dir}/{files}{rel}", tail.offset,
+                                                                          READ_MAX), None, timeout=30)).raw
                 *lines, partial = (tail.partial + chunk).split(b"\n")
+                end = tail.offset - len(tail.partial)
                 for line in lines:
+                    end += len(line) + 1
                     obj = agent_record(line)
                     if obj is not None:
-                        self.sink.on_agent_line(self.run_id, node, obj, attempt=self.attempt)
+                        self.sink.on_agent_line(self.run_id, node, obj, attempt=self.attempt, read=(files + rel, end))
                 # Moved on only once the sink took every line of the chunk.
                 tail.offset, tail.partial = tail.offset + len(chunk), partial
                 if len(chunk) < READ_MAX:

@@ -121,7 +121,10 @@ class TelemetrySink(Protocol):
 
     def offsets(self, run_id: str, node: str) -> dict[str, int]: ...
 
-    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None) -> None: ...
+    def read_offsets(self, run_id: str, prefix: str) -> dict[str, int]: ...
+
+    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None,
+                      read: tuple[str, int] | None = None) -> None: ...
 
     def flush(self) -> int: ...
 
@@ -175,15 +178,24 @@ class Ingestor:
             return
         self.on_agent_line(run_id, node, rec, attempt)
 
-    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None) -> None:
+    def on_agent_line(self, run_id: str, node: str, rec: Any, attempt: int | None = None,
+                      read: tuple[str, int] | None = None) -> None:
         """Take one parsed agent line (the cluster backend's `TelemetrySink` call), from an agent
         of the run's `attempt` (its rows carry it). Only parses and buffers; the database is
-        written by the background thread, started on the first line unless `autostart=False`."""
+        written by the background thread, started on the first line unless `autostart=False`.
+
+        `read`: (file under the run directory, byte offset after the line) where the line was read
+        from an agent's file rather than its stream (a Slurm job's agents). Its offset is committed
+        with the line's rows, and a line at or below the committed offset of its file is dropped:
+        a watch that starts again (a re-attach, a second studio) stores no sample twice."""
         if self.autostart and self._thread is None:
             self.start()
         kind = rec.get("kind") if isinstance(rec, dict) else None
         with self._lock:
             self.stats["lines"] += 1
+            if read is not None and not self._take_offset(run_id, node, self._run(run_id),
+                                                          {"file": read[0], "offset": read[1]}):
+                return
             if kind not in _HANDLERS:  # not an agent line, or a kind this backend does not know yet
                 self.stats["bad_lines"] += 1
                 return
@@ -396,6 +408,14 @@ class Ingestor:
         with self.engine.connect() as conn:
             rows = conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id)).all()
         return {f: o for f, o in rows if f.startswith("events/") or f == f"logs/{node}.log"}
+
+    def read_offsets(self, run_id: str, prefix: str) -> dict[str, int]:
+        """Committed offsets of the agent files under `prefix` (`read` in `on_agent_line`), to read
+        them on from. Flushes first, so nothing taken is left out."""
+        self.flush()
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id)).all()
+        return {f: o for f, o in rows if f.startswith(prefix)}
 
     def series(self, run_id: str, names: Iterable[str], since: int | None = None,
                max_points: int = 1000, start: float | None = None, end: float | None = None) -> SeriesResult:
