@@ -112,7 +112,7 @@ def wire_preflight(c: dict[str, Any], studio: Studio, state: gr.State, slurm_sta
 
 def slurm_preflight(studio: Studio, spec, settings: dict[str, Any]):
     """The partition check from the login node, as page updates; the checks on the nodes themselves
-    run in the job (its import check)."""
+    run in the job (the pre-flight inside the allocation)."""
     target, problems = SlurmTarget.for_job(spec, **settings)
     if problems:
         yield "<p>✖ The Slurm settings have problems:</p><ul>" + "".join(
@@ -128,7 +128,8 @@ def slurm_preflight(studio: Studio, spec, settings: dict[str, Any]):
         yield "<p>✖ " + "<br>".join(f"<b>{html.escape(p.field)}</b>: {html.escape(p.message)}" for p in unfit) + "</p>"
         return
     yield (f"<p id='slurm-preflight-ok'>✔ Partition <b>{html.escape(target.partition)}</b> has {target.nodes} node(s) "
-           "this job fits on. The job checks its nodes itself when it starts (the worker's import on each node)."
+           "this job fits on. The job checks its nodes itself when it starts, before any worker: versions, GPUs, "
+           "disk, interfaces and a shared output directory, on every node of the allocation."
            + ("" if spec else " The Train form has errors, so the job's own node count is not checked.") + "</p>")
 
 

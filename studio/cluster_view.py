@@ -6,6 +6,7 @@ hostfile accepts and reports problems the same way (HostfileError naming the nod
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
 from backend.job.cluster import Cluster, cluster_from_dicts
@@ -77,7 +78,8 @@ def slurm_settings(values: dict[str, Any]) -> dict[str, Any]:
             lines = value if isinstance(value, list) else str(value or "").splitlines()
             out[key] = [str(line).strip() for line in lines if str(line).strip()]
         elif key in ("gpus_per_node", "cpus_per_task"):
-            whole = isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value)
+            whole = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                     and value == int(value))
             out[key] = int(value) if whole else (None if value in (None, "") else value)
         else:
             out[key] = str(value or "").strip() or None

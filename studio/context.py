@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from backend.job.spec import JobSpec, Problem, parse_spec
 log = logging.getLogger(__name__)
 PRESET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MANAGER_WAIT_S = 30  # for the run manager at the page build: it starts beside the (slower) Gradio import
+_SETTINGS_WRITE = threading.Lock()  # settings.json: one read-modify-write at a time in this process
 
 
 @dataclass
@@ -100,11 +102,13 @@ class Studio:
         return data if isinstance(data, dict) else {}
 
     def _save_setting(self, key: str, value: Any) -> None:
-        """One setting changed, the others kept (written whole, through a file of this process)."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.settings_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._settings() | {key: value}))
-        tmp.replace(self.settings_file)
+        """One setting changed, the others kept (written whole, through a file of this process;
+        Gradio runs two handlers at once on threads of one process, which take turns here)."""
+        with _SETTINGS_WRITE:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.settings_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._settings() | {key: value}))
+            tmp.replace(self.settings_file)
 
     def gpu_hour_price(self) -> float | None:
         """The price of one GPU-hour the user gave in the Cluster tab (any currency), else None."""

@@ -60,6 +60,11 @@ def test_run_ids():
     taken = {"exp"}
     rid = make_run_id("exp", lambda r: r in taken)
     assert rid.startswith("exp-") and len(rid) == len("exp-") + 6
+    # Always a name Slurm takes as a job name: a letter or digit first, 64 characters at most.
+    from backend.cluster.slurm import _NAME
+    for name, others in (("_exp", set()), ("x" * 70, set()), ("y" * 64, {"y" * 64})):
+        rid = make_run_id(name, lambda r: r in others)
+        assert _NAME.match(rid) and rid not in others, rid
     auto = make_run_id(None, lambda _: False)
     assert len(auto) == len("20261130-040000-abcdef") and auto[8] == "-"
 

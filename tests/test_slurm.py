@@ -63,7 +63,12 @@ def test_a_good_target_has_no_problems_and_round_trips():
     assert SlurmTarget.from_dict(t.to_dict()) == t
     with pytest.raises(ValueError, match="unknown key 'gres'"):
         SlurmTarget.from_dict({"partition": "debug", "gres": "gpu:8"})
-    assert [p.field for p in t.job_problems(nnodes=2)] == ["slurm.nodes"]
+    spec = demo_spec(output_dir="/shared/out")
+    assert t.job_problems(spec) == [] and [p.field for p in t.job_problems(spec.model_copy(update={"nnodes": 2}))] == [
+        "slurm.nodes"]
+    # sbatch reads #SBATCH lines unquoted: an output directory it cannot name is the form's error, before a run exists.
+    _, problems = SlurmTarget.for_job(spec.model_copy(update={"output_dir": "/shared/my runs"}), "debug")
+    assert [p.field for p in problems] == ["output_dir"] and "'/shared/my runs'" in problems[0].message
 
 
 def test_the_allocation_as_the_planner_sees_it():
@@ -307,6 +312,44 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
     assert asked[0] == asked[1] < asked[2] == asked[3], asked  # the requeue restarted the count
 
 
+def test_a_suspended_job_is_not_hung_and_a_reattached_watch_does_not_report_old_requeues(tmp_path, monkeypatch):
+    """While Slurm suspends a job (preemption) its ranks cannot step: the hang rule is not asked,
+    and counts again from when it runs. A watch that starts on a job requeued before it (a
+    re-attach) takes those requeues as seen, and keeps the stored nodes when Slurm names the same."""
+    import asyncio
+
+    from backend.runs import slurmwatch
+
+    states = iter([slurm.JobState("15", "RUNNING", requeued=2, nodes="gpu-1"),
+                   slurm.JobState("15", "SUSPENDED", requeued=2, nodes="gpu-1"),
+                   slurm.JobState("15", "RUNNING", requeued=2, nodes="gpu-1"),
+                   slurm.JobState("15", "COMPLETED", requeued=2, nodes="gpu-1", exit_code=0)])
+    asked, notices, allocations = [], [], []
+
+    class Sink:
+        def read_offsets(self, run_id, prefix):
+            return {}
+
+        def hang(self, run_id, since):
+            asked.append(since)
+
+    async def job_state(pool, login, job_id):
+        return next(states)
+
+    async def hostnames(pool, login, nodelist):
+        return [nodelist]
+
+    monkeypatch.setattr(slurm, "job_state", job_state)
+    monkeypatch.setattr(slurm, "hostnames", hostnames)
+    monkeypatch.setattr(slurmwatch, "WATCH_INTERVAL_S", 0.01)
+    watcher = slurmwatch.SlurmWatcher(None, slurm.LOGIN, "run-1", str(tmp_path), "15", 1, lambda: False,
+                                      allocations.append, sink=Sink(), on_notice=notices.append, hosts=["gpu-1"])
+    watcher.read_telemetry = lambda: asyncio.sleep(0)
+    assert asyncio.run(watcher.run()).state == "succeeded"
+    assert len(asked) == 2 and asked[0] < asked[1], asked
+    assert notices == [] and allocations == []
+
+
 def test_a_requeued_job_is_followed_onto_the_nodes_it_runs_on_next(tmp_path, monkeypatch):
     """A job Slurm requeued (a node failed) may start again elsewhere: the watch reads its nodes
     again, so the Monitor, the failure's node and the exit files are the new allocation's."""
@@ -432,28 +475,40 @@ def test_a_target_for_a_job_takes_its_nodes_and_processes():
 
 
 def test_the_pre_flight_inside_the_allocation_judges_every_nodes_report(tmp_path):
-    """`judge` as the batch script runs it: a node whose report is missing (its run directory is not
-    the shared one) and a node without the GPUs asked for fail it, naming the node; the write
-    test's token is removed; the report is left for the studio."""
+    """`probe` and `judge` as the batch script runs them: a node that cannot write its report (its
+    run directory is not the shared one) lets the judge run, which fails it as shared_dir, and a
+    node without the GPUs asked for fails it too, each named; each probe removes its own write-test
+    token; the report is left for the studio; no node listed is an error, not a pass."""
     from backend.cluster import allocation
-    from backend.cluster.preflight import PROBE_PY, TOKEN_DIR, allocation_params
+    from backend.cluster.preflight import TOKEN_DIR, allocation_params
 
     run_dir = tmp_path / "out" / "run-1"
     reports = allocation.report_dir(run_dir, 2)
     reports.mkdir(parents=True)
     (run_dir / "job.yaml").write_text(demo_spec(output_dir=str(tmp_path / "out")).to_yaml())
+    (tmp_path / "out" / TOKEN_DIR).mkdir()
+    (tmp_path / "out" / TOKEN_DIR / "another-run").write_text("x")  # not ours: left alone
     assert allocation.main(["probe", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2",
                             "--node", "gpu-1"]) == 0
     probe = json.loads((reports / "gpu-1.json").read_text())
-    assert probe["token_written"] and (tmp_path / "out" / TOKEN_DIR / "t-2").exists()
-    assert allocation_params(str(tmp_path / "out"), "t-2")["output_dir"] == str(tmp_path / "out") and PROBE_PY
+    assert probe["token_written"]
+    assert sorted(p.name for p in (tmp_path / "out" / TOKEN_DIR).iterdir()) == ["another-run"]
+    # gpu-2 sees another disk at the same path: no run directory there, no report written.
+    elsewhere = tmp_path / "gpu-2-disk" / "run-1"
+    assert allocation.main(["probe", "--run-dir", str(elsewhere), "--attempt", "2", "--token", "t-2",
+                            "--node", "gpu-2"]) == 0
+    assert not (tmp_path / "gpu-2-disk" / TOKEN_DIR).exists()
+    assert allocation_params(str(tmp_path / "out"), "t-2")["output_dir"] == str(tmp_path / "out")
 
     code = allocation.main(["judge", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2",
                             "--gpus-per-node", "8", "gpu-1", "gpu-2"])
     report = json.loads((reports / "report.json").read_text())
     errors = {(r["node"], r["check"]) for r in report["results"] if r["status"] == "error"}
     assert code == 3 and errors == {("gpu-1", "gpus"), ("gpu-2", "shared_dir")}, report
-    assert not (tmp_path / "out" / TOKEN_DIR).exists()
+
+    assert allocation.main(["judge", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2"]) == 3
+    report = json.loads((reports / "report.json").read_text())
+    assert [(r["node"], r["check"], r["status"]) for r in report["results"]] == [("allocation", "nodes", "error")]
 
 
 def test_a_job_whose_pre_flight_failed_names_the_node_and_check(tmp_path):

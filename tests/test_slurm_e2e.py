@@ -49,11 +49,11 @@ def slurm_cluster(tmp_path_factory):
     cluster.stop()
 
 
-def job(tmp_path: Path, model: Path, max_steps: int, save_steps: int, max_restarts: int = 0) -> JobSpec:
+def job(tmp_path: Path, model: Path, max_steps: int, save_steps: int, max_restarts: int = 0, **extra) -> JobSpec:
     return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                    output_dir=str(tmp_path / "out"), nnodes=1, nproc_per_node=2, max_steps=max_steps,
                    save_steps=save_steps, max_restarts=max_restarts, logging_steps=1, torch_dtype="float32", max_length=64,
-                   gradient_checkpointing=False, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+                   gradient_checkpointing=False, env={"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}, **extra)
 
 
 def tagged(run_id: str) -> list[int]:
@@ -176,34 +176,52 @@ def test_a_python_that_does_not_import_the_worker_fails_the_run_naming_it(slurm_
         m.close()
 
 
-def test_killed_workers_are_restarted_as_a_new_slurm_job(slurm_cluster, tiny_model, tmp_path):
-    """Automatic recovery (max_restarts) on Slurm: SIGKILLed workers fail the job, and the run
-    goes on as a new job on the same target, from the newest checkpoint."""
+def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, tiny_model, tmp_path):
+    """Automatic recovery (max_restarts) on Slurm: SIGKILLed workers fail the job, and the run goes
+    on as a new job on the same target, from the newest checkpoint; then a rank stopped with
+    SIGSTOP makes no step within the job's own hang limit: the job is cancelled as hung and the
+    run goes on as a third job."""
     from backend.cluster.slurm import SlurmTarget
 
     target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2)
     m = RunManager(f"sqlite:///{tmp_path / 'studio.db'}")
+
+    def workers() -> list[int]:
+        return [pid for pid in tagged(run_id)
+                if b"launcher.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
     try:
         t0 = time.time()
-        run_id = m.launch(job(tmp_path, tiny_model, max_steps=120, save_steps=10, max_restarts=1), target.cluster(),
-                          slurm=target)
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=160, save_steps=10, max_restarts=2, hang_timeout_s=10),
+                          target.cluster(), slurm=target)
         run_dir = Path(m.run(run_id).run_dir)
         wait_for("a checkpoint", lambda: checkpoint.latest(run_dir), 90)
-        workers = [pid for pid in tagged(run_id)
-                   if b"launcher.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                   and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(workers) == 2, workers
-        for pid in workers:
+        assert len(workers()) == 2, workers()
+        t_kill = time.time()
+        for pid in workers():
             os.kill(pid, signal.SIGKILL)
         wait_for("the automatic restart", lambda: len(m.attempts(run_id)) == 2, 60)
-        done = m.wait(run_id, timeout=120)
+        print(f"\nkill → new Slurm job {time.time() - t_kill:.1f} s")
+
+        wait_for("a step of the second job", lambda: (latest_event(run_dir, "start") or {}).get("resumed_from")
+                 and len(workers()) == 2 and (m.progress(run_id) or {}).get("step", 0)
+                 > (m.progress(run_id) or {}).get("resumed_from", 0), 90)
+        t_stop = time.time()
+        os.kill(workers()[1], signal.SIGSTOP)
+        wait_for("the hang restart", lambda: len(m.attempts(run_id)) == 3, 90)
+        print(f"SIGSTOP → cancelled as hung, new Slurm job {time.time() - t_stop:.1f} s (limit 10 s)")
+        done = m.wait(run_id, timeout=150)
         assert done.state == lifecycle.SUCCEEDED, (done.state, done.message)
-        first, second = m.attempts(run_id)
+        first, second, third = m.attempts(run_id)
         assert (first.state, first.cause) == ("failed", "killed"), (first.state, first.cause, first.message)
-        assert second.automatic and json.loads(second.slurm_json)["job_id"] != json.loads(first.slurm_json)["job_id"]
-        assert any("a new Slurm job resuming" in n for n in m.notices(run_id)), m.notices(run_id)
-        assert m.progress(run_id)["resumed_from"] >= 10 and m.progress(run_id)["step"] == 120
-        print(f"kill → restart → end: {time.time() - t0:.1f} s")
+        assert (second.state, second.cause) == ("failed", "hang"), (second.state, second.cause, second.message)
+        assert "cancelled Slurm job" in second.message, second.message
+        jobs = [json.loads(a.slurm_json)["job_id"] for a in (first, second, third)]
+        assert second.automatic and third.automatic and len(set(jobs)) == 3, jobs
+        assert sum("a new Slurm job resuming" in n for n in m.notices(run_id)) == 2, m.notices(run_id)
+        assert m.progress(run_id)["resumed_from"] >= 20 and m.progress(run_id)["step"] == 160
+        print(f"kill → restart → hang → restart → end: {time.time() - t0:.1f} s")
     finally:
         m.close()
 

@@ -364,6 +364,8 @@ def test_on_a_slurm_partition_the_form_is_checked_on_the_allocation_and_previews
     assert "#SBATCH --qos=high" in view.commands and "srun" in view.commands
     bad = check_form(values, local_cluster(), settings | {"partition": "no such!", "cpus_per_task": 2.5})
     assert not bad.ok and {p.field for p in bad.other_problems} >= {"slurm.partition", "slurm.cpus_per_task"}
+    spaced = check_form(values | {"output_dir": "/tmp/my runs"}, local_cluster(), settings)
+    assert not spaced.ok and "output_dir" in spaced.field_problems, problem_lines(spaced)
     assert check_key(values, local_cluster(), settings) != check_key(values, local_cluster(), None)
 
 
@@ -384,5 +386,16 @@ def test_studio_settings_keep_each_other(tmp_path):
                         "account": None, "python": None, "extra": ["qos=high"]}
     from backend.cluster.slurm import SlurmTarget
     assert [p.field for p in SlurmTarget.for_job(None, **settings)[1]] == ["slurm.gpus_per_node"]
+    (tmp_path / "settings.json").write_text('{"slurm": {"partition": "debug", "cpus_per_task": NaN, '
+                                            '"gpus_per_node": 1e999}}')
+    settings = studio.slurm_settings()
+    assert sorted(p.field for p in SlurmTarget.for_job(None, **settings)[1]) == ["slurm.cpus_per_task",
+                                                                                 "slurm.gpus_per_node"]
+    # Two handlers at once (Gradio's worker threads): neither update is lost, nothing raises.
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: studio.save_gpu_hour_price(1.0 + i) if i % 2 else
+                      studio.save_slurm_settings({"partition": f"p{i}"}), range(64)))
+    assert studio.gpu_hour_price() is not None and studio.slurm_settings()["partition"].startswith("p")
     (tmp_path / "settings.json").write_text("[1, 2]")  # not ours: read as no settings, not a crash
     assert studio.slurm_settings() is None and studio.gpu_hour_price() is None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from backend.cluster import remote
 from backend.job.cluster import Cluster, Node
 from backend.job.planner import NODE_ENV, STOP_BUDGET_S, Plan
-from backend.job.spec import JobSpec, Problem
+from backend.job.spec import JobSpec, Problem, absolute_dir
 
 if TYPE_CHECKING:  # the page imports the target and the script; the SSH and database libraries wait
     from backend.cluster import ssh
@@ -136,14 +136,15 @@ class SlurmTarget:
                      cpus_per_task=cpus_per_task or (spec.nproc_per_node if spec else None) or 1,
                      time_limit=time_limit or None, account=account or None, python=python or "python3",
                      extra=tuple(o if o.startswith("--") else f"--{o}" for o in extra))
-        return target, target.problems() + (target.job_problems(spec.nnodes) if spec else [])
+        return target, target.problems() + (target.job_problems(spec) if spec else [])
 
-    def job_problems(self, nnodes: int) -> list[Problem]:
+    def job_problems(self, spec: JobSpec) -> list[Problem]:
         """The target against the job: the allocation is the job's nodes, no more (the planner
-        uses the first `nnodes`, the rest would sit idle), no fewer."""
-        if nnodes != self.nodes:
-            return [Problem("slurm.nodes", f"{self.nodes} nodes, the job's nnodes is {nnodes}")]
-        return []
+        uses the first `nnodes`, the rest would sit idle), no fewer; and an output directory the
+        batch script can name."""
+        problems = [] if spec.nnodes == self.nodes else [
+            Problem("slurm.nodes", f"{self.nodes} nodes, the job's nnodes is {spec.nnodes}")]
+        return problems + run_dir_problems(absolute_dir(spec.output_dir))
 
     def cluster(self) -> Cluster:
         """The allocation as the planner sees it: `nodes` nodes of `gpus_per_node` GPUs (or
@@ -217,14 +218,19 @@ def _command(argv: tuple[str, ...] | list[str], env: Mapping[str, str]) -> str:
     return " ".join(words)
 
 
+def run_dir_problems(path: str) -> list[Problem]:
+    """A run directory (or the output directory that holds it) the batch script can name."""
+    if _SCRIPT_PATH.match(path):
+        return []
+    return [Problem("output_dir", f"{path!r}: on Slurm the output directory must be an absolute path of letters, "
+                                  "digits and _./+- (sbatch reads the #SBATCH lines that name it unquoted)")]
+
+
 def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
                   offsets: Mapping[str, int] | None = None) -> str:
     """The batch script for one attempt of the run (`plan` from `target.cluster()`). Raises
     ValueError naming the field for a target or run directory it cannot hold safely."""
-    problems = target.problems()
-    if not _SCRIPT_PATH.match(plan.run_dir):
-        problems.append(Problem("output_dir", f"{plan.run_dir!r}: the Slurm backend needs a run directory of "
-                                              "letters, digits and _./+- (sbatch reads #SBATCH lines unquoted)"))
+    problems = target.problems() + run_dir_problems(plan.run_dir)
     if not _NAME.match(run_id):
         problems.append(Problem("name", f"{run_id!r} is not a safe job name"))
     if problems:

@@ -143,7 +143,7 @@ class AttemptDriver:
         try:
             assessment = assessment or assess(spec, cluster)
             errors = [*(p for p in assessment.problems if p.severity == "error"), *target.problems(),
-                      *target.job_problems(spec.nnodes)]
+                      *target.job_problems(spec)]
             if errors:
                 self.store.transition(run_id, lifecycle.FAILED, Failure(
                     None, None, "invalid_job", "; ".join(str(p) for p in errors)), by=self.owner)
@@ -184,6 +184,8 @@ class AttemptDriver:
     async def _slurm_watch(self, run_id: str, attempt_id: int, target: SlurmTarget, job_id: str,
                            hosts: list[str]) -> None:
         run, attempt = self.store.get(run_id), next(a for a in self.store.attempts(run_id) if a.id == attempt_id)
+        spec = spec_of(run)
+        self.sink.set_hang_limit(run_id, spec.hang_timeout_s, spec.hang_step_multiple)
 
         def on_running(allocated: list[str]) -> None:
             # The allocation's nodes, reached through the login node's shell: their files are in

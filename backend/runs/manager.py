@@ -51,12 +51,13 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def make_run_id(name: str | None, taken: Callable[[str], bool]) -> str:
-    """`YYYYmmdd-HHMMSS-<6 hex>`, or the user's name made safe (a suffix when taken)."""
+    """`YYYYmmdd-HHMMSS-<6 hex>`, or the user's name made safe (a suffix when taken): at most 64
+    characters, starting with a letter or digit (a Slurm job name, a directory name)."""
     if name and name.strip():
-        base = _SAFE_NAME.sub("-", name.strip()).strip(".-")[:64] or "run"
+        base = _SAFE_NAME.sub("-", name.strip()).strip("._-")[:64] or "run"
         candidate = base
         while taken(candidate):
-            candidate = f"{base}-{secrets.token_hex(3)}"
+            candidate = f"{base[:57]}-{secrets.token_hex(3)}"
         return candidate
     return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
 

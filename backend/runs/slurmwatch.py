@@ -72,7 +72,8 @@ class SlurmWatcher:
 
     async def _watch(self) -> Outcome | None:
         silent_since: float | None = None
-        restarts = 0
+        restarts: int | None = None  # the requeues seen; a re-attached watch takes the earlier ones as seen
+        looked = False  # whether this watch has read the job's nodes from Slurm (the stored ones may be old)
         while True:
             if self.stop_requested():
                 return None
@@ -88,17 +89,26 @@ class SlurmWatcher:
             if state is not None:
                 self.last = state
                 self.first_pass.set()
-                if state.requeued > restarts:
+                if restarts is None:
+                    restarts = state.requeued
+                elif state.requeued > restarts:
                     # Slurm may start it again on other nodes: they are read again once it runs.
                     restarts, self.running_since, self.hosts = state.requeued, None, []
                     self.on_notice(f"Slurm requeued job {self.job_id} ({state.reason or state.state}); "
                                    "it resumes from the latest checkpoint")
-                # A job that ended between two looks still ran on its nodes (NodeList is kept).
-                if (state.running or state.final) and not self.hosts and state.nodes:
-                    self.hosts = await slurm.hostnames(self.pool, self.login, state.nodes)
-                    self.on_running(self.hosts)
+                # A job that ended between two looks still ran on its nodes (NodeList is kept). While a
+                # requeued job completes, NodeList still names the nodes it is leaving.
+                if (state.state == "RUNNING" or state.final) and state.nodes and not (looked and self.hosts):
+                    hosts, looked = await slurm.hostnames(self.pool, self.login, state.nodes), True
+                    if hosts != self.hosts:
+                        self.hosts = hosts
+                        self.on_running(hosts)
             await self._read_telemetry_guarded()
-            if state is not None and state.running and self.sink is not None:
+            if state is not None and state.state != "RUNNING":
+                # Suspended (preempted, an admin's `scontrol suspend`), completing, pending: its ranks
+                # cannot step; the hang limit counts again from when it runs.
+                self.running_since = None
+            elif state is not None and self.sink is not None:
                 self.running_since = self.running_since or time.time()
                 hung = self.sink.hang(self.run_id, self.running_since)
                 if hung is not None and not self.stop_requested():
