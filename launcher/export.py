@@ -234,4 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launcher.leave import leave
+
+    leave(main())

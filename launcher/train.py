@@ -21,6 +21,7 @@ from pathlib import Path
 
 from backend.job.errors import UserError
 from backend.job.planner import NODE_ENV
+from launcher.leave import leave
 
 SLOT_BYTES = 4096
 # A write that failed without saying why (torch.save reports "unexpected pos ...") on a file system
@@ -200,4 +201,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

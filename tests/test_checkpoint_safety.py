@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import checkpoint
-from worker import ROOT, run_worker, worker_env, write_run
+from worker import ROOT, run_worker, run_workers, worker_env, write_run
 
 pytestmark = pytest.mark.e2e
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#64"
@@ -57,13 +57,11 @@ def runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("safety")
     base = dict(model=str(tiny_model), dataset=[DATA], max_length=32, per_device_train_batch_size=4, max_steps=2,
                 save_steps=2, logging_steps=2, gradient_checkpointing=False, torch_dtype="float32")
-    made = {}
-    for name, extra in [("lora", dict(train_type="lora")), ("full", dict(train_type="full")),
-                        ("zero2", dict(train_type="full", deepspeed="zero2"))]:
-        run = write_run(root / name, **base, **extra)
-        proc = run_worker(run, nproc=1)
+    made = {name: write_run(root / name, **base, **extra)
+            for name, extra in [("lora", dict(train_type="lora")), ("full", dict(train_type="full")),
+                                ("zero2", dict(train_type="full", deepspeed="zero2"))]}
+    for proc in run_workers([dict(run_dir=run, nproc=1) for run in made.values()]):
         assert proc.returncode == 0, proc.log[-3000:]
-        made[name] = run
     return made
 
 

@@ -9,7 +9,7 @@ import pytest
 from backend.job.capabilities import pp_problems, same_data_ranks, seq_multiple, unsupported, world_problems
 from backend.job.spec import JobSpec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, equality_job, events, losses,
-                    probe_ranks, run_worker, trained, write_run)
+                    probe_ranks, run_worker, trained, trained_together, write_run)
 
 STEPS = EQUALITY_STEPS
 
@@ -124,8 +124,7 @@ def assert_same_run(pp, plain):
 def test_pp2_trains_resumes_and_exports_like_one_rank(tmp_path, four_layers, train_type, layout, checkpointing):
     """LoRA with gradient checkpointing in every stage (the same run without PP checkpoints too)."""
     spec_fields = equality_job(four_layers, train_type=train_type, gradient_checkpointing=checkpointing)
-    plain = trained(tmp_path, "plain", 1, **spec_fields)
-    pp = trained(tmp_path, "pp", 2, **spec_fields, **layout)
+    plain, pp = trained_together(tmp_path, ("plain", 1, spec_fields), ("pp", 2, {**spec_fields, **layout}))
     assert_same_run(pp, plain)
     assert json.loads((pp / "checkpoint-10" / "trainer_state.json").read_text())["engine"] == "pp"
 

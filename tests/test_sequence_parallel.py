@@ -10,7 +10,7 @@ from backend.job.capabilities import same_data_ranks, unsupported
 from backend.job.spec import JobSpec
 from launcher.data import Row, collate
 from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
-                    losses, run_ok, run_worker, write_run)
+                    losses, run_ok, run_worker, trained_together, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -78,8 +78,7 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
     """SP=2 on 2 ranks is one data-parallel rank: the same batches as one process. ZeRO-3 is where
     DeepSpeed averages (not sums) the SP group's gradients, which the engine corrects."""
     spec_fields = job(tiny_model, deepspeed="zero3")
-    plain = trained(tmp_path / "plain", 1, **spec_fields)
-    sp = trained(tmp_path / "sp", 2, **spec_fields, sequence_parallel_size=2)
+    plain, sp = trained_together(tmp_path, ("plain", 1, spec_fields), ("sp", 2, {**spec_fields, "sequence_parallel_size": 2}))
     assert_same_training(sp, plain)
     assert losses(sp)[STEPS] < losses(sp)[1] - 0.05  # it learned something
     # Tokens and sequences count once per SP group, not once per rank.
@@ -111,8 +110,7 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
 def test_sp2_lora_zero2_matches_one_rank(tmp_path, tiny_model):
     """Below ZeRO-3 DeepSpeed sums the SP group's gradients: each rank's loss is its share."""
     spec_fields = job(tiny_model, deepspeed="zero2", train_type="lora", max_steps=8)
-    plain = trained(tmp_path / "plain", 1, **spec_fields)
-    sp = trained(tmp_path / "sp", 2, **spec_fields, sequence_parallel_size=2)
+    plain, sp = trained_together(tmp_path, ("plain", 1, spec_fields), ("sp", 2, {**spec_fields, "sequence_parallel_size": 2}))
     assert_same_training(sp, plain, steps=range(1, 9))
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -58,17 +59,38 @@ def worker_env() -> dict[str, str]:
 
 def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout: int = 240,
                argv: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    log = run_dir / "logs" / "local.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as out:
-        proc = subprocess.Popen(argv or torchrun_argv(run_dir, nproc, resume), cwd=ROOT, env={**worker_env(), **(env or {})},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
+    return run_workers([dict(run_dir=run_dir, nproc=nproc, resume=resume, argv=argv, env=env)], timeout)[0]
+
+
+def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    """Each launch (run_worker's arguments) started at once, then each waited for: runs that do not
+    depend on each other share the machine's cores (a one-rank run leaves one of two idle, and a
+    worker spends most of a short run importing). Each process has `.log`, its run's log."""
+    procs = []
+    try:
+        for launch in launches:
+            run_dir = launch["run_dir"]
+            log = run_dir / "logs" / "local.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as out:
+                proc = subprocess.Popen(launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2),
+                                                                            launch.get("resume")),
+                                        cwd=ROOT, env={**worker_env(), **(launch.get("env") or {})},
+                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc.log_path = log
+            procs.append(proc)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # killed below; its returncode says so
+    finally:
+        for proc in procs:
             kill_tree(proc)
-    proc.log = log.read_text()
-    return proc
+    for proc in procs:
+        proc.log = proc.log_path.read_text()
+    return procs
 
 
 # Prepended to a probe script: each rank writes its outcome to a file of its own (their prints
@@ -118,19 +140,25 @@ def assert_same_export(run_a: Path, run_b: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(logits(run_a), logits(run_b), rtol=1e-4, atol=1e-4)
 
 
-def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, steps: int) -> None:
+def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, steps: int,
+                            *others: tuple[Path, int]) -> None:
     """`resumed` (a run directory with its job.yaml), given `run`'s checkpoint-`step` and resumed on
-    `nproc` ranks, trains steps step+1..`steps` with `run`'s losses."""
+    `nproc` ranks, trains steps step+1..`steps` with `run`'s losses; so does each of `others`
+    ((run directory, nproc), resumed beside it)."""
     import shutil
 
     import pytest
 
-    shutil.copytree(run / f"checkpoint-{step}", resumed / f"checkpoint-{step}")
-    run_ok(resumed, nproc=nproc, resume="latest", timeout=400)
-    again, before = losses(resumed), losses(run)
-    assert sorted(again) == list(range(step + 1, steps + 1))
-    for at, value in again.items():
-        assert value == pytest.approx(before[at], rel=2e-4), at
+    targets = [(resumed, nproc), *others]
+    for target, _ in targets:
+        shutil.copytree(run / f"checkpoint-{step}", target / f"checkpoint-{step}")
+    procs = run_workers([dict(run_dir=target, nproc=n, resume="latest") for target, n in targets], 400)
+    for (target, _), proc in zip(targets, procs):
+        assert proc.returncode == 0, f"{target.name}: {proc.log[-4000:]}"
+        again, before = losses(target), losses(run)
+        assert sorted(again) == list(range(step + 1, steps + 1)), target.name
+        for at, value in again.items():
+            assert value == pytest.approx(before[at], rel=2e-4), (target.name, at)
 
 
 EQUALITY_STEPS = 20
@@ -148,9 +176,16 @@ def equality_job(model: Path, **extra) -> dict:
 
 def trained(tmp_path: Path, name: str, nproc: int, **spec) -> Path:
     """A run directory `name` under `tmp_path` with `spec` as its job, trained on `nproc` ranks."""
-    run = write_run(tmp_path / name, **spec)
-    run_ok(run, nproc=nproc, timeout=400)
+    run, = trained_together(tmp_path, (name, nproc, spec))
     return run
+
+
+def trained_together(tmp_path: Path, *runs: tuple[str, int, dict]) -> list[Path]:
+    """`trained` for each (name, nproc, spec), the runs side by side."""
+    dirs = [write_run(tmp_path / name, **spec) for name, _, spec in runs]
+    for run, proc in zip(dirs, run_workers([dict(run_dir=d, nproc=n) for d, (_, n, _) in zip(dirs, runs)], 400)):
+        assert proc.returncode == 0, f"{run.name}: {proc.log[-4000:]}"
+    return dirs
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -211,8 +246,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 def until(what, timeout: float = 240.0, every: float = 0.1, name: str = "", why=None):
     """`what()` once it is truthy, polled every `every` s; AssertionError after `timeout` s, naming
     what was awaited (`name`) and what `why()` says of the state then."""
-    import time
-
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         found = what()
