@@ -10,7 +10,7 @@ import torch
 from backend.job.capabilities import TransformersPlan, transformers_plan, unsupported, world_problems
 from backend.job.spec import JobSpec, parse_spec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, build_tiny_model, equality_job,
-                    events, losses, probe_ranks, trained, write_run)
+                    events, losses, probe_ranks, trained, trained_together, write_run)
 
 STEPS = EQUALITY_STEPS
 EP = "expert_model_parallel_size"
@@ -185,8 +185,7 @@ def test_ep2_by_fsdp2_trains_resumes_and_exports_like_fsdp2(tmp_path, moe_model,
     the load-balancing loss is in the training loss (router_aux_loss_coef 0.01). LoRA on attention."""
     targets = {"target_modules": ATTENTION} if train_type == "lora" else {}
     spec_fields = equality_job(moe_model, router_aux_loss_coef=0.01, train_type=train_type, fsdp="full_shard", **targets)
-    plain = trained(tmp_path, "plain", 2, **spec_fields)
-    ep = trained(tmp_path, "ep", 2, **spec_fields, **{EP: 2})
+    plain, ep = trained_together(tmp_path, ("plain", 2, spec_fields), ("ep", 2, {**spec_fields, EP: 2}))
     assert_same_training(ep, plain)
     assert "expert parallel: EP=2, rank 0 holds the weights of 2 of the 4 experts" in (ep / "logs" / "local.log").read_text()
     train = events(ep, 0, "train")[-1]
@@ -194,9 +193,8 @@ def test_ep2_by_fsdp2_trains_resumes_and_exports_like_fsdp2(tmp_path, moe_model,
 
     # Resume the EP run from its step-10 checkpoint: steps 11..20 again, the same losses; and, since
     # DCP reshards, a full checkpoint on the same ranks without EP.
-    assert_resumes_the_same(ep, write_run(tmp_path / "resumed", **spec_fields, **{EP: 2}), 2, 10, STEPS)
-    if train_type == "full":
-        assert_resumes_the_same(ep, write_run(tmp_path / "without-ep", **spec_fields), 2, 10, STEPS)
+    without_ep = [(write_run(tmp_path / "without-ep", **spec_fields), 2)] if train_type == "full" else []
+    assert_resumes_the_same(ep, write_run(tmp_path / "resumed", **spec_fields, **{EP: 2}), 2, 10, STEPS, *without_ep)
     assert_same_export(ep, plain, tmp_path)
 
 
@@ -288,7 +286,6 @@ def test_ep2_trains_and_exports_other_moe_families_like_fsdp2(tmp_path, family, 
     grad norms and routing of 20 steps, and the exported model, equal to FSDP2 without EP."""
     model = build_tiny_model(tmp_path / "model", family, **sizes)
     spec_fields = equality_job(model, router_aux_loss_coef=0.01, train_type="full", fsdp="full_shard")
-    plain = trained(tmp_path, "plain", 2, **spec_fields)
-    ep = trained(tmp_path, "ep", 2, **spec_fields, **{EP: 2})
+    plain, ep = trained_together(tmp_path, ("plain", 2, spec_fields), ("ep", 2, {**spec_fields, EP: 2}))
     assert_same_training(ep, plain)
     assert_same_export(ep, plain, tmp_path)
