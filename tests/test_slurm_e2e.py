@@ -204,9 +204,12 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         wait_for("the automatic restart", lambda: len(m.attempts(run_id)) == 2, 60)
         print(f"\nkill → new Slurm job {time.time() - t_kill:.1f} s")
 
-        wait_for("a step of the second job", lambda: (latest_event(run_dir, "start") or {}).get("resumed_from")
-                 and len(workers()) == 2 and (m.progress(run_id) or {}).get("step", 0)
-                 > (m.progress(run_id) or {}).get("resumed_from", 0), 90)
+        def second_job_stepped() -> bool:
+            progress = m.progress(run_id) or {}
+            return (bool((latest_event(run_dir, "start") or {}).get("resumed_from")) and len(workers()) == 2
+                    and progress.get("resumed_from") is not None and (progress.get("step") or 0) > progress["resumed_from"])
+
+        wait_for("a step of the second job", second_job_stepped, 90)
         t_stop = time.time()
         os.kill(workers()[1], signal.SIGSTOP)
         wait_for("the hang restart", lambda: len(m.attempts(run_id)) == 3, 90)
@@ -221,6 +224,12 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         assert second.automatic and third.automatic and len(set(jobs)) == 3, jobs
         assert sum("a new Slurm job resuming" in n for n in m.notices(run_id)) == 2, m.notices(run_id)
         assert m.progress(run_id)["resumed_from"] >= 20 and m.progress(run_id)["step"] == 160
+        # The first step of each restarted job, from the workers' own events.
+        lines = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()]
+        starts = [i for i, e in enumerate(lines) if e.get("type") == "start"]
+        first_steps = [next(e["time"] for e in lines[i:] if e.get("type") == "train") for i in starts[1:]]
+        print(f"kill → first step of the new job {first_steps[0] - t_kill:.1f} s; SIGSTOP → first step of the "
+              f"third job {first_steps[1] - t_stop:.1f} s")
         print(f"kill → restart → hang → restart → end: {time.time() - t0:.1f} s")
     finally:
         m.close()
