@@ -406,8 +406,8 @@ class StoreFailingOnce:
     def __init__(self, inner):
         self.inner, self.failed = inner, False
 
-    def offsets(self, run_id, node):
-        return self.inner.offsets(run_id, node)
+    def offsets(self, run_id, node, attempt=None):
+        return self.inner.offsets(run_id, node, attempt)
 
     def on_agent_line(self, run_id, node, rec, attempt=None):
         if rec.get("kind") == "event" and not self.failed:

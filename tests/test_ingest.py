@@ -376,6 +376,30 @@ def test_two_ingestors_on_one_database_store_each_line_once(engine, tmp_path, mo
                                        "logs/a.log": 30}
 
 
+def test_a_restarted_attempts_log_lines_are_read_from_its_start(engine):
+    """Each attempt's launch writes the node's log anew, so its offsets start again at 0: the
+    failure lines of attempt 2 must not be taken for attempt 1's (dropped as seen), and the agent
+    of attempt 2 starts at the offset attempt 2 reached, not attempt 1's. A line read from a Slurm
+    agent's file is taken once by where it was read (a requeue writes the log anew, same attempt)."""
+    ing = Ingestor(engine, autostart=False)
+    for offset in range(100, 600, 100):
+        ing.on_agent_line("r", "a", {"kind": "log", "file": "logs/a.log", "offset": offset, "line": "step"}, attempt=1)
+    oom = {"kind": "log", "file": "logs/a.log", "offset": 60, "line": "torch.OutOfMemoryError: CUDA out of memory"}
+    ing.on_agent_line("r", "a", oom, attempt=2)
+    ing.flush()
+    assert [a.key for a in ing.alerts("r")] == ["log:a:out_of_memory:"]
+    assert ing.offsets("r", "a", attempt=2) == {"logs/a.log": 60} and ing.offsets("r", "a", attempt=1) == {
+        "logs/a.log": 500}
+    assert ing.offsets("r", "a", attempt=3) == {}  # a new attempt's agent reads its log from the start
+    nccl = {"kind": "log", "file": "logs/a.log", "offset": 40, "line": "[Rank 1] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out."}
+    for restart, read_at in ((0, 700), (1, 90), (1, 90)):  # the same line of restart 1 read twice
+        ing.on_agent_line("r", "a", nccl, attempt=3, read=(f"telemetry/attempt-3/restart-{restart}/a.jsonl", read_at))
+    ing.flush()
+    [nccl_alert] = [a for a in ing.alerts("r") if a.key != "log:a:out_of_memory:"]
+    assert nccl_alert.count == 2
+
+
 class Attempt:
     """What one attempt's agent sends for rank 0's event file: the file grows across attempts."""
 

@@ -274,7 +274,7 @@ class AttemptWatcher:
         while True:
             stream = None
             try:
-                offsets = self.sink.offsets(self.run_id, name)
+                offsets = self.sink.offsets(self.run_id, name, self.attempt)
                 argv = [node.python, "-m", "backend.telemetry.agent", "--run-id", self.run_id,
                         "--run-dir", self.run_dir, "--node", name, "--offsets", json.dumps(offsets)]
                 shell = await self.pool.shell(node)

@@ -108,6 +108,11 @@ class _Pending:
         return bool(self.samples or self.events or self.offsets or self.placements or self.findings)
 
 
+def log_key(file: str, attempt: int | None) -> str:
+    """Where a node log's committed offset is kept: per attempt, since each launch writes it anew."""
+    return file if attempt is None else f"{file}#attempt-{int(attempt)}"
+
+
 def _value(x: Any) -> float | None:
     """A point's value, the same in the live tail and the database: NaN/inf and non-numbers
     become None."""
@@ -119,7 +124,7 @@ class TelemetrySink(Protocol):
     """What the control plane asks of the telemetry it feeds and reads (the Ingestor): a run's
     watch feeds agent lines, the manager facade reads series, alerts and events."""
 
-    def offsets(self, run_id: str, node: str) -> dict[str, int]: ...
+    def offsets(self, run_id: str, node: str, attempt: int | None = None) -> dict[str, int]: ...
 
     def read_offsets(self, run_id: str, prefix: str) -> dict[str, int]: ...
 
@@ -201,7 +206,7 @@ class Ingestor:
                 return
             try:
                 st = self._run(run_id)
-                handler = _HANDLERS[kind]
+                handler = Ingestor._on_read_log if kind == "log" and read is not None else _HANDLERS[kind]
                 if handler is not None:
                     handler(self, run_id, node, st, rec, attempt)
                 st.nodes.setdefault(node, {})["last_seen"] = self.clock()
@@ -325,8 +330,15 @@ class Ingestor:
         st.dirty = True
 
     def _on_log(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
-        if not self._take_offset(run_id, node, st, rec):
+        # Each attempt's launch writes the node's log anew: its offsets count from the attempt's start.
+        if not self._take_offset(run_id, node, st, {"file": log_key(str(rec["file"]), attempt),
+                                                    "offset": rec["offset"]}):
             return
+        self._on_read_log(run_id, node, st, rec, attempt)
+
+    def _on_read_log(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
+        """A log line read from an agent's file: taken once by where it was read (`read`), since a
+        Slurm requeue writes the log anew within the attempt."""
         finding = rules.log_line(node, str(rec.get("line", "")), self.clock())
         if finding is not None:
             self._add_finding(run_id, st, finding)
@@ -401,13 +413,15 @@ class Ingestor:
         return len(samples) + len(stored)
 
     # ----------------------------------------------------------------------------- reading
-    def offsets(self, run_id: str, node: str) -> dict[str, int]:
-        """Committed offsets to start `node`'s agent from: every event file of the run and the
-        node's own log. Flushes first, so nothing taken is left out."""
+    def offsets(self, run_id: str, node: str, attempt: int | None = None) -> dict[str, int]:
+        """Committed offsets to start `node`'s agent of `attempt` from: every event file of the run
+        and the node's own log as this attempt wrote it. Flushes first, so nothing taken is left out."""
         self.flush()
         with self.engine.connect() as conn:
             rows = conn.execute(select(O.c.file, O.c.offset).where(O.c.run_id == run_id)).all()
-        return {f: o for f, o in rows if f.startswith("events/") or f == f"logs/{node}.log"}
+        log = f"logs/{node}.log"
+        return {f: o for f, o in rows if f.startswith("events/")} | {
+            log: o for f, o in rows if f == log_key(log, attempt)}
 
     def read_offsets(self, run_id: str, prefix: str) -> dict[str, int]:
         """Committed offsets of the agent files under `prefix` (`read` in `on_agent_line`), to read
