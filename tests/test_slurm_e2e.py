@@ -49,6 +49,11 @@ def slurm_cluster(tmp_path_factory):
     cluster.stop()
 
 
+SLOW_STEPS = {"gradient_accumulation_steps": 8}
+"""For a run the test acts on while it trains (requeue, stop, kill, SIGSTOP): steps long enough that
+it does not end first."""
+
+
 def job(tmp_path: Path, model: Path, max_steps: int, save_steps: int, max_restarts: int = 0, **extra) -> JobSpec:
     return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                    output_dir=str(tmp_path / "out"), nnodes=1, nproc_per_node=2, max_steps=max_steps,
@@ -86,7 +91,9 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
     spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(job(tmp_path, tiny_model, max_steps=200, save_steps=1000).to_yaml())
+    # Steps of 8 micro-batches: on a quiet machine 200 one-batch steps of the tiny model take about
+    # 2 s, over before the requeue (seen: the requeued job resumed from step 200).
+    spec_path.write_text(job(tmp_path, tiny_model, max_steps=200, save_steps=1000, **SLOW_STEPS).to_yaml())
     db = f"sqlite:///{tmp_path / 'studio.db'}"
     t0 = time.time()
     out = cli("run", str(spec_path), "--slurm-partition", "debug", "--name", "slurm-run", "--detach", "--db", db)
@@ -193,7 +200,8 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
 
     try:
         t0 = time.time()
-        run_id = m.launch(job(tmp_path, tiny_model, max_steps=160, save_steps=10, max_restarts=2, hang_timeout_s=10),
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=160, save_steps=10, max_restarts=2, hang_timeout_s=10,
+                              **SLOW_STEPS),
                           target.cluster(), slurm=target)
         run_dir = Path(m.run(run_id).run_dir)
         wait_for("a checkpoint", lambda: checkpoint.latest(run_dir), 90)
@@ -223,7 +231,9 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         jobs = [json.loads(a.slurm_json)["job_id"] for a in (first, second, third)]
         assert second.automatic and third.automatic and len(set(jobs)) == 3, jobs
         assert sum("a new Slurm job resuming" in n for n in m.notices(run_id)) == 2, m.notices(run_id)
-        assert m.progress(run_id)["resumed_from"] >= 20 and m.progress(run_id)["step"] == 160
+        # scancel sends SIGCONT before SIGTERM: the stopped rank wakes and the workers may save a
+        # checkpoint at the next step boundary (seen: the third job resumed from step 19).
+        assert m.progress(run_id)["resumed_from"] >= 10 and m.progress(run_id)["step"] == 160
         # The first step of each restarted job, from the workers' own events.
         lines = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()]
         starts = [i for i, e in enumerate(lines) if e.get("type") == "start"]
