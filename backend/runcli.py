@@ -152,16 +152,20 @@ def add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from backend.runs.lifecycle import attempt_timeline
+    from backend.runs.lifecycle import FAILED, attempt_timeline
 
     with _manager(args) as m, _refused():
         run = m.settle(args.run)
         lines = _describe(run)
         attempts = m.attempts(args.run)
         if len(attempts) > 1:
-            lines += ["  " + line for line in attempt_timeline(attempts)]
+            for attempt, line in zip(attempts, attempt_timeline(attempts)):
+                lines.append("  " + line)
+                if attempt.state == FAILED and attempt.message:
+                    lines.append("      " + attempt.message)
         for p in m.processes(args.run):
-            lines.append(f"  node {p.node}: {p.state}, process group {p.pgid}"
+            lines.append(f"  node {p.node}: {p.state}"
+                         + (f", process group {p.pgid}" if p.pgid is not None else "")
                          + (f", exit code {p.exit_code}" if p.exit_code is not None else ""))
         for alert in m.alerts(args.run):
             lines.append(f"  alert [{alert.severity}] {alert.message}")

@@ -307,6 +307,32 @@ def test_a_run_whose_agents_are_gone_is_not_a_hang(engine):
     assert ing.evaluate("r") == []
 
 
+def test_an_automatic_restarts_startup_is_not_a_hang_of_the_attempt_that_failed(engine):
+    """Killed at step 14 (no end event); the watch follows the next attempt, whose workers are
+    still starting (its agent is up, no `start` event yet): the 10 s limit counts from the last
+    step only within an attempt, and until its first step the startup limit applies."""
+    now = [T0]
+    ing = Ingestor(engine, autostart=False, clock=lambda: now[0])
+
+    def event(offset: int, **data):
+        ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": offset, "rank": 0,
+                                       "data": {"time": now[0], **data}}))
+
+    ing.watch_attempt("r", T0, hang_s=10, multiple=5)
+    event(1, type="start")
+    for step in range(1, 15):
+        now[0] += 0.5
+        event(1 + step, type="train", step=step, loss=1.0)
+    ing.watch_attempt("r", now[0] + 1, hang_s=10, multiple=5)  # the kill, then the restart
+    now[0] += 12
+    ing.feed("r", "a", json.dumps({"kind": "heartbeat", "t": now[0]}))
+    assert ing.evaluate("r") == [] and ing.hang("r", T0) is None
+    now[0] += 900  # past the startup limit with no step of the new attempt: that is a hang
+    ing.feed("r", "a", json.dumps({"kind": "heartbeat", "t": now[0]}))
+    [found] = ing.evaluate("r")
+    assert found.rule == "hang" and "since the start (no step logged yet)" in found.message
+
+
 def test_a_failed_flush_keeps_the_batch(engine, monkeypatch):
     ing = Ingestor(engine, autostart=False)
     ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": 5, "rank": 0,

@@ -204,7 +204,14 @@ def test_a_hung_rank_is_stopped_and_the_run_restarted(cluster_run, capsys):
     first = wait_for("attempt 2's first step", lambda: first_step_of(m, run_id, 2), m, run_id, 150)
     run = m.wait(run_id, timeout=150)
     assert run.state == "succeeded", (run.state, run.message)
+    from backend import cli
+
+    assert cli.main(["status", run_id, "--db", str(m.engine.url)]) == 0
+    status = capsys.readouterr().out
+    assert "attempt 1 (launch, " in status and ": failed, hang" in status and "no training step for" in status
+    assert sum("no training step" in a.message for a in m.alerts(run_id)) == 1, status
     with capsys.disabled():
+        print("\n" + status)
         print(f"\nhang: failure recorded {hung.ended_at - stopped:.1f} s after SIGSTOP (limit 10 s), next attempt "
               f"started at {m.attempts(run_id)[1].started_at - stopped:.1f} s, its first step at {first - stopped:.1f} s"
               f"\n{hung.message}")

@@ -183,7 +183,7 @@ def test_a_python_that_does_not_import_the_worker_fails_the_run_naming_it(slurm_
         m.close()
 
 
-def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, tiny_model, tmp_path):
+def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, tiny_model, tmp_path, capsys):
     """Automatic recovery (max_restarts) on Slurm: SIGKILLed workers fail the job, and the run goes
     on as a new job on the same target, from the newest checkpoint; then a rank stopped with
     SIGSTOP makes no step within the job's own hang limit: the job is cancelled as hung and the
@@ -241,6 +241,16 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         print(f"kill → first step of the new job {first_steps[0] - t_kill:.1f} s; SIGSTOP → first step of the "
               f"third job {first_steps[1] - t_stop:.1f} s")
         print(f"kill → restart → hang → restart → end: {time.time() - t0:.1f} s")
+        from backend import cli
+
+        assert cli.main(["status", run_id, "--db", str(m.engine.url)]) == 0
+        status = capsys.readouterr().out
+        assert all(f"Slurm job {job_id}" in status for job_id in jobs), status
+        assert ": failed, killed" in status and ": failed, hang" in status and "cancelled Slurm job" in status
+        # One hang alert: the SIGSTOP's; a new job's startup is not a hang of the killed one.
+        assert sum("no training step" in a.message for a in m.alerts(run_id)) == 1, status
+        with capsys.disabled():
+            print("\n" + status)
     finally:
         m.close()
 

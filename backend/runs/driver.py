@@ -185,7 +185,7 @@ class AttemptDriver:
                            hosts: list[str]) -> None:
         run, attempt = self.store.get(run_id), next(a for a in self.store.attempts(run_id) if a.id == attempt_id)
         spec = spec_of(run)
-        self.sink.set_hang_limit(run_id, spec.hang_timeout_s, spec.hang_step_multiple)
+        self.sink.watch_attempt(run_id, attempt.started_at, spec.hang_timeout_s, spec.hang_step_multiple)
 
         def on_running(allocated: list[str]) -> None:
             # The allocation's nodes, reached through the login node's shell: their files are in
@@ -274,7 +274,7 @@ class AttemptDriver:
     async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)
         spec = spec_of(run)
-        self.sink.set_hang_limit(run_id, spec.hang_timeout_s, spec.hang_step_multiple)
+        self.sink.watch_attempt(run_id, attempt.started_at, spec.hang_timeout_s, spec.hang_step_multiple)
         procs = {p.node: p for p in self.store.processes(attempt.id)}
         watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
 

@@ -80,6 +80,9 @@ def attempt_timeline(attempts: list[Attempt]) -> list[str]:
     lines = []
     for a in attempts:
         how = ("automatic restart" if a.automatic else "resume" if a.resume_from else "launch")
+        job_id = json.loads(a.slurm_json).get("job_id") if a.slurm_json else None
+        if job_id:
+            how += f", Slurm job {job_id}"
         line = f"attempt {a.number} ({how}, {clock(a.started_at)}–{clock(a.ended_at)}): {a.state}"
         if a.cause:
             where = f" on node {a.failed_node}" if a.failed_node else ""

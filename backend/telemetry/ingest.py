@@ -140,7 +140,7 @@ class TelemetrySink(Protocol):
 
     def events(self, run_id: str, etypes: Iterable[str], limit: int | None = None) -> dict[str, list[dict]]: ...
 
-    def set_hang_limit(self, run_id: str, hang_s: float, multiple: float) -> None: ...
+    def watch_attempt(self, run_id: str, started_at: float, hang_s: float, multiple: float) -> None: ...
 
     def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None: ...
 
@@ -161,6 +161,7 @@ class Ingestor:
         self._flush_lock = threading.Lock()  # one writer at a time
         self._runs: dict[str, _RunState] = {}
         self._alert_configs: dict[str, rules.AlertConfig] = {}  # runs with a hang limit of their own
+        self._attempt_started: dict[str, float] = {}  # run id -> when the watched attempt started
         self._pending = _Pending()
         # Cursors start at this process's start time in microseconds, so a cursor kept by a
         # browser across a backend restart is always recognised as foreign.
@@ -490,17 +491,25 @@ class Ingestor:
             st = self._run(run_id)
             agents = any(not s.get("ended") and now - s.get("last_seen", -math.inf) <= AGENT_SILENT_S
                          for s in st.nodes.values())
+            started_t = st.started_t
+            if run_id in self._attempt_started:
+                # Until the new attempt's `start` event, the steps are the failed attempt's.
+                started_t = max(started_t or 0.0, self._attempt_started[run_id])
             return rules.Window(
-                now=now, running=st.running and agents, started_t=st.started_t,
+                now=now, running=st.running and agents, started_t=started_t,
                 util={k: list(v) for k, v in st.util.items()} if devices else {},
                 mem=dict(st.mem) if devices else {}, train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
                 checkpoint=st.checkpoint, last_collective=st.last_collective)
 
-    def set_hang_limit(self, run_id: str, hang_s: float, multiple: float) -> None:
-        """The job's own hang limit (its `hang_timeout_s`, `hang_step_multiple`), for its hang alert
-        and the watch that stops a hung run; the other rules keep this ingestor's limits."""
-        self._alert_configs[run_id] = replace(self.alert_config, hang_s=hang_s, hang_multiple=multiple)
+    def watch_attempt(self, run_id: str, started_at: float, hang_s: float, multiple: float) -> None:
+        """A watch follows the attempt started at `started_at`, with the job's own hang limit (its
+        `hang_timeout_s`, `hang_step_multiple`) for the hang alert and the watch's stop; the other
+        rules keep this ingestor's limits. The rules count steps from the attempt's start on: an
+        automatic restart's startup is not a hang of the attempt that failed."""
+        with self._lock:
+            self._alert_configs[run_id] = replace(self.alert_config, hang_s=hang_s, hang_multiple=multiple)
+            self._attempt_started[run_id] = started_at
 
     def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None:
         """The hang rule's finding for the attempt started at `since` (what the watch stops a hung
