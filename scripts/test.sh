@@ -14,4 +14,5 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
-python3 -m pytest "$@"
+# Two workers: see SERVICE_FILES in tests/conftest.py.
+python3 -m pytest -n 2 --dist loadgroup "$@"
