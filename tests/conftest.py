@@ -25,6 +25,9 @@ SERVICE_FILES = {
 }
 
 
+# tryfirst: xdist's own hook in each worker turns the mark into the id it schedules by, and it
+# runs before a conftest's hook otherwise.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group("services" if item.path.name in SERVICE_FILES else item.path.stem))
