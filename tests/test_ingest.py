@@ -259,6 +259,28 @@ def test_log_alerts_are_stored_once_per_condition(engine):
     assert "OutOfMemoryError" in alert.detail
 
 
+def test_the_lines_a_hang_stop_makes_the_other_ranks_log_raise_no_alert(engine):
+    """A watch stops attempt 2 as hung: the survivors' 'peer lost' and 'rendezvous failed' lines
+    are the stop's, kept in the log; the same lines of the next attempt still alert."""
+    ing = Ingestor(engine, autostart=False)
+    lines = ["RuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32683: Connection reset by peer",
+             "The node 'a_1_0' has failed to send a keep-alive heartbeat to the rendezvous 'r' due to an error of "
+             "type RendezvousConnectionError."]
+
+    def log(offset: int, line: str, attempt: int) -> None:
+        ing.feed("r", "a", json.dumps({"kind": "log", "file": "logs/a.log", "offset": offset, "line": line}), attempt)
+
+    ing.stopping_hung("r", 2)
+    for i, line in enumerate(lines):
+        log(10 * (i + 1), line, 2)
+    ing.flush()
+    assert ing.alerts("r") == []
+    for i, line in enumerate(lines):
+        log(10 * (i + 1), line, 3)
+    ing.flush()
+    assert sorted(a.rule for a in ing.alerts("r")) == ["log", "log"]
+
+
 def test_rules_run_on_ingested_series_and_a_nonfinite_loss_alerts(engine):
     ing = Ingestor(engine, autostart=False)
     cursor = ing.series("r", ["train/loss"]).cursor

@@ -269,7 +269,7 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
     from backend.telemetry import logclass
     from backend.telemetry.alerts import Finding
 
-    asked, cancelled, states = [], [], iter([slurm.JobState("13", "RUNNING"), slurm.JobState("13", "RUNNING"),
+    asked, cancelled, stopping, states = [], [], [], iter([slurm.JobState("13", "RUNNING"), slurm.JobState("13", "RUNNING"),
                                              slurm.JobState("13", "RUNNING", requeued=1),
                                              slurm.JobState("13", "RUNNING", requeued=1)])
 
@@ -279,6 +279,9 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
 
         def on_agent_line(self, *args, **kw):
             pass
+
+        def stopping_hung(self, run_id, attempt):
+            stopping.append((run_id, attempt))
 
         def hang(self, run_id, since):
             asked.append(since)
@@ -306,7 +309,7 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
             await pool.close()
 
     out = asyncio.run(go())
-    assert cancelled == ["13"]
+    assert cancelled == ["13"] and stopping == [("run-1", 1)]
     assert (out.state, out.failure.cause, out.failure.node) == ("failed", logclass.HANG, "gpu-2")
     assert "last logged step 12" in out.failure.message and "cancelled Slurm job 13" in out.failure.message
     assert asked[0] == asked[1] < asked[2] == asked[3], asked  # the requeue restarted the count

@@ -128,6 +128,7 @@ class SlurmWatcher:
         """The ranks made no step within the job's hang limit (the same rule as on SSH nodes): the
         job is cancelled (none of its ranks can reach the step boundary a checkpoint needs)."""
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
+        self.sink.stopping_hung(self.run_id, self.attempt)
         return await self._cancelled(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)))
 
     async def _cancelled(self, failure: Failure) -> Outcome:

@@ -232,6 +232,7 @@ class AttemptWatcher:
         log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
         the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
+        self.sink.stopping_hung(self.run_id, self.attempt)
         return await self._stopped_with(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)),
                                         HANG_STOP_GRACE_S, timed=True)
 

@@ -144,6 +144,8 @@ class TelemetrySink(Protocol):
 
     def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None: ...
 
+    def stopping_hung(self, run_id: str, attempt: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -162,6 +164,7 @@ class Ingestor:
         self._runs: dict[str, _RunState] = {}
         self._alert_configs: dict[str, rules.AlertConfig] = {}  # runs with a hang limit of their own
         self._attempt_started: dict[str, float] = {}  # run id -> when the watched attempt started
+        self._hung_attempt: dict[str, int] = {}  # run id -> the attempt a watch is stopping as hung
         self._pending = _Pending()
         # Cursors start at this process's start time in microseconds, so a cursor kept by a
         # browser across a backend restart is always recognised as foreign.
@@ -340,6 +343,8 @@ class Ingestor:
     def _on_read_log(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         """A log line read from an agent's file: taken once by where it was read (`read`), since a
         Slurm requeue writes the log anew within the attempt."""
+        if attempt is not None and self._hung_attempt.get(run_id) == attempt:
+            return  # the stop's own lines (stopping_hung)
         finding = rules.log_line(node, str(rec.get("line", "")), self.clock())
         if finding is not None:
             self._add_finding(run_id, st, finding)
@@ -519,6 +524,13 @@ class Ingestor:
         window = replace(window, started_t=max(window.started_t or since, since))
         found = rules.hang(window, self._alert_configs.get(run_id, self.alert_config))
         return found[0] if found else None
+
+    def stopping_hung(self, run_id: str, attempt: int) -> None:
+        """A watch stops `attempt` of the run as hung. The lines its stop makes the other ranks log
+        (peer lost, rendezvous failed, a collective timeout) are the stop's consequences, not causes:
+        they stay in the log and raise no alert; the hang alert and the attempt's failure name the cause."""
+        with self._lock:
+            self._hung_attempt[run_id] = attempt
 
     def evaluate(self, run_id: str, now: float | None = None) -> list[rules.Finding]:
         """Run the alert rules on a run's window and queue the findings for storage."""
