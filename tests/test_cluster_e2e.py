@@ -75,6 +75,16 @@ def train_steps(m: RunManager, run_id: str) -> list[int]:
     return sorted(json.loads(r.data)["step"] for r in rows)
 
 
+def workers(m: RunManager, run_id: str, *nodes: str) -> list[psutil.Process]:
+    """The training processes of the run on `nodes` (all when none is named). torchrun starts each
+    worker in a session of its own: they are found as its children."""
+    found = [p for proc in m.processes(run_id) if not nodes or proc.node in nodes
+             for p in psutil.Process(proc.pgid).children(recursive=True)
+             if "launcher.train" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    assert found
+    return found
+
+
 def wait_step(m: RunManager, run_id: str, step: int, timeout: float = 120) -> int:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -109,11 +119,18 @@ def test_run_restart_stop_resume_complete(env, sshd_nodes, capsys, monkeypatch):
     procs = m.processes(run_id)
     assert [p.node for p in procs] == ["127.0.0.2", "127.0.0.3"] and all(p.pgid for p in procs)
 
-    # The studio goes away mid-run; a new one re-attaches.
+    # The studio goes away mid-run; a new one re-attaches. The ranks are frozen meanwhile: the
+    # run must still be mid-run when it is stopped (a close took long enough here, on 2 busy
+    # cores, for all 120 steps to end first).
+    frozen = workers(m, run_id)
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
     m.close()
     m = manager()
     assert m.run(run_id).state == "running"
     assert any("re-attached" in n for n in m.notices(run_id))
+    for p in frozen:
+        p.send_signal(signal.SIGCONT)
     reached = wait_step(m, run_id, 8)
 
     # Stop: SIGTERM → the worker checkpoints → nothing of the run is left on either node.
@@ -166,13 +183,9 @@ def test_sigkill_of_one_node_fails_the_run_naming_it(env):
     m = manager()
     run_id = m.launch(spec_of(100_000, save_steps=100_000), cluster, name="e2e kill", setups=setups)
     wait_step(m, run_id, 2, timeout=150)
-    victim = next(p for p in m.processes(run_id) if p.node == "127.0.0.3")
-    # torchrun starts each worker in a session of its own: find them as its children
-    workers = [p for p in psutil.Process(victim.pgid).children(recursive=True)
-               if "launcher.train" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
-    assert workers
+    victims = workers(m, run_id, "127.0.0.3")
     killed_at = time.monotonic()
-    for p in workers:
+    for p in victims:
         os.kill(p.pid, signal.SIGKILL)
     run = m.wait(run_id, timeout=30)
     took = time.monotonic() - killed_at
