@@ -152,21 +152,20 @@ def add_status(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from backend.runs.lifecycle import FAILED, attempt_timeline
+    from backend.runs.lifecycle import attempt_history
 
     with _manager(args) as m, _refused():
         run = m.settle(args.run)
         lines = _describe(run)
         attempts = m.attempts(args.run)
         if len(attempts) > 1:
-            for attempt, line in zip(attempts, attempt_timeline(attempts)):
-                lines.append("  " + line)
-                if attempt.state == FAILED and attempt.message:
-                    lines.append("      " + attempt.message)
+            for line, message in attempt_history(attempts):
+                lines += ["  " + line, *(["      " + message] if message else [])]
         for p in m.processes(args.run):
             lines.append(f"  node {p.node}: {p.state}"
                          + (f", process group {p.pgid}" if p.pgid is not None else "")
                          + (f", exit code {p.exit_code}" if p.exit_code is not None else ""))
+        lines += [f"  notice {notice}" for notice in m.notices(args.run, last=10)]
         for alert in m.alerts(args.run):
             lines.append(f"  alert [{alert.severity}] {alert.message}")
     print("\n".join(lines))

@@ -76,7 +76,7 @@ def init(timeout_s: int, same_data_ranks: int = 1) -> Dist:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s), group_desc="control")
     return Dist(rank, world, local_rank, device, control, same_data_ranks)
 
 

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     where = {"rank": rank, "node": os.environ.get(NODE_ENV), "pgid": os.getpgid(os.getppid())}
 
     from backend.job.capabilities import same_data_ranks
-    from launcher import dist
+    from launcher import dist, flight
     from launcher.config import load_job
     from launcher.trainer import Stopped, Trainer
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         end(None, "failed", 0, exc)
         return 1
     ctx = dist.init(spec.ddp_timeout, same_data_ranks=same_data_ranks(spec))
+    flight.answer_requests(Path(args.run_dir), ctx.rank)
     logging.basicConfig(level=logging.INFO if ctx.is_main else logging.WARNING,
                         format=f"[rank{ctx.rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True)
     trainer = Trainer(args.run_dir, spec, ctx, args.resume)

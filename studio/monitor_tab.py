@@ -104,7 +104,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             return gr.update(label=user_message("Listing runs", exc))
 
     def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str) -> dict:
-        from backend.runs.lifecycle import ACTIVE, attempt_timeline
+        from backend.runs.lifecycle import ACTIVE, attempt_history
         out: dict = {}
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
@@ -120,7 +120,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             progress = manager.progress(run_id)
             out[c["status"]] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id),
                                          usage_line(manager.usage(run_id), studio.gpu_hour_price()),
-                                         attempt_timeline(manager.attempts(run_id)))
+                                         attempt_history(manager.attempts(run_id)))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)

@@ -3,8 +3,9 @@ difference of two runs, the alert list. Inputs are the backend's records (Run, A
 from __future__ import annotations
 
 import html
+import re
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import yaml
@@ -86,8 +87,16 @@ def usage_line(usage: Usage | None, price: float | None) -> str:
     return "Used: " + " · ".join(parts)
 
 
+MESSAGE_CHARS = 600  # of a failed attempt's message in the timeline
+
+
+def _plain(text: str) -> str:
+    """Text shown as it is in Markdown: no emphasis, links, code or HTML from a log line."""
+    return re.sub(r"([\\`*_\[\]<>#|~])", r"\\\1", text)
+
+
 def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None,
-              usage: str = "", attempts: list[str] = ()) -> str:
+              usage: str = "", attempts: Sequence[tuple[str, str | None]] = ()) -> str:
     """The Monitor's head: state, attempt, the layout of the ranks, elapsed time, and for a failure
     the classified cause, the node and the last log lines (never a traceback from the studio itself)."""
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
@@ -112,8 +121,9 @@ def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layou
             lines.append(f"\nWhat to do: {HELP[run.cause]}")
         if run.log_tail:
             lines.append("\nLast log lines:\n```\n" + run.log_tail.strip()[-3000:] + "\n```")
-    if len(attempts) > 1:  # the run's timeline (lifecycle.attempt_timeline), newest last
-        lines.append("\n" + "  \n".join(attempts[-6:]))
+    if len(attempts) > 1:  # the run's timeline (lifecycle.attempt_history), newest last
+        lines.append("\n" + "  \n".join(line + (f"  \n&emsp;↳ {_plain(message[:MESSAGE_CHARS])}" if message else "")
+                                         for line, message in attempts[-6:]))
     for notice in notices[-3:]:
         lines.append(f"\n_{notice}_")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ from backend.cluster.nodes import Pool
 from backend.job.cluster import Node
 from backend.runs.watch import AttemptWatcher, NodeWatch
 from backend.store.db import make_engine
-from backend.telemetry.agent import GpuSampler, SLOW_READ_S, Tailer, flight_record
+from backend.telemetry.agent import (MAX_FLIGHT_BYTES, SLOW_READ_S, GpuSampler, Tailer, _gpu_of, flight_record,
+                                    requested_flight_record)
 from backend.telemetry.ingest import Ingestor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,6 +155,41 @@ def test_agent_streams_host_samples_and_local_rank_events_from_offsets(tmp_path)
     assert (flight["rank"], flight["collective"], flight["seq"], flight["state"]) == (1, "nccl:all_reduce", 41, "started")
     assert recs[-1]["kind"] == "bye" and recs[-1]["reason"] == "run over"
     assert rss_mib < 80, f"agent uses {rss_mib:.0f} MiB"
+
+
+def test_a_stopped_rank_is_reported_when_stopped_and_again_when_it_goes_on(tmp_path):
+    """The hang diagnosis names a rank whose process the kernel holds (SIGSTOP here; D state
+    the same way): the agent sends a `rank_state` line on each change, not on every scan."""
+    run = make_run(tmp_path)
+    group = start_torchrun(run, "n1", life=60)
+    agent = subprocess.Popen(agent_cmd(run, "n1"), cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        def next_state(timeout: float = 15) -> list[dict]:
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                rec = json.loads(agent.stdout.readline())
+                if rec["kind"] == "rank_state":
+                    return rec["ranks"]
+            raise AssertionError("no rank_state line")
+
+        assert next_state() == [{"rank": 1, "state": "running"}]
+        [worker] = psutil.Process(group.pid).children()
+        worker.suspend()  # SIGSTOP
+        assert next_state() == [{"rank": 1, "state": "stopped"}]
+        worker.resume()
+        assert next_state() == [{"rank": 1, "state": "running"}]
+        agent.send_signal(signal.SIGTERM)
+        rest = lines_of(agent.communicate(timeout=10)[0])
+    finally:
+        agent.kill()
+        stop_group(group)
+    assert by_kind(rest, "rank_state") == []  # nothing changed after that
+
+
+def test_a_workers_gpu_is_named_only_where_the_node_has_gpus():
+    assert _gpu_of({"CUDA_VISIBLE_DEVICES": "2,5"}, 1) == 5 and _gpu_of({"CUDA_VISIBLE_DEVICES": "2,5"}, 1, gpus=False) == 5
+    assert _gpu_of({}, 1) == 1  # torch's cuda:LOCAL_RANK
+    assert _gpu_of({}, 1, gpus=False) is None  # a CPU node: no "GPU 1" in an alert
 
 
 def test_agent_never_imports_torch():
@@ -345,11 +381,31 @@ def test_flight_record_names_the_collective_not_completed(tmp_path):
     path = tmp_path / "nccl_trace_rank_3"
     path.write_bytes(pickle.dumps(FLIGHT_DUMP))
     rec = flight_record(path, 3, 5.0)
-    assert rec == {"kind": "flight", "t": 5.0, "rank": 3, "file": str(path), "entries": 3,
-                   "collective": "nccl:all_reduce", "seq": 41, "state": "started", "process_group": ["0", "default_pg"]}
+    assert rec == {"kind": "flight", "t": 5.0, "rank": 3, "file": str(path), "entries": 3, "in_flight": True,
+                   "collective": "nccl:all_reduce", "seq": 41, "state": "started", "group": "0",
+                   "process_group": ["0", "default_pg"], "last_seq": {"0": 42}}
     done = {**FLIGHT_DUMP, "entries": FLIGHT_DUMP["entries"][:1]}
     path.write_bytes(pickle.dumps(done))
     assert flight_record(path, 3, 5.0)["seq"] == 40  # all completed: the newest
+
+
+def test_a_requested_dump_names_the_collective_in_flight_from_gloos_retired_flag(tmp_path):
+    """launcher.flight's file: gloo's recorder keeps every entry `scheduled`; the one a rank waits
+    in is the one not retired (as a real dump of a rank blocked in its third all_reduce shows)."""
+    entry = {"profiling_name": "gloo:all_reduce", "state": "scheduled", "process_group": ["0", "default_pg"]}
+    entries = [{**entry, "collective_seq_id": n, "retired": n < 3, "time_created_ns": n} for n in (1, 2, 3)]
+    path = tmp_path / "rank-0.json"
+    path.write_text(json.dumps({"rank": 0, "dumps": {"_dump_fr_trace_json": {"entries": entries},
+                                                     "_dump_nccl_trace_json": {"error": "RuntimeError: no NCCL"}}}))
+    rec = requested_flight_record(path, 0, 9.0)
+    assert rec["requested"] and (rec["collective"], rec["seq"], rec["in_flight"]) == ("gloo:all_reduce", 3, True)
+    assert rec["last_seq"] == {"0": 3} and rec["error"] == "RuntimeError: no NCCL"
+    path.write_text(json.dumps({"dumps": {"_dump_fr_trace_json": {"entries": entries[:2]}}}))
+    assert (requested_flight_record(path, 0, 9.0)["in_flight"], requested_flight_record(path, 0, 9.0)["seq"]) == (False, 2)
+    with open(path, "wb") as f:  # a crafted giant file is not read into memory
+        f.truncate(MAX_FLIGHT_BYTES + 1)
+    with pytest.raises(ValueError, match="larger than"):
+        requested_flight_record(path, 0, 9.0)
 
 
 def test_flight_record_loads_nothing_but_plain_data(tmp_path):

@@ -5,6 +5,7 @@ from backend.telemetry import alerts
 from backend.telemetry.alerts import AlertConfig, Window
 
 CFG = AlertConfig()
+HANG_10S = AlertConfig(hang_s=10)
 T0 = 1_700_000_000.0
 
 
@@ -108,7 +109,67 @@ def test_hang_fires_and_names_the_rank_behind():
     [f] = alerts.hang(w, CFG)
     assert f.rule == "hang" and (f.rank, f.node, f.gpu) == (1, "node-b", 3)
     assert "400 s" in f.message and "rank 1, node node-b, GPU 3" in f.message
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in f.message
+
+
+def test_hang_names_the_rank_whose_process_is_stopped_or_in_uninterruptible_io():
+    # gloo: every rank logged the same last step, so only the process states tell them apart
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    steps = {r: [timing(r, 10, 1.0, t=T0 + 10)] for r in range(3)}
+    w = window(T0 + 30, train=ev, timing=steps, placement={1: ("node-b", None), 2: ("node-c", 0)},
+               rank_states={0: ("running", T0 + 1), 1: ("stopped", T0 + 11), 2: ("running", T0 + 1)})
+    [f] = alerts.hang(w, HANG_10S)
+    assert (f.rank, f.node) == (1, "node-b")
+    assert ("rank 1, node node-b has been stopped (SIGSTOP, a debugger or job control) for 19 s: the other ranks "
+            "wait for it") in f.message
+    w.rank_states.update({1: ("running", T0 + 1), 2: ("disk_sleep", T0 + 12)})
+    [f] = alerts.hang(w, HANG_10S)
+    assert (f.rank, f.node, f.gpu) == (2, "node-c", 0) and "uninterruptible I/O (D state" in f.message
+    # a brief D state (an ordinary read) and a state from before this attempt name nobody
+    for states in ({2: ("disk_sleep", T0 + 29)}, {1: ("stopped", T0 - 5)}):
+        w.rank_states.clear()
+        w.rank_states.update(states)
+        [f] = alerts.hang(w, HANG_10S)
+        assert f.rank is None and "has been" not in f.message
+    # two halted ranks are both named, and neither is taken for the one rank to blame
+    w.rank_states.update({1: ("stopped", T0 + 11), 2: ("stopped", T0 + 11)})
+    [f] = alerts.hang(w, HANG_10S)
+    assert f.rank is None and "rank 1, node node-b has been stopped" in f.message
+    assert "rank 2, node node-c, GPU 0 has been stopped" in f.message and "wait for it" not in f.message
+
+
+def test_hang_names_a_rank_behind_and_stopped_once():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    w = window(T0 + 30, train=ev, timing={0: [timing(0, 10, 1.0, t=T0 + 10)], 1: [timing(1, 9, 1.0, t=T0 + 9)]},
+               placement={1: ("node-b", None)}, rank_states={1: ("stopped", T0 + 10)})
+    [f] = alerts.hang(w, HANG_10S)
+    assert (f.rank, f.node) == (1, "node-b") and f.message.count("rank 1") == 1
+    assert ("rank 1, node node-b last reported step 9 while other ranks reached 10 and has been stopped (SIGSTOP, "
+            "a debugger or job control) for 20 s: the other ranks wait for it") in f.message
+
+
+def flight(rank, t, seq, last, in_flight=True, group="0", collective="gloo:all_reduce"):
+    """A rank's answer to the watch's flight recorder request, as the agent sends it."""
+    return {"kind": "flight", "t": t, "rank": rank, "requested": True, "collective": collective, "seq": seq,
+            "in_flight": in_flight, "group": group, "process_group": [group, "default_pg"], "last_seq": {group: last}}
+
+
+def test_hang_names_the_collective_the_ranks_wait_in_and_the_rank_that_never_entered_it():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    seen = {r: T0 + 1 for r in range(4)}
+    answers = {0: flight(0, T0 + 28, 7, 7), 2: flight(2, T0 + 28, 7, 7),
+               1: flight(1, T0 + 28, 6, 6, in_flight=False)}  # rank 3 did not answer
+    w = window(T0 + 30, train=ev, placement={1: ("node-b", None)}, flights=answers, rank_seen=seen)
+    [f] = alerts.hang(w, HANG_10S)
+    assert "flight recorder: ranks 0, 2 wait in gloo:all_reduce #7 (process group default_pg)" in f.message
+    assert "rank 1 never entered it (its last collective there: #6)" in f.message
+    assert "no flight recorder answer from rank 3 (stopped, ended" in f.message
+    assert (f.rank, f.node) == (1, "node-b")  # the one the others wait for
+    # every rank outside communication; and answers or ranks from before this attempt do not count
+    w = window(T0 + 30, train=ev, flights={0: flight(0, T0 + 28, 6, 6, in_flight=False),
+                                           1: flight(1, T0 - 50, 3, 3)}, rank_seen={0: T0 + 1, 1: T0 - 60})
+    [f] = alerts.hang(w, HANG_10S)
+    assert "flight recorder: rank 0 in no collective (stuck in computation" in f.message and "rank 1" not in f.message
+    assert f.rank is None
 
 
 def test_hang_names_the_collective_from_the_logs():

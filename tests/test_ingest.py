@@ -281,6 +281,43 @@ def test_the_lines_a_hang_stop_makes_the_other_ranks_log_raise_no_alert(engine):
     assert sorted(a.rule for a in ing.alerts("r")) == ["log", "log"]
 
 
+def test_a_rank_state_counts_from_the_agent_line_that_first_reported_it(engine):
+    ing = Ingestor(engine, autostart=False)
+
+    def states(t: float, **by_rank: str) -> None:
+        ranks = [{"rank": int(r[1:]), "state": v} for r, v in by_rank.items()]
+        ing.feed("r", "b", json.dumps({"kind": "rank_state", "t": t, "ranks": ranks}))
+
+    states(T0, r1="running")
+    states(T0 + 4, r1="stopped")
+    states(T0 + 6, r1="stopped")  # a repeat (a new agent after a reconnect) keeps the first time
+    assert ing.window("r", now=T0 + 10).rank_states == {1: ("stopped", T0 + 4)}
+    states(T0 + 8, r1="running")
+    assert ing.window("r", now=T0 + 10).rank_states == {1: ("running", T0 + 8)}
+    ing.feed("r", "b", json.dumps({"kind": "rank_state", "t": T0 + 9, "ranks": [{"state": "x"}]}))  # no rank
+    assert ing.stats["bad_lines"] == 1 and ing.window("r", now=T0 + 10).rank_states == {1: ("running", T0 + 8)}
+
+
+def test_a_flight_request_is_awaited_from_the_running_ranks_of_the_watched_attempt(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.watch_attempt("r", T0, 10, 5)
+
+    def line(node: str, rec: dict) -> None:
+        ing.feed("r", node, json.dumps(rec))
+
+    line("a", {"kind": "rank_state", "t": T0 - 50, "ranks": [{"rank": 2, "state": "running"}]})  # an earlier attempt's
+    line("a", {"kind": "rank_state", "t": T0 + 1, "ranks": [{"rank": 0, "state": "running"}]})
+    line("b", {"kind": "rank_state", "t": T0 + 1, "ranks": [{"rank": 1, "state": "stopped"}]})  # cannot answer
+    assert ing.awaiting_flight("r", T0 + 20)
+    answer = {"kind": "flight", "rank": 0, "requested": True, "collective": "gloo:all_reduce", "seq": 3}
+    line("a", {**answer, "t": T0 + 19})  # before the request: not its answer
+    assert ing.awaiting_flight("r", T0 + 20)
+    line("a", {**answer, "t": T0 + 21})
+    assert not ing.awaiting_flight("r", T0 + 20)
+    ing.flush()
+    assert ing.alerts("r") == []  # an answer is the hang alert's to report, not an alert of its own
+
+
 def test_rules_run_on_ingested_series_and_a_nonfinite_loss_alerts(engine):
     ing = Ingestor(engine, autostart=False)
     cursor = ing.series("r", ["train/loss"]).cursor

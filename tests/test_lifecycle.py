@@ -46,6 +46,21 @@ def test_happy_path_and_attempts(store):
     assert store.get("r1").failed_node is None
 
 
+def test_notices_are_stored_for_every_process(tmp_path):
+    """A run's notices (automatic recovery's decisions among them) are read by any process, the
+    last ones oldest first."""
+    url = f"sqlite:///{tmp_path / 'studio.db'}"
+    writer, reader = (lc.RunStore(make_engine(url)) for _ in range(2))
+    create_db_and_tables(writer.engine)
+    for run_id in ("r1", "r2"):
+        writer.create(Run(id=run_id, name=run_id, spec_yaml="model: m\n", output_dir="/o", run_dir=f"/o/{run_id}"))
+    for n in range(25):
+        writer.add_notice("r1", f"notice {n}")
+    writer.add_notice("r2", "another run's")
+    assert [n.message for n in reader.notices("r1", 3)] == ["notice 22", "notice 23", "notice 24"]
+    assert len(reader.notices("r1", 100)) == 25 and [n.message for n in reader.notices("r2", 3)] == ["another run's"]
+
+
 @pytest.mark.parametrize("path", [[lc.RUNNING], [lc.CHECKING, lc.RUNNING], [lc.CHECKING, lc.LAUNCHING, lc.RUNNING,
                                                                           lc.SUCCEEDED, lc.CHECKING]])
 def test_illegal_moves_are_refused(store, path):

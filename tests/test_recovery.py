@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from backend.job.cluster import Node
 from backend.job.spec import JobSpec
-from backend.runs.lifecycle import attempt_timeline
+from backend.runs.lifecycle import attempt_history, attempt_timeline
 from backend.runs.recovery import NoRestart, Restart, decide
 from backend.store.models import Attempt
 
@@ -50,6 +50,8 @@ def test_a_node_that_failed_twice_is_left_out_and_the_budget_counts_since_the_us
     assert again == Restart(1, tuple(MEMBERS), None)
     alone = decide(spec(), [attempt(1), attempt(2, automatic=True)], [(B, None)], progressed=True)
     assert isinstance(alone, NoRestart) and "no other node is left" in alone.why
+    # on Slurm the partition, not the allocation, holds the other nodes: the node is named to exclude
+    assert decide(spec(), [attempt(1), attempt(2, automatic=True)], None, progressed=True) == Restart(2, (), "b")
 
 
 def test_a_restart_that_failed_before_its_first_step_is_not_repeated():
@@ -81,6 +83,7 @@ from sqlmodel import Session, select  # noqa: E402
 from backend.job.cluster import Cluster  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from backend.store.telemetry_models import RunEvent  # noqa: E402
+from studio.run_view import status_md  # noqa: E402
 from worker import until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,9 +172,15 @@ def test_a_killed_node_is_restarted_then_left_out_after_its_second_failure(clust
     status = capsys.readouterr().out
     assert "succeeded (attempt 3" in status
     assert "attempt 1 (launch, " in status and ": failed, killed on node 127.0.0.3" in status
-    assert "attempt 3 (automatic restart, " in status and status.rstrip().count("automatic restart") == 2
+    assert "attempt 3 (automatic restart, " in status and status.count("(automatic restart, ") == 2
+    # the recovery decisions are stored, so a process that did not drive the run shows them
+    assert "notice" in status and "automatic restart 2 of 2 after killed on node 127.0.0.3; left out" in status
+    # The Monitor's head, as the studio renders it from the same database.
+    monitor = status_md(m.run(run_id), m.progress(run_id), m.notices(run_id), m.layout(run_id),
+                        attempts=attempt_history(m.attempts(run_id)))
+    assert "attempt 2 (automatic restart, " in monitor and "left out node 127.0.0.3 (it failed twice)" in monitor
     with capsys.disabled():
-        print("\n" + status)
+        print("\n" + status + "\n\nMonitor:\n" + monitor)
         for n, (detected, restarted, stepped) in enumerate(figures, 1):
             print(f"\nrecovery kill {n}: failure recorded {detected:.1f} s after SIGKILL, next attempt started at "
                   f"{restarted:.1f} s, its first step at {stepped:.1f} s")
@@ -201,6 +210,12 @@ def test_a_hung_rank_is_stopped_and_the_run_restarted(cluster_run, capsys):
     hung = m.attempts(run_id)[0]
     assert (hung.state, hung.cause) == ("failed", "hang"), hung
     assert "no training step for" in hung.message and "stopped its ranks" in hung.message, hung.message
+    # gloo logs no step ahead on either rank: the stopped process names the rank and its node
+    assert hung.failed_node == "127.0.0.3" and "hang (node 127.0.0.3, rank 1)" in hung.message, hung.message
+    assert "has been stopped (SIGSTOP, a debugger or job control) for" in hung.message, hung.message
+    # asked before the stop, the rank that still runs answers from its flight recorder
+    assert "flight recorder: rank 0 waits in gloo:" in hung.message, hung.message
+    assert "no flight recorder answer from rank 1" in hung.message, hung.message
     first = wait_for("attempt 2's first step", lambda: first_step_of(m, run_id, 2), m, run_id, 150)
     run = m.wait(run_id, timeout=150)
     assert run.state == "succeeded", (run.state, run.message)

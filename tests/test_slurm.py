@@ -283,6 +283,9 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
         def stopping_hung(self, run_id, attempt):
             stopping.append((run_id, attempt))
 
+        def awaiting_flight(self, run_id, since):
+            return False
+
         def hang(self, run_id, since):
             asked.append(since)
             return (Finding("hang", "hang:12", "error", time.time(), "no training step for 11 s (last logged step 12)",

@@ -185,9 +185,10 @@ def test_a_python_that_does_not_import_the_worker_fails_the_run_naming_it(slurm_
 
 def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, tiny_model, tmp_path, capsys):
     """Automatic recovery (max_restarts) on Slurm: SIGKILLed workers fail the job, and the run goes
-    on as a new job on the same target, from the newest checkpoint; then a rank stopped with
-    SIGSTOP makes no step within the job's own hang limit: the job is cancelled as hung and the
-    run goes on as a third job."""
+    on as a new job on the same target, from the newest checkpoint; then both ranks stopped with
+    SIGSTOP make no step within the job's own hang limit: the job is cancelled as hung, naming
+    both, and the run goes on as a third job. (One rank stopped would name its node, which failed
+    before: the third job would exclude it, and this one-node partition has no other.)"""
     from backend.cluster.slurm import SlurmTarget
 
     target = SlurmTarget(partition="debug", nodes=1, cpus_per_task=2)
@@ -219,7 +220,8 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
 
         wait_for("a step of the second job", second_job_stepped, 90)
         t_stop = time.time()
-        os.kill(workers()[1], signal.SIGSTOP)
+        for pid in workers():
+            os.kill(pid, signal.SIGSTOP)
         wait_for("the hang restart", lambda: len(m.attempts(run_id)) == 3, 90)
         print(f"SIGSTOP → cancelled as hung, new Slurm job {time.time() - t_stop:.1f} s (limit 10 s)")
         done = m.wait(run_id, timeout=150)
@@ -228,6 +230,9 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         assert (first.state, first.cause) == ("failed", "killed"), (first.state, first.cause, first.message)
         assert (second.state, second.cause) == ("failed", "hang"), (second.state, second.cause, second.message)
         assert "cancelled Slurm job" in second.message, second.message
+        assert all(re.search(f"rank {r}, node localhost(, GPU {r})? has been stopped", second.message) for r in (0, 1)), \
+            second.message
+        assert second.failed_node is None  # two halted ranks: neither is the one to blame
         jobs = [json.loads(a.slurm_json)["job_id"] for a in (first, second, third)]
         assert second.automatic and third.automatic and len(set(jobs)) == 3, jobs
         assert sum("a new Slurm job resuming" in n for n in m.notices(run_id)) == 2, m.notices(run_id)

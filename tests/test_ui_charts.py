@@ -207,10 +207,12 @@ def test_the_status_names_the_layout_of_the_ranks():
 
 
 def test_the_status_lists_the_attempts_of_a_restarted_run():
-    timeline = ["attempt 1 (launch, 10:00:00–10:05:00): failed, killed on node b",
-                "attempt 2 (automatic restart, 10:05:01–…): running"]
+    timeline = [("attempt 1 (launch, 10:00:00–10:05:00): failed, hang on node b",
+                 "hang (node b, rank 1): no step for 11 s; flight recorder: rank 0 waits in gloo:all_reduce #3 <x>"),
+                ("attempt 2 (automatic restart, 10:05:01–…): running", None)]
     text = status_md(run(), None, ["10:05:01 automatic restart 1 of 2 after killed on node b"], attempts=timeline)
-    assert "attempt 1 (launch, 10:00:00–10:05:00): failed, killed on node b  \nattempt 2 (automatic restart" in text
+    assert ("attempt 1 (launch, 10:00:00–10:05:00): failed, hang on node b  \n&emsp;↳ hang (node b, rank 1): no step "
+            "for 11 s; flight recorder: rank 0 waits in gloo:all\\_reduce \\#3 \\<x\\>  \nattempt 2 (automatic restart") in text
     assert "_10:05:01 automatic restart 1 of 2 after killed on node b_" in text
     assert "attempt 1 (launch" not in status_md(run(), None, [], attempts=timeline[:1])  # one attempt: no timeline
 

@@ -68,7 +68,6 @@ class AttemptDriver:
         self.spawn = spawn
         """Runs a coroutine of a run on the loop, failing the run where the coroutine raises."""
         self.watchers: dict[str, AttemptWatcher | SlurmWatcher] = {}
-        self.notices: dict[str, list[str]] = {}
 
     def start_attempt(self, run_id: str, spec: JobSpec, cluster: Cluster, setups: dict[str, str],
                        resume: str | None, assessment: Assessment | None = None, automatic: bool = False,
@@ -269,7 +268,7 @@ class AttemptDriver:
         return bool(run and run.stop_requested)
 
     def notice(self, run_id: str, message: str) -> None:
-        self.notices.setdefault(run_id, []).append(f"{time.strftime('%H:%M:%S')} {message}")
+        self.store.add_notice(run_id, message)
 
     async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)
@@ -309,15 +308,15 @@ class AttemptDriver:
         if run.state != lifecycle.FAILED or run.stop_requested:
             return
         spec, attempts = spec_of(run), self.store.attempts(run_id)
-        members = attempt_nodes(attempts[-1])
+        target = slurm_target_of(attempts[-1])
+        members = None if target is not None else attempt_nodes(attempts[-1])
         decision = recovery.decide(spec, attempts, members, self._progressed(run_id))
         if decision is None:
             return
         if isinstance(decision, recovery.NoRestart):
             self.notice(run_id, f"not restarted automatically: {decision.why}")
             return
-        what = f"{(run.cause or 'failure').replace('_', ' ')} on node {run.failed_node or '?'}"
-        target = slurm_target_of(attempts[-1])
+        what = (run.cause or "failure").replace("_", " ") + (f" on node {run.failed_node}" if run.failed_node else "")
         if target is not None:
             # A new job on the same target; Slurm picks the nodes, so a node that failed twice is
             # excluded from the allocation rather than the job re-planned without it.

@@ -24,7 +24,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from backend.store.models import Attempt, NodeProcess, Run
+from backend.store.models import Attempt, NodeProcess, Run, RunNotice
 
 CREATED, CHECKING, LAUNCHING, RUNNING = "created", "checking", "launching", "running"
 SUCCEEDED, FAILED, STOPPED = "succeeded", "failed", "stopped"
@@ -89,6 +89,13 @@ def attempt_timeline(attempts: list[Attempt]) -> list[str]:
             line += f", {a.cause.replace('_', ' ')}{where}"
         lines.append(line)
     return lines
+
+
+def attempt_history(attempts: list[Attempt]) -> list[tuple[str, str | None]]:
+    """`attempt_timeline`'s lines, each with its failed attempt's message (the diagnosis: which
+    node, rank and collective), as `swift-studio status` and the Monitor show them."""
+    return [(line, a.message if a.state == FAILED and a.message else None)
+            for a, line in zip(attempts, attempt_timeline(attempts))]
 
 
 @dataclass(frozen=True)
@@ -295,3 +302,13 @@ class RunStore:
         with Session(self.engine) as s:
             return list(s.exec(select(NodeProcess).where(NodeProcess.attempt_id == attempt_id)
                                .order_by(NodeProcess.node_rank)))
+
+    def add_notice(self, run_id: str, message: str) -> None:
+        self._insert(RunNotice(run_id=run_id, message=message))
+
+    def notices(self, run_id: str, last: int) -> list[RunNotice]:
+        """The run's `last` notices, oldest first."""
+        with Session(self.engine) as s:
+            newest = s.exec(select(RunNotice).where(RunNotice.run_id == run_id)
+                            .order_by(RunNotice.id.desc()).limit(last))
+            return list(reversed(list(newest)))

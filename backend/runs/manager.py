@@ -224,9 +224,11 @@ class RunManager:
         except TypeError:  # a plan stored by a version whose Layout had other fields
             return None
 
-    def notices(self, run_id: str) -> list[str]:
-        """Connection notices of the watch (a node not answering, answering again)."""
-        return list(self.driver.notices.get(run_id, []))
+    def notices(self, run_id: str, last: int = 20) -> list[str]:
+        """The run's last notices, oldest first, each after its clock time: recovery decisions,
+        Slurm jobs, the watch's connection notices (a node not answering, answering again)."""
+        return [f"{time.strftime('%H:%M:%S', time.localtime(n.at))} {n.message}"
+                for n in self.store.notices(run_id, last)]
 
     def wait(self, run_id: str, timeout: float | None = None, states: tuple[str, ...] = lifecycle.FINAL) -> Run:
         """Block until the run reaches one of `states` (default: finished); returns it."""

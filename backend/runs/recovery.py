@@ -24,7 +24,7 @@ class Restart:
     number: int
     """This restart's number since the last launch or manual resume (1 = the first)."""
     nodes: tuple[tuple[Node, str | None], ...]
-    """The next attempt's nodes with their setup lines, in rank order."""
+    """The next attempt's nodes with their setup lines, in rank order (none: the scheduler's to pick)."""
     left_out: str | None = None
     """The node left out for failing twice, if one was."""
 
@@ -34,10 +34,12 @@ class NoRestart:
     why: str
 
 
-def decide(spec: JobSpec, attempts: list[Attempt], members: list[tuple[Node, str | None]],
+def decide(spec: JobSpec, attempts: list[Attempt], members: list[tuple[Node, str | None]] | None,
            progressed: bool) -> Restart | NoRestart | None:
     """What to do after the last of `attempts` failed on `members`; `progressed`: whether it logged a
-    training step. None where recovery is off for the job."""
+    training step. None where recovery is off for the job. `members` None: a scheduler (Slurm)
+    picks the next attempt's nodes, so a node that failed twice is only named (to exclude), and
+    whether enough nodes remain is the partition's to say when the job is submitted."""
     if spec.max_restarts <= 0 or not attempts:
         return None
     failed = attempts[-1]
@@ -53,6 +55,8 @@ def decide(spec: JobSpec, attempts: list[Attempt], members: list[tuple[Node, str
         return NoRestart("the restarted attempt failed again before its first step: a restart does not cure it")
     failures = Counter(a.failed_node for a in chain if a.failed_node and (a.cause or "") in logclass.RESTARTABLE)
     left_out = failed.failed_node if failures[failed.failed_node] >= NODE_FAILURES_TO_LEAVE_OUT else None
+    if members is None:
+        return Restart(used + 1, (), left_out)
     nodes = tuple((n, s) for n, s in members if n.host != left_out)
     if not nodes:
         return NoRestart(f"node {left_out} failed {failures[left_out]} times and no other node is left")

@@ -21,8 +21,8 @@ from backend.cluster.launch import end_slots
 from backend.cluster.nodes import Pool
 from backend.job.cluster import Node
 from backend.runs.lifecycle import Failure
-from backend.runs.watch import (CAUSE_LINES, TAIL_LINES, WATCH_INTERVAL_S, Outcome, agent_record, choose_root, ends_of,
-                                failure_from)
+from backend.runs.watch import (CAUSE_LINES, TAIL_LINES, WATCH_INTERVAL_S, Outcome, agent_record,
+                                ask_flight_recorders, choose_root, ends_of, failure_from)
 from backend.telemetry import logclass
 from backend.telemetry.ingest import TelemetrySink
 
@@ -127,8 +127,11 @@ class SlurmWatcher:
     async def _hung(self, finding) -> Outcome:
         """The ranks made no step within the job's hang limit (the same rule as on SSH nodes): the
         job is cancelled (none of its ranks can reach the step boundary a checkpoint needs)."""
-        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         self.sink.stopping_hung(self.run_id, self.attempt)
+        finding = await ask_flight_recorders(self.pool, [(self.login, None)], self.run_dir, self.sink, self.run_id,
+                                             self.running_since or time.time(), finding,
+                                             read=self._read_telemetry_guarded)
+        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._cancelled(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)))
 
     async def _cancelled(self, failure: Failure) -> Outcome:

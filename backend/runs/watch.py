@@ -14,7 +14,7 @@ import json
 import logging
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import asyncssh
@@ -22,6 +22,8 @@ import asyncssh
 from backend.cluster import launch, remote, ssh
 from backend.cluster.launch import Started
 from backend.cluster.nodes import Pool
+from backend.job import flight
+from backend.job.cluster import Node
 from backend.runs.lifecycle import Failure
 from backend.telemetry import logclass
 from backend.telemetry.ingest import TelemetrySink
@@ -34,6 +36,7 @@ PROBE_TIMEOUT_S = 8.0
 SETTLE_S = 1.5               # after a first failure, let the others' exits land before choosing the cause
 FAIL_STOP_GRACE_S = 10.0     # the other nodes after a failure (a checkpoint may not be possible)
 HANG_STOP_GRACE_S = 3.0      # a hung run: no rank can reach the step boundary a checkpoint needs
+FLIGHT_WAIT_S = 8.0          # a hung run, before its stop: for every rank to answer the flight recorder request
 TAIL_LINES = 40
 CAUSE_LINES = 200            # of the log, read for a cause when no rank reported one (torchrun's summary is ~45)
 AGENT_RETRY_MAX_S = 8.0
@@ -102,6 +105,27 @@ def agent_record(line: str | bytes) -> dict | None:
 
 def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+async def ask_flight_recorders(pool: Pool, shells: Sequence[tuple[Node, str | None]], run_dir: str,
+                               sink: TelemetrySink, run_id: str, started_at: float, finding,
+                               read: Callable[[], Awaitable[None]] | None = None):
+    """Before a hung attempt is stopped: ask every rank for its flight recorder (the request file
+    of `backend.job.flight`, written through each shell into the run directory), wait until each
+    rank that can answer has (at most FLIGHT_WAIT_S), and return the hang rule's finding again, now
+    naming the collective the ranks wait in and the rank they wait for. Where no request could be
+    written, the finding as it was. `read` brings the agents' lines in, where no task streams them
+    (a Slurm job's agents write files)."""
+    asked = time.time()
+    written = await asyncio.gather(*(launch.write_files(pool, node, setup, run_dir, {flight.REQUEST: f"{asked}\n"})
+                                     for node, setup in shells), return_exceptions=True)
+    if all(isinstance(w, BaseException) for w in written):
+        return finding
+    while time.time() - asked < FLIGHT_WAIT_S and sink.awaiting_flight(run_id, asked):
+        await asyncio.sleep(0.5)
+        if read is not None:
+            await read()
+    return sink.hang(run_id, started_at) or finding
 
 
 def choose_root(failures: list[tuple[logclass.Cause, Failure, float]]) -> Failure:
@@ -231,8 +255,10 @@ class AttemptWatcher:
         """The ranks made no step within the job's hang limit: stop them all (SIGTERM lets them
         log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
         the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
-        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         self.sink.stopping_hung(self.run_id, self.attempt)
+        finding = await ask_flight_recorders(self.pool, [(n.started.node, n.started.setup) for n in self.nodes],
+                                             self.run_dir, self.sink, self.run_id, self.started_at, finding)
+        cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._stopped_with(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)),
                                         HANG_STOP_GRACE_S, timed=True)
 

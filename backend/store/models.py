@@ -1,4 +1,4 @@
-"""Control-plane tables: runs, their attempts, the node inventory and the processes on nodes."""
+"""Control-plane tables: runs, their attempts and notices, the node inventory and the processes on nodes."""
 from __future__ import annotations
 
 import time
@@ -51,6 +51,16 @@ class Attempt(FailureColumns, table=True):
     slurm_json: str | None = None  # a Slurm attempt: {"target": SlurmTarget.to_dict(), "job_id": id or null}
     started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
+
+
+class RunNotice(SQLModel, table=True):
+    """What the process driving a run told about it (an automatic restart and why, a Slurm job
+    submitted, a node not answering): stored, so that every process shows it, not only that one."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    at: float = Field(default_factory=time.time)
+    message: str
 
 
 class NodeProcess(SQLModel, table=True):

@@ -24,8 +24,13 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
+from backend.job.flight import dump_file
+
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+# psutil's process states the hang diagnosis names; any other state is `running`
+RANK_STATES = {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "stopped",
+               psutil.STATUS_DISK_SLEEP: "disk_sleep", psutil.STATUS_ZOMBIE: "exited", psutil.STATUS_DEAD: "exited"}
 PROC_SCAN_S = 2.0  # how often the run's processes (ranks, pids per GPU) are looked up
 # NVML's PCIe reading samples a ~20 ms window and its process list takes milliseconds: NVML's slow
 # calls, read every few seconds rather than every sample (the agent's cost: docs/benchmarks.md).
@@ -34,6 +39,7 @@ HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass
 NVLINK_ALL_LINKS = 0xFFFFFFFF
 FLIGHT_PREFIX = "/tmp/nccl_trace_rank_"  # PyTorch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+MAX_FLIGHT_BYTES = 64 << 20  # a rank's requested dump: its recorder holds 2000 entries by default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +197,8 @@ class RunProcs:
     does not hold the workers)."""
 
     pid_file: Path
+    gpus: bool = True
+    """Whether the node has GPUs: without, a worker's LOCAL_RANK names no GPU."""
     pids: set[int] = field(default_factory=set)
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     flight_files: dict[int, Path] = field(default_factory=dict)  # rank -> where its flight recorder dumps
@@ -247,10 +255,23 @@ class RunProcs:
                 rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
             except ValueError:
                 continue
-            self.ranks[rank] = {"rank": rank, "local_rank": local, "pid": pid, "gpu": _gpu_of(env, local)}
+            self.ranks[rank] = {"rank": rank, "local_rank": local, "pid": pid, "gpu": _gpu_of(env, local, self.gpus)}
             # PyTorch's flight recorder writes `<prefix><rank>` on a collective timeout
             self.flight_files[rank] = Path(env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_PREFIX) + str(rank))
         return pgid
+
+    def rank_states(self) -> dict[int, str]:
+        """Each local rank's process as the kernel has it: `stopped` (SIGSTOP, a debugger, job
+        control), `disk_sleep` (uninterruptible I/O: a hung filesystem or device), `exited`, or
+        `running` (on a CPU or asleep, waiting in a collective among others)."""
+        states = {}
+        for rank, r in self.ranks.items():
+            try:
+                status = psutil.Process(r["pid"]).status()
+            except psutil.Error:
+                status = psutil.STATUS_DEAD
+            states[rank] = RANK_STATES.get(status, "running")
+        return states
 
     def alive(self) -> bool:
         """True while a process of the group (as of the last scan) or a worker seen so far still
@@ -272,24 +293,58 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
-    """The collective a rank was in when PyTorch's flight recorder dumped (the oldest entry not
-    completed, else the newest), as a `flight` line."""
+    """The collective a rank was in when PyTorch's flight recorder dumped on a collective timeout
+    (a pickle), as a `flight` line."""
     with open(path, "rb") as f:
         dump = _PlainUnpickler(f).load()
-    entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
-    stuck = next((e for e in entries if e.get("state") != "completed"), entries[-1] if entries else {})
+    return {"kind": "flight", "t": t, "rank": rank, "file": str(path),
+            **flight_summary([e for e in dump.get("entries", []) if isinstance(e, dict)])}
+
+
+def requested_flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
+    """A rank's answer to the watch's request (`backend.job.flight`: JSON from `launcher.flight`),
+    as a `flight` line marked `requested`."""
+    if path.stat().st_size > MAX_FLIGHT_BYTES:
+        raise ValueError(f"larger than {MAX_FLIGHT_BYTES >> 20} MiB")
+    dumps = json.loads(path.read_text()).get("dumps", {})
+    entries = [e for d in dumps.values() if isinstance(d, dict) for e in d.get("entries", []) if isinstance(e, dict)]
+    errors = [d["error"] for d in dumps.values() if isinstance(d, dict) and d.get("error")]
+    return {"kind": "flight", "t": t, "rank": rank, "file": str(path), "requested": True,
+            **flight_summary(entries), **({"error": "; ".join(errors)} if errors else {})}
+
+
+def flight_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The oldest collective still in flight (not completed: NCCL's `state`; not retired: gloo's
+    recorder keeps `state` at scheduled), else the newest; and each process group's newest
+    sequence number (a rank behind the others has not reached theirs)."""
+    def in_flight(e: dict[str, Any]) -> bool:
+        return not e.get("retired", False) and e.get("state") != "completed"
+
+    waiting = [e for e in entries if in_flight(e)]
+    stuck = min(waiting, key=lambda e: e.get("time_created_ns") or 0) if waiting else (entries[-1] if entries else {})
+    last_seq: dict[str, int] = {}
+    for e in entries:
+        pg, seq = _group(e.get("process_group")), e.get("collective_seq_id")
+        if isinstance(seq, int) and seq > last_seq.get(pg, -1):
+            last_seq[pg] = seq
     pg = stuck.get("process_group")
-    return {"kind": "flight", "t": t, "rank": rank, "file": str(path), "entries": len(entries),
-            "collective": stuck.get("profiling_name"), "seq": stuck.get("collective_seq_id"),
-            "state": stuck.get("state"), "process_group": list(pg) if isinstance(pg, (list, tuple)) else pg}
+    return {"entries": len(entries), "collective": stuck.get("profiling_name"), "seq": stuck.get("collective_seq_id"),
+            "state": stuck.get("state"), "in_flight": bool(waiting), "group": _group(pg),
+            "process_group": list(pg) if isinstance(pg, (list, tuple)) else pg, "last_seq": last_seq}
 
 
-def _gpu_of(env: dict[str, str], local_rank: int) -> int | None:
+def _group(pg: Any) -> str:
+    """A process group's name in a recorder entry (its (name, description) pair's first part)."""
+    return str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(pg)
+
+
+def _gpu_of(env: dict[str, str], local_rank: int, gpus: bool = True) -> int | None:
     """The physical GPU index a worker uses: its LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES, or
-    LOCAL_RANK itself when that variable is unset (torch's cuda:LOCAL_RANK convention)."""
+    LOCAL_RANK itself when that variable is unset on a node with GPUs (torch's cuda:LOCAL_RANK
+    convention); None on a node without GPUs."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return local_rank
+        return local_rank if gpus else None
     parts = [p.strip() for p in visible.split(",") if p.strip()]
     if local_rank < len(parts) and parts[local_rank].isdigit():
         return int(parts[local_rank])
@@ -358,12 +413,13 @@ class Agent:
         self.out = out or sys.stdout
         self.clock = clock
         self.gpus = GpuSampler(nvml)
-        self.procs = RunProcs(run_dir / "pids" / f"{node}.pid")
+        self.procs = RunProcs(run_dir / "pids" / f"{node}.pid", gpus=self.gpus.count > 0)
         self.tailer = Tailer(run_dir, offsets)
         self.log_file = f"logs/{node}.log"
         self.stop_reason: str | None = None
         self._sent_ranks: dict[int, dict[str, Any]] = {}
-        self._flights: dict[int, float] = {}  # rank -> mtime of the dump already sent
+        self._sent_states: dict[int, str] = {}
+        self._flights: dict[Path, float] = {}  # dump file -> its mtime when it was sent
         self.started = clock()
         psutil.cpu_percent(interval=None)
 
@@ -413,27 +469,36 @@ class Agent:
         return set()
 
     def flight_records(self, now: float) -> list[dict[str, Any]]:
-        """A `flight` line for each flight recorder dump of a local rank written since we started."""
+        """A `flight` line for each flight recorder dump of a local rank written since we started:
+        PyTorch's own on a collective timeout, and the rank's answer to the watch's request."""
         recs = []
         for rank, path in self.procs.flight_files.items():
-            try:
-                mtime = path.stat().st_mtime
-            except OSError:
-                continue
-            if mtime < self.started or self._flights.get(rank) == mtime:
-                continue
-            self._flights[rank] = mtime
-            try:
-                recs.append(flight_record(path, rank, now))
-            except Exception as exc:  # a partial or foreign file: say so once, keep going
-                recs.append({"kind": "notice", "t": now, "message": f"flight recorder dump {path} unreadable: {exc}"})
+            for file, read in ((path, flight_record), (self.run_dir / dump_file(rank), requested_flight_record)):
+                try:
+                    mtime = file.stat().st_mtime
+                except OSError:
+                    continue
+                if mtime < self.started or self._flights.get(file) == mtime:
+                    continue
+                self._flights[file] = mtime
+                try:
+                    recs.append(read(file, rank, now))
+                except Exception as exc:  # a partial or foreign file: say so once, keep going
+                    recs.append({"kind": "notice", "t": now, "message": f"flight recorder dump {file} unreadable: {exc}"})
         return recs
 
     def rank_records(self, now: float) -> list[dict[str, Any]]:
-        if self.procs.ranks == self._sent_ranks:
-            return []
-        self._sent_ranks = {k: dict(v) for k, v in self.procs.ranks.items()}
-        return [{"kind": "ranks", "t": now, "ranks": [self.procs.ranks[r] for r in sorted(self.procs.ranks)]}]
+        """A `ranks` line when the local ranks changed, a `rank_state` line when their process states did."""
+        recs = []
+        if self.procs.ranks != self._sent_ranks:
+            self._sent_ranks = {k: dict(v) for k, v in self.procs.ranks.items()}
+            recs.append({"kind": "ranks", "t": now, "ranks": [self.procs.ranks[r] for r in sorted(self.procs.ranks)]})
+        states = self.procs.rank_states()
+        if states != self._sent_states:
+            self._sent_states = states
+            recs.append({"kind": "rank_state", "t": now,
+                         "ranks": [{"rank": r, "state": states[r]} for r in sorted(states)]})
+        return recs
 
     # -- main loop
     def run(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,12 @@ class Window:
     """(step, path) of the last checkpoint event."""
     last_collective: str | None = None
     """The collective last reported stuck: by a NCCL watchdog line in a log, or a flight recorder dump."""
+    rank_states: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """rank -> (its process's state as its node's agent last reported it, since when)."""
+    flights: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """rank -> its last answer to a flight recorder request (an agent `flight` line)."""
+    rank_seen: dict[int, float] = field(default_factory=dict)
+    """rank -> when its node's agent last reported its process (the ranks of this attempt: since its start)."""
 
 
 def _where(rank: int, node: str | None, gpu: int | None) -> str:
@@ -209,18 +216,95 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     what = f"no training step for {idle:.0f} s" + (f" (last logged step {last_step})" if last_step is not None
                                                  else " since the start (no step logged yet)")
     stuck = _stuck_rank(w)
-    rank = node = gpu = None
-    if stuck is not None:
-        rank, behind, ahead = stuck
-        node, gpu = w.placement.get(rank, (None, None))
-        what += (f"; {_where(rank, node, gpu)} last reported step {behind} while other ranks reached {ahead}: "
-                 "likely stuck")
-    if w.last_collective:
+    halted = _halted_ranks(w, idle)
+    flight, never_entered = _flight_diagnosis(w)
+    rank = (stuck[0] if stuck else halted[0][0] if len(halted) == 1
+            else never_entered[0] if len(never_entered) == 1 else None)
+    node, gpu = w.placement.get(rank, (None, None)) if rank is not None else (None, None)
+    blamed = f"{_where(rank, node, gpu)} last reported step {stuck[1]} while other ranks reached {stuck[2]}" if stuck else ""
+    others = []
+    for r, state, held in halted[:4]:
+        if r == rank:
+            held_s = f"has been {HALTED[state]} for {held:.0f} s: the other ranks wait for it"
+            blamed = f"{blamed} and {held_s}" if blamed else f"{_where(r, node, gpu)} {held_s}"
+        else:
+            others.append(f"{_where(r, *w.placement.get(r, (None, None)))} has been {HALTED[state]} for {held:.0f} s")
+    if stuck and not any(r == rank for r, _, _ in halted):
+        blamed += ": likely stuck"
+    if len(halted) > 4:
+        others.append(f"{len(halted) - 4} more ranks halted")
+    what += "".join(f"; {clause}" for clause in ([blamed] if blamed else []) + others)
+    if flight:
+        what += f"; {flight}"
+    elif w.last_collective:
         what += f"; last collective reported stuck: {w.last_collective}"
-    else:
-        what += ("; set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the job's env "
-                 "to record which collective hangs")
     return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank, gpu=gpu)]
+
+
+def _flight_diagnosis(w: Window) -> tuple[str, list[int]]:
+    """What this attempt's answers to the watch's flight recorder request say: the collective the
+    most ranks wait in, the answering ranks that never entered it (returned too: the ranks the
+    others wait for), and the ranks that did not answer."""
+    since = w.started_t or 0.0
+    answers = {r: rec for r, rec in w.flights.items() if (number(rec.get("t")) or 0.0) >= since}
+    if not answers:
+        return "", []
+    waiting = {r: rec for r, rec in answers.items() if rec.get("in_flight")}
+    parts, behind = [], []
+    if waiting:
+        counts = Counter((rec.get("group"), rec.get("seq"), rec.get("collective")) for rec in waiting.values())
+        group, seq, collective = max(counts, key=lambda k: (counts[k], -(k[1] if isinstance(k[1], int) else 0)))
+        inside = sorted(r for r, rec in waiting.items() if (rec.get("group"), rec.get("seq")) == (group, seq))
+        label = _pg_label(waiting[inside[0]])
+        parts.append(f"flight recorder: {_ranks(inside)} wait{'s' if len(inside) == 1 else ''} in "
+                     f"{collective or 'a collective'} #{seq} (process group {label})")
+        if isinstance(seq, int):
+            behind = sorted(r for r, rec in answers.items()
+                            if r not in inside and (rec.get("last_seq") or {}).get(group, -1) < seq)
+        if behind:
+            last = (answers[behind[0]].get("last_seq") or {}).get(group)
+            parts.append(f"{_ranks(behind)} never entered it"
+                         + (f" (its last collective there: #{last})" if len(behind) == 1 and last is not None else ""))
+    else:
+        parts.append(f"flight recorder: {_ranks(sorted(answers))} in no collective (stuck in computation, data "
+                     "loading or I/O)")
+    silent = sorted(r for r, seen in w.rank_seen.items() if seen >= since and r not in answers)
+    if silent:
+        parts.append(f"no flight recorder answer from {_ranks(silent)} (stopped, ended, or blocked where Python "
+                     "cannot run)")
+    errors = sorted({str(rec["error"]) for rec in answers.values() if rec.get("error")})
+    if errors:
+        parts.append(f"flight recorder errors: {'; '.join(errors)[:300]}")
+    return "; ".join(parts), behind
+
+
+def _pg_label(rec: dict[str, Any]) -> str:
+    """A process group as people know it: its description (default_pg) where it has one."""
+    pg = rec.get("process_group")
+    if isinstance(pg, (list, tuple)) and pg:
+        return str(pg[1]) if len(pg) > 1 and pg[1] not in (None, "", "undefined") else str(pg[0])
+    return str(pg)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return (f"rank {ranks[0]}" if len(ranks) == 1 else
+            "ranks " + ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""))
+
+
+HALTED = {"stopped": "stopped (SIGSTOP, a debugger or job control)",
+          "disk_sleep": "blocked in uninterruptible I/O (D state: a hung filesystem such as NFS, or a device)"}
+
+
+def _halted_ranks(w: Window, idle: float) -> list[tuple[int, str, float]]:
+    """(rank, state, seconds held) of the ranks whose process its agent has seen stopped or in
+    uninterruptible I/O during this attempt, for at least half the time without a step (a brief
+    D state is an ordinary file read)."""
+    found = []
+    for rank, (state, since) in sorted(w.rank_states.items()):
+        held = w.now - since
+        if state in HALTED and since >= (w.started_t or 0.0) and held >= idle / 2:
+            found.append((rank, state, held))
+    return found
 
 
 def _stuck_rank(w: Window) -> tuple[int, Any, Any] | None:

@@ -82,6 +82,10 @@ class _RunState:
     placement: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     checkpoint: tuple[int, str] | None = None
     last_collective: str | None = None
+    rank_states: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (state, since t)
+    flights: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last requested flight line
+    # rank -> when an agent last named it in a `rank_state` line (each new agent names all its ranks)
+    rank_seen: dict[int, float] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> agent status
     dirty: bool = False
     last_compact: float = 0.0
@@ -143,6 +147,8 @@ class TelemetrySink(Protocol):
     def watch_attempt(self, run_id: str, started_at: float, hang_s: float, multiple: float) -> None: ...
 
     def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None: ...
+
+    def awaiting_flight(self, run_id: str, since: float) -> bool: ...
 
     def stopping_hung(self, run_id: str, attempt: int) -> None: ...
 
@@ -350,6 +356,9 @@ class Ingestor:
             self._add_finding(run_id, st, finding)
 
     def _on_flight(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
+        if rec.get("requested"):  # an answer to the watch's request: the hang diagnosis reads it
+            st.flights[int(rec["rank"])] = rec
+            return
         self._add_finding(run_id, st, rules.flight_dump(rec, node, st.placement))
 
     def _on_ranks(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
@@ -359,6 +368,14 @@ class Ingestor:
             self._pending.placements[(run_id, rank)] = {
                 "run_id": run_id, "rank": rank, "node": node, "local_rank": r.get("local_rank"),
                 "gpu": r.get("gpu"), "pid": r.get("pid")}
+
+    def _on_rank_state(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
+        t = rules.number(rec.get("t")) or self.clock()
+        for r in rec["ranks"]:
+            rank, state = int(r["rank"]), str(r["state"])
+            if st.rank_states.get(rank, ("",))[0] != state:
+                st.rank_states[rank] = (state, t)
+            st.rank_seen[rank] = t
 
     def _on_status(self, run_id: str, node: str, st: _RunState, rec: dict, attempt: int | None) -> None:
         status = st.nodes.setdefault(node, {})
@@ -505,7 +522,8 @@ class Ingestor:
                 util={k: list(v) for k, v in st.util.items()} if devices else {},
                 mem=dict(st.mem) if devices else {}, train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
-                checkpoint=st.checkpoint, last_collective=st.last_collective)
+                checkpoint=st.checkpoint, last_collective=st.last_collective, rank_states=dict(st.rank_states),
+                flights=dict(st.flights), rank_seen=dict(st.rank_seen))
 
     def watch_attempt(self, run_id: str, started_at: float, hang_s: float, multiple: float) -> None:
         """A watch follows the attempt started at `started_at`, with the job's own hang limit (its
@@ -524,6 +542,16 @@ class Ingestor:
         window = replace(window, started_t=max(window.started_t or since, since))
         found = rules.hang(window, self._alert_configs.get(run_id, self.alert_config))
         return found[0] if found else None
+
+    def awaiting_flight(self, run_id: str, since: float) -> bool:
+        """Whether a rank of the watched attempt whose process runs has not yet answered a flight
+        recorder request made at `since` (a stopped or exited rank cannot)."""
+        with self._lock:
+            st = self._run(run_id)
+            started = self._attempt_started.get(run_id, 0.0)
+            answered = {r for r, rec in st.flights.items() if (rules.number(rec.get("t")) or 0.0) >= since}
+            return any(r not in answered and seen >= started and st.rank_states.get(r, ("running",))[0] == "running"
+                       for r, seen in st.rank_seen.items())
 
     def stopping_hung(self, run_id: str, attempt: int) -> None:
         """A watch stops `attempt` of the run as hung. The lines its stop makes the other ranks log
@@ -620,8 +648,8 @@ class Ingestor:
 
 _HANDLERS = {
     "gpu": Ingestor._on_gpu, "host": Ingestor._on_host, "event": Ingestor._on_event, "log": Ingestor._on_log,
-    "ranks": Ingestor._on_ranks, "flight": Ingestor._on_flight, "hello": Ingestor._on_status, "notice": Ingestor._on_status,
-    "bye": Ingestor._on_status, "heartbeat": None,
+    "ranks": Ingestor._on_ranks, "rank_state": Ingestor._on_rank_state, "flight": Ingestor._on_flight,
+    "hello": Ingestor._on_status, "notice": Ingestor._on_status, "bye": Ingestor._on_status, "heartbeat": None,
 }
 
 
