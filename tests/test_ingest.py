@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from sqlalchemy import func, select
 from sqlmodel import create_engine
 
 from backend.store.telemetry_models import MetricSample, RunEvent
+from backend.telemetry import alerts as rules
 from backend.telemetry import ingest
 from backend.telemetry.agent import Tailer
 from backend.telemetry.ingest import AGENT_SILENT_S, Downsampling, Ingestor
@@ -270,15 +272,33 @@ def test_the_lines_a_hang_stop_makes_the_other_ranks_log_raise_no_alert(engine):
     def log(offset: int, line: str, attempt: int) -> None:
         ing.feed("r", "a", json.dumps({"kind": "log", "file": "logs/a.log", "offset": offset, "line": line}), attempt)
 
-    ing.stopping_hung("r", 2)
+    ing.stopping_hung("r", 2, rules.Finding("hang", "hang:7", "error", T0, "no training step for 11 s"))
     for i, line in enumerate(lines):
         log(10 * (i + 1), line, 2)
     ing.flush()
-    assert ing.alerts("r") == []
+    assert [a.rule for a in ing.alerts("r")] == ["hang"]  # the watch's finding, and nothing of the stop's
     for i, line in enumerate(lines):
         log(10 * (i + 1), line, 3)
     ing.flush()
-    assert sorted(a.rule for a in ing.alerts("r")) == ["log", "log"]
+    assert sorted(a.rule for a in ing.alerts("r")) == ["hang", "log", "log"]
+
+
+def test_the_watchs_hang_diagnosis_replaces_the_alert_the_rules_raised_first(engine):
+    """The rules raise the hang alert a round before the watch has the ranks' flight recorder
+    answers; the watch's fuller finding becomes that alert, and a watch that wins the race
+    records it at all."""
+    ing = Ingestor(engine, autostart=False)
+    first = rules.Finding("hang", "hang:7", "error", T0, "no training step for 11 s (last logged step 7)")
+    ing._add_finding("r", ing._run("r"), first)
+    ing.flush()
+    full = replace(first, t=T0 + 4, message=first.message + "; flight recorder: rank 0 waits in gloo:all_reduce #3",
+                   node="b", rank=1)
+    ing.stopping_hung("r", 1, full)
+    ing.stopping_hung("q", 1, full)  # no alert raised before the watch's
+    ing.flush()
+    [alert] = ing.alerts("r")
+    assert (alert.message, alert.node, alert.rank, alert.count, alert.t) == (full.message, "b", 1, 2, T0)
+    assert [a.message for a in ing.alerts("q")] == [full.message]
 
 
 def test_a_rank_state_counts_from_the_agent_line_that_first_reported_it(engine):

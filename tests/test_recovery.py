@@ -228,6 +228,7 @@ def test_a_hung_rank_is_stopped_and_the_run_restarted(cluster_run, capsys):
     assert all(a.t < m.attempts(run_id)[1].started_at for a in m.alerts(run_id) if a.rule == "hang"), status
     # The stop's own consequences on the other node (peer lost, rendezvous failed) are not alerts.
     assert [a.rule for a in m.alerts(run_id)] == ["hang"], status
+    assert "flight recorder: rank 0 waits in gloo:" in m.alerts(run_id)[0].message, status  # the watch's diagnosis
     with capsys.disabled():
         print("\n" + status)
         print(f"\nhang: failure recorded {hung.ended_at - stopped:.1f} s after SIGSTOP (limit 10 s), next attempt "

@@ -280,8 +280,8 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
         def on_agent_line(self, *args, **kw):
             pass
 
-        def stopping_hung(self, run_id, attempt):
-            stopping.append((run_id, attempt))
+        def stopping_hung(self, run_id, attempt, finding):
+            stopping.append((run_id, attempt, finding.key))
 
         def awaiting_flight(self, run_id, since):
             return False
@@ -312,7 +312,7 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
             await pool.close()
 
     out = asyncio.run(go())
-    assert cancelled == ["13"] and stopping == [("run-1", 1)]
+    assert cancelled == ["13"] and stopping == [("run-1", 1, "hang:12")]
     assert (out.state, out.failure.cause, out.failure.node) == ("failed", logclass.HANG, "gpu-2")
     assert "last logged step 12" in out.failure.message and "cancelled Slurm job 13" in out.failure.message
     assert asked[0] == asked[1] < asked[2] == asked[3], asked  # the requeue restarted the count

@@ -254,6 +254,9 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         assert ": failed, killed" in status and ": failed, hang" in status and "cancelled Slurm job" in status
         # A hang alert is the SIGSTOP's only: a new job's startup is not a hang of the killed job.
         assert all(a.t > t_stop for a in m.alerts(run_id) if a.rule == "hang"), status
+        # ... and it is the finding the watch cancelled the job on
+        [hang] = [a for a in m.alerts(run_id) if a.rule == "hang"]
+        assert hang.message in second.message, status
         with capsys.disabled():
             print("\n" + status)
     finally:

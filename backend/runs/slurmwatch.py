@@ -127,10 +127,10 @@ class SlurmWatcher:
     async def _hung(self, finding) -> Outcome:
         """The ranks made no step within the job's hang limit (the same rule as on SSH nodes): the
         job is cancelled (none of its ranks can reach the step boundary a checkpoint needs)."""
-        self.sink.stopping_hung(self.run_id, self.attempt)
         finding = await ask_flight_recorders(self.pool, [(self.login, None)], self.run_dir, self.sink, self.run_id,
                                              self.running_since or time.time(), finding,
                                              read=self._read_telemetry_guarded)
+        self.sink.stopping_hung(self.run_id, self.attempt, finding)
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._cancelled(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)))
 

@@ -255,9 +255,9 @@ class AttemptWatcher:
         """The ranks made no step within the job's hang limit: stop them all (SIGTERM lets them
         log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
         the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
-        self.sink.stopping_hung(self.run_id, self.attempt)
         finding = await ask_flight_recorders(self.pool, [(n.started.node, n.started.setup) for n in self.nodes],
                                              self.run_dir, self.sink, self.run_id, self.started_at, finding)
+        self.sink.stopping_hung(self.run_id, self.attempt, finding)
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._stopped_with(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)),
                                         HANG_STOP_GRACE_S, timed=True)

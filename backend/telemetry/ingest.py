@@ -107,9 +107,12 @@ class _Pending:
     offsets: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
     placements: dict[tuple[str, int], dict] = field(default_factory=dict)
     findings: list[tuple[str, rules.Finding]] = field(default_factory=list)
+    # findings that replace the stored alert of their key (a watch's final diagnosis)
+    diagnoses: list[tuple[str, rules.Finding]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.samples or self.events or self.offsets or self.placements or self.findings)
+        return bool(self.samples or self.events or self.offsets or self.placements or self.findings
+                    or self.diagnoses)
 
 
 def log_key(file: str, attempt: int | None) -> str:
@@ -150,7 +153,7 @@ class TelemetrySink(Protocol):
 
     def awaiting_flight(self, run_id: str, since: float) -> bool: ...
 
-    def stopping_hung(self, run_id: str, attempt: int) -> None: ...
+    def stopping_hung(self, run_id: str, attempt: int, finding: rules.Finding) -> None: ...
 
     def close(self) -> None: ...
 
@@ -422,6 +425,9 @@ class Ingestor:
                         lambda ex: {"node": ex.node, "local_rank": ex.local_rank, "gpu": ex.gpu, "pid": ex.pid})
                 _upsert(conn, A, [_alert_row(run_id, f) for run_id, f in batch.findings], ("run_id", "key"),
                         lambda ex: {"last_t": ex.last_t, "count": A.c.count + 1})
+                _upsert(conn, A, [_alert_row(run_id, f) for run_id, f in batch.diagnoses], ("run_id", "key"),
+                        lambda ex: {"last_t": ex.last_t, "count": A.c.count + 1, "message": ex.message,
+                                    "node": ex.node, "rank": ex.rank, "gpu": ex.gpu})
         except Exception:
             self.stats["flush_errors"] += 1
             log.exception("telemetry flush failed; %d samples and %d events kept for the next try",
@@ -553,12 +559,15 @@ class Ingestor:
             return any(r not in answered and seen >= started and st.rank_states.get(r, ("running",))[0] == "running"
                        for r, seen in st.rank_seen.items())
 
-    def stopping_hung(self, run_id: str, attempt: int) -> None:
-        """A watch stops `attempt` of the run as hung. The lines its stop makes the other ranks log
-        (peer lost, rendezvous failed, a collective timeout) are the stop's consequences, not causes:
-        they stay in the log and raise no alert; the hang alert and the attempt's failure name the cause."""
+    def stopping_hung(self, run_id: str, attempt: int, finding: rules.Finding) -> None:
+        """A watch stops `attempt` of the run as hung, on `finding`: that becomes the run's hang
+        alert (the rules may have raised it first, with less: the flight recorder answers come
+        after). The lines its stop makes the other ranks log (peer lost, rendezvous failed, a
+        collective timeout) are the stop's consequences, not causes: they stay in the log and raise
+        no alert; the hang alert and the attempt's failure name the cause."""
         with self._lock:
             self._hung_attempt[run_id] = attempt
+            self._pending.diagnoses.append((run_id, finding))
 
     def evaluate(self, run_id: str, now: float | None = None) -> list[rules.Finding]:
         """Run the alert rules on a run's window and queue the findings for storage."""
@@ -726,4 +735,5 @@ def _merge(old: _Pending, new: _Pending) -> _Pending:
     old.offsets.update(new.offsets)
     old.placements.update(new.placements)
     old.findings += new.findings
+    old.diagnoses += new.diagnoses
     return old
