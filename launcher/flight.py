@@ -33,11 +33,12 @@ def recorder_dumps() -> dict[str, object]:
     return dumps
 
 
-def write_dump(run_dir: Path, rank: int) -> Path:
+def write_dump(run_dir: Path, rank: int, request: str = "") -> Path:
+    """This rank's recorders, with the request they answer (the watch matches on it, not on clocks)."""
     path = run_dir / dump_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "dumps": recorder_dumps()}))
+    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "request": request, "dumps": recorder_dumps()}))
     os.replace(tmp, path)
     return path
 
@@ -61,7 +62,7 @@ def answer_requests(run_dir: Path, rank: int, poll_s: float = POLL_S) -> threadi
                 continue
             seen = now
             try:
-                write_dump(Path(run_dir), rank)
+                write_dump(Path(run_dir), rank, request.read_text()[:200].strip())
             except Exception as exc:  # noqa: BLE001 - a full disk must not end training
                 log.warning("rank %d: flight recorder dump failed: %s", rank, exc)
 

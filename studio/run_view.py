@@ -91,8 +91,9 @@ MESSAGE_CHARS = 600  # of a failed attempt's message in the timeline
 
 
 def _plain(text: str) -> str:
-    """Text shown as it is in Markdown: no emphasis, links, code or HTML from a log line."""
-    return re.sub(r"([\\`*_\[\]<>#|~])", r"\\\1", text)
+    """Text shown as it is in Markdown, on one line: no emphasis, links, code, lists, headings or
+    HTML from a log line or an exception's text."""
+    return re.sub(r"([\\`*_\[\]<>#|~])", r"\\\1", " ".join(text.split()))
 
 
 def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layout | None = None,
@@ -114,9 +115,9 @@ def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layou
         cause = (run.cause or "unknown").replace("_", " ")
         if (run.message or "").startswith(cause):
             # The watch's own line (logclass.describe) already names the cause, node and rank.
-            lines.append(f"\n**Cause:** {run.message}")
+            lines.append(f"\n**Cause:** {_plain(run.message)}")
         else:
-            lines.append(f"\n**Cause: {cause}**{f' ({where})' if where else ''}: {run.message or ''}")
+            lines.append(f"\n**Cause: {cause}**{f' ({where})' if where else ''}: {_plain(run.message or '')}")
         if run.cause in HELP:
             lines.append(f"\nWhat to do: {HELP[run.cause]}")
         if run.log_tail:
@@ -125,7 +126,7 @@ def status_md(run: Any, progress: dict | None, notices: list[str], layout: Layou
         lines.append("\n" + "  \n".join(line + (f"  \n&emsp;↳ {_plain(message[:MESSAGE_CHARS])}" if message else "")
                                          for line, message in attempts[-6:]))
     for notice in notices[-3:]:
-        lines.append(f"\n_{notice}_")
+        lines.append(f"\n_{_plain(notice)}_")
     return "\n".join(lines)
 
 

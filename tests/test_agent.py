@@ -383,7 +383,7 @@ def test_flight_record_names_the_collective_not_completed(tmp_path):
     rec = flight_record(path, 3, 5.0)
     assert rec == {"kind": "flight", "t": 5.0, "rank": 3, "file": str(path), "entries": 3, "in_flight": True,
                    "collective": "nccl:all_reduce", "seq": 41, "state": "started", "group": "0",
-                   "process_group": ["0", "default_pg"], "last_seq": {"0": 42}}
+                   "process_group": ["0", "default_pg"], "last_seq": {"0": 42}, "p2p": False, "groups": []}
     done = {**FLIGHT_DUMP, "entries": FLIGHT_DUMP["entries"][:1]}
     path.write_bytes(pickle.dumps(done))
     assert flight_record(path, 3, 5.0)["seq"] == 40  # all completed: the newest
@@ -395,17 +395,29 @@ def test_a_requested_dump_names_the_collective_in_flight_from_gloos_retired_flag
     entry = {"profiling_name": "gloo:all_reduce", "state": "scheduled", "process_group": ["0", "default_pg"]}
     entries = [{**entry, "collective_seq_id": n, "retired": n < 3, "time_created_ns": n} for n in (1, 2, 3)]
     path = tmp_path / "rank-0.json"
-    path.write_text(json.dumps({"rank": 0, "dumps": {"_dump_fr_trace_json": {"entries": entries},
+    path.write_text(json.dumps({"rank": 0, "request": "r1@5", "dumps": {"_dump_fr_trace_json": {"entries": entries,
+                                                                                      "pg_status": {"0": {}}},
                                                      "_dump_nccl_trace_json": {"error": "RuntimeError: no NCCL"}}}))
     rec = requested_flight_record(path, 0, 9.0)
     assert rec["requested"] and (rec["collective"], rec["seq"], rec["in_flight"]) == ("gloo:all_reduce", 3, True)
     assert rec["last_seq"] == {"0": 3} and rec["error"] == "RuntimeError: no NCCL"
+    assert rec["request"] == "r1@5" and rec["groups"] == ["0"]
     path.write_text(json.dumps({"dumps": {"_dump_fr_trace_json": {"entries": entries[:2]}}}))
     assert (requested_flight_record(path, 0, 9.0)["in_flight"], requested_flight_record(path, 0, 9.0)["seq"]) == (False, 2)
-    with open(path, "wb") as f:  # a crafted giant file is not read into memory
+    # A crafted file is an answer with an error: not read whole, not followed, never blocking.
+    with open(path, "wb") as f:
         f.truncate(MAX_FLIGHT_BYTES + 1)
-    with pytest.raises(ValueError, match="larger than"):
-        requested_flight_record(path, 0, 9.0)
+    assert "larger than 64 MiB" in requested_flight_record(path, 0, 9.0)["error"]
+    path.unlink()
+    os.mkfifo(path)  # would block a plain open() for ever
+    assert "not a regular file" in requested_flight_record(path, 0, 9.0)["error"]
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    bad = requested_flight_record(path, 0, 9.0)
+    assert bad["requested"] and "error" in bad and "entries" not in bad
+    path.unlink()
+    path.write_text("[1, 2]")
+    assert "not a JSON object" in requested_flight_record(path, 0, 9.0)["error"]
 
 
 def test_flight_record_loads_nothing_but_plain_data(tmp_path):

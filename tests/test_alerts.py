@@ -147,29 +147,52 @@ def test_hang_names_a_rank_behind_and_stopped_once():
             "a debugger or job control) for 20 s: the other ranks wait for it") in f.message
 
 
-def flight(rank, t, seq, last, in_flight=True, group="0", collective="gloo:all_reduce"):
+def flight(rank, seq, last, in_flight=True, group="0", collective="gloo:all_reduce", request="q1", entries=5,
+           groups=None):
     """A rank's answer to the watch's flight recorder request, as the agent sends it."""
-    return {"kind": "flight", "t": t, "rank": rank, "requested": True, "collective": collective, "seq": seq,
-            "in_flight": in_flight, "group": group, "process_group": [group, "default_pg"], "last_seq": {group: last}}
+    return {"kind": "flight", "t": T0, "rank": rank, "requested": True, "request": request, "collective": collective,
+            "seq": seq, "in_flight": in_flight, "group": group, "process_group": [group, "default_pg"],
+            "last_seq": {group: last} if last is not None else {}, "entries": entries,
+            "groups": groups if groups is not None else [group]}
 
 
 def test_hang_names_the_collective_the_ranks_wait_in_and_the_rank_that_never_entered_it():
     ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
-    seen = {r: T0 + 1 for r in range(4)}
-    answers = {0: flight(0, T0 + 28, 7, 7), 2: flight(2, T0 + 28, 7, 7),
-               1: flight(1, T0 + 28, 6, 6, in_flight=False)}  # rank 3 did not answer
-    w = window(T0 + 30, train=ev, placement={1: ("node-b", None)}, flights=answers, rank_seen=seen)
+    seen = {r: T0 - 5 for r in range(4)}  # seen while loading, before the `start` event
+    answers = {0: flight(0, 7, 7), 2: flight(2, 7, 7), 1: flight(1, 6, 6, in_flight=False)}  # rank 3: no answer
+    w = window(T0 + 30, train=ev, placement={1: ("node-b", None)}, flights=answers, rank_seen=seen,
+               flight_request="q1", attempt_t=T0 - 10)
     [f] = alerts.hang(w, HANG_10S)
     assert "flight recorder: ranks 0, 2 wait in gloo:all_reduce #7 (process group default_pg)" in f.message
     assert "rank 1 never entered it (its last collective there: #6)" in f.message
     assert "no flight recorder answer from rank 3 (stopped, ended" in f.message
     assert (f.rank, f.node) == (1, "node-b")  # the one the others wait for
-    # every rank outside communication; and answers or ranks from before this attempt do not count
-    w = window(T0 + 30, train=ev, flights={0: flight(0, T0 + 28, 6, 6, in_flight=False),
-                                           1: flight(1, T0 - 50, 3, 3)}, rank_seen={0: T0 + 1, 1: T0 - 60})
+    # every rank outside communication; an answer to an earlier request does not count
+    w = window(T0 + 30, train=ev, flights={0: flight(0, 6, 6, in_flight=False), 1: flight(1, 3, 3, request="q0")},
+               rank_seen={0: T0 + 1}, flight_request="q1", attempt_t=T0)
     [f] = alerts.hang(w, HANG_10S)
     assert "flight recorder: rank 0 in no collective (stuck in computation" in f.message and "rank 1" not in f.message
     assert f.rank is None
+
+
+def test_a_rank_outside_the_group_or_with_an_empty_recorder_is_not_blamed():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    answers = {0: flight(0, 7, 7, group="tp0"), 1: flight(1, 7, 7, group="tp0"),
+               2: flight(2, 4, 4, group="tp1", groups=["tp1"]),  # another TP group: never in tp0
+               3: flight(3, None, None, in_flight=False, entries=0, groups=[])}  # TORCH_FR_BUFFER_SIZE=0
+    w = window(T0 + 30, train=ev, flights=answers, rank_seen={r: T0 for r in range(4)}, flight_request="q1")
+    [f] = alerts.hang(w, HANG_10S)
+    assert "never entered" not in f.message and f.rank is None
+    assert "flight recorder empty on rank 3 (off with TORCH_FR_BUFFER_SIZE=0" in f.message
+    # only empty answers: no verdict on where the ranks are
+    w = window(T0 + 30, train=ev, flights={3: answers[3]}, rank_seen={3: T0}, flight_request="q1")
+    [f] = alerts.hang(w, HANG_10S)
+    assert "in no collective" not in f.message and "flight recorder empty on rank 3" in f.message
+
+
+def test_a_hang_before_the_first_step_is_one_alert_per_attempt():
+    keys = {alerts.hang(window(t0 + CFG.startup_s + 5, started_t=t0), CFG)[0].key for t0 in (T0, T0 + 2000)}
+    assert len(keys) == 2
 
 
 def test_hang_names_the_collective_from_the_logs():

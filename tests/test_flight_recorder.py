@@ -53,7 +53,7 @@ def test_a_rank_waiting_in_a_collective_and_the_rank_that_never_entered_it(tmp_p
             time.sleep(0.1)
         time.sleep(1.0)
         assert not any((tmp_path / dump_file(r)).exists() for r in (0, 1))
-        (tmp_path / REQUEST).write_text(f"{time.time()}\n")
+        (tmp_path / REQUEST).write_text("r@1\n")
         while not all((tmp_path / dump_file(r)).exists() for r in (0, 1)):
             assert time.time() < deadline, "no dump within the wait"
             time.sleep(0.1)
@@ -65,10 +65,12 @@ def test_a_rank_waiting_in_a_collective_and_the_rank_that_never_entered_it(tmp_p
     answers = {r: requested_flight_record(tmp_path / dump_file(r), r, now) for r in (0, 1)}
     assert (answers[0]["collective"], answers[0]["seq"], answers[0]["in_flight"]) == ("gloo:all_reduce", 3, True)
     assert answers[1]["in_flight"] is False and answers[1]["last_seq"] == {answers[0]["group"]: 2}
+    assert {a["request"] for a in answers.values()} == {"r@1"} and answers[0]["group"] in answers[1]["groups"]
     assert json.loads((tmp_path / dump_file(0)).read_text())["rank"] == 0
     w = alerts.Window(now=now + 30, running=True, started_t=now - 60,
                       train=[{"type": "train", "step": 2, "time": now - 40}], flights=answers,
-                      rank_seen={0: now - 59, 1: now - 59}, placement={0: ("a", None), 1: ("b", None)})
+                      rank_seen={0: now - 59, 1: now - 59}, placement={0: ("a", None), 1: ("b", None)},
+                      flight_request="r@1")
     [hang] = alerts.hang(w, alerts.AlertConfig(hang_s=10))
     assert "flight recorder: rank 0 waits in gloo:all_reduce #3 (process group default_pg)" in hang.message
     assert "rank 1 never entered it (its last collective there: #2)" in hang.message
@@ -94,3 +96,47 @@ def test_a_failed_dump_is_logged_and_the_next_request_answered(tmp_path, caplog)
         assert time.time() < deadline
         time.sleep(0.05)
     assert "_dump_fr_trace_json" in json.loads((tmp_path / dump_file(0)).read_text())["dumps"]
+
+
+def test_asking_is_bounded_by_a_hung_node_and_a_step_meanwhile_is_no_hang(monkeypatch):
+    """The watch's request: a node whose shell hangs (its run directory on a hung mount) costs
+    PROBE_TIMEOUT_S, not the stop; the answers are awaited with the request's token; and a hang
+    rule that no longer fires after the wait (a step came) means the attempt is not stopped."""
+    import asyncio
+
+    from backend.cluster import launch
+    from backend.job.cluster import Node
+    from backend.runs import watch
+
+    written, asked = [], []
+
+    async def write_files(pool, node, setup, run_dir, files):
+        if node.host == "stuck":
+            await asyncio.sleep(3600)
+        written.append((node.host, files[REQUEST]))
+
+    class Sink:
+        def __init__(self, hang):
+            self._hang = hang
+
+        def awaiting_flight(self, run_id, request):
+            asked.append(request)
+            return len(asked) < 3
+
+        def hang(self, run_id, since):
+            return self._hang
+
+    monkeypatch.setattr(launch, "write_files", write_files)
+    monkeypatch.setattr(watch, "PROBE_TIMEOUT_S", 0.2)
+    nodes = [(Node(host="stuck", slots=1), None), (Node(host="ok", slots=1), None)]
+    finding = alerts.Finding("hang", "hang:3", "error", 0.0, "no training step for 11 s")
+    started = time.monotonic()
+    assert asyncio.run(watch.ask_flight_recorders(None, nodes, "/r", Sink(None), "run", 0.0, finding)) is None
+    assert time.monotonic() - started < 5
+    [(host, request)] = written
+    assert host == "ok" and asked == [request.strip()] * 3  # awaited until the answers came
+    again = asyncio.run(watch.ask_flight_recorders(None, nodes, "/r", Sink(finding), "run", 0.0, finding))
+    assert again is finding
+    asked.clear()
+    assert asyncio.run(watch.ask_flight_recorders(None, nodes[:1], "/r", Sink(None), "run", 0.0, finding)) is finding
+    assert asked == []  # no request written anywhere: stopped on what was known, without waiting

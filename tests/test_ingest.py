@@ -328,14 +328,22 @@ def test_a_flight_request_is_awaited_from_the_running_ranks_of_the_watched_attem
     line("a", {"kind": "rank_state", "t": T0 - 50, "ranks": [{"rank": 2, "state": "running"}]})  # an earlier attempt's
     line("a", {"kind": "rank_state", "t": T0 + 1, "ranks": [{"rank": 0, "state": "running"}]})
     line("b", {"kind": "rank_state", "t": T0 + 1, "ranks": [{"rank": 1, "state": "stopped"}]})  # cannot answer
-    assert ing.awaiting_flight("r", T0 + 20)
-    answer = {"kind": "flight", "rank": 0, "requested": True, "collective": "gloo:all_reduce", "seq": 3}
-    line("a", {**answer, "t": T0 + 19})  # before the request: not its answer
-    assert ing.awaiting_flight("r", T0 + 20)
-    line("a", {**answer, "t": T0 + 21})
-    assert not ing.awaiting_flight("r", T0 + 20)
+    assert ing.awaiting_flight("r", "req-2")
+    answer = {"kind": "flight", "t": T0 + 21, "rank": 0, "requested": True, "collective": "gloo:all_reduce", "seq": 3}
+    line("a", {**answer, "request": "req-1"})  # an earlier request's answer (whatever the node's clock says)
+    assert ing.awaiting_flight("r", "req-2")
+    line("a", {**answer, "request": "req-2"})
+    assert not ing.awaiting_flight("r", "req-2") and ing.window("r").flight_request == "req-2"
     ing.flush()
     assert ing.alerts("r") == []  # an answer is the hang alert's to report, not an alert of its own
+
+
+def test_a_state_held_since_an_earlier_attempt_counts_from_the_watched_attempts_first_line(engine):
+    ing = Ingestor(engine, autostart=False)
+    ing.feed("r", "b", json.dumps({"kind": "rank_state", "t": T0 - 100, "ranks": [{"rank": 1, "state": "disk_sleep"}]}))
+    ing.watch_attempt("r", T0, 10, 5)
+    ing.feed("r", "b", json.dumps({"kind": "rank_state", "t": T0 + 2, "ranks": [{"rank": 1, "state": "disk_sleep"}]}))
+    assert ing.window("r").rank_states == {1: ("disk_sleep", T0 + 2)} and ing.window("r").attempt_t == T0
 
 
 def test_rules_run_on_ingested_series_and_a_nonfinite_loss_alerts(engine):

@@ -61,6 +61,20 @@ def test_notices_are_stored_for_every_process(tmp_path):
     assert len(reader.notices("r1", 100)) == 25 and [n.message for n in reader.notices("r2", 3)] == ["another run's"]
 
 
+def test_a_notice_the_database_refuses_is_logged_not_raised(caplog):
+    """The watches report a failing database through notices: that report must not end them."""
+    from sqlalchemy.exc import OperationalError
+
+    from backend.runs.driver import AttemptDriver
+
+    class Refusing:
+        def add_notice(self, run_id, message):
+            raise OperationalError("INSERT INTO runnotice", {}, Exception("database is locked"))
+
+    AttemptDriver(Refusing(), None, None, None, None, None, None).notice("r1", "telemetry from a could not be stored")
+    assert "notice not stored: telemetry from a could not be stored" in caplog.text
+
+
 @pytest.mark.parametrize("path", [[lc.RUNNING], [lc.CHECKING, lc.RUNNING], [lc.CHECKING, lc.LAUNCHING, lc.RUNNING,
                                                                           lc.SUCCEEDED, lc.CHECKING]])
 def test_illegal_moves_are_refused(store, path):

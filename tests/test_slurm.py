@@ -283,13 +283,13 @@ def test_a_hung_job_is_cancelled_and_fails_as_a_hang(tmp_path, monkeypatch):
         def stopping_hung(self, run_id, attempt, finding):
             stopping.append((run_id, attempt, finding.key))
 
-        def awaiting_flight(self, run_id, since):
+        def awaiting_flight(self, run_id, request):
             return False
 
         def hang(self, run_id, since):
             asked.append(since)
             return (Finding("hang", "hang:12", "error", time.time(), "no training step for 11 s (last logged step 12)",
-                            node="gpu-2", rank=3) if len(asked) == 4 else None)
+                            node="gpu-2", rank=3) if len(asked) >= 4 else None)
 
     async def job_state(pool, login, job_id):
         return next(states)

@@ -268,7 +268,12 @@ class AttemptDriver:
         return bool(run and run.stop_requested)
 
     def notice(self, run_id: str, message: str) -> None:
-        self.store.add_notice(run_id, message)
+        """Store a notice on the run. Best effort: the watches report a failing database through
+        here too, and that report must not end the watch it comes from."""
+        try:
+            self.store.add_notice(run_id, message)
+        except Exception:  # noqa: BLE001 - logged with the notice; the run goes on
+            log.exception("run %s: notice not stored: %s", run_id, message)
 
     async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)

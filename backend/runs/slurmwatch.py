@@ -111,8 +111,9 @@ class SlurmWatcher:
             elif state is not None and self.sink is not None:
                 self.running_since = self.running_since or time.time()
                 hung = self.sink.hang(self.run_id, self.running_since)
-                if hung is not None and not self.stop_requested():
-                    return await self._hung(hung)
+                outcome = await self._hung(hung) if hung is not None and not self.stop_requested() else None
+                if outcome is not None:
+                    return outcome
             if state is None or state.final:
                 if self.stop_requested():
                     return None
@@ -124,12 +125,15 @@ class SlurmWatcher:
         what = f"Slurm did not answer about job {self.job_id} for {CONTROLLER_SILENT_S:.0f} s ({exc})"
         return await self._cancelled(Failure(None, None, logclass.NODE_UNREACHABLE, what))
 
-    async def _hung(self, finding) -> Outcome:
+    async def _hung(self, finding) -> Outcome | None:
         """The ranks made no step within the job's hang limit (the same rule as on SSH nodes): the
-        job is cancelled (none of its ranks can reach the step boundary a checkpoint needs)."""
+        job is cancelled (none of its ranks can reach the step boundary a checkpoint needs). None: a
+        step came while the ranks were asked, and the watch goes on."""
         finding = await ask_flight_recorders(self.pool, [(self.login, None)], self.run_dir, self.sink, self.run_id,
                                              self.running_since or time.time(), finding,
                                              read=self._read_telemetry_guarded)
+        if finding is None:
+            return None
         self.sink.stopping_hung(self.run_id, self.attempt, finding)
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._cancelled(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)))

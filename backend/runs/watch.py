@@ -111,21 +111,27 @@ async def ask_flight_recorders(pool: Pool, shells: Sequence[tuple[Node, str | No
                                sink: TelemetrySink, run_id: str, started_at: float, finding,
                                read: Callable[[], Awaitable[None]] | None = None):
     """Before a hung attempt is stopped: ask every rank for its flight recorder (the request file
-    of `backend.job.flight`, written through each shell into the run directory), wait until each
-    rank that can answer has (at most FLIGHT_WAIT_S), and return the hang rule's finding again, now
-    naming the collective the ranks wait in and the rank they wait for. Where no request could be
-    written, the finding as it was. `read` brings the agents' lines in, where no task streams them
-    (a Slurm job's agents write files)."""
-    asked = time.time()
-    written = await asyncio.gather(*(launch.write_files(pool, node, setup, run_dir, {flight.REQUEST: f"{asked}\n"})
-                                     for node, setup in shells), return_exceptions=True)
+    of `backend.job.flight`, written through each shell into the run directory, each write within
+    PROBE_TIMEOUT_S: a node may be the hung part), wait until each rank that can answer has (at
+    most FLIGHT_WAIT_S), and return the hang rule's finding again, now naming the collective the
+    ranks wait in and the rank they wait for; None if a step came meanwhile (not hung after all).
+    Where no request could be written, the finding as it was. `read` brings the agents' lines in,
+    where no task streams them (a Slurm job's agents write files)."""
+    request = f"{run_id}@{time.time():.6f}"
+
+    async def write(node: Node, setup: str | None) -> None:
+        await asyncio.wait_for(launch.write_files(pool, node, setup, run_dir, {flight.REQUEST: request + "\n"}),
+                               PROBE_TIMEOUT_S)
+
+    written = await asyncio.gather(*(write(node, setup) for node, setup in shells), return_exceptions=True)
     if all(isinstance(w, BaseException) for w in written):
         return finding
-    while time.time() - asked < FLIGHT_WAIT_S and sink.awaiting_flight(run_id, asked):
+    asked = time.time()
+    while time.time() - asked < FLIGHT_WAIT_S and sink.awaiting_flight(run_id, request):
         await asyncio.sleep(0.5)
         if read is not None:
             await read()
-    return sink.hang(run_id, started_at) or finding
+    return sink.hang(run_id, started_at)
 
 
 def choose_root(failures: list[tuple[logclass.Cause, Failure, float]]) -> Failure:
@@ -189,8 +195,9 @@ class AttemptWatcher:
             if all(n.done for n in self.nodes):
                 return Outcome("succeeded")
             hung = self.sink.hang(self.run_id, self.started_at) if self.sink is not None else None
-            if hung is not None:
-                return await self._hung(hung)
+            outcome = await self._hung(hung) if hung is not None else None
+            if outcome is not None:
+                return outcome
             if all(n.unreachable_since is None for n in self.nodes):
                 self.first_pass.set()
             next_probe = min(n.next_probe for n in self.nodes if not n.done)
@@ -251,12 +258,15 @@ class AttemptWatcher:
         # Stop whatever is still running anywhere; a lost node is tried too (it may answer again).
         return await self._stopped_with(choose_root(candidates), FAIL_STOP_GRACE_S)
 
-    async def _hung(self, finding) -> Outcome:
+    async def _hung(self, finding) -> Outcome | None:
         """The ranks made no step within the job's hang limit: stop them all (SIGTERM lets them
         log; none can reach the step boundary a checkpoint needs, so SIGKILL follows soon) and fail
-        the attempt with the hang rule's diagnosis, which names the rank and collective where it can."""
+        the attempt with the hang rule's diagnosis, which names the rank and collective where it
+        can. None: a step came while the ranks were asked, and the watch goes on."""
         finding = await ask_flight_recorders(self.pool, [(n.started.node, n.started.setup) for n in self.nodes],
                                              self.run_dir, self.sink, self.run_id, self.started_at, finding)
+        if finding is None:
+            return None
         self.sink.stopping_hung(self.run_id, self.attempt, finding)
         cause = logclass.Cause(logclass.HANG, finding.message, finding.rank)
         return await self._stopped_with(Failure(finding.node, None, logclass.HANG, logclass.describe(cause, finding.node)),

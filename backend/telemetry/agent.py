@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -297,26 +298,54 @@ def flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
     (a pickle), as a `flight` line."""
     with open(path, "rb") as f:
         dump = _PlainUnpickler(f).load()
-    return {"kind": "flight", "t": t, "rank": rank, "file": str(path),
-            **flight_summary([e for e in dump.get("entries", []) if isinstance(e, dict)])}
+    return {"kind": "flight", "t": t, "rank": rank, "file": str(path), **flight_summary([dump])}
 
 
 def requested_flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
     """A rank's answer to the watch's request (`backend.job.flight`: JSON from `launcher.flight`),
-    as a `flight` line marked `requested`."""
-    if path.stat().st_size > MAX_FLIGHT_BYTES:
-        raise ValueError(f"larger than {MAX_FLIGHT_BYTES >> 20} MiB")
-    dumps = json.loads(path.read_text()).get("dumps", {})
-    entries = [e for d in dumps.values() if isinstance(d, dict) for e in d.get("entries", []) if isinstance(e, dict)]
-    errors = [d["error"] for d in dumps.values() if isinstance(d, dict) and d.get("error")]
-    return {"kind": "flight", "t": t, "rank": rank, "file": str(path), "requested": True,
-            **flight_summary(entries), **({"error": "; ".join(errors)} if errors else {})}
+    as a `flight` line marked `requested`, with the request it answers. A file that cannot be read
+    (too large, not JSON, not a regular file) is still an answer, with its `error`."""
+    rec: dict[str, Any] = {"kind": "flight", "t": t, "rank": rank, "file": str(path), "requested": True}
+    try:
+        answer = json.loads(_read_regular(path, MAX_FLIGHT_BYTES))
+        if not isinstance(answer, dict):
+            raise ValueError("not a JSON object")
+        dumps = answer.get("dumps") if isinstance(answer.get("dumps"), dict) else {}
+        rec["request"] = str(answer.get("request", ""))[:200]
+        rec.update(flight_summary([d for d in dumps.values() if isinstance(d, dict)]))
+        errors = [str(d["error"]) for d in dumps.values() if isinstance(d, dict) and d.get("error")]
+    except (OSError, ValueError) as exc:
+        errors = [f"{path}: {exc}"]
+    if errors:
+        rec["error"] = "; ".join(errors)[:500]
+    return rec
 
 
-def flight_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The oldest collective still in flight (not completed: NCCL's `state`; not retired: gloo's
-    recorder keeps `state` at scheduled), else the newest; and each process group's newest
-    sequence number (a rank behind the others has not reached theirs)."""
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file, refusing links, FIFOs and devices (a crafted run
+    directory must not block or flood the agent)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit >> 20} MiB")
+    return data
+
+
+def flight_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
+    """From a rank's recorder dumps: the oldest collective still in flight (not completed: NCCL's
+    `state`; not retired: gloo's recorder keeps `state` at scheduled), else the newest; each
+    process group's newest sequence number (a rank behind the others has not reached theirs); and
+    the groups the rank is a member of (`pg_status`), so a rank outside a group is not taken for
+    one that never entered its collective."""
+    entries = [e for d in dumps for e in d.get("entries", []) if isinstance(e, dict)]
+    groups = sorted({str(g) for d in dumps if isinstance(d.get("pg_status"), dict) for g in d["pg_status"]})
+
     def in_flight(e: dict[str, Any]) -> bool:
         return not e.get("retired", False) and e.get("state") != "completed"
 
@@ -325,12 +354,15 @@ def flight_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
     last_seq: dict[str, int] = {}
     for e in entries:
         pg, seq = _group(e.get("process_group")), e.get("collective_seq_id")
-        if isinstance(seq, int) and seq > last_seq.get(pg, -1):
+        if isinstance(seq, int) and not e.get("is_p2p") and seq > last_seq.get(pg, -1):
             last_seq[pg] = seq
     pg = stuck.get("process_group")
-    return {"entries": len(entries), "collective": stuck.get("profiling_name"), "seq": stuck.get("collective_seq_id"),
+    p2p = bool(stuck.get("is_p2p"))
+    return {"entries": len(entries), "collective": stuck.get("profiling_name"),
+            "seq": stuck.get("p2p_seq_id" if p2p else "collective_seq_id"), "p2p": p2p,
             "state": stuck.get("state"), "in_flight": bool(waiting), "group": _group(pg),
-            "process_group": list(pg) if isinstance(pg, (list, tuple)) else pg, "last_seq": last_seq}
+            "process_group": list(pg) if isinstance(pg, (list, tuple)) else pg, "last_seq": last_seq,
+            "groups": groups}
 
 
 def _group(pg: Any) -> str:

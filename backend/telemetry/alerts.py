@@ -93,6 +93,10 @@ class Window:
     """rank -> its last answer to a flight recorder request (an agent `flight` line)."""
     rank_seen: dict[int, float] = field(default_factory=dict)
     """rank -> when its node's agent last reported its process (the ranks of this attempt: since its start)."""
+    flight_request: str | None = None
+    """The watch's latest flight recorder request: the answers read are those to it."""
+    attempt_t: float | None = None
+    """When the watched attempt started (its ranks' processes may be reported before its `start` event)."""
 
 
 def _where(rank: int, node: str | None, gpu: int | None) -> str:
@@ -238,36 +242,47 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
         what += f"; {flight}"
     elif w.last_collective:
         what += f"; last collective reported stuck: {w.last_collective}"
-    return [Finding("hang", f"hang:{last_step}", "error", w.now, what, node=node, rank=rank, gpu=gpu)]
+    # before the first step, one hang per attempt (its start), not one for every attempt
+    key = f"hang:{last_step}" if last_step is not None else f"hang:start@{w.started_t:.0f}"
+    return [Finding("hang", key, "error", w.now, what, node=node, rank=rank, gpu=gpu)]
 
 
 def _flight_diagnosis(w: Window) -> tuple[str, list[int]]:
-    """What this attempt's answers to the watch's flight recorder request say: the collective the
-    most ranks wait in, the answering ranks that never entered it (returned too: the ranks the
-    others wait for), and the ranks that did not answer."""
-    since = w.started_t or 0.0
-    answers = {r: rec for r, rec in w.flights.items() if (number(rec.get("t")) or 0.0) >= since}
+    """What the ranks' answers to the watch's latest flight recorder request say: the collective
+    the most ranks wait in, the answering ranks of its group that never entered it (returned too:
+    the ranks the others wait for), the ranks whose recorder was empty or unreadable, and the
+    ranks that did not answer."""
+    if w.flight_request is None:
+        return "", []
+    answers = {r: rec for r, rec in w.flights.items() if rec.get("request") == w.flight_request}
     if not answers:
         return "", []
-    waiting = {r: rec for r, rec in answers.items() if rec.get("in_flight")}
+    usable = {r: rec for r, rec in answers.items() if rec.get("entries")}
+    waiting = {r: rec for r, rec in usable.items() if rec.get("in_flight")}
     parts, behind = [], []
     if waiting:
         counts = Counter((rec.get("group"), rec.get("seq"), rec.get("collective")) for rec in waiting.values())
         group, seq, collective = max(counts, key=lambda k: (counts[k], -(k[1] if isinstance(k[1], int) else 0)))
         inside = sorted(r for r, rec in waiting.items() if (rec.get("group"), rec.get("seq")) == (group, seq))
-        label = _pg_label(waiting[inside[0]])
+        first = waiting[inside[0]]
         parts.append(f"flight recorder: {_ranks(inside)} wait{'s' if len(inside) == 1 else ''} in "
-                     f"{collective or 'a collective'} #{seq} (process group {label})")
-        if isinstance(seq, int):
-            behind = sorted(r for r, rec in answers.items()
-                            if r not in inside and (rec.get("last_seq") or {}).get(group, -1) < seq)
+                     f"{collective or 'a collective'} #{seq} (process group {_pg_label(first)})")
+        if isinstance(seq, int) and not first.get("p2p"):
+            # a rank outside the group has no entries of it: only members can be behind
+            behind = sorted(r for r, rec in usable.items() if r not in inside
+                            and (group in (rec.get("groups") or ()) or group in (rec.get("last_seq") or {}))
+                            and (rec.get("last_seq") or {}).get(group, -1) < seq)
         if behind:
-            last = (answers[behind[0]].get("last_seq") or {}).get(group)
+            last = (usable[behind[0]].get("last_seq") or {}).get(group)
             parts.append(f"{_ranks(behind)} never entered it"
                          + (f" (its last collective there: #{last})" if len(behind) == 1 and last is not None else ""))
-    else:
-        parts.append(f"flight recorder: {_ranks(sorted(answers))} in no collective (stuck in computation, data "
+    elif usable:
+        parts.append(f"flight recorder: {_ranks(sorted(usable))} in no collective (stuck in computation, data "
                      "loading or I/O)")
+    empty = sorted(set(answers) - set(usable))
+    if empty:
+        parts.append(f"flight recorder empty on {_ranks(empty)} (off with TORCH_FR_BUFFER_SIZE=0, or unreadable)")
+    since = w.attempt_t or w.started_t or 0.0
     silent = sorted(r for r, seen in w.rank_seen.items() if seen >= since and r not in answers)
     if silent:
         parts.append(f"no flight recorder answer from {_ranks(silent)} (stopped, ended, or blocked where Python "
@@ -302,7 +317,7 @@ def _halted_ranks(w: Window, idle: float) -> list[tuple[int, str, float]]:
     found = []
     for rank, (state, since) in sorted(w.rank_states.items()):
         held = w.now - since
-        if state in HALTED and since >= (w.started_t or 0.0) and held >= idle / 2:
+        if state in HALTED and since >= (w.attempt_t or w.started_t or 0.0) and held >= idle / 2:
             found.append((rank, state, held))
     return found
 

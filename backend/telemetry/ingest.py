@@ -86,6 +86,7 @@ class _RunState:
     flights: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last requested flight line
     # rank -> when an agent last named it in a `rank_state` line (each new agent names all its ranks)
     rank_seen: dict[int, float] = field(default_factory=dict)
+    flight_request: str | None = None  # the watch's latest flight recorder request
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> agent status
     dirty: bool = False
     last_compact: float = 0.0
@@ -151,7 +152,7 @@ class TelemetrySink(Protocol):
 
     def hang(self, run_id: str, since: float, now: float | None = None) -> rules.Finding | None: ...
 
-    def awaiting_flight(self, run_id: str, since: float) -> bool: ...
+    def awaiting_flight(self, run_id: str, request: str) -> bool: ...
 
     def stopping_hung(self, run_id: str, attempt: int, finding: rules.Finding) -> None: ...
 
@@ -376,7 +377,9 @@ class Ingestor:
         t = rules.number(rec.get("t")) or self.clock()
         for r in rec["ranks"]:
             rank, state = int(r["rank"]), str(r["state"])
-            if st.rank_states.get(rank, ("",))[0] != state:
+            before, since = st.rank_states.get(rank, ("", 0.0))
+            # a state held since before the watched attempt counts from this attempt's first line
+            if before != state or since < self._attempt_started.get(run_id, 0.0):
                 st.rank_states[rank] = (state, t)
             st.rank_seen[rank] = t
 
@@ -529,7 +532,8 @@ class Ingestor:
                 mem=dict(st.mem) if devices else {}, train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
                 checkpoint=st.checkpoint, last_collective=st.last_collective, rank_states=dict(st.rank_states),
-                flights=dict(st.flights), rank_seen=dict(st.rank_seen))
+                flights=dict(st.flights), rank_seen=dict(st.rank_seen), flight_request=st.flight_request,
+                attempt_t=self._attempt_started.get(run_id))
 
     def watch_attempt(self, run_id: str, started_at: float, hang_s: float, multiple: float) -> None:
         """A watch follows the attempt started at `started_at`, with the job's own hang limit (its
@@ -545,17 +549,19 @@ class Ingestor:
         run on), or None. Until that attempt's `start` event arrives the window still holds the
         attempt before it (killed: no `end` event), whose steps must not count."""
         window = self.window(run_id, now, devices=False)  # asked every watch round: no device series copied
-        window = replace(window, started_t=max(window.started_t or since, since))
+        window = replace(window, started_t=max(window.started_t or since, since), attempt_t=since)
         found = rules.hang(window, self._alert_configs.get(run_id, self.alert_config))
         return found[0] if found else None
 
-    def awaiting_flight(self, run_id: str, since: float) -> bool:
-        """Whether a rank of the watched attempt whose process runs has not yet answered a flight
-        recorder request made at `since` (a stopped or exited rank cannot)."""
+    def awaiting_flight(self, run_id: str, request: str) -> bool:
+        """Whether a rank of the watched attempt whose process runs has not yet answered the
+        flight recorder request `request` (a stopped or exited rank cannot); the hang rule reads the
+        answers to this request from now on."""
         with self._lock:
             st = self._run(run_id)
+            st.flight_request = request
             started = self._attempt_started.get(run_id, 0.0)
-            answered = {r for r, rec in st.flights.items() if (rules.number(rec.get("t")) or 0.0) >= since}
+            answered = {r for r, rec in st.flights.items() if rec.get("request") == request}
             return any(r not in answered and seen >= started and st.rank_states.get(r, ("running",))[0] == "running"
                        for r, seen in st.rank_seen.items())
 
