@@ -420,6 +420,18 @@ def test_a_requested_dump_names_the_collective_in_flight_from_gloos_retired_flag
     assert "not a JSON object" in requested_flight_record(path, 0, 9.0)["error"]
 
 
+def test_a_point_to_point_op_in_flight_is_numbered_by_its_own_sequence():
+    from backend.telemetry.agent import flight_summary
+
+    pg = ["3", "pp"]
+    entries = [{"collective_seq_id": 8, "p2p_seq_id": 0, "is_p2p": False, "profiling_name": "nccl:all_reduce",
+                "state": "completed", "process_group": pg},
+               {"collective_seq_id": 8, "p2p_seq_id": 5, "is_p2p": True, "profiling_name": "nccl:send 1->2",
+                "state": "started", "process_group": pg}]
+    rec = flight_summary([{"entries": entries}])
+    assert (rec["collective"], rec["seq"], rec["p2p"], rec["last_seq"]) == ("nccl:send 1->2", 5, True, {"3": 8})
+
+
 def test_flight_record_loads_nothing_but_plain_data(tmp_path):
     from collections import OrderedDict
 

@@ -190,6 +190,15 @@ def test_a_rank_outside_the_group_or_with_an_empty_recorder_is_not_blamed():
     assert "in no collective" not in f.message and "flight recorder empty on rank 3" in f.message
 
 
+def test_a_rank_is_not_blamed_for_missing_a_point_to_point_op():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    answers = {1: {**flight(1, 5, 8, group="pp", collective="nccl:send 1->2"), "p2p": True},
+               0: flight(0, 8, 8, in_flight=False, group="pp")}
+    w = window(T0 + 30, train=ev, flights=answers, rank_seen={0: T0, 1: T0}, flight_request="q1")
+    [f] = alerts.hang(w, HANG_10S)
+    assert "rank 1 waits in nccl:send 1->2 #5" in f.message and "never entered" not in f.message and f.rank is None
+
+
 def test_a_hang_before_the_first_step_is_one_alert_per_attempt():
     keys = {alerts.hang(window(t0 + CFG.startup_s + 5, started_t=t0), CFG)[0].key for t0 in (T0, T0 + 2000)}
     assert len(keys) == 2
