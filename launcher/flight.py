@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from backend.job.flight import REQUEST, dump_file
+from backend.job.flight import MAX_REQUEST_BYTES, REQUEST, dump_file, read_regular
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
@@ -38,7 +38,10 @@ def write_dump(run_dir: Path, rank: int, request: str = "") -> Path:
     path = run_dir / dump_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), "request": request, "dumps": recorder_dumps()}))
+    # O_NOFOLLOW: a link planted under the temporary name must not have us write through it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"rank": rank, "time": time.time(), "request": request, "dumps": recorder_dumps()}, f)
     os.replace(tmp, path)
     return path
 
@@ -62,7 +65,8 @@ def answer_requests(run_dir: Path, rank: int, poll_s: float = POLL_S) -> threadi
                 continue
             seen = now
             try:
-                write_dump(Path(run_dir), rank, request.read_text()[:200].strip())
+                token = read_regular(request, MAX_REQUEST_BYTES).decode("utf-8", "replace").strip()
+                write_dump(Path(run_dir), rank, token)
             except Exception as exc:  # noqa: BLE001 - a full disk must not end training
                 log.warning("rank %d: flight recorder dump failed: %s", rank, exc)
 

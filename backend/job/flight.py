@@ -6,8 +6,30 @@ reads that into a `flight` line. A rank that does not answer is stopped, dead, o
 Python cannot run (docs/telemetry.md)."""
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 REQUEST = "flight/request"
+MAX_REQUEST_BYTES = 200
 
 
 def dump_file(rank: int) -> str:
     return f"flight/rank-{rank}.json"
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file, refusing links, FIFOs and devices: the run
+    directory's files are read by the agent and the workers, and a crafted one must not make
+    either block, flood its memory or read something else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit >> 20} MiB" if limit >= 1 << 20 else f"larger than {limit} bytes")
+    return data

@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import signal
-import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
-from backend.job.flight import dump_file
+from backend.job.flight import dump_file, read_regular
 
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
@@ -307,7 +306,7 @@ def requested_flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
     (too large, not JSON, not a regular file) is still an answer, with its `error`."""
     rec: dict[str, Any] = {"kind": "flight", "t": t, "rank": rank, "file": str(path), "requested": True}
     try:
-        answer = json.loads(_read_regular(path, MAX_FLIGHT_BYTES))
+        answer = json.loads(read_regular(path, MAX_FLIGHT_BYTES))
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
         dumps = answer.get("dumps") if isinstance(answer.get("dumps"), dict) else {}
@@ -319,22 +318,6 @@ def requested_flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
     if errors:
         rec["error"] = "; ".join(errors)[:500]
     return rec
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file, refusing links, FIFOs and devices (a crafted run
-    directory must not block or flood the agent)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"larger than {limit >> 20} MiB")
-    return data
 
 
 def flight_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
