@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    from backend.cluster.remote import free_port as pick
+
+    return pick(host)
 
 
 def keygen(path: Path) -> None:

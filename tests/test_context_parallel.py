@@ -180,13 +180,11 @@ def test_ring_sharding_and_loss_arithmetic_on_two_ranks(tmp_path):
     share and gradient factor, with a model that needs no attention (the ring's is CUDA-only)."""
     import subprocess
 
-    from worker import free_port, worker_env
+    from worker import torchrun, worker_env
 
     script = tmp_path / "sharding.py"
     script.write_text(SHARDING)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(script)]
-    proc = subprocess.run(argv, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(torchrun(2, str(script)), cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2  # both ranks got to the end (their lines may interleave)
 

@@ -9,7 +9,7 @@ import torch
 from backend.job.capabilities import TIED_UNDER_TP_FSDP, TransformersPlan, transformers_plan, unsupported
 from backend.job.spec import JobSpec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, assert_timing_from_every_rank,
-                    equality_job, events, losses, run_worker, trained, trained_together, write_run)
+                    equality_job, events, losses, run_worker, torchrun, trained, trained_together, write_run)
 
 STEPS = EQUALITY_STEPS
 
@@ -173,9 +173,7 @@ for path in sys.argv[1:]:
         plain = trained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         print("LOSSES", sharded, plain, flush=True)
 ''')
-    import sys
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(script),
-                                      str(tiny_model), str(untied_model)])
+    proc = run_worker(tmp_path, argv=torchrun(4, str(script), str(tiny_model), str(untied_model)))
     tied, untied = [tuple(map(float, line.split()[1:])) for line in proc.log.splitlines() if line.startswith("LOSSES")]
     assert abs(tied[0] - tied[1]) > 1e-2, tied
     assert untied[0] == pytest.approx(untied[1], rel=1e-5), untied
@@ -204,8 +202,7 @@ except RuntimeError as exc:
     assert "invalid for input of size" in str(exc)
     print("FAILS AS PINNED")
 ''')
-    proc = run_worker(tmp_path, nproc=2, argv=[__import__("sys").executable, "-m", "torch.distributed.run",
-                                               "--nproc_per_node", "2", str(script)])
+    proc = run_worker(tmp_path, argv=torchrun(2, str(script)))
     assert "FAILS AS PINNED" in proc.log, proc.log[-3000:]
 
 
@@ -233,8 +230,6 @@ for micro in (1, 2):
     if dist.get_rank() == 0:
         print("GRADS", micro, torch.allclose(tp, plain, rtol=1e-4, atol=1e-6), flush=True)
 ''')
-    import sys
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
-                                      str(tiny_families["qwen3"])])
+    proc = run_worker(tmp_path, argv=torchrun(2, str(script), str(tiny_families["qwen3"])))
     outcomes = [line.split()[1:] for line in proc.log.splitlines() if line.startswith("GRADS")]
     assert outcomes == [["1", "True"], ["2", "False"]], proc.log[-3000:]

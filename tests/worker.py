@@ -44,11 +44,19 @@ def write_run(run_dir: Path, **spec) -> Path:
     return run_dir
 
 
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """torchrun on this machine with `nproc` ranks, its rendezvous on port 0: the store's own bind
+    picks the port (as torchrun's --standalone does). A port picked before torchrun starts can be
+    taken by then (the other test worker's runs connect and listen too), and torch's default 29500
+    is shared by every run at once."""
+    return [sys.executable, "-m", "torch.distributed.run", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0",
+            "--nproc_per_node", str(nproc), *args]
+
+
 def torchrun_argv(run_dir: Path, nproc: int = 2, resume: str | None = None) -> list[str]:
     """The argv of docs/architecture.md ("Worker command line") for one local node."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
-            "--nproc_per_node", str(nproc), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
-            "--rdzv_id", run_dir.name, "--max_restarts", "0", "-m", "launcher.train", "--run-dir", str(run_dir)]
+    argv = torchrun(nproc, "--nnodes", "1", "--node_rank", "0", "--rdzv_id", run_dir.name, "--max_restarts", "0",
+                    "-m", "launcher.train", "--run-dir", str(run_dir))
     return argv + (["--resume", resume] if resume else [])
 
 
@@ -109,8 +117,7 @@ def probe_ranks(tmp_path: Path, nproc: int, body: str, *args) -> tuple[list[str]
     before reporting has none), and the log."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE_REPORT + body)
-    proc = run_worker(tmp_path, argv=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                      str(script), str(tmp_path), *map(str, args)])
+    proc = run_worker(tmp_path, argv=torchrun(nproc, str(script), str(tmp_path), *map(str, args)))
     outcomes = [(tmp_path / f"outcome-{rank}").read_text() for rank in range(nproc)
                 if (tmp_path / f"outcome-{rank}").exists()]
     return outcomes, proc.log

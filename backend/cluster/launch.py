@@ -26,9 +26,6 @@ from backend.job.planner import STOP_BUDGET_S
 STOP_GRACE_S = STOP_BUDGET_S + 15.0
 KILL_WAIT_S = 10.0       # after SIGKILL, until the group is gone
 POLL_S = 0.5
-FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-
-
 @dataclass(frozen=True)
 class NodeCommand:
     """What one node runs: the node, its setup line, torchrun's argv and the extra environment."""
@@ -66,7 +63,7 @@ class StopReport:
 
 async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
     """A TCP port free on the node now (for the rendezvous on the master)."""
-    res = await pool.run(node, remote.quote_argv([node.python, "-c", FREE_PORT_PY]), setup)
+    res = await pool.run(node, remote.quote_argv([node.python, "-c", remote.FREE_PORT_PY]), setup)
     if not res.ok or not res.stdout.strip().isdigit():
         raise ssh.NodeError(address_of(node), f"could not pick a free port with {node.python}: {res.first_error_line()}")
     return int(res.stdout.strip())

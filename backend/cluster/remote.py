@@ -11,6 +11,7 @@ group id to `pids/<node>.pid` and, when torchrun exits, its exit code to `pids/<
 """
 from __future__ import annotations
 
+import inspect
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,34 @@ _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 class UnsafeValue(ValueError):
     """An environment variable name or a value that cannot be sent to a shell safely."""
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free for a listener on `host` now, picked outside the kernel's ephemeral range
+    where the node says what that is. A port from that range is also handed to outgoing connections
+    (gloo's, ssh's, a store's clients): one picked there can be taken before the rendezvous binds it,
+    and torchrun then waits out its 60 s as the client of a port nobody serves. Runs on the node
+    (as FREE_PORT_PY): the standard library only."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        candidates = [p for p in range(20000, 65536) if not low <= p <= high]
+    except (OSError, ValueError):
+        candidates = []
+    for port in random.sample(candidates, min(len(candidates), 64)) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no TCP port is free on {host or 'this node'}")
+
+
+FREE_PORT_PY = inspect.getsource(free_port) + "print(free_port())\n"
 
 
 def node_file_name(name: str) -> str:

@@ -197,7 +197,6 @@ _DYNAMIC_ARGS = {"--node_rank": '"$SLURM_NODEID"', "--rdzv_endpoint": f'"${HEAD_
 _DYNAMIC_ENV = {"MASTER_ADDR": f'"${HEAD_VAR}"', "MASTER_PORT": f'"${PORT_VAR}"', NODE_ENV: '"$node"'}
 # The step's node name, as `remote.node_file_name` makes it (Slurm's node names need no stripping).
 _NODE_NAME = "node=$(printf %s \"$SLURMD_NODENAME\" | tr -c 'A-Za-z0-9._-' _)"
-_FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 # The step's import check: the pre-flight that has to run on the allocated nodes themselves.
 _IMPORT_CHECK_PY = "import torch, launcher.train, backend.telemetry.agent"
 IMPORT_CHECK_FAILED = "swift-studio: the import check failed on a node of the allocation"
@@ -304,7 +303,7 @@ def sbatch_script(target: SlurmTarget, plan: Plan, run_id: str, attempt: int,
         f"{{ echo {q(IMPORT_CHECK_FAILED)} >&2; exit 3; }}",
         "# The rendezvous runs on the allocation's first node, on a port free there (the batch step runs on it).",
         f"{HEAD_VAR}=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
-        f"{PORT_VAR}=$({q(target.python)} -c {q(_FREE_PORT_PY)})",
+        f"{PORT_VAR}=$({q(target.python)} -c {q(remote.FREE_PORT_PY)})",
         f"export {HEAD_VAR} {PORT_VAR}",
         f"srun {step_resources} --kill-on-bad-exit=1 sh -c {q(train_step)} swift-studio-step &",
         "train=$!",
