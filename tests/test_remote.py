@@ -36,6 +36,20 @@ def test_quote_argv_round_trips_through_a_shell(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_rendezvous_port_is_free_and_outside_the_ephemeral_range():
+    """Run as the nodes run it (a script for their python): an outgoing connection can take a port of
+    the ephemeral range before torchrun binds it, a listener only one that is free now."""
+    import socket
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {int(subprocess.run([sys.executable, "-c", remote.FREE_PORT_PY], capture_output=True, text=True,
+                                check=True).stdout) for _ in range(3)}
+    for port in ports:
+        assert not low <= port <= high and port >= 20000
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
 @pytest.mark.parametrize("name", ["1X", "A-B", "A B", "A;B", "$(id)", "", "A=B"])
 def test_invalid_env_names_are_refused(name):
     with pytest.raises(remote.UnsafeValue, match="invalid environment variable name"):
