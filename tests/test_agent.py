@@ -441,6 +441,27 @@ def test_flight_record_loads_nothing_but_plain_data(tmp_path):
         flight_record(path, 0, 1.0)
 
 
+def test_a_fifo_or_link_planted_at_the_nccl_dump_path_neither_blocks_nor_is_followed(tmp_path):
+    """TORCH_NCCL_DEBUG_INFO_TEMP_FILE defaults to /tmp, where anyone can plant a file under a
+    rank's dump name: the agent reads it as the requested dumps, and the caller makes the error a
+    notice."""
+    path = tmp_path / "nccl_trace_rank_0"
+    os.mkfifo(path)  # a plain open() would block the agent for ever
+    with pytest.raises(ValueError, match="not a regular file"):
+        flight_record(path, 0, 1.0)
+    path.unlink()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(pickle.dumps(FLIGHT_DUMP))
+    path.symlink_to(target)
+    with pytest.raises(OSError):
+        flight_record(path, 0, 1.0)
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(MAX_FLIGHT_BYTES + 1)
+    with pytest.raises(ValueError, match="larger than 64 MiB"):
+        flight_record(path, 0, 1.0)
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU and NVML")
 def test_a_real_gpu_reports_the_energy_its_work_draws(tmp_path):
     """The node agent's sampler on a real GPU: NVML's energy counter rises while the GPU multiplies

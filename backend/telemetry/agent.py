@@ -11,6 +11,7 @@ stdout is closed.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
-from backend.job.flight import dump_file, read_regular
+from backend.job.flight import MAX_REQUEST_BYTES, dump_file, read_regular
 
 GIB = 1024**3
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
@@ -39,7 +40,7 @@ HEARTBEAT_S = 5.0
 MAX_READ_BYTES = 4 * 1024 * 1024  # per file and pass; the rest follows on the next pass
 NVLINK_ALL_LINKS = 0xFFFFFFFF
 FLIGHT_PREFIX = "/tmp/nccl_trace_rank_"  # PyTorch's default TORCH_NCCL_DEBUG_INFO_TEMP_FILE
-MAX_FLIGHT_BYTES = 64 << 20  # a rank's requested dump: its recorder holds 2000 entries by default
+MAX_FLIGHT_BYTES = 64 << 20  # a rank's dump: its recorder holds 2000 entries by default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,9 +295,9 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
     """The collective a rank was in when PyTorch's flight recorder dumped on a collective timeout
-    (a pickle), as a `flight` line."""
-    with open(path, "rb") as f:
-        dump = _PlainUnpickler(f).load()
+    (a pickle), as a `flight` line. The file is where the rank's environment says (/tmp by
+    default, where anyone can plant a FIFO or a link): read as the requested dumps are."""
+    dump = _PlainUnpickler(io.BytesIO(read_regular(path, MAX_FLIGHT_BYTES))).load()
     return {"kind": "flight", "t": t, "rank": rank, "file": str(path), **flight_summary([dump])}
 
 
@@ -310,7 +311,7 @@ def requested_flight_record(path: Path, rank: int, t: float) -> dict[str, Any]:
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
         dumps = answer.get("dumps") if isinstance(answer.get("dumps"), dict) else {}
-        rec["request"] = str(answer.get("request", ""))[:200]
+        rec["request"] = str(answer.get("request", ""))[:MAX_REQUEST_BYTES]
         rec.update(flight_summary([d for d in dumps.values() if isinstance(d, dict)]))
         errors = [str(d["error"]) for d in dumps.values() if isinstance(d, dict) and d.get("error")]
     except (OSError, ValueError) as exc:
