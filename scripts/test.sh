@@ -14,5 +14,5 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
-# Two workers: see SERVICE_FILES in tests/conftest.py.
+# Two workers: tests/xdist_units.py says how they share the suite.
 python3 -m pytest -n 2 --dist loadgroup "$@"

@@ -12,25 +12,17 @@ for p in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, p)
 
 
-# scripts/test.sh runs two xdist workers (--dist loadgroup). These files start daemons (sshd,
-# slurmctld/slurmd/munged), a studio and a browser, or wait out real timeouts, so their cores
-# are mostly idle: they run in one worker, one after another, while the other files (training
-# runs, mostly) are shared out a file at a time beside them, so a module's fixtures are built
-# once. A browser or a Slurm controller never runs twice at once.
-SERVICE_FILES = {
-    "test_agent.py", "test_chat.py", "test_cluster_e2e.py", "test_collective_timeout.py", "test_failure_cause.py",
-    "test_preflight.py", "test_recovery.py", "test_remote.py", "test_run_owner.py", "test_secret_files.py",
-    "test_slurm_e2e.py", "test_startup.py", "test_telemetry_e2e.py", "test_ui_chat.py", "test_ui_flow.py",
-    "test_ui_imports.py", "test_ui_train.py", "test_web_guard.py",
-}
+from xdist_units import SERVICE_FILES, pytest_xdist_make_scheduler  # noqa: F401 (a hook, and the suite's layout)
 
 
-# tryfirst: xdist's own hook in each worker turns the mark into the id it schedules by, and it
-# runs before a conftest's hook otherwise.
-@pytest.hookimpl(tryfirst=True)
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the tests in reverse order (no test may depend on another having run first)")
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("services" if item.path.name in SERVICE_FILES else item.path.stem))
+    if config.getoption("reverse_order"):
+        items.reverse()
 
 
 @pytest.fixture(scope="session")

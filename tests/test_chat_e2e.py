@@ -35,7 +35,7 @@ def job(model: Path, out: Path, **extra) -> JobSpec:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model):
     """A RunManager with a LoRA run and a full run (checkpoints at steps 3 and 6), and a run whose
-    model cannot be loaded (failed before any checkpoint)."""
+    model cannot be loaded (failed before any checkpoint). Tests read these and change only copies."""
     root = tmp_path_factory.mktemp("chat")
     broken = root / "broken-model"
     shutil.copytree(tiny_model, broken)
@@ -52,6 +52,13 @@ def trained(tmp_path_factory, tiny_model):
             assert run.state == ("failed" if kind == "broken" else "succeeded"), (kind, run.message, run.log_tail)
         until(lambda: len(m.checkpoints(runs["lora"])) == 2 and len(m.checkpoints(runs["full"])) == 2, timeout=30)
         yield m, runs, root
+
+
+@pytest.fixture(scope="module")
+def lora_export(trained) -> dict:
+    """The LoRA run's export, made once for the tests that read it, whichever runs first."""
+    m, runs, _ = trained
+    return m.export(runs["lora"])
 
 
 def answer(m: RunManager, session: str, model: str, prompt: str, tokens: int = TOKENS) -> tuple[str, list[dict]]:
@@ -75,9 +82,9 @@ def reference(ckpt: Path, model: str, prompt: str) -> tuple[str, str]:
             generate(base_model(model).eval(), tokenizer, prompt, TOKENS))
 
 
-def test_lora_answers_are_the_exported_models_and_the_base_differs(trained, tiny_model):
+def test_lora_answers_are_the_exported_models_and_the_base_differs(trained, lora_export, tiny_model):
     m, runs, _ = trained
-    exported = m.export(runs["lora"])
+    exported = lora_export
     prompt, sample = exported["prompt"], exported["sample"]
     session, ready = m.chat_open(runs["lora"])
     assert (ready["kind"], ready["source"], ready["node"], ready["device"], ready["dtype"]) == (
@@ -118,7 +125,7 @@ def test_a_run_without_a_checkpoint_starts_nothing(trained):
     assert not (Path(m.run(runs["broken"]).run_dir) / "logs" / "chat-localhost.log").exists()
 
 
-def test_damaged_files_are_named(trained, tmp_path):
+def test_damaged_files_are_named(trained, lora_export, tmp_path):
     m, runs, _ = trained
     run_dir = Path(m.run(runs["lora"]).run_dir)
     copy = shutil.copytree(run_dir / "checkpoint-6", tmp_path / "checkpoint-6")
@@ -129,7 +136,7 @@ def test_damaged_files_are_named(trained, tmp_path):
                                         rf"checkpoint-6/model/adapter_model.safetensors: size {size - 100} != recorded"):
         m.chat_open(runs["lora"], str(copy))
 
-    export = shutil.copytree(run_dir / "export", tmp_path / "export")
+    export = shutil.copytree(lora_export["out"], tmp_path / "export")
     os.truncate(export / "model.safetensors", 1000)
     with pytest.raises(ChatError, match=rf"{export}: the exported model cannot be loaded \(model.safetensors: "):
         m.chat_open(runs["lora"], str(export))
