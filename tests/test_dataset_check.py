@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from backend.job.records import SAMPLE_HEAD, sample_problems
+from backend.job.records import SAMPLE_HEAD, DataError, parse_source, read_records, sample_problems
 from backend.job.spec import JobSpec
 from backend.job.validate import errors, validate
 from worker import ROOT
@@ -114,3 +116,26 @@ def test_cli_validate_refuses_a_bad_dataset_before_launch(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode != 0
     assert f"dataset[0]: {data}:4: no assistant message, nothing to learn from" in res.stdout + res.stderr
+
+
+def test_a_fifo_device_directory_or_link_loop_as_dataset_is_named_before_launch(tmp_path):
+    """They validated `ok` and failed 14 s after launch as "not found" (a FIFO would block the
+    reader for ever). Each is named for what it is, by validate and by the worker's reader."""
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "dir.jsonl").mkdir()
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    expected = {"fifo.jsonl": "is a FIFO (named pipe): reading it would wait for a writer",
+                "dir.jsonl": "is a directory", "loop.jsonl": "is a symbolic link loop",
+                "dangling.jsonl": f"is a symbolic link to {tmp_path / 'gone.jsonl'}, which does not exist"}
+    for name, what in expected.items():
+        path = tmp_path / name
+        problems = [(p.field, p.message) for p in errors(validate(job(tmp_path, str(path)))) if p.field.startswith("dataset")]
+        assert problems == [("dataset[0]", f"{path} {what}, not a data file")], name
+        with pytest.raises(DataError, match=re.escape(f"dataset file {path} {what}")):
+            next(read_records(parse_source(str(path)), 0, 1, 0))
+    problems = [(p.field, p.message) for p in errors(validate(job(tmp_path, "/dev/zero"))) if p.field.startswith("dataset")]
+    assert problems == [("dataset[0]", "/dev/zero is a character device, not a data file")]
+    missing = tmp_path / "missing.jsonl"
+    assert [(p.field, p.message) for p in errors(validate(job(tmp_path, str(missing))))
+            if p.field.startswith("dataset")] == [("dataset[0]", f"file not found: {missing}")]

@@ -1,6 +1,9 @@
 """The job spec: aliases, defaults, every user mistake as one named problem, YAML round trip."""
 from __future__ import annotations
 
+import os
+import time
+
 from backend.job.spec import JobSpec, dump_spec, load_spec, parse_spec
 
 
@@ -78,3 +81,59 @@ def test_true_means_what_hf_means_or_is_refused_by_name():
     spec, problems = parse_spec({"model": "m", "dataset": ["d"], "deepspeed": True, "attn_impl": True})
     assert spec is None and [p.field for p in problems] == ["deepspeed", "attn_impl"]
     assert "a preset (zero0" in problems[0].message
+
+
+def test_every_float_field_refuses_inf_and_nan_by_name(tmp_path):
+    """`learning_rate: .inf` passed `gt=0`, and the worker died writing its first metric as JSON."""
+    floats = [name for name, field in JobSpec.model_fields.items() if field.annotation is float]
+    assert {"learning_rate", "num_train_epochs", "weight_decay", "hang_timeout_s"} <= set(floats)
+    for value in (float("inf"), float("-inf"), float("nan")):
+        _, problems = parse_spec({"model": "m", "dataset": ["d"], **{name: value for name in floats}})
+        assert sorted(p.field for p in problems) == sorted(floats)
+        assert all("finite number" in p.message for p in problems), problems
+    (tmp_path / "job.yaml").write_text("model: m\ndataset: d.jsonl\nlearning_rate: .inf\nwarmup_ratio: .nan\n")
+    _, problems = load_spec(tmp_path / "job.yaml")
+    assert [p.field for p in problems] == ["learning_rate", "warmup_ratio"]
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_without_expanding_it(tmp_path):
+    """Nine lines of anchors stand for 10^9 values: validate ran 58 s, took 8.6 GB and printed
+    2.8 GB. The aliases' expansion is counted on the composed nodes, before anything is built."""
+    lines = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\nmodel: m\ndataset: *i\n")
+    started = time.monotonic()
+    spec, problems = load_spec(tmp_path / "bomb.yaml")
+    assert time.monotonic() - started < 2
+    assert spec is None and [str(p) for p in problems] == [
+        f"{tmp_path / 'bomb.yaml'}: its aliases expand to more than 100,000 values: not a job file "
+        "(a job is a few dozen fields)"]
+    # A cycle is no expansion to count for ever; a few anchors are a job like any other.
+    (tmp_path / "cycle.yaml").write_text("model: m\ndataset: &d [x.jsonl, *d]\n")
+    assert load_spec(tmp_path / "cycle.yaml")[0] is None
+    (tmp_path / "anchors.yaml").write_text("model: m\ndataset: &d [x.jsonl]\nenv: {A: &v '1', B: *v}\n")
+    spec, problems = load_spec(tmp_path / "anchors.yaml")
+    assert problems == [] and spec.env == {"A": "1", "B": "1"}
+
+
+def test_a_huge_value_or_file_is_echoed_in_a_few_hundred_characters(tmp_path):
+    _, problems = parse_spec({"model": "m", "dataset": ["d"], "learning_rate": "x" * 10_000_000, "train_type": "y" * 10**6})
+    by_field = {p.field: p.message for p in problems}
+    assert sorted(by_field) == ["learning_rate", "train_type"]
+    assert all(len(m) < 500 for m in by_field.values()) and "(10,000,002 characters)" in by_field["learning_rate"]
+    (tmp_path / "big.yaml").write_text("model: m\ndataset: d\n" + "# padding\n" * 200_000)
+    _, problems = load_spec(tmp_path / "big.yaml")
+    assert [str(p) for p in problems] == [f"{tmp_path / 'big.yaml'}: larger than 1024 KiB: not a job file "
+                                          "(a job is a few dozen fields)"]
+
+
+def test_a_job_file_that_is_a_fifo_directory_device_or_link_loop_is_named(tmp_path):
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    found = {name: [p.message for p in load_spec(path)[1]]
+             for name, path in [("fifo", tmp_path / "fifo.yaml"), ("dir", tmp_path / "dir.yaml"),
+                                ("loop", tmp_path / "loop.yaml"), ("zero", "/dev/zero")]}
+    assert found == {"fifo": ["is a FIFO (named pipe): reading it would wait for a writer, not a job file"],
+                     "dir": ["is a directory, not a job file"], "loop": ["is a symbolic link loop, not a job file"],
+                     "zero": ["is a character device, not a job file"]}

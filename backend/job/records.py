@@ -16,6 +16,7 @@ import codecs
 import csv
 import functools
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from backend.job.errors import UserError
 from backend.job.jsonfile import read_json
+from backend.job.paths import not_a_regular_file
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -66,8 +68,9 @@ def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[R
         yield from _hub_records(source, rank, world, seed)
         return
     path = Path(source.name)
-    if not path.is_file():
-        raise DataError(f"dataset file {path} not found")
+    problem = not_a_regular_file(path)
+    if problem:
+        raise DataError(f"dataset file {path} {problem}")
     reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower(), _jsonl)
     entries, decode = reader(path)
     indices = _selected(len(entries), source.limit, seed)
@@ -261,8 +264,11 @@ def sample_problems(entry: str) -> list[str]:
     except DataError as exc:
         return [str(exc)]
     path = Path(source.name).expanduser()
-    if not source.is_local or not path.is_file():
+    if not source.is_local or not os.path.lexists(path):
         return []
+    problem = not_a_regular_file(path)
+    if problem:
+        return [f"{path} {problem}, not a data file"]
     try:
         stat = path.stat()
     except OSError as exc:

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from backend.job.paths import not_a_regular_file
+
 DEEPSPEED_PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,7 +81,9 @@ TRUE_IS_NOT = {"deepspeed": "a preset (zero0 ... zero3, zero2_offload, zero3_off
 class JobSpec(BaseModel):
     """A fine-tuning job. Every field but `model` and `dataset` has a default a beginner can keep."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan: `learning_rate: .inf` passed `gt=0` and the worker died writing its first
+    # metric as JSON; every float field takes finite numbers only.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     model: str = Field(description="Local model directory or hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct).")
     dataset: list[str] = Field(description="Data files (.jsonl/.json/.parquet/.csv) or hub ids; 'name#N' takes N samples.")
@@ -235,6 +239,13 @@ def parse_spec(data: Any, source: str = "job") -> tuple[JobSpec | None, list[Pro
     return (None if problems else spec), problems
 
 
+def echo(value: Any, limit: int = 200) -> str:
+    """A user's value quoted in a message, cut to `limit` characters: a crafted file can hold a
+    value of gigabytes, and the message must stay readable."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
 def _pydantic_message(err: dict[str, Any]) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "missing":
@@ -242,20 +253,60 @@ def _pydantic_message(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         return msg.replace("Input should be", "must be one of")
     if kind == "value_error":
-        return msg.removeprefix("Value error, ")
-    return f"{msg[0].lower()}{msg[1:]} (got {err.get('input')!r})"
+        return echo(msg.removeprefix("Value error, "), 400)[1:-1]
+    return f"{msg[0].lower()}{msg[1:]} (got {echo(err.get('input'))})"
+
+
+MAX_JOB_FILE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(node: yaml.Node, limit: int) -> int:
+    """How many values the YAML node stands for once its aliases are expanded, counted up to just
+    over `limit`: aliases share one node, so ten lines can stand for 10^9 values (the "billion
+    laughs"), which the checks below would walk one by one."""
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        sizes[id(n)] = limit + 1  # a node reached again while being counted is a cycle
+        if isinstance(n, yaml.SequenceNode):
+            total = 1 + sum(min(size(child), limit + 1) for child in n.value)
+        elif isinstance(n, yaml.MappingNode):
+            total = 1 + sum(min(size(k), limit + 1) + min(size(v), limit + 1) for k, v in n.value)
+        else:
+            total = 1
+        sizes[id(n)] = min(total, limit + 1)
+        return sizes[id(n)]
+
+    return size(node)
 
 
 def load_spec(path: str | Path) -> tuple[JobSpec | None, list[Problem]]:
     """Read a job YAML file. File-level problems name the file (and line for YAML syntax errors)."""
     path = Path(path)
+    problem = not_a_regular_file(path)
+    if problem == "not found":
+        return None, [Problem(str(path), "file not found")]
+    if problem:
+        return None, [Problem(str(path), f"{problem}, not a job file")]
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_JOB_FILE_BYTES + 1)
+        text = raw.decode()
     except FileNotFoundError:
         return None, [Problem(str(path), "file not found")]
     except (OSError, UnicodeDecodeError) as exc:
         return None, [Problem(str(path), f"cannot read: {exc}")]
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        return None, [Problem(str(path), f"larger than {MAX_JOB_FILE_BYTES // 1024} KiB: not a job file "
+                                         "(a job is a few dozen fields)")]
     try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:
+            return None, [Problem(str(path), f"its aliases expand to more than {MAX_YAML_VALUES:,} values: "
+                                             "not a job file (a job is a few dozen fields)")]
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

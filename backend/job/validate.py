@@ -13,6 +13,8 @@ Public API:
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,7 +190,7 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
             continue  # reported by _dataset_rules
         path = Path(source.name).expanduser()
         looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
-        if looks_local and not path.exists():
+        if looks_local and not os.path.lexists(path):  # a link that leads nowhere: records.sample_problems
             out.append(Problem(f"dataset[{i}]", f"file not found: {path}"))
     model = Path(spec.model).expanduser()
     if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
