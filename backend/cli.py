@@ -7,10 +7,12 @@ raise `CliError` (one `field: message` line each, naming the file) and exit 1, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -349,17 +351,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides and isolates
+# that reorder what a line shows ("Trojan Source").
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character written as its Python escape (`\x1b`, `\u202e`):
+    a file name, run name or log line cannot clear the terminal, move its cursor or retitle it."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class _Escaping:
+    """A text stream that writes through escape_controls (everything else is the stream's)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(escape_controls(text))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def escaped_output() -> Iterator[None]:
+    """Everything a command prints goes through escape_controls: names and log lines come from
+    files anyone can write (as `git` and `ls` quote what they print)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Escaping(sys.stdout), _Escaping(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    try:
-        # No arguments: the studio on 127.0.0.1 with this machine and the demo preset.
-        args = parser.parse_args(argv or ["studio"])
-        return {c.name: c.run for c in COMMANDS}[args.command_name](args)
-    except CliError as exc:
-        for line in exc.lines:
-            print(line, file=sys.stderr)
-        return 1
+    with escaped_output():
+        try:
+            # No arguments: the studio on 127.0.0.1 with this machine and the demo preset.
+            args = parser.parse_args(argv or ["studio"])
+            return {c.name: c.run for c in COMMANDS}[args.command_name](args)
+        except CliError as exc:
+            for line in exc.lines:
+                print(line, file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

@@ -135,3 +135,41 @@ def test_console_script_in_a_real_process(files):
     missing = subprocess.run([sys.executable, "-m", "backend.cli", "status", "no-such-run"], cwd=files,
                              env={**env, "HOME": str(files)}, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and missing.stderr == "no run 'no-such-run'\n", missing.stderr
+
+
+@pytest.mark.e2e
+def test_control_characters_from_files_and_names_are_printed_escaped(tmp_path):
+    """A dataset file named to clear the terminal (ESC [2J), retitle it (OSC 0) and reverse the
+    line (U+202E): the names reach `validate`, a run's failure and its cause; `swift-studio`
+    prints each control character as its escape, as `git` and `ls` do."""
+    from backend.job.cluster import GpuInfo, local_cluster
+    from backend.job.spec import JobSpec
+    from backend.runs.manager import RunManager
+
+    evil = "evil\x1b[2J\x1b]0;pwned\x07\u202egnp.jsonl"
+    data = tmp_path / evil
+    data.write_text('{"query": "q", "response": "r"}\n\x1b[31m\n')
+    spec = JobSpec(model=str(ROOT / "assets" / "demo" / "model"), dataset=[str(data)], nproc_per_node=1,
+                   output_dir=str(tmp_path / "out"))
+    (tmp_path / "job.yaml").write_text(spec.to_yaml())
+    url = f"sqlite:///{tmp_path / 'studio.db'}"
+    with RunManager(url) as m:
+        run_id = m.launch(spec, local_cluster(GpuInfo()), name="n\x1b[2J")
+        assert m.wait(run_id, timeout=120).state == "failed"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    escaped = "evil\\x1b[2J\\x1b]0;pwned\\x07\\u202egnp.jsonl"
+    for argv in (["validate", "job.yaml"], ["status", run_id, "--db", url], ["runs", "--db", url],
+                 ["import", f"swift sft --model m --dataset {data}"]):
+        done = subprocess.run([sys.executable, "-m", "backend.cli", *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        printed = done.stdout + done.stderr
+        assert not any(c in printed for c in "\x1b\x07\u202e"), (argv, printed)
+        assert escaped in printed or argv[0] in ("runs", "import"), (argv, printed)  # YAML quotes its own
+        assert "Traceback" not in printed, printed
+
+
+def test_escape_controls_keeps_text_and_layout():
+    from backend.cli import escape_controls
+
+    assert escape_controls("a\tb\nc é 日本 ✓") == "a\tb\nc é 日本 ✓"
+    assert escape_controls("\x1b[2J\r\x00\x7f\x9b\u2066") == "\\x1b[2J\\r\\x00\\x7f\\x9b\\u2066"
