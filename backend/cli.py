@@ -218,13 +218,16 @@ def add_db_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def telemetry_engine(args: argparse.Namespace, run_id: str):
-    from backend.store.db import default_db_url, make_engine
+    from backend.store.db import DatabaseFileError, default_db_url, make_engine
     from backend.store.telemetry_models import create_telemetry_tables
     from backend.telemetry.export import has_data
 
     url = args.db or default_db_url()
-    engine = make_engine(url)
-    create_telemetry_tables(engine)
+    try:
+        engine = make_engine(url)
+        create_telemetry_tables(engine)
+    except DatabaseFileError as exc:
+        raise CliError([str(exc)]) from None
     if not has_data(engine, run_id):
         raise CliError([f"run: no telemetry recorded for run {run_id!r} in {url}"])
     return engine

@@ -28,7 +28,11 @@ from backend.cli import CliError, add_db_arg, add_slurm_args, checked, load_clus
 
 def _manager(args: argparse.Namespace, reattach: bool = True):
     from backend.runs.manager import RunManager
-    return RunManager(args.db, reattach=reattach)
+    from backend.store.db import DatabaseFileError
+    try:
+        return RunManager(args.db, reattach=reattach)
+    except DatabaseFileError as exc:
+        raise CliError([str(exc)]) from None
 
 
 def _add_db(parser: argparse.ArgumentParser) -> None:

@@ -79,12 +79,13 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def load_samples(datasets: list[str], tokenizer, max_length: int, rank: int, world: int, seed: int) -> tuple[list[Sample], int]:
+def load_samples(datasets: list[str], tokenizer, max_length: int, rank: int, world: int, seed: int,
+                 max_record_bytes: int) -> tuple[list[Sample], int]:
     """This rank's encoded samples and how many were dropped because truncation left no labels.
     Raises DataError on the first bad record."""
     samples, dropped = [], 0
     for entry in datasets:
-        for record in read_records(parse_source(entry), rank, world, seed):
+        for record in read_records(parse_source(entry), rank, world, seed, max_record_bytes):
             sample = encode(record, tokenizer, max_length)
             if sample is None:
                 dropped += 1

@@ -98,7 +98,7 @@ def sample_prompt(spec) -> str:
     from launcher.data import DataError, parse_source, read_records, to_messages
 
     try:
-        record = next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed))
+        record = next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed, spec.max_record_bytes))
         messages, text = to_messages(record)
     except (DataError, StopIteration, IndexError):
         return "Hello"

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 
 from backend.job.errors import UserError
+from backend.job.modelfiles import model_dir_problems
 from launcher.data import DEFAULT_CHAT_TEMPLATE
 from launcher.longseq import enable_checkpointing, tile_mlps
 
@@ -150,6 +152,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 def prepare(spec, distributed_config=None):
     """Tokenizer and the (LoRA-wrapped) model in training mode, gradient checkpointing (with
     offload), tiled MLPs and per-layer compilation when asked; `distributed_config` (transformers') shards it for TP."""
+    if os.path.isdir(spec.model):  # named by file here; transformers' SafetensorError names none
+        problems = model_dir_problems(spec.model)
+        if problems:
+            raise ModelError("model: " + "; ".join(problems))
     tokenizer = load_tokenizer(spec.model)
     model = load_model(spec, master_dtype(spec), distributed_config)
     if spec.gradient_checkpointing:

@@ -35,7 +35,7 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Advanced", False, (
         "gradient_checkpointing", "use_liger_kernel", "tiled_mlp", "activation_cpu_offload", "torch_compile",
         "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "max_restarts", "hang_timeout_s",
-        "hang_step_multiple", "env")),
+        "hang_step_multiple", "max_record_mib", "env")),
 )
 
 _UNPLACED = tuple(f for f in FIELDS if f not in {n for _, _, names in _PLACED for n in names})

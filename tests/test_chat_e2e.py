@@ -18,7 +18,7 @@ from backend.job.cluster import GpuInfo, local_cluster
 from backend.job.spec import JobSpec
 from backend.runs.chat import ChatError
 from backend.runs.manager import RunManager
-from worker import ROOT, until
+from worker import ROOT, unloadable_model, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
@@ -37,9 +37,7 @@ def trained(tmp_path_factory, tiny_model):
     """A RunManager with a LoRA run and a full run (checkpoints at steps 3 and 6), and a run whose
     model cannot be loaded (failed before any checkpoint). Tests read these and change only copies."""
     root = tmp_path_factory.mktemp("chat")
-    broken = root / "broken-model"
-    shutil.copytree(tiny_model, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = unloadable_model(tiny_model, root / "broken-model")
     with RunManager(f"sqlite:///{root / 'studio.db'}") as m:
         runs = {"lora": m.launch(job(tiny_model, root / "out", train_type="lora"), local_cluster(GpuInfo())),
                 "full": m.launch(job(tiny_model, root / "out", train_type="full"), local_cluster(GpuInfo())),

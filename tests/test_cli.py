@@ -173,3 +173,30 @@ def test_escape_controls_keeps_text_and_layout():
 
     assert escape_controls("a\tb\nc é 日本 ✓") == "a\tb\nc é 日本 ✓"
     assert escape_controls("\x1b[2J\r\x00\x7f\x9b\u2066") == "\\x1b[2J\\r\\x00\\x7f\\x9b\\u2066"
+
+
+def test_a_database_file_that_is_not_one_is_named_and_left_untouched(tmp_path, capsys):
+    """A corrupt file gave a 124-line traceback naming no file; an empty one was silently made a
+    new database (a history cut to 0 bytes would be replaced without a word)."""
+    cases = {"garbage.db": b"this is not a database at all\n" * 10, "empty.db": b"",
+             "pages.db": b"SQLite format 3\x00" + b"\xff" * 4000}
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        for argv in (["runs"], ["alerts", "some-run"]):
+            code, out, err = run(capsys, *argv, "--db", f"sqlite:///{path}")
+            assert code == 1 and out == "" and len(err.splitlines()) == 1, (name, argv, err)
+            assert err.startswith(f"database {path}") or err.startswith(f"database sqlite:///{path}"), err
+            assert "left untouched" in err and "Traceback" not in err
+        assert path.read_bytes() == content
+
+
+def test_processes_making_one_new_database_at_once_all_open_it(tmp_path):
+    url = f"sqlite:///{tmp_path / 'new' / 'studio.db'}"
+    code = ("import sys; from backend.store.db import make_engine, create_db_and_tables; "
+            "create_db_and_tables(make_engine(sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    assert [(p.wait(timeout=120), p.stderr.read()) for p in procs] == [(0, "")] * 4
+    assert sorted(p.name for p in (tmp_path / "new").iterdir() if not p.name.startswith("studio.db")) == []
+    assert (tmp_path / "new" / "studio.db").stat().st_mode & 0o777 == 0o600

@@ -6,9 +6,12 @@ import json
 
 import pytest
 
+from backend.job.spec import JobSpec
 from launcher.data import (IGNORE, Batches, DataError, Record, Sample, encode, load_samples, parse_source,
                            read_records, to_messages, unpacked)
 from worker import ROOT, events, run_worker, write_run
+
+LIMIT = JobSpec(model="m", dataset=["d"]).max_record_bytes  # the job's default bound on a record
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
                      {"role": "assistant", "content": "2 + 3 = 5"}, {"role": "user", "content": "And 2 * 3?"},
@@ -68,13 +71,13 @@ def test_every_file_type_and_rank_shards(tmp_path, tokenizer):
 
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     for name in ("d.jsonl", "d.json", "d.csv", "d.parquet"):
-        shards = [[r.data["query"] for r in read_records(parse_source(str(tmp_path / name)), rank, 3, 0)]
+        shards = [[r.data["query"] for r in read_records(parse_source(str(tmp_path / name)), rank, 3, 0, LIMIT)]
                   for rank in range(3)]
         assert sorted(sum(shards, [])) == sorted(r["query"] for r in rows), name
         assert [len(s) for s in shards] == [4, 3, 3] and not set(shards[0]) & set(shards[1])
-    limited = list(read_records(parse_source(f"{jsonl}#4"), 0, 1, seed=7))
-    assert len(limited) == 4 and limited == list(read_records(parse_source(f"{jsonl}#4"), 0, 1, seed=7))
-    samples, dropped = load_samples([str(jsonl)], tokenizer, 64, rank=1, world=2, seed=0)
+    limited = list(read_records(parse_source(f"{jsonl}#4"), 0, 1, 7, LIMIT))
+    assert len(limited) == 4 and limited == list(read_records(parse_source(f"{jsonl}#4"), 0, 1, 7, LIMIT))
+    samples, dropped = load_samples([str(jsonl)], tokenizer, 64, rank=1, world=2, seed=0, max_record_bytes=LIMIT)
     assert len(samples) == 5 and dropped == 0
 
 
@@ -91,7 +94,7 @@ def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, line, good])
     with pytest.raises(DataError) as err:
         for rank in (0, 1):
-            load_samples([str(path)], tokenizer, 64, rank=rank, world=2, seed=0)
+            load_samples([str(path)], tokenizer, 64, rank=rank, world=2, seed=0, max_record_bytes=LIMIT)
     assert str(err.value).startswith(f"{path}:3: ") and message in str(err.value)
 
 
@@ -99,14 +102,14 @@ def test_a_rank_parses_only_its_own_lines(tmp_path, tokenizer):
     good = json.dumps({"query": "q", "response": "r"})
     path = write_jsonl(tmp_path / "data.jsonl", [good, good, "{broken", good])  # record 2: rank 0 of 2
     with pytest.raises(DataError, match=":3: invalid JSON"):
-        load_samples([str(path)], tokenizer, 64, rank=0, world=2, seed=0)
-    samples, _ = load_samples([str(path)], tokenizer, 64, rank=1, world=2, seed=0)
+        load_samples([str(path)], tokenizer, 64, rank=0, world=2, seed=0, max_record_bytes=LIMIT)
+    samples, _ = load_samples([str(path)], tokenizer, 64, rank=1, world=2, seed=0, max_record_bytes=LIMIT)
     assert len(samples) == 2
 
 
 def test_bad_sources(tmp_path, tokenizer):
     with pytest.raises(DataError, match="not found"):
-        load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0)
+        load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0, max_record_bytes=LIMIT)
     with pytest.raises(DataError, match="positive sample count"):
         parse_source("org/name#many")
 
@@ -143,3 +146,16 @@ def test_bad_record_in_other_rank_shard_stops_all_ranks_before_training(tmp_path
     end, = events(run, 0, "end")
     assert end["status"] == "failed" and end["step"] == 0 and f"{data}:14" in end["error"]
     assert not events(run, 0, "train") and not list(run.glob("checkpoint-*"))
+
+
+@pytest.mark.e2e
+def test_the_worker_refuses_a_line_past_max_record_mib_by_file_and_line(tmp_path):
+    """Past the lines validate samples, a line longer than max_record_mib fails the run with the
+    worker's own message naming file:line, not an out-of-memory kill blamed on a peer."""
+    good = json.dumps({"query": "What is 2 + 2?", "response": "4"})
+    path = write_jsonl(tmp_path / "data.jsonl", [good] * 300 + ['{"query": "' + "x" * (3 << 20) + '"}'] + [good] * 10)
+    run = write_run(tmp_path / "run", model=str(ROOT / "assets" / "demo" / "model"), dataset=[str(path)],
+                    max_record_mib=1.0, max_length=32, max_steps=2, torch_dtype="float32")
+    proc = run_worker(run, nproc=1, timeout=180)
+    assert proc.returncode != 0
+    assert f"DataError: {path}:301: a record of more than 1 MiB" in proc.log, proc.log[-3000:]

@@ -15,6 +15,8 @@ from backend.job.spec import JobSpec
 from backend.job.validate import errors, validate
 from worker import ROOT
 
+LIMIT = JobSpec(model="m", dataset=["d"]).max_record_bytes  # the job's default bound on a record
+
 GOOD = {"query": "What is 2 + 2?", "response": "4"}
 
 
@@ -30,13 +32,13 @@ def job(tmp_path, dataset: str) -> JobSpec:
 
 def test_a_malformed_line_is_named_with_file_and_line(tmp_path):
     path = jsonl(tmp_path / "d.jsonl", [GOOD] * 6 + ['{"query": "q", "response": '] + [GOOD] * 3)
-    (problem,) = sample_problems(str(path))
+    (problem,) = sample_problems(str(path), LIMIT)
     assert problem.startswith(f"{path}:7: invalid JSON")
 
 
 def test_records_without_the_expected_fields(tmp_path):
     path = jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "p", "completion": "c"}, {"messages": []}])
-    problems = sample_problems(str(path))
+    problems = sample_problems(str(path), LIMIT)
     assert problems[0].startswith(f"{path}:2: unknown record format with fields ['completion', 'prompt']")
     assert problems[1] == f"{path}:3: 'messages' must be a non-empty list"
 
@@ -46,24 +48,24 @@ def test_empty_and_blank_files(tmp_path):
     empty.write_text("")
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n  \n")
-    assert sample_problems(str(empty)) == [f"{empty}: the file is empty (no records)"]
-    assert sample_problems(str(blank)) == [f"{blank}: no records (only blank lines)"]
+    assert sample_problems(str(empty), LIMIT) == [f"{empty}: the file is empty (no records)"]
+    assert sample_problems(str(blank), LIMIT) == [f"{blank}: no records (only blank lines)"]
 
 
 def test_a_binary_file_is_named(tmp_path):
     path = tmp_path / "weights.jsonl"
     path.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
-    assert sample_problems(str(path)) == [
+    assert sample_problems(str(path), LIMIT) == [
         f"{path}: not a text file (binary data at byte 4); expected JSON lines, JSON, CSV or parquet"]
     fake = tmp_path / "fake.parquet"
     fake.write_text(json.dumps(GOOD) + "\n")
-    assert sample_problems(str(fake)) == [f"{fake}: not a parquet file (it does not start with the PAR1 magic bytes)"]
+    assert sample_problems(str(fake), LIMIT) == [f"{fake}: not a parquet file (it does not start with the PAR1 magic bytes)"]
 
 
 def test_random_offsets_reach_past_the_head_with_exact_line_numbers(tmp_path):
     rows = [GOOD] * (SAMPLE_HEAD + 50) + [{"wrong": i} for i in range(400)]
     path = jsonl(tmp_path / "big.jsonl", rows)
-    problems = sample_problems(str(path))
+    problems = sample_problems(str(path), LIMIT)
     assert problems, "the bad second half of the file was not sampled"
     line = int(problems[0].split(":")[1])
     assert line > SAMPLE_HEAD + 50 and json.loads(path.read_text().splitlines()[line - 1]) == {"wrong": line - SAMPLE_HEAD - 51}
@@ -76,26 +78,26 @@ def test_csv_json_and_parquet_files(tmp_path):
         writer = csv.DictWriter(f, ["instruction", "answer"])
         writer.writeheader()
         writer.writerow({"instruction": "i", "answer": "a"})
-    assert sample_problems(str(table))[0].startswith(f"{table}:2: unknown record format with fields ['answer', 'instruction']")
+    assert sample_problems(str(table), LIMIT)[0].startswith(f"{table}:2: unknown record format with fields ['answer', 'instruction']")
     whole = tmp_path / "d.json"
     whole.write_text('[{"query": "q", "response": "r"},\n {"query": "q"]\n')
-    assert sample_problems(str(whole))[0].startswith(f"{whole}:2: dataset is not valid JSON")
+    assert sample_problems(str(whole), LIMIT)[0].startswith(f"{whole}:2: dataset is not valid JSON")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     good = tmp_path / "good.parquet"
     pq.write_table(pa.Table.from_pylist([GOOD] * 3), good)
-    assert sample_problems(str(good)) == []
+    assert sample_problems(str(good), LIMIT) == []
     truncated = tmp_path / "cut.parquet"
     truncated.write_bytes(good.read_bytes()[:40])
-    assert sample_problems(str(truncated))[0].startswith(f"{truncated}: cannot read parquet")
+    assert sample_problems(str(truncated), LIMIT)[0].startswith(f"{truncated}: cannot read parquet")
 
 
 def test_a_file_fixed_in_place_is_checked_again(tmp_path):
     path = jsonl(tmp_path / "d.jsonl", ["{oops"])
-    assert sample_problems(str(path))
+    assert sample_problems(str(path), LIMIT)
     jsonl(path, [GOOD, GOOD])
-    assert sample_problems(str(path)) == []
+    assert sample_problems(str(path), LIMIT) == []
 
 
 def test_validate_names_the_dataset_field(tmp_path):
@@ -133,9 +135,32 @@ def test_a_fifo_device_directory_or_link_loop_as_dataset_is_named_before_launch(
         problems = [(p.field, p.message) for p in errors(validate(job(tmp_path, str(path)))) if p.field.startswith("dataset")]
         assert problems == [("dataset[0]", f"{path} {what}, not a data file")], name
         with pytest.raises(DataError, match=re.escape(f"dataset file {path} {what}")):
-            next(read_records(parse_source(str(path)), 0, 1, 0))
+            next(read_records(parse_source(str(path)), 0, 1, 0, LIMIT))
     problems = [(p.field, p.message) for p in errors(validate(job(tmp_path, "/dev/zero"))) if p.field.startswith("dataset")]
     assert problems == [("dataset[0]", "/dev/zero is a character device, not a data file")]
     missing = tmp_path / "missing.jsonl"
     assert [(p.field, p.message) for p in errors(validate(job(tmp_path, str(missing))))
             if p.field.startswith("dataset")] == [("dataset[0]", f"file not found: {missing}")]
+
+
+def test_a_huge_line_is_named_before_launch_without_being_read_whole(tmp_path):
+    """A 200 MB single-record JSON-lines file passed validate and grew a rank to 22 GB. Past
+    max_record_mib a line is refused by file:line, read a chunk at a time."""
+    import tracemalloc
+
+    path = tmp_path / "huge.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps(GOOD) + "\n")
+        f.write('{"query": "' + "x" * (48 << 20) + '", "response": "r"}\n')
+        f.write(json.dumps(GOOD) + "\n")
+    spec = job(tmp_path, str(path)).model_copy(update={"max_record_mib": 1.0})
+    tracemalloc.start()
+    problems = [(p.field, p.message) for p in errors(validate(spec)) if p.field.startswith("dataset")]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert problems == [("dataset[0]", f"{path}:2: a record of more than 1 MiB; raise max_record_mib if it is "
+                                       "meant to be one record (a record is read and tokenized whole)")]
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB held to check a 48 MiB line"
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: a record of more than 1 MiB")):
+        list(read_records(parse_source(str(path)), 0, 1, 0, 1 << 20))
+    assert not errors(validate(job(tmp_path, str(path)).model_copy(update={"max_record_mib": 64.0})))

@@ -90,7 +90,7 @@ def test_bad_record_names_file_line_rank_and_node(manager, tiny_model, tmp_path)
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(rows) + "\n")
     # Past the records the validator samples before launch (a bad line 7 never reaches a worker).
-    assert records.sample_problems(str(data)) == []
+    assert records.sample_problems(str(data), JobSpec(model="m", dataset=["d"]).max_record_bytes) == []
     m = manager()
     run = m.wait(m.launch(job(tiny_model, tmp_path / "out", dataset=[str(data)]), LOCAL), timeout=180)
     assert (run.state, run.cause) == ("failed", "data_error"), (run.cause, run.message, run.log_tail)

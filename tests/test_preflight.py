@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,7 @@ from backend.cluster.nodes import Pool
 from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec
 from sshd import free_port
+from worker import ROOT as REPO
 
 
 def report_data(**over):
@@ -107,8 +111,9 @@ def ssh_nodes(sshd_nodes):
     return list(sshd_nodes.nodes())
 
 
-def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None):
-    spec = JobSpec(model="m", dataset=["d"], nnodes=len(nodes), output_dir=str(tmp_path / "out"), env=spec_env or {})
+def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None, model="m"):
+    spec = JobSpec(model=str(model), dataset=["d"], nnodes=len(nodes), output_dir=str(tmp_path / "out"),
+                   env=spec_env or {})
     setups = setups or sshd_nodes.setups()
 
     async def go():
@@ -124,11 +129,12 @@ def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None
 @pytest.mark.e2e
 def test_good_nodes_pass_with_bandwidth(sshd_nodes, tmp_path):
     nodes = ssh_nodes(sshd_nodes)
-    report = run(sshd_nodes, nodes, tmp_path, bandwidth=True, spec_env={"NCCL_SOCKET_IFNAME": "lo"})
+    report = run(sshd_nodes, nodes, tmp_path, bandwidth=True, spec_env={"NCCL_SOCKET_IFNAME": "lo"},
+                 model=REPO / "assets" / "demo" / "model")
     assert report.ok, report.text()
     for node in nodes:
         for check in ("ssh", "clock", "python", "torch", "deepspeed", "transformers", "peft", "gpus", "disk",
-                      "interface", "shared_dir", "port"):
+                      "interface", "shared_dir", "model", "port"):
             assert report.get(node.host, check) is not None, (node.host, check)
     assert report.get(nodes[1].host, "port").reason.startswith("reaches the master's rendezvous port")
     assert report.bandwidth["world_size"] == 2 and report.bandwidth["busbw_gib_s"] > 0
@@ -152,6 +158,15 @@ def test_bad_nodes_are_named(sshd_nodes, tmp_path):
     assert report.get(second.host, "deepspeed").status == "error"
     assert "0.0.1+fake" in report.get(second.host, "deepspeed").reason
     assert report.get(good.host, "deepspeed").status == "ok"
+
+    # A truncated model on the nodes: each node's copy is read there, the file named.
+    model = Path(shutil.copytree(REPO / "assets" / "demo" / "model", tmp_path / "model"))
+    os.truncate(model / "model.safetensors", 1000)
+    report = run(sshd_nodes, [good, second], tmp_path, model=model)
+    assert {(r.node, r.check) for r in report.errors()} == {(good.host, "model"), (second.host, "model")}
+    assert report.get(good.host, "model").reason.startswith(f"{model / 'model.safetensors'}: ")
+    report = run(sshd_nodes, [good, second], tmp_path, model=tmp_path / "nowhere")
+    assert report.get(second.host, "model").reason == f"{tmp_path / 'nowhere'}: no such directory on this node"
 
     report = run(sshd_nodes, [good, closed], tmp_path)
     [cell] = [r for r in report.errors() if r.check == "ssh"]

@@ -504,7 +504,7 @@ def test_the_pre_flight_inside_the_allocation_judges_every_nodes_report(tmp_path
     assert allocation.main(["probe", "--run-dir", str(elsewhere), "--attempt", "2", "--token", "t-2",
                             "--node", "gpu-2"]) == 0
     assert not (tmp_path / "gpu-2-disk" / TOKEN_DIR).exists()
-    assert allocation_params(str(tmp_path / "out"), "t-2")["output_dir"] == str(tmp_path / "out")
+    assert allocation_params(str(tmp_path / "out"), "t-2", None)["output_dir"] == str(tmp_path / "out")
 
     code = allocation.main(["judge", "--run-dir", str(run_dir), "--attempt", "2", "--token", "t-2",
                             "--gpus-per-node", "8", "gpu-1", "gpu-2"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 
 import psutil
@@ -22,7 +21,7 @@ from backend.job.spec import JobSpec  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
 from test_ui_flow import loaded_worker_libs  # noqa: E402
-from worker import ROOT, until  # noqa: E402
+from worker import ROOT, unloadable_model, until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
@@ -38,9 +37,7 @@ def studio_with_runs(tmp_path_factory, tiny_model):
     """A studio whose database holds a trained LoRA run and a run that failed before its first
     checkpoint (both trained by the real worker, through a RunManager on the studio's database)."""
     root = tmp_path_factory.mktemp("chat-ui")
-    broken = root / "broken-model"
-    shutil.copytree(tiny_model, broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    broken = unloadable_model(tiny_model, root / "broken-model")
     with RunManager(f"sqlite:///{root / 'studio.db'}") as m:
         lora = m.launch(job(tiny_model, root / "runs", train_type="lora"), local_cluster(GpuInfo()), name="chat-lora")
         failed = m.launch(job(broken, root / "runs"), local_cluster(GpuInfo()), name="no-checkpoint")

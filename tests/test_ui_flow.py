@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ pytest.importorskip("playwright")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from studio_server import REPO, Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
+from worker import unloadable_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -259,12 +259,9 @@ def test_full_flow(studio):
 
 
 def broken_model(where: Path) -> Path:
-    """The demo model with unreadable weights: the form's checks read its config.json and pass,
-    the worker fails loading it, before any step or checkpoint."""
-    model = where / "broken-model"
-    shutil.copytree(REPO / "assets" / "demo" / "model", model)
-    (model / "model.safetensors").write_bytes(b"not a safetensors file")
-    return model
+    """The demo model with weights that do not fit its config: the form's checks pass, the worker
+    fails loading it, before any step or checkpoint."""
+    return unloadable_model(REPO / "assets" / "demo" / "model", where / "broken-model")
 
 
 def test_a_failed_run_without_a_checkpoint_offers_to_run_again(studio, tmp_path):

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import struct
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,7 @@ from backend.job.spec import JobSpec, Problem
 from backend.job.validate import errors, validate
 
 GPU_NODES = "n0 slots=8\nn1 slots=8\n"
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo" / "model"
 QWEN7B = find_model_config("qwen2.5-7b")      # 28 heads, 4 KV heads, 28 layers
 LLAMA8B = find_model_config("llama3.1-8b")    # 32 heads, 8 KV heads, 32 layers
 QWEN3_MOE = find_model_config("qwen3-30b-a3b")  # 128 experts
@@ -289,14 +294,21 @@ def test_local_files_must_exist(tmp_path):
     missing = job(model=str(tmp_path / "no-model"), dataset=[str(tmp_path / "train.jsonl")])
     assert fields(check(missing, cluster=cluster)) == ["dataset[0]", "model"]
     (tmp_path / "train.jsonl").write_text('{"text": "a record"}\n')
-    (tmp_path / "no-model").mkdir()
+    (tmp_path / "no-model").mkdir()  # a directory, but with nothing to load
+    assert [p.message for p in check(missing, cluster=cluster) if p.severity == "error"] == [
+        f"{tmp_path / 'no-model'}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)",
+        f"{tmp_path / 'no-model'}: no tokenizer (none of tokenizer.json, tokenizer.model, spiece.model, "
+        "sentencepiece.bpe.model, vocab.json, vocab.txt or a *.tiktoken file)"]
+    (tmp_path / "no-model").rmdir()
+    shutil.copytree(DEMO_MODEL, tmp_path / "no-model")
     assert fields(check(missing, cluster=cluster)) == []
 
 
 def test_broken_model_config_names_the_model_field(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     problems = validate(job(model=str(tmp_path)), parse_hostfile_text(GPU_NODES))
-    assert [p.field for p in errors(problems)] == ["model"] and "config.json:1: model config is not valid JSON" in errors(problems)[0].message
+    assert {p.field for p in errors(problems)} == {"model"}
+    assert any("config.json:1: model config is not valid JSON" in p.message for p in errors(problems))
 
 
 def test_model_config_found_from_the_spec():
@@ -315,3 +327,59 @@ def test_worker_capabilities_are_included():
     """One micro-batch is legal for the layout but the worker's pipeline refuses it; validate passes that on."""
     problems = validate(job(nproc_per_node=2, pipeline_model_parallel_size=2), parse_hostfile_text(GPU_NODES), LLAMA8B)
     assert any(p.field == "gradient_accumulation_steps" and "cannot fill a pipeline" in p.message for p in problems)
+
+
+
+def model_problems(model: Path) -> list[str]:
+    spec = job(model=str(model), dataset=[str(DEMO_MODEL.parent / "train.jsonl")], nproc_per_node=1)
+    return [p.message for p in errors(validate(spec, local_cluster(GpuInfo()))) if p.field == "model"]
+
+
+def test_broken_model_directories_are_named_by_file(tmp_path):
+    """A 0-byte or truncated model.safetensors validated `ok` and failed at launch with a
+    SafetensorError naming no file; a missing tokenizer trained on "0 training sequences"."""
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(DEMO_MODEL, tmp_path / name))
+
+    assert model_problems(DEMO_MODEL) == []
+    weights = copy("empty") / "model.safetensors"
+    weights.write_bytes(b"")
+    assert model_problems(weights.parent) == [f"{weights}: 0 bytes, not a safetensors file (truncated or empty)"]
+    weights = copy("truncated") / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 100)
+    assert model_problems(weights.parent) == [
+        f"{weights}: truncated: its tensors need {size:,} bytes and the file has {size - 100:,}"]
+    weights = copy("cut-in-header") / "model.safetensors"
+    os.truncate(weights, 200)
+    assert model_problems(weights.parent) == [
+        f"{weights}: not a safetensors file, or truncated: its header claims {struct.unpack('<Q', weights.read_bytes()[:8])[0]:,} "
+        "bytes and the file has 200"]
+    weights = copy("garbage") / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 12) + b"not json!!!!" + b"\0" * 64)
+    assert model_problems(weights.parent) == [f"{weights}: not a safetensors file (its header is not JSON)"]
+
+    no_tokenizer = copy("no-tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    assert model_problems(no_tokenizer) == [f"{no_tokenizer}: no tokenizer (none of tokenizer.json, tokenizer.model, "
+                                            "spiece.model, sentencepiece.bpe.model, vocab.json, vocab.txt or a "
+                                            "*.tiktoken file)"]
+    no_weights = copy("no-weights")
+    (no_weights / "model.safetensors").unlink()
+    assert model_problems(no_weights) == [
+        f"{no_weights}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"]
+
+
+def test_a_sharded_models_index_is_followed_and_kept_inside_the_directory(tmp_path):
+    model = Path(shutil.copytree(DEMO_MODEL, tmp_path / "sharded"))
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert model_problems(model) == [f"{model / 'model-00002-of-00002.safetensors'}: missing (the weights' index names it)"]
+    index["weight_map"]["b"] = "../../etc/passwd"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert model_problems(model) == [
+        f"{model / 'model.safetensors.index.json'}: names a shard outside the model directory ('../../etc/passwd')"]
+    index["weight_map"].pop("b")
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert model_problems(model) == []

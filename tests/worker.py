@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +36,21 @@ def build_tiny_model(out: Path, family: str = "qwen2", **shape) -> Path:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
+    return out
+
+
+def unloadable_model(src: Path, out: Path) -> Path:
+    """A copy of the model `src` whose weights are whole but do not fit its config (the embedding
+    a column wider): validation and pre-flight pass it, the worker fails loading it."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(out / "model.safetensors")
+    name = next(k for k in sorted(weights) if k.endswith("embed_tokens.weight"))
+    rows, cols = weights[name].shape
+    weights[name] = np.zeros((rows, cols + 1), dtype=weights[name].dtype)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

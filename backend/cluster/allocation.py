@@ -30,7 +30,8 @@ def probe(run_dir: str, where: Path, token: str, node: str) -> int:
     """This node's probe into the report directory. A node that cannot write there does not see the
     run directory the first node made: that is the judge's to say (a missing report), not a
     failure of the step that would keep the judge from running."""
-    params = allocation_params(str(Path(run_dir).parent), token)
+    spec, _ = load_spec(Path(run_dir) / "job.yaml")  # unreadable: the judge says so
+    params = allocation_params(str(Path(run_dir).parent), token, spec)
     out = subprocess.run([sys.executable, "-c", PROBE_PY, json.dumps(params)], capture_output=True, text=True)
     sys.stderr.write(out.stderr)
     # The write test's token is this node's own (its name is in it): removed here, on the node,

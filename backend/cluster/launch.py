@@ -72,8 +72,14 @@ async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
 # Writes {relative path: text} from stdin into the run directory, each file atomically. The files
 # hold the spec's env values (tokens, keys): 0600, and every directory it creates 0700, whatever
 # the umask (the workers on every node run as the same user). Directories that exist are left alone.
+CLAIM_FILE = ".swift-studio-run"
+
+# argv: the run directory, then its claim token or nothing. With a token the directory is claimed
+# first: made whole with its marker under a temporary name and renamed into place, which fails
+# where the name exists (but as an empty directory); an existing directory is written into only
+# while its marker holds the same token ("" for a run from before claims: no marker at all).
 WRITE_FILES_PY = (
-    "import json, os, sys\n"
+    "import json, os, secrets, sys\n"
     "def makedirs(path):\n"
     "    if not os.path.isdir(path):\n"
     "        makedirs(os.path.dirname(path))\n"
@@ -82,7 +88,33 @@ WRITE_FILES_PY = (
     "            os.chmod(path, 0o700)\n"
     "        except FileExistsError:\n"
     "            pass\n"
+    "def marker(root):\n"
+    "    try:\n"
+    "        fd = os.open(os.path.join(root, CLAIM), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)\n"
+    "    except FileNotFoundError:\n"
+    "        return ''\n"
+    "    except OSError as exc:\n"
+    "        return '(unreadable: %s)' % exc.strerror\n"
+    "    with os.fdopen(fd) as f:\n"
+    "        return f.read(200).strip()\n"
+    "def claim(root, token):\n"
+    "    makedirs(os.path.dirname(root))\n"
+    "    temp = '%s.claim-%s' % (root, secrets.token_hex(4))\n"
+    "    os.mkdir(temp, 0o700)\n"
+    "    with open(os.path.join(temp, CLAIM), 'x') as f:\n"
+    "        f.write(token + '\\n')\n"
+    "    try:\n"
+    "        os.rename(temp, root)\n"
+    "        return\n"
+    "    except OSError:\n"
+    "        os.unlink(os.path.join(temp, CLAIM))\n"
+    "        os.rmdir(temp)\n"
+    "    if not os.path.isdir(root) or os.path.islink(root) or marker(root) != token:\n"
+    "        print(json.dumps({'taken': marker(root) if os.path.isdir(root) else 'not a directory'}))\n"
+    "        sys.exit(3)\n"
     "root = sys.argv[1]\n"
+    "if len(sys.argv) > 2:\n"
+    "    claim(root, sys.argv[2])\n"
     "for rel, text in json.load(sys.stdin).items():\n"
     "    path = os.path.join(root, rel)\n"
     "    makedirs(os.path.dirname(path))\n"
@@ -91,16 +123,34 @@ WRITE_FILES_PY = (
     "    with os.fdopen(fd, 'w') as f:\n"
     "        f.write(text)\n"
     "    os.replace(path + '.tmp', path)\n"
-)
+).replace("CLAIM", repr(CLAIM_FILE))
+CLAIM_TAKEN_EXIT = 3
 
 
-async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str]) -> None:
-    """Write the run directory's files (relative path → text) through one node, in one command."""
+class RunDirTaken(ValueError):
+    """The run directory exists and is not this run's: another run, studio or database chose the
+    same output_dir and name."""
+
+
+async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str],
+                      claim: str | None = None) -> None:
+    """Write the run directory's files (relative path → text) through one node, in one command;
+    with `claim` (the run's token), claim the directory first (WRITE_FILES_PY)."""
     for rel in files:
         if rel.startswith("/") or ".." in rel.split("/"):
             raise ValueError(f"plan file path must stay inside the run directory: {rel!r}")
-    res = await pool.run(node, remote.quote_argv([node.python, "-c", WRITE_FILES_PY, run_dir]), setup,
-                         input=json.dumps(dict(files)))
+    argv = [node.python, "-c", WRITE_FILES_PY, run_dir, *([claim] if claim is not None else [])]
+    res = await pool.run(node, remote.quote_argv(argv), setup, input=json.dumps(dict(files)))
+    if res.rc == CLAIM_TAKEN_EXIT:
+        try:
+            held = json.loads(res.stdout.strip().splitlines()[-1])["taken"]
+        except (ValueError, IndexError, KeyError, TypeError):
+            held = "?"
+        whose = {"not a directory": "it is not a directory",
+                 "": f"no {CLAIM_FILE} marker in it: a directory some other program or an older run made"
+                 }.get(held, f"its {CLAIM_FILE} marker is another run's")
+        raise RunDirTaken(f"the run directory {run_dir} already exists on {node.host} and is not this run's "
+                          f"({whose}); nothing in it was touched. Launch under another name or output_dir.")
     if not res.ok:
         raise ssh.NodeError(address_of(node), f"cannot write the run directory {run_dir}: {res.first_error_line()}")
 

@@ -12,7 +12,9 @@ Results are rows node × check → ok / warning / error, each with the reason an
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -21,6 +23,7 @@ from typing import Literal
 
 from backend.cluster import launch, remote, ssh
 from backend.cluster.nodes import Pool, address_of
+from backend.job import modelfiles
 from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec, absolute_dir
 
@@ -35,7 +38,7 @@ REACH_TIMEOUT_S = 8.0
 BANDWIDTH_TIMEOUT_S = 180.0
 PACKAGES = ("torch", "deepspeed", "transformers", "peft")
 CHECKS = ("ssh", "clock", "python", *PACKAGES, "cuda", "nccl", "gpus", "disk", "interface",
-          "shared_dir", "port", "bandwidth")
+          "shared_dir", "model", "port", "bandwidth")
 TOKEN_DIR = ".swift-studio-preflight"
 
 
@@ -92,7 +95,8 @@ class PreflightReport:
 
 # The node side of round 1; runs with the node's python and its setup line. Reads versions from
 # dist-info / version files of the module that *would* be imported (honours PYTHONPATH).
-PROBE_PY = r'''
+# backend.job.modelfiles rides along (standard library only) for the model directory's check.
+PROBE_PY = inspect.getsource(modelfiles) + r'''
 import glob, importlib.util, json, os, platform, re, shutil, socket, sys, time
 p = json.loads(sys.argv[1])
 out = {"time": time.time(), "python": platform.python_version(), "executable": sys.executable,
@@ -159,6 +163,10 @@ try:
 except OSError:
     out["disk_free_gib"] = None
 out["interfaces"] = [n for _, n in socket.if_nameindex()]
+if p.get("model_dir"):
+    m = p["model_dir"]
+    out["model_dir"] = m
+    out["model_problems"] = model_dir_problems(m) if os.path.isdir(m) else [m + ": no such directory on this node"]
 if p.get("pick_port"):
     s = socket.socket(); s.bind(("", 0)); out["picked_port"] = s.getsockname()[1]; s.close()
 print(json.dumps(out))
@@ -297,7 +305,19 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, ifname: str 
         if not d.get("token_written"):
             rows.append(CheckResult(host, "shared_dir", "error", f"cannot write the output directory: {d.get('token_error')}",
                                     "create the output directory with write permission on every node"))
+        if "model_problems" in d:
+            bad = d["model_problems"]
+            rows.append(CheckResult(host, "model", "error" if bad else "ok",
+                                    "; ".join(bad) if bad else f"weights and tokenizer whole in {d['model_dir']}",
+                                    "copy the model directory whole to this node, or onto storage every node shares"
+                                    if bad else ""))
     return rows
+
+
+def model_dir(spec: JobSpec | None) -> str | None:
+    """The model directory each node must hold: an absolute path (a hub id or a relative path is
+    not one the nodes can be asked about)."""
+    return spec.model if spec is not None and os.path.isabs(spec.model) else None
 
 
 def clock_skew(node_time: float, sent: float, received: float) -> float:
@@ -338,10 +358,10 @@ def _gpus(host: str, d: dict, gpu_node: bool, needed: int | None) -> CheckResult
     return CheckResult(host, "gpus", "ok", text)
 
 
-def allocation_params(output_dir: str, token: str) -> dict:
+def allocation_params(output_dir: str, token: str, spec: JobSpec | None) -> dict:
     """PROBE_PY's parameters for a node of a Slurm allocation (no port: the script picks it)."""
     return {"packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": token,
-            "pick_port": False}
+            "pick_port": False, "model_dir": model_dir(spec)}
 
 
 def evaluate_allocation(found: Mapping[str, dict | None], spec: JobSpec, gpus_per_node: int) -> list[CheckResult]:
@@ -404,7 +424,7 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
     probes = await asyncio.gather(*(
         _round1(pool, n, setups.get(n.host), {
             "packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": tokens[i],
-            "pick_port": i == 0})
+            "pick_port": i == 0, "model_dir": model_dir(spec)})
         for i, n in enumerate(nodes)))
     report = PreflightReport()
     report.results += evaluate_round1(probes, spec, (spec.env.get("NCCL_SOCKET_IFNAME") or None) if spec else None)

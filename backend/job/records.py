@@ -6,7 +6,7 @@ imports it on every form change.
 
 Public API:
     parse_source(entry) -> Source         'data.jsonl', 'org/name', 'org/name#500'
-    read_records(source, rank, world, seed) -> Iterator[Record]
+    read_records(source, rank, world, seed, max_record_bytes) -> Iterator[Record]
     to_messages(record) / pretokenized(record)   the record's content, or DataError naming it
     check_record(record)                   raises DataError where the worker would
 """
@@ -61,9 +61,10 @@ class Record:
     data: Any
 
 
-def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
+def read_records(source: Source, rank: int, world: int, seed: int, max_record_bytes: int) -> Iterator[Record]:
     """This rank's records of one source. JSON-lines and CSV files are streamed (twice: once to
-    count) and only this rank's JSON lines are parsed; JSON and parquet files are read whole."""
+    count) and only this rank's JSON lines are parsed; JSON and parquet files are read whole. A
+    JSON line longer than `max_record_bytes` raises DataError naming it, never read whole."""
     if not source.is_local:
         yield from _hub_records(source, rank, world, seed)
         return
@@ -71,8 +72,8 @@ def read_records(source: Source, rank: int, world: int, seed: int) -> Iterator[R
     problem = not_a_regular_file(path)
     if problem:
         raise DataError(f"dataset file {path} {problem}")
-    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower(), _jsonl)
-    entries, decode = reader(path)
+    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower())
+    entries, decode = reader(path) if reader else _jsonl(path, max_record_bytes)
     indices = _selected(len(entries), source.limit, seed)
     for index, (where, raw) in enumerate(entries):
         if index in indices and indices[index] % world == rank:
@@ -101,23 +102,42 @@ Decode = Callable[[str, Any], Any]
 
 class _FileRows:
     """A file's records as (where, raw), read from disk on each pass (the file may not fit in
-    memory); `rows` splits the open file into them."""
+    memory); `rows` splits the open file (binary or text) into them."""
 
-    def __init__(self, path: Path, rows: Callable[[Path, Any], Iterator[tuple[str, Any]]]):
-        self.path, self.rows = path, rows
+    def __init__(self, path: Path, rows: Callable[[Path, Any], Iterator[tuple[str, Any]]], binary: bool = False):
+        self.path, self.rows, self.binary = path, rows, binary
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        with open(self.path, encoding="utf-8", newline="") as f:
+        with (open(self.path, "rb") if self.binary else open(self.path, encoding="utf-8", newline="")) as f:
             yield from self.rows(self.path, f)
 
 
-def _jsonl_rows(path: Path, f) -> Iterator[tuple[str, str]]:
-    for lineno, line in enumerate(f, 1):
-        if line.strip():
-            yield f"{path}:{lineno}", line
+def _bounded_lines(f, limit: int) -> Iterator[bytes | None]:
+    """The binary file's lines; None for a line longer than `limit` bytes, which is skipped a
+    chunk at a time, never held whole."""
+    while raw := f.readline(limit + 1):
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield raw
+
+
+def _too_long(where: str, limit: int) -> DataError:
+    return DataError(f"{where}: a record of more than {limit / 2**20:g} MiB; raise max_record_mib if it is "
+                     "meant to be one record (a record is read and tokenized whole)")
+
+
+def _jsonl_rows(path: Path, f, limit: int) -> Iterator[tuple[str, bytes]]:
+    for lineno, raw in enumerate(_bounded_lines(f, limit), 1):
+        if raw is None:
+            raise _too_long(f"{path}:{lineno}", limit)
+        if raw.strip():
+            yield f"{path}:{lineno}", raw
 
 
 def _csv_rows(path: Path, f) -> Iterator[tuple[str, dict]]:
@@ -137,8 +157,8 @@ def _as_read(where: str, record: Any) -> Any:
     return record
 
 
-def _jsonl(path: Path) -> tuple[Entries, Decode]:
-    return _FileRows(path, _jsonl_rows), _json_line
+def _jsonl(path: Path, limit: int) -> tuple[Entries, Decode]:
+    return _FileRows(path, functools.partial(_jsonl_rows, limit=limit), binary=True), _decoded_line
 
 
 def _json(path: Path) -> tuple[Entries, Decode]:
@@ -255,7 +275,7 @@ MAX_REPORTED = 3
 _SNIFF = 8192
 
 
-def sample_problems(entry: str) -> list[str]:
+def sample_problems(entry: str, max_record_bytes: int) -> list[str]:
     """Problems in a bounded sample of a local dataset file (its first records and a few at random
     offsets), each naming `file:line` (or the byte offset in a large file); [] for hub ids and
     files that do not exist here. Cached per file version: the studio calls it on every edit."""
@@ -273,11 +293,11 @@ def sample_problems(entry: str) -> list[str]:
         stat = path.stat()
     except OSError as exc:
         return [f"{path}: cannot read ({exc.strerror})"]
-    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns))
+    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns, max_record_bytes))
 
 
 @functools.lru_cache(maxsize=64)
-def _sample_problems(path_text: str, size: int, mtime_ns: int) -> tuple[str, ...]:
+def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes: int) -> tuple[str, ...]:
     path = Path(path_text)
     if size == 0:
         return (f"{path}: the file is empty (no records)",)
@@ -293,7 +313,8 @@ def _sample_problems(path_text: str, size: int, mtime_ns: int) -> tuple[str, ...
     if binary is not None:
         return (f"{path}: not a text file (binary data at byte {binary}); expected JSON lines, JSON, CSV or parquet",)
     try:
-        records = {".json": _json_sample, ".csv": _csv_sample}.get(suffix, _jsonl_sample)(path, size)
+        sample = {".json": _json_sample, ".csv": _csv_sample}.get(suffix)
+        records = sample(path, size) if sample else _jsonl_sample(path, size, max_record_bytes)
         return tuple(_first_problems(path, records))
     except DataError as exc:
         return (str(exc),)
@@ -328,29 +349,31 @@ def _first_problems(path: Path, records: Iterator[Record]) -> list[str]:
     return problems
 
 
-def _jsonl_sample(path: Path, size: int) -> Iterator[Record]:
+def _jsonl_sample(path: Path, size: int, limit: int) -> Iterator[Record]:
     with open(path, "rb") as f:
-        read = 0
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(_bounded_lines(f, limit), 1):
             if lineno > SAMPLE_HEAD:
                 break
-            read += len(raw)
+            where = f"{path}:{lineno}"
+            if raw is None:
+                raise _too_long(where, limit)
             if raw.strip():
-                where = f"{path}:{lineno}"
                 yield Record(where, _decoded_line(where, raw))
+        read = f.tell()
         if read >= size:
             return
         rng = random.Random(size)  # the same offsets for the same file on every check
         for offset in sorted({rng.randrange(read, size) for _ in range(SAMPLE_RANDOM)}):
             f.seek(offset)
-            f.readline()  # the rest of the line the offset fell into
+            next(_bounded_lines(f, 0), None)  # the rest of the line the offset fell into
             start = f.tell()
-            raw = f.readline()
-            if not raw.strip():
-                continue
+            raw = next(_bounded_lines(f, limit), b"")
             where = (f"{path}:{_line_at(path, start)}" if size <= WHOLE_FILE_LIMIT
                      else f"{path}: the line at byte {start}")
-            yield Record(where, _decoded_line(where, raw))
+            if raw is None:
+                raise _too_long(where, limit)
+            if raw.strip():
+                yield Record(where, _decoded_line(where, raw))
 
 
 def _line_at(path: Path, offset: int) -> int:

@@ -111,6 +111,11 @@ class JobSpec(BaseModel):
     per_device_train_batch_size: int = Field(1, ge=1, description="Micro-batch per GPU.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     packing: bool = Field(False, description="Pack several samples per sequence (attention kept within each sample).")
+    max_record_mib: float = Field(16.0, gt=0, le=4096, description="Largest dataset record (one JSON line) in MiB: a longer line is refused naming its file:line, before launch and by the reader, without being read whole.")
+
+    @property
+    def max_record_bytes(self) -> int:
+        return int(self.max_record_mib * 2**20)
 
     # Optimisation
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")

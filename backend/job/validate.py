@@ -13,6 +13,7 @@ Public API:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.modelfiles import model_dir_problems
 from backend.job.spec import JobSpec, Problem
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
@@ -198,11 +200,30 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
     return out
 
 
+def _model_file_rules(spec: JobSpec) -> list[Problem]:
+    """Weights and tokenizer of a model directory this machine can read (the nodes' shared storage
+    is usually mounted here too; pre-flight checks every node's copy)."""
+    path = Path(spec.model).expanduser()
+    if not path.is_dir():
+        return []
+    try:
+        signature = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)))
+    except OSError as exc:
+        return [Problem("model", f"{path}: cannot read ({exc.strerror})")]
+    return [Problem("model", message) for message in _model_dir_problems(str(path), signature)]
+
+
+@functools.lru_cache(maxsize=16)
+def _model_dir_problems(path: str, signature: tuple) -> tuple[str, ...]:
+    """Cached per directory version: the studio assesses the form on every edit."""
+    return tuple(model_dir_problems(path))
+
+
 def _dataset_rules(spec: JobSpec) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
     usually is mounted here too), so a bad record shows before launch instead of after it."""
     return [Problem(f"dataset[{i}]", message) for i, item in enumerate(spec.dataset)
-            for message in records.sample_problems(item)]
+            for message in records.sample_problems(item, spec.max_record_bytes)]
 
 
 @dataclass(frozen=True)
@@ -241,6 +262,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     if cluster.is_local:
         problems += _local_path_rules(spec)
     problems += _dataset_rules(spec)
+    problems += _model_file_rules(spec)
     model, memory_note = model_config, ""
     if model is None:
         try:

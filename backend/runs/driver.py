@@ -104,7 +104,8 @@ class AttemptDriver:
             port = await launch_ops.free_port(self.pool, master, setups.get(master.host))
             plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume, assessment))
             self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
-            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files)
+            await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files,
+                                         claim=run.dir_claim or "")
             commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
                         for n, p in zip(cluster.nodes, plan.nodes)]
             started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
@@ -165,7 +166,8 @@ class AttemptDriver:
             offsets = {f: o for f, o in self.sink.offsets(run_id, "").items() if f.startswith("events/")}
             script = slurm.sbatch_script(target, plan, run_id, attempt.number, offsets)
             path = slurm.script_file(attempt.number)
-            await launch_ops.write_files(self.pool, login, None, run.run_dir, {**plan.files, path: script})
+            await launch_ops.write_files(self.pool, login, None, run.run_dir, {**plan.files, path: script},
+                                         claim=run.dir_claim or "")
             job_id = await slurm.submit(self.pool, login, run.run_dir, f"{run.run_dir}/{path}")
             self.store.update_attempt(attempt.id, slurm_json=json.dumps({"target": target.to_dict(), "job_id": job_id}))
             self.notice(run_id, f"submitted Slurm job {job_id} ({path})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
 import re
 import secrets
@@ -375,11 +376,14 @@ class RunManager:
         the job's `backend.job.validate.assess` on this cluster where the caller has it (the Train
         form), so the launch does not read the model config and the DeepSpeed JSON again. `slurm`:
         submit it as a Slurm job on that target instead (`cluster` is `slurm.cluster()`)."""
-        run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None)
         output_dir = absolute_dir(spec.output_dir)
+        # A name another database's run has on disk here is taken too (the output directory is
+        # mostly the nodes' shared storage, mounted here as well); the claim on the node decides.
+        run_id = make_run_id(name, lambda rid: self.store.get(rid) is not None
+                             or os.path.lexists(os.path.join(output_dir, rid)))
         spec = spec.model_copy(update={"output_dir": output_dir})
         run = Run(id=run_id, name=name or run_id, spec_yaml=spec.to_yaml(), output_dir=output_dir,
-                  run_dir=f"{output_dir.rstrip('/')}/{run_id}")
+                  run_dir=f"{output_dir.rstrip('/')}/{run_id}", dir_claim=secrets.token_hex(16))
         self.store.create(run)
         setups = nodes.setups_for(self.engine, cluster, setups)
         if assessment is not None and not assesses(assessment, spec, cluster):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sqlite3
 from pathlib import Path
 
 import platformdirs
@@ -34,17 +35,38 @@ def private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class DatabaseFileError(Exception):
+    """The database file is not one this studio can open; the message names it. It is never
+    changed: a run history is not replaced by a new, empty database."""
+
+
 def private_sqlite_file(path: Path) -> None:
     """The database holds run specs with their env values (tokens, keys): owner-only. SQLite gives
-    its -wal, -shm and -journal files the database file's mode, so the file is created 0600 before
-    SQLite opens it; one left more open (by an older version) is tightened, with its companions."""
+    its -wal, -shm and -journal files the database file's mode, so a new database is made 0600
+    (whatever the umask) under a temporary name and linked into place whole: another process
+    starting at the same moment finds either no file or a database, never an empty file. An
+    existing file must be an SQLite database; one left more open (by an older version) is
+    tightened, with its companions."""
     private_dir(path.parent)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.fchmod(fd, 0o600)  # whatever the umask
+    if not os.path.lexists(path):
+        temp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
         os.close(fd)
-    except FileExistsError:
-        pass
+        try:
+            conn = sqlite3.connect(temp)
+            conn.execute("PRAGMA journal_mode=WAL")  # writes the header: the file is a database from here on
+            conn.close()
+            os.link(temp, path)
+        except FileExistsError:
+            pass  # another process made it first: theirs is used
+        finally:
+            for leftover in (temp, Path(f"{temp}-wal"), Path(f"{temp}-shm")):
+                leftover.unlink(missing_ok=True)
+    _check_sqlite_file(path)
     for name in (path, *(Path(f"{path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))):
         try:
             if os.stat(name).st_mode & 0o077:
@@ -53,6 +75,23 @@ def private_sqlite_file(path: Path) -> None:
             pass
         except OSError as exc:
             log.warning("cannot make %s private (chmod 600 it yourself): %s", name, exc)
+
+
+def _check_sqlite_file(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except IsADirectoryError:
+        raise DatabaseFileError(f"database {path} is a directory, not a database file") from None
+    except OSError as exc:
+        raise DatabaseFileError(f"database {path}: cannot read ({exc.strerror})") from None
+    if not head:
+        raise DatabaseFileError(f"database {path} is an empty file, not a database (one cut to 0 bytes?); it "
+                                "was left untouched: move it away or delete it to start a new database there")
+    if head != SQLITE_HEADER:
+        raise DatabaseFileError(f"database {path} is not an SQLite database (it does not start with "
+                                f"{SQLITE_HEADER[:15].decode()!r}); it was left untouched: give another --db, or "
+                                "move it away to start a new database there")
 
 
 def make_engine(url: str | None = None) -> Engine:
@@ -80,8 +119,24 @@ def make_engine(url: str | None = None) -> Engine:
 def create_db_and_tables(engine: Engine) -> None:
     importlib.import_module("backend.store.models")
     importlib.import_module("backend.store.telemetry_models")
-    SQLModel.metadata.create_all(engine)
-    upgrade_tables(engine, SQLModel.metadata.sorted_tables)
+    create_tables(engine, SQLModel.metadata.sorted_tables)
+
+
+def create_tables(engine: Engine, tables) -> None:
+    """Create the missing tables and bring older ones up to date; a database that cannot be read
+    (corrupt pages, not a database) is a DatabaseFileError naming it, left as it is."""
+    for tries_left in (2, 1, 0):
+        try:
+            SQLModel.metadata.create_all(engine, tables=tables)
+            upgrade_tables(engine, tables)
+            return
+        except DBAPIError as exc:
+            # create_all looks, then creates: a process starting beside this one may create a
+            # table in between; looking again finds it.
+            if tries_left and "already exists" in str(exc.orig):
+                continue
+            raise DatabaseFileError(f"database {engine.url.render_as_string(hide_password=True)}: cannot be "
+                                    f"opened ({exc.orig}); it was left untouched") from None
 
 
 def upgrade_tables(engine: Engine, tables) -> None:

@@ -26,6 +26,9 @@ class Run(FailureColumns, table=True):
     spec_yaml: str
     output_dir: str
     run_dir: str
+    # The token in the run directory's claim marker (backend.cluster.launch.CLAIM_FILE): the
+    # directory is this run's only while the marker holds it. None: a run from before claims.
+    dir_claim: str | None = None
     attempts: int = 0
     stop_requested: bool = False
     # The manager driving the run (`lifecycle.Owner.id`: host, pid, token) and when it last said

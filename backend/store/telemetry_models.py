@@ -13,7 +13,7 @@ from sqlalchemy import Column, Index, Text, UniqueConstraint
 from sqlalchemy.engine import Engine
 from sqlmodel import Field, SQLModel
 
-from backend.store.db import upgrade_tables
+from backend.store.db import create_tables
 
 NO_INDEX = -1
 
@@ -118,5 +118,4 @@ TELEMETRY_TABLES = [m.__table__ for m in (MetricSample, RunEvent, Alert, IngestO
 def create_telemetry_tables(engine: Engine) -> None:
     """Create the telemetry tables if missing and add the columns and indexes an older version
     lacked (idempotent; db.py may also create them)."""
-    SQLModel.metadata.create_all(engine, tables=TELEMETRY_TABLES)
-    upgrade_tables(engine, TELEMETRY_TABLES)
+    create_tables(engine, TELEMETRY_TABLES)

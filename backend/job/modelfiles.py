@@ -1,0 +1,93 @@
+"""Whether a local model directory holds whole weights and a tokenizer, before anything loads it.
+
+A 0-byte or truncated `model.safetensors` passed validation and failed at launch with a
+SafetensorError naming no file; a directory without a tokenizer trained on "0 sequences". A
+safetensors header lists every tensor's byte range, so reading it (not the weights) tells a
+truncated file. The standard library only, self-contained: pre-flight sends this module's source to
+every node (backend/cluster/preflight.py), and the worker checks before it loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on the header
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+def safetensors_problem(path: str) -> str | None:
+    """None when the file's header parses and every tensor it lists lies within the file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path}: {size} bytes, not a safetensors file (truncated or empty)"
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                return (f"{path}: not a safetensors file, or truncated: its header claims {length:,} bytes "
+                        f"and the file has {size:,}")
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        return f"{path}: cannot read ({exc.strerror})"
+    except (UnicodeDecodeError, ValueError):
+        return f"{path}: not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return f"{path}: not a safetensors file (its header is not a table of tensors)"
+    data = size - 8 - length
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            return f"{path}: corrupt safetensors header (tensor {name[:100]!r} has no valid byte range)"
+        end = max(end, offsets[1])
+    if end > data:
+        return f"{path}: truncated: its tensors need {8 + length + end:,} bytes and the file has {size:,}"
+    return None
+
+
+def weight_files(model_dir: str) -> tuple[list[str], str | None]:
+    """(the safetensors files the model loads from, or a problem): a single file or the shards
+    its index names."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return [], f"{index}: not a safetensors index (no weight_map of tensor names to files)"
+        outside = [s for s in shards if not isinstance(s, str) or os.path.basename(s) != s]
+        if outside:
+            return [], f"{index}: names a shard outside the model directory ({str(outside[0])[:200]!r})"
+        return [os.path.join(model_dir, s) for s in shards], None
+    if os.path.exists(single):
+        return [single], None
+    if any(os.path.exists(os.path.join(model_dir, n)) for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return [], None  # a pickle checkpoint: transformers reads it with weights_only, nothing to check here
+    return [], (f"{model_dir}: no weights (model.safetensors, model.safetensors.index.json or "
+                "pytorch_model.bin)")
+
+
+def model_dir_problems(model_dir: str) -> list[str]:
+    """Every problem of a local model directory that would fail the load, each naming its file."""
+    files, problem = weight_files(model_dir)
+    problems = [problem] if problem else []
+    for path in files:
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing (the weights' index names it)")
+        else:
+            problems.append(safetensors_problem(path))
+    names = os.listdir(model_dir)
+    tokenizer = [n for n in names if n in TOKENIZER_FILES or n.endswith(".tiktoken")]
+    if not tokenizer:
+        problems.append(f"{model_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)} or a *.tiktoken file)")
+    problems += [f"{os.path.join(model_dir, n)}: empty" for n in tokenizer
+                 if os.path.isfile(os.path.join(model_dir, n)) and os.path.getsize(os.path.join(model_dir, n)) == 0]
+    return [p for p in problems if p]
