@@ -12,7 +12,7 @@ for p in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, p)
 
 
-from xdist_units import SERVICE_FILES, pytest_xdist_make_scheduler  # noqa: F401 (a hook, and the suite's layout)
+from xdist_units import pytest_xdist_make_scheduler  # noqa: F401 (a hook: how the two xdist workers share the suite)
 
 
 def pytest_addoption(parser):

@@ -127,6 +127,16 @@ def test_full_disk_is_named_with_path_and_node_and_keeps_the_exit_code(manager, 
     assert f"No space left on device: {run.run_dir} (0 B free of 256.0 KiB)" in run.message
     # the wrapper's exit file, written over bytes taken at the start, survived the full disk
     assert run.exit_code == 1
+    # What the full disk left: the unfinished checkpoint holding the space. The resume's attempt
+    # removes it before writing its files; before, it failed at once: the job file could not be
+    # written (and left job.yaml.tmp behind).
+    assert list(Path(run.run_dir).glob("checkpoint-*.tmp"))
+    m.resume(run.id)
+    again = m.wait(run.id, timeout=180)
+    assert (again.state, again.cause, again.attempts) == ("failed", "disk_full", 2), (again.message, again.log_tail)
+    assert again.message.startswith(f"disk full (node {LOCAL_HOST}, rank "), again.message
+    assert not list(Path(run.run_dir).glob("*.tmp")) or list(Path(run.run_dir).glob("*.tmp")) == list(
+        Path(run.run_dir).glob("checkpoint-*.tmp"))
 
 
 @pytest.mark.e2e

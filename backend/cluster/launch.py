@@ -74,12 +74,15 @@ async def free_port(pool: Pool, node: Node, setup: str | None) -> int:
 # the umask (the workers on every node run as the same user). Directories that exist are left alone.
 CLAIM_FILE = ".swift-studio-run"
 
-# argv: the run directory, then its claim token or nothing. With a token the directory is claimed
-# first: made whole with its marker under a temporary name and renamed into place, which fails
-# where the name exists (but as an empty directory); an existing directory is written into only
-# while its marker holds the same token ("" for a run from before claims: no marker at all).
+# argv: the run directory, then its claim token or nothing. With a token (an attempt starting) the
+# directory is claimed first: made whole with its marker under a temporary name and renamed into
+# place, which fails where the name exists (but as an empty directory); an existing directory is
+# written into only while its marker holds the same token ("" for a run from before claims: no
+# marker at all). Then the checkpoints the run's earlier attempts left unfinished
+# (`checkpoint-<step>.tmp`, renamed only once complete) are removed: a full disk left one holding
+# the space the next attempt's files need. A file that cannot be written leaves no temporary.
 WRITE_FILES_PY = (
-    "import json, os, secrets, sys\n"
+    "import json, os, re, secrets, shutil, sys\n"
     "def makedirs(path):\n"
     "    if not os.path.isdir(path):\n"
     "        makedirs(os.path.dirname(path))\n"
@@ -98,31 +101,43 @@ WRITE_FILES_PY = (
     "    with os.fdopen(fd) as f:\n"
     "        return f.read(200).strip()\n"
     "def claim(root, token):\n"
-    "    makedirs(os.path.dirname(root))\n"
-    "    temp = '%s.claim-%s' % (root, secrets.token_hex(4))\n"
-    "    os.mkdir(temp, 0o700)\n"
-    "    with open(os.path.join(temp, CLAIM), 'x') as f:\n"
-    "        f.write(token + '\\n')\n"
-    "    try:\n"
-    "        os.rename(temp, root)\n"
-    "        return\n"
-    "    except OSError:\n"
-    "        os.unlink(os.path.join(temp, CLAIM))\n"
-    "        os.rmdir(temp)\n"
+    "    if not os.path.lexists(root):\n"
+    "        makedirs(os.path.dirname(root))\n"
+    "        temp = '%s.claim-%s' % (root, secrets.token_hex(4))\n"
+    "        os.mkdir(temp, 0o700)\n"
+    "        try:\n"
+    "            with open(os.path.join(temp, CLAIM), 'x') as f:\n"
+    "                f.write(token + '\\n')\n"
+    "        except BaseException:\n"
+    "            shutil.rmtree(temp)\n"
+    "            raise\n"
+    "        try:\n"
+    "            os.rename(temp, root)\n"
+    "            return\n"
+    "        except OSError:  # another process claimed the name first\n"
+    "            shutil.rmtree(temp)\n"
     "    if not os.path.isdir(root) or os.path.islink(root) or marker(root) != token:\n"
     "        print(json.dumps({'taken': marker(root) if os.path.isdir(root) else 'not a directory'}))\n"
     "        sys.exit(3)\n"
     "root = sys.argv[1]\n"
     "if len(sys.argv) > 2:\n"
     "    claim(root, sys.argv[2])\n"
+    "    for entry in os.scandir(root):\n"
+    "        if re.fullmatch(r'checkpoint-\\d+\\.tmp', entry.name) and entry.is_dir(follow_symlinks=False):\n"
+    "            shutil.rmtree(entry.path)\n"
     "for rel, text in json.load(sys.stdin).items():\n"
     "    path = os.path.join(root, rel)\n"
     "    makedirs(os.path.dirname(path))\n"
-    "    fd = os.open(path + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
-    "    os.fchmod(fd, 0o600)\n"
-    "    with os.fdopen(fd, 'w') as f:\n"
-    "        f.write(text)\n"
-    "    os.replace(path + '.tmp', path)\n"
+    "    try:\n"
+    "        fd = os.open(path + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)\n"
+    "        os.fchmod(fd, 0o600)\n"
+    "        with os.fdopen(fd, 'w') as f:\n"
+    "            f.write(text)\n"
+    "        os.replace(path + '.tmp', path)\n"
+    "    except BaseException:\n"
+    "        if os.path.exists(path + '.tmp'):\n"
+    "            os.unlink(path + '.tmp')\n"
+    "        raise\n"
 ).replace("CLAIM", repr(CLAIM_FILE))
 CLAIM_TAKEN_EXIT = 3
 
