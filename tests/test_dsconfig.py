@@ -261,8 +261,8 @@ def test_worker_trains_with_a_json_whose_optimizer_and_scheduler_are_auto(tmp_pa
     proc = run_planned(run, model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#256"],
                        deepspeed=write(tmp_path, MS_SWIFT_ZERO2), nproc_per_node=2, train_type="lora",
                        torch_dtype="bfloat16", max_length=64, per_device_train_batch_size=4,
-                       gradient_accumulation_steps=2, learning_rate=3e-3, max_steps=4, logging_steps=1,
-                       save_steps=4, gradient_checkpointing=False, warmup_ratio=0.25)
+                       gradient_accumulation_steps=2, learning_rate=3e-3, max_steps=8, logging_steps=2,
+                       save_steps=8, gradient_checkpointing=False, warmup_ratio=0.25)
     assert proc.returncode == 0, proc.log[-4000:]
     lrs = [e["learning_rate"] for e in events(run, 0, "train")]
     assert len(lrs) == 4 and all(0 < lr <= 3e-3 for lr in lrs) and lrs[-1] < max(lrs), lrs  # warm-up, then cosine
