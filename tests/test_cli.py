@@ -177,9 +177,8 @@ def test_escape_controls_keeps_text_and_layout():
 
 def test_a_database_file_that_is_not_one_is_named_and_left_untouched(tmp_path, capsys):
     """A corrupt file gave a 124-line traceback naming no file; an empty one was silently made a
-    new database (a history cut to 0 bytes would be replaced without a word)."""
-    cases = {"garbage.db": b"this is not a database at all\n" * 10, "empty.db": b"",
-             "pages.db": b"SQLite format 3\x00" + b"\xff" * 4000}
+    new database (now it is said)."""
+    cases = {"garbage.db": b"this is not a database at all\n" * 10, "pages.db": b"SQLite format 3\x00" + b"\xff" * 4000}
     for name, content in cases.items():
         path = tmp_path / name
         path.write_bytes(content)
@@ -189,6 +188,12 @@ def test_a_database_file_that_is_not_one_is_named_and_left_untouched(tmp_path, c
             assert err.startswith(f"database {path}") or err.startswith(f"database sqlite:///{path}"), err
             assert "left untouched" in err and "Traceback" not in err
         assert path.read_bytes() == content
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    done = subprocess.run([sys.executable, "-m", "backend.cli", "runs", "--db", f"sqlite:///{empty}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "no runs yet\n"), done.stderr
+    assert f"database {empty} was an empty file: a new database is made in it" in done.stderr
 
 
 def test_processes_making_one_new_database_at_once_all_open_it(tmp_path):

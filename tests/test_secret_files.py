@@ -47,7 +47,7 @@ def test_the_database_and_its_companions_are_private(tmp_path, umask022):
 def test_an_older_open_database_is_tightened(tmp_path, umask022):
     (tmp_path / "data").mkdir()
     db = tmp_path / "data" / "studio.db"
-    with sqlite3.connect(db) as conn:  # a database with content (an empty file is refused: tests/test_cli.py)
+    with sqlite3.connect(db) as conn:  # a database with content
         conn.execute("CREATE TABLE older (x)")
     db.chmod(0o644)
     RunManager(f"sqlite:///{db}", reattach=False).close()

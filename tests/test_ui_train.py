@@ -38,6 +38,23 @@ def page(studio):
         browser.close()
 
 
+@pytest.fixture
+def own_studio(tmp_path):
+    """A studio of the test's own, for a test that changes what the studio keeps (its node
+    inventory, its settings): the module's studio must show the other tests this machine."""
+    server = start_studio(tmp_path / "own")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_page(own_studio):
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        yield open_studio(browser, own_studio.url)
+        browser.close()
+
+
 def field(page, name: str):
     return page.locator(f"#f-{name}")
 
@@ -160,7 +177,8 @@ def test_pasted_values_are_checked_and_a_refused_launch_links_to_its_fields(stud
     assert "Traceback" not in page.content()
 
 
-def test_cluster_tab_hostfile_errors_and_nodes(studio, page):
+def test_cluster_tab_hostfile_errors_and_nodes(own_studio, own_page):
+    studio, page = own_studio, own_page
     shot = Shots("cluster")
     page.get_by_role("tab", name="Cluster").click()
     expect(page.locator("#cluster-summary")).to_contain_text("this machine", timeout=15000)

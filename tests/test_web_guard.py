@@ -59,7 +59,10 @@ def inventory_pythons(server) -> list[str]:
     """The interpreters of the studio's node inventory (its database)."""
     import sqlite3
 
-    with sqlite3.connect(server.root / "studio.db") as db:
+    path = server.root / "studio.db"
+    if not path.exists():
+        return []  # opened read-only: connecting must not make the studio's database an empty file
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
         if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'node'").fetchall():
             return []  # the run manager has not made its tables yet
         return [row[0] for row in db.execute("SELECT python FROM node")]

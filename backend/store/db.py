@@ -86,8 +86,10 @@ def _check_sqlite_file(path: Path) -> None:
     except OSError as exc:
         raise DatabaseFileError(f"database {path}: cannot read ({exc.strerror})") from None
     if not head:
-        raise DatabaseFileError(f"database {path} is an empty file, not a database (one cut to 0 bytes?); it "
-                                "was left untouched: move it away or delete it to start a new database there")
+        # SQLite makes an empty file a new database; a reader that opened the path before the
+        # database existed leaves one. Said, not refused: there is nothing in it to lose.
+        log.warning("database %s was an empty file: a new database is made in it", path)
+        return
     if head != SQLITE_HEADER:
         raise DatabaseFileError(f"database {path} is not an SQLite database (it does not start with "
                                 f"{SQLITE_HEADER[:15].decode()!r}); it was left untouched: give another --db, or "
