@@ -3,6 +3,7 @@ import of an ms-swift command, presets, hostfile errors, and no request leaving 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import pytest
 
@@ -23,36 +24,45 @@ IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DA
             "--train_type lora --lora_rank 4 --learning_rate 3e-4 --max_length 128 --max_steps 6 --bogus_flag 1")
 
 
-@pytest.fixture(scope="module")
-def studio(tmp_path_factory):
-    server = start_studio(tmp_path_factory.mktemp("studio"))
+@contextmanager
+def served(root):
+    server = start_studio(root)
     yield server
     server.stop()
 
 
-@pytest.fixture
-def page(studio):
+@contextmanager
+def browser_page(url: str):
     with sync_playwright() as p:
         browser = launch_browser(p)
-        yield open_studio(browser, studio.url)
+        yield open_studio(browser, url)
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    with served(tmp_path_factory.mktemp("studio")) as server:
+        yield server
+
+
+@pytest.fixture
+def page(studio):
+    with browser_page(studio.url) as page:
+        yield page
 
 
 @pytest.fixture
 def own_studio(tmp_path):
     """A studio of the test's own, for a test that changes what the studio keeps (its node
     inventory, its settings): the module's studio must show the other tests this machine."""
-    server = start_studio(tmp_path / "own")
-    yield server
-    server.stop()
+    with served(tmp_path / "own") as server:
+        yield server
 
 
 @pytest.fixture
 def own_page(own_studio):
-    with sync_playwright() as p:
-        browser = launch_browser(p)
-        yield open_studio(browser, own_studio.url)
-        browser.close()
+    with browser_page(own_studio.url) as page:
+        yield page
 
 
 def field(page, name: str):
