@@ -127,14 +127,16 @@ def create_db_and_tables(engine: Engine) -> None:
 def create_tables(engine: Engine, tables) -> None:
     """Create the missing tables and bring older ones up to date; a database that cannot be read
     (corrupt pages, not a database) is a DatabaseFileError naming it, left as it is."""
-    for tries_left in (2, 1, 0):
+    # create_all looks, then creates: a process starting beside this one may create a table or an
+    # index in between, and looking again finds it. Each such clash is one more made by another
+    # process, so there are at most as many as there are tables and indexes.
+    tries = 1 + sum(1 + len(t.indexes) for t in tables)
+    for tries_left in range(tries - 1, -1, -1):
         try:
             SQLModel.metadata.create_all(engine, tables=tables)
             upgrade_tables(engine, tables)
             return
         except DBAPIError as exc:
-            # create_all looks, then creates: a process starting beside this one may create a
-            # table in between; looking again finds it.
             if tries_left and "already exists" in str(exc.orig):
                 continue
             raise DatabaseFileError(f"database {engine.url.render_as_string(hide_password=True)}: cannot be "
