@@ -175,7 +175,10 @@ def test_a_crafted_request_or_a_planted_link_is_neither_followed_nor_blocks_the_
     warned(3)
     assert "larger than 200 bytes" in caplog.text and thread.is_alive()
     time.sleep(0.1)
-    request.write_text("r@2\n")
+    # Written whole, as the watch writes it (write_files renames into place): a plain write_text
+    # can be read between its truncation and its write, and answered as an empty request.
+    (tmp_path / "request.new").write_text("r@2\n")
+    os.replace(tmp_path / "request.new", request)
     deadline = time.time() + 10
     while not (tmp_path / dump_file(0)).exists():
         assert time.time() < deadline
