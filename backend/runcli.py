@@ -168,7 +168,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for p in m.processes(args.run):
             lines.append(f"  node {p.node}: {p.state}"
                          + (f", process group {p.pgid}" if p.pgid is not None else "")
-                         + (f", exit code {p.exit_code}" if p.exit_code is not None else ""))
+                         + (f", exit code {p.exit_code}" if p.exit_code is not None else "")
+                         + (f", no answer for {time.time() - p.unreachable_since:.0f} s"
+                            if p.state == "unreachable" and p.unreachable_since else ""))
         lines += [f"  notice {notice}" for notice in m.notices(args.run, last=10)]
         for alert in m.alerts(args.run):
             lines.append(f"  alert [{alert.severity}] {alert.message}")
@@ -225,6 +227,8 @@ def add_resume(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="run id")
     parser.add_argument("--hostfile", help="resume on these nodes instead of the previous ones")
     parser.add_argument("--detach", action="store_true", help="return once the workers run")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="start again from step 0 (where the run's checkpoints are gone)")
     _add_db(parser)
 
 
@@ -234,7 +238,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.hostfile) if args.hostfile else None
     with _manager(args) as m:
         with _refused():
-            m.resume(args.run, cluster)
+            m.resume(args.run, cluster, from_scratch=args.from_scratch)
         run = m.wait(args.run, states=(lifecycle.RUNNING, *lifecycle.FINAL))
         if not args.detach and run.state == lifecycle.RUNNING:
             print(f"resumed {args.run} (attempt {run.attempts}); waiting for it to end (Ctrl-C leaves it running)")

@@ -198,40 +198,100 @@ def test_sigkill_of_one_node_fails_the_run_naming_it(env):
     assert not wait_gone(lambda: agents(run_id)), agents(run_id)
 
 
-STANDIN = "import time\ntime.sleep(120)\n"
+# A stand-in worker: the watch is what is tested. Each node's publishes its pid; one whose peer
+# (the other node's) is gone says what a rank says when its peer's node dies, and exits 1.
+STANDIN = """\
+import os, sys, time
+me = os.environ["SWIFT_STUDIO_NODE"]
+open(f"standin-{me}.pid", "w").write(str(os.getpid()))
+end = time.time() + 120
+while time.time() < end:
+    time.sleep(0.2)
+    for name in os.listdir("."):
+        if name.startswith("standin-") and name != f"standin-{me}.pid":
+            pid = int(open(name).read() or 0)
+            if pid and not os.path.exists(f"/proc/{pid}"):
+                print("RuntimeError: [gloo] Connection closed by peer [127.0.0.4]:41000", file=sys.stderr)
+                sys.exit(1)
+"""
 
 
-def test_unreachable_node_is_reported_within_30_s(sshd_nodes, tmp_path):
-    """A node whose SSH goes away (its workers still running) fails the run as unreachable."""
+@pytest.fixture
+def lonely_run(sshd_nodes, tmp_path):
+    """A running two-node run of stand-in workers on 127.0.0.2 and a node of its own (127.0.0.4,
+    whose SSH a test may cut): (manager, run id, the node's sshd, the database url)."""
     lonely = start_cluster(tmp_path / "ssh4", 1, first=4)
+    nodes = (sshd_nodes.nodes()[0], *lonely.nodes())
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(sshd_nodes.known_hosts.read_text() + lonely.known_hosts.read_text())
+
+    def planner(spec, cluster, req):
+        real = default_planner(spec, cluster, req)
+        nodes = tuple(replace(n, argv=(sys.executable, f"{req.run_dir}/standin.py")) for n in real.nodes)
+        return replace(real, nodes=nodes, files={**real.files, "standin.py": STANDIN})
+
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    m = RunManager(db, known_hosts=known_hosts, planner=planner)
+    run_id = None
     try:
-        nodes = (sshd_nodes.nodes()[0], *lonely.nodes())
-        (tmp_path / "known_hosts").write_text(sshd_nodes.known_hosts.read_text() + lonely.known_hosts.read_text())
-
-        def planner(spec, cluster, req):  # the real plan with a stand-in worker: the watch is what is tested
-            real = default_planner(spec, cluster, req)
-            nodes = tuple(replace(n, argv=(sys.executable, f"{req.run_dir}/standin.py")) for n in real.nodes)
-            return replace(real, nodes=nodes, files={**real.files, "standin.py": STANDIN})
-
-        m = RunManager(f"sqlite:///{tmp_path / 'db.sqlite'}", known_hosts=tmp_path / "known_hosts", planner=planner)
-        try:
-            spec = JobSpec(model=str(ROOT / "assets" / "demo" / "model"), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
-                           output_dir=str(tmp_path / "out"), nnodes=2, nproc_per_node=1)
-            run_id = m.launch(spec, Cluster(nodes), setups={n.host: sshd_nodes.setup for n in nodes})
-            m.wait(run_id, timeout=60, states=("running", "failed"))
-            assert m.run(run_id).state == "running", m.run(run_id).message
-            # The node's SSH goes away: the server and its per-connection sshd processes (only
-            # those: the shells under them see the connection close); the workers live on.
-            cut = time.monotonic()
-            lonely.cut_connections(stop_listeners=True)
-            run = m.wait(run_id, timeout=40)
-            took = time.monotonic() - cut
-            assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.message)
-            assert run.failed_node == "127.0.0.4" and took <= 30, (run.failed_node, took)
-            assert "could not verify" in run.message  # the orphaned workers there are named, not hidden
-        finally:
-            m.close()
-            for pid in tagged(run_id):  # what the unreachable "node" left behind (it is this machine)
-                os.kill(pid, signal.SIGKILL)
+        spec = JobSpec(model=str(ROOT / "assets" / "demo" / "model"), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
+                       output_dir=str(tmp_path / "out"), nnodes=2, nproc_per_node=1)
+        run_id = m.launch(spec, Cluster(nodes), setups={n.host: sshd_nodes.setup for n in nodes})
+        m.wait(run_id, timeout=60, states=("running", "failed"))
+        assert m.run(run_id).state == "running", m.run(run_id).message
+        yield m, run_id, lonely, db
     finally:
+        m.close()
+        for pid in tagged(run_id) if run_id else []:  # what the unreachable "node" left behind (it is this machine)
+            os.kill(pid, signal.SIGKILL)
         lonely.stop()
+
+
+def test_unreachable_node_is_reported_within_30_s(lonely_run):
+    """A node whose SSH goes away (its workers still running) fails the run as unreachable."""
+    m, run_id, lonely, _ = lonely_run
+    # The node's SSH goes away: the server and its per-connection sshd processes (only those: the
+    # shells under them see the connection close); the workers live on.
+    cut = time.monotonic()
+    lonely.cut_connections(stop_listeners=True)
+    run = m.wait(run_id, timeout=40)
+    took = time.monotonic() - cut
+    assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.message)
+    assert run.failed_node == "127.0.0.4" and took <= 30, (run.failed_node, took)
+    assert "could not verify" in run.message  # the orphaned workers there are named, not hidden
+    assert {p.node: p.state for p in m.processes(run_id)}["127.0.0.4"] == "unreachable"
+
+
+def test_a_dead_node_is_blamed_not_the_node_that_lost_its_peer(lonely_run, tmp_path):
+    """The node's SSH and workers die; the other node's workers then fail as peer lost at once,
+    long before the dead node's silence reaches NODE_SILENT_S: the dead node is the cause."""
+    m, run_id, lonely, _ = lonely_run
+    lonely.cut_connections(stop_listeners=True)
+    os.kill(int((Path(m.run(run_id).run_dir) / "standin-127.0.0.4.pid").read_text()), signal.SIGKILL)
+    run = m.wait(run_id, timeout=40)
+    assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.cause, run.message)
+    assert run.failed_node == "127.0.0.4", (run.failed_node, run.message)
+    assert {p.node: p.state for p in m.processes(run_id)} == {"127.0.0.2": "exited", "127.0.0.4": "unreachable"}
+
+
+def test_a_detached_run_fails_on_a_silent_node_under_short_cli_calls(lonely_run, monkeypatch):
+    """The run's watcher is gone (a `run --detach`); `status` calls, each a short process, re-attach
+    in turn. The node's silence counts from the first call that met it, so one of them fails the
+    run within 30 s; the re-attach notice is not repeated by every call."""
+    m, run_id, lonely, db = lonely_run
+    m.close()
+    monkeypatch.setenv("SWIFT_STUDIO_KNOWN_HOSTS", str(Path(db.removeprefix("sqlite:///")).parent / "known_hosts"))
+    cut = time.monotonic()
+    lonely.cut_connections(stop_listeners=True)
+    outputs = []
+    while time.monotonic() - cut < 45:
+        out = subprocess.run([sys.executable, "-m", "backend.cli", "status", run_id, "--db", db], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        outputs.append(out.stdout + out.stderr)
+        if "failed" in out.stdout.splitlines()[0]:
+            break
+    took = time.monotonic() - cut
+    assert "failed" in outputs[-1].splitlines()[0] and took <= 30, (took, outputs)
+    assert "127.0.0.4" in outputs[-1] and "no answer over SSH" in outputs[-1], outputs[-1]
+    assert any("node 127.0.0.4: unreachable" in o for o in outputs[:-1]), outputs
+    assert outputs[-1].count("re-attached") == 1, outputs[-1]

@@ -108,7 +108,7 @@ def test_cli_alerts_and_metrics(recorded, tmp_path, capsys):
     out_file = tmp_path / "m.csv"
     assert cli.main(["metrics", "r1", "--db", url, "--format", "csv", "--out", str(out_file)]) == 0
     assert "wrote 9 values" in capsys.readouterr().err
-    assert out_file.read_text().splitlines()[0] == "name,node,gpu,rank,t,step,value,res_s"
+    assert out_file.read_text().splitlines()[0] == "name,node,gpu,rank,t,step,value,res_s,attempt"
     assert cli.main(["metrics", "r1", "--db", url, "--format", "json", "--names", "gpu/*"]) == 0
     assert len(json.loads(capsys.readouterr().out)["series"]) == 2
 

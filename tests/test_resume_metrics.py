@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from backend import cli
 from backend.job.cluster import GpuInfo, local_cluster
 from backend.job.spec import JobSpec
-from backend.runs.manager import RunManager
+from backend.runs.manager import RunError, RunManager
 from backend.store.telemetry_models import MetricSample
 from worker import ROOT, events, until
 
@@ -32,7 +32,7 @@ def kill_workers(pgid: int) -> None:
             os.kill(p.pid, signal.SIGKILL)
 
 
-def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model):
+def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
     url = f"sqlite:///{tmp_path / 'studio.db'}"
     spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                    output_dir=str(tmp_path / "out"), nproc_per_node=1, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
@@ -48,6 +48,17 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model):
         assert failed.state == "failed", (failed.state, failed.message)
         reached = max(e["step"] for e in events(run_dir, 0, "train"))
         assert SAVE_STEPS < reached < 2 * SAVE_STEPS, "the kill must land between two checkpoints"
+
+        # Its checkpoint gone (the run directory moved, deleted): a resume would start from step 0,
+        # so it is refused unless asked for in those words.
+        (run_dir / f"checkpoint-{SAVE_STEPS}").rename(run_dir / "moved-away")
+        with pytest.raises(RunError, match=rf"run {run_id} saved 1 checkpoint\(s\), the newest {run_dir}/checkpoint-"
+                                           rf"{SAVE_STEPS} \(step {SAVE_STEPS}\), and none of them is on localhost now"):
+            m.resume(run_id)
+        assert cli.main(["resume", run_id, "--db", url]) == 1
+        assert "--from-scratch" in capsys.readouterr().err
+        assert m.run(run_id).state == "failed" and len(m.attempts(run_id)) == 1
+        (run_dir / "moved-away").rename(run_dir / f"checkpoint-{SAVE_STEPS}")
 
         m.resume(run_id)
         done = m.wait(run_id, timeout=300)
@@ -71,6 +82,8 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model):
         assert cli.main(["metrics", run_id, "--db", url, "--names", "train/loss", "--out", str(out)]) == 0
         rows = [(float(r["t"]), int(r["step"]), float(r["value"])) for r in csv.DictReader(out.open())]
         assert [x for row in rows for x in row] == pytest.approx([x for point in history for x in point])
+        attempts = [(int(r["step"]), int(r["attempt"])) for r in csv.DictReader(out.open())]
+        assert attempts == [(step, 1 if step <= SAVE_STEPS else 2) for step in range(1, MAX_STEPS + 1)]
 
         progress = m.progress(run_id)
         assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, SAVE_STEPS)

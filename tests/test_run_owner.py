@@ -144,3 +144,35 @@ def test_close_ends_a_task_that_swallowed_its_cancellation(tmp_path, db):
     started = time.monotonic()
     m.close()
     assert time.monotonic() - started < 10
+
+
+# `swift-studio run`, killed the moment its nodes' workers started (before it could record them).
+KILLED_AFTER_START = """\
+import asyncio, os, signal, sys
+from backend.cluster import launch
+real = launch.start_all
+
+async def start_all(*args, **kwargs):
+    await real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+launch.start_all = start_all
+from backend.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_launch_killed_as_its_workers_start_is_adopted_not_killed(tmp_path, db, job):
+    url, engine = db
+    store = RunStore(engine)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_START, "run", job(40, logging_steps=10), "--db", url],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    (run,) = store.runs()
+    assert run.state == lifecycle.LAUNCHING
+    with RunManager(url) as studio:  # it adopts the run: the workers found by their pid files, watched
+        done = studio.wait(run.id, timeout=300)
+        assert done.state == lifecycle.SUCCEEDED, (done.state, done.message, done.log_tail)
+        assert studio.progress(run.id)["step"] == 40
+        assert [p.pgid is not None for p in studio.processes(run.id)] == [True]
+        assert any("adopted" in n for n in studio.notices(run.id)), studio.notices(run.id)

@@ -80,7 +80,9 @@ CLAIM_FILE = ".swift-studio-run"
 # written into only while its marker holds the same token ("" for a run from before claims: no
 # marker at all). Then the checkpoints the run's earlier attempts left unfinished
 # (`checkpoint-<step>.tmp`, renamed only once complete) are removed: a full disk left one holding
-# the space the next attempt's files need. A file that cannot be written leaves no temporary.
+# the space the next attempt's files need; and so are their group ids and exit codes (`pids/`): a
+# pid file is then always this attempt's, which is how a launch cut short is found to have started
+# (`started_groups`). A file that cannot be written leaves no temporary.
 WRITE_FILES_PY = (
     "import json, os, re, secrets, shutil, sys\n"
     "def makedirs(path):\n"
@@ -125,6 +127,11 @@ WRITE_FILES_PY = (
     "    for entry in os.scandir(root):\n"
     "        if re.fullmatch(r'checkpoint-\\d+\\.tmp', entry.name) and entry.is_dir(follow_symlinks=False):\n"
     "            shutil.rmtree(entry.path)\n"
+    "    pids = os.path.join(root, 'pids')\n"
+    "    if os.path.isdir(pids) and not os.path.islink(pids):\n"
+    "        for entry in os.scandir(pids):\n"
+    "            if re.fullmatch(r'.+\\.(pid|exit)(\\.tmp)?', entry.name) and entry.is_file(follow_symlinks=False):\n"
+    "                os.unlink(entry.path)\n"
     "for rel, text in json.load(sys.stdin).items():\n"
     "    path = os.path.join(root, rel)\n"
     "    makedirs(os.path.dirname(path))\n"
@@ -193,6 +200,23 @@ async def start_all(pool: Pool, commands: Sequence[NodeCommand], run_id: str, ru
     if any(s.error for s in started):
         await stop_all(pool, [s for s in started if s.pgid], run_id, run_dir, grace_s=0)
     return started
+
+
+async def existing_dirs(pool: Pool, node: Node, setup: str | None, paths: Sequence[str]) -> set[str]:
+    """Which of `paths` are directories on the node."""
+    test = "for p in \"$@\"; do [ -d \"$p\" ] && printf '%s\\n' \"$p\"; done; true"
+    res = await pool.run(node, remote.quote_argv(["sh", "-c", test, "swift-studio-dirs", *paths]), setup)
+    if not res.ok:
+        raise ssh.NodeError(address_of(node), f"cannot look for {len(paths)} directories: {res.first_error_line()}")
+    return set(res.stdout.splitlines()) & set(paths)
+
+
+async def started_group(pool: Pool, node: Node, setup: str | None, run_dir: str) -> int | None:
+    """The process group the node's wrapper published for this attempt (`pids/<node>.pid`; a new
+    attempt's `write_files` removed the earlier ones), None where its start never ran."""
+    res = await pool.run(node, remote.tail(remote.NodePaths(run_dir, node.host).pid, 1), setup)
+    m = _PGID.match(res.stdout.strip())
+    return int(m.group(1)) if m else None
 
 
 async def probe(pool: Pool, node: Node, pgid: int | None, run_dir: str) -> tuple[bool, int | None]:

@@ -108,6 +108,10 @@ class AttemptDriver:
                                          claim=run.dir_claim or "")
             commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
                         for n, p in zip(cluster.nodes, plan.nodes)]
+            # Recorded before they can run: a manager adopting a launch cut short here finds the
+            # groups the nodes published (`reattach`) instead of guessing that nothing started.
+            procs = [self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=n.host,
+                                                        node_rank=rank)) for rank, n in enumerate(cluster.nodes)]
             started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
         except (ssh.NodeError, ValueError, RunError) as exc:
             self.store.transition(run_id, lifecycle.FAILED,
@@ -115,9 +119,8 @@ class AttemptDriver:
                                           getattr(exc, "kind", "launch_error"), f"launch failed: {exc}"), by=self.owner)
             return
         errors = [s for s in started if s.error]
-        for rank, s in enumerate(started):
-            self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=s.node.host, node_rank=rank,
-                                               pgid=s.pgid, state="running" if s.pgid else "failed"))
+        for proc, s in zip(procs, started):
+            self.store.update_process(proc.id, pgid=s.pgid, state="running" if s.pgid else "failed")
         if errors:
             first = errors[0]
             self.store.transition(run_id, lifecycle.FAILED,
@@ -277,17 +280,24 @@ class AttemptDriver:
         except Exception:  # noqa: BLE001 - logged with the notice; the run goes on
             log.exception("run %s: notice not stored: %s", run_id, message)
 
+    def notice_once(self, run_id: str, message: str, since: float) -> None:
+        """A notice said once `since` then (each short CLI call of a detached run re-attaches it)."""
+        if not any(n.message == message and n.at >= since for n in self.store.notices(run_id, last=50)):
+            self.notice(run_id, message)
+
     async def _watch(self, run_id: str, attempt: Attempt, started: list[Started]) -> None:
         run = self.store.get(run_id)
         spec = spec_of(run)
         self.sink.watch_attempt(run_id, attempt.started_at, spec.hang_timeout_s, spec.hang_step_multiple)
         procs = {p.node: p for p in self.store.processes(attempt.id)}
-        watched = [NodeWatch(s, procs[s.node.host].id) for s in started]
+        # A node's silence counts from when any watch first met it (a recorded deadline): a
+        # watch that lives as long as one CLI call still declares a node lost.
+        watched = [NodeWatch(s, procs[s.node.host].id, unreachable_since=procs[s.node.host].unreachable_since)
+                   for s in started]
 
         def on_update(n: NodeWatch) -> None:
-            state = "running" if n.alive else "exited"
-            self.store.update_process(n.proc_id, state=state, exit_code=n.exit_code, last_seen=n.last_seen,
-                                      ended_at=None if n.alive else time.time())
+            self.store.update_process(n.proc_id, state=n.state, exit_code=n.exit_code, last_seen=n.last_seen,
+                                      unreachable_since=n.unreachable_since, ended_at=None if n.alive else time.time())
 
         watcher = AttemptWatcher(self.pool, run_id, run.run_dir, watched,
                                  stop_requested=lambda: self._stop_requested(run_id), on_update=on_update,
@@ -427,19 +437,51 @@ class AttemptDriver:
             await self._slurm_reattach(run, attempt)
             return
         members = attempt_nodes(attempt)
-        if run.state != lifecycle.RUNNING or not members:
-            # Its manager went away while checking or launching: nothing is watched, so clean up
-            # whatever of the run may have started and record it.
+        processes = self.store.processes(attempt.id) if members else []
+        if run.state == lifecycle.LAUNCHING and processes and all(p.pgid is None for p in processes):
+            # Its manager went away while the nodes started: what started is in the pid files.
+            processes = await self._adopt_start(run, attempt, members, processes)
+            if processes is None:
+                return
+        elif run.state != lifecycle.RUNNING or not members:
+            # Its manager went away while checking or launching, before any node started: clean up
+            # whatever of the run may have started anyway and record it.
             if members:
-                await launch_ops.stop_all(self.pool, recorded(members, self.store.processes(attempt.id)), run.id,
+                await launch_ops.stop_all(self.pool, recorded(members, processes), run.id,
                                           run.run_dir, grace_s=0, all_nodes=[n for n, _ in members])
             self._fail_interrupted(run, "starting")
             return
         if run.stop_requested:
             self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
             return
-        self.notice(run.id, "re-attached: the process that watched it is gone")
-        self.spawn(run.id, self._watch(run.id, attempt, recorded(members, self.store.processes(attempt.id))))
+        self.notice_once(run.id, "re-attached: the process that watched it is gone", attempt.started_at)
+        self.spawn(run.id, self._watch(run.id, attempt, recorded(members, processes)))
+
+    async def _adopt_start(self, run: Run, attempt: Attempt, members: list[tuple[Node, str | None]],
+                           processes: list[NodeProcess]) -> list[NodeProcess] | None:
+        """A launch cut short after its processes were recorded: each node's group is read from the
+        pid file its wrapper wrote. Started everywhere: recorded and running, to be watched (it may
+        even have finished). Started on some nodes only: those are stopped (with the time to
+        checkpoint) and the run fails as interrupted; None then."""
+        async def group(node: Node, setup: str | None) -> int | None:
+            try:
+                return await launch_ops.started_group(self.pool, node, setup, run.run_dir)
+            except ssh.NodeError:
+                return None
+
+        pgids = await asyncio.gather(*(group(n, setup) for n, setup in members))
+        by_node = dict(zip((n.host for n, _ in members), pgids))
+        for p in processes:
+            self.store.update_process(p.id, pgid=by_node.get(p.node), state="running" if by_node.get(p.node) else "failed")
+        processes = self.store.processes(attempt.id)
+        if all(pgids):
+            self.store.transition(run.id, lifecycle.RUNNING, by=self.owner)
+            self.notice(run.id, "adopted: the process launching it went away after its nodes had started")
+            return processes
+        await launch_ops.stop_all(self.pool, recorded(members, processes), run.id, run.run_dir,
+                                  grace_s=launch_ops.STOP_GRACE_S, all_nodes=[n for n, _ in members])
+        self._fail_interrupted(run, "starting")
+        return None
 
     async def _slurm_reattach(self, run: Run, attempt: Attempt) -> None:
         """A submitted job goes on under Slurm whoever watched it: watch it again. One whose
@@ -449,7 +491,8 @@ class AttemptDriver:
             self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
             return
         if info.get("job_id") and run.state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
-            self.notice(run.id, f"re-attached to Slurm job {info['job_id']}: the process that watched it is gone")
+            self.notice_once(run.id, f"re-attached to Slurm job {info['job_id']}: the process that watched it is gone",
+                             attempt.started_at)
             hosts = [n.host for n, _ in attempt_nodes(attempt)]
             self.spawn(run.id, self._slurm_watch(run.id, attempt.id, SlurmTarget.from_dict(info["target"]),
                                                  info["job_id"], hosts))

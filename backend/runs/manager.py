@@ -392,17 +392,25 @@ class RunManager:
                                   slurm_target=slurm)
         return run_id
 
-    def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None) -> str:
+    def resume(self, run_id: str, cluster: Cluster | None = None, setups: Mapping[str, str] | None = None,
+               from_scratch: bool = False) -> str:
         """A new attempt of a stopped or failed run from its latest complete checkpoint: on `cluster`,
-        else where the last attempt ran (its nodes, or its Slurm target as a new job)."""
+        else where the last attempt ran (its nodes, or its Slurm target as a new job). A run that
+        saved checkpoints none of which is there any more is refused (it would start again from
+        step 0) unless `from_scratch`, which starts it from step 0 on purpose."""
         run = self.run(run_id)
         if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
         spec = spec_of(run)
         target = slurm_target_of(self.store.current_attempt(run_id)) if cluster is None else None
+        resume = None if from_scratch else "latest"
+        if from_scratch:
+            self.driver.notice(run_id, "resumed from scratch at the user's word: from step 0, not from a checkpoint")
+        else:
+            self._refuse_lost_checkpoints(run, cluster)
         if target is not None:
             try:
-                self.driver.start_attempt(run_id, spec, target.cluster(), {}, resume="latest", slurm_target=target)
+                self.driver.start_attempt(run_id, spec, target.cluster(), {}, resume=resume, slurm_target=target)
             except TransitionError as exc:
                 raise RunError(str(exc)) from None
             return run_id
@@ -413,10 +421,31 @@ class RunManager:
         else:
             setups = nodes.setups_for(self.engine, cluster, setups)
         try:
-            self.driver.start_attempt(run_id, spec, cluster, dict(setups), resume="latest")
+            self.driver.start_attempt(run_id, spec, cluster, dict(setups), resume=resume)
         except TransitionError as exc:  # another process resumed it first
             raise RunError(str(exc)) from None
         return run_id
+
+    def _refuse_lost_checkpoints(self, run: Run, cluster: Cluster | None) -> None:
+        """A RunError when the run's workers reported checkpoints and none of them is on the node
+        that would resume now (the run directory deleted, moved or on another volume)."""
+        saved = self.checkpoints(run.id)
+        if not saved:
+            return
+        attempt = self.store.current_attempt(run.id)
+        members = attempt_nodes(attempt)
+        node, setup = ((cluster.nodes[0], None) if cluster is not None else members[0] if members
+                       else (SLURM_LOGIN, None))
+        try:
+            there = self._call(launch_ops.existing_dirs(self.pool, node, setup, [path for _, path in saved]))
+        except ssh.NodeError as exc:
+            raise RunError(f"cannot look for the run's checkpoints on {node.host}: {exc}") from None
+        if not there:
+            step, path = saved[0]
+            raise RunError(f"run {run.id} saved {len(saved)} checkpoint(s), the newest {path} (step {step}), and none "
+                           f"of them is on {node.host} now (the run directory deleted or moved?): resuming would start "
+                           "again from step 0. Put the checkpoints back, or resume from scratch (`swift-studio resume "
+                           "--from-scratch`) to start from step 0 on purpose")
 
     def stop(self, run_id: str, wait: bool = True, grace_s: float = launch_ops.STOP_GRACE_S) -> Run:
         run = self.run(run_id)

@@ -62,6 +62,13 @@ class NodeWatch:
     def done(self) -> bool:
         return not self.alive
 
+    @property
+    def state(self) -> str:
+        """As the run's process records show it: running / unreachable / exited."""
+        if not self.alive:
+            return "exited"
+        return "running" if self.unreachable_since is None else "unreachable"
+
 
 @dataclass
 class Outcome:
@@ -156,7 +163,7 @@ class AttemptWatcher:
         self._ended = asyncio.Event()
         # The attempt's start: its hang limit counts from here until its first step.
         self.started_at = started_at or time.time()
-        # Set once every node has answered (or the attempt ended): the state shown is current.
+        # Set once every node has been asked (or the attempt ended): the state shown is current.
         self.first_pass = asyncio.Event()
 
     async def run(self) -> Outcome | None:
@@ -198,8 +205,7 @@ class AttemptWatcher:
             outcome = await self._hung(hung) if hung is not None else None
             if outcome is not None:
                 return outcome
-            if all(n.unreachable_since is None for n in self.nodes):
-                self.first_pass.set()
+            self.first_pass.set()
             next_probe = min(n.next_probe for n in self.nodes if not n.done)
             await asyncio.sleep(max(0.05, next_probe - time.time()))
 
@@ -216,17 +222,18 @@ class AttemptWatcher:
             if n.unreachable_since is None:
                 n.unreachable_since = asked
                 self.on_notice(f"node {n.host} is not answering ({_why(exc)}); retrying")
+                self.on_update(n)
             n.backoff = min(n.backoff * 2, 8.0)
             # Never back off past the moment the node must be declared lost.
             n.next_probe = min(time.time() + n.backoff, n.unreachable_since + NODE_SILENT_S)
             return
+        changed = (n.alive, n.exit_code) != (alive, code) or n.unreachable_since is not None
         if n.unreachable_since is not None:
             self.on_notice(f"node {n.host} answers again after {time.time() - n.unreachable_since:.0f} s")
         n.unreachable_since = None
         n.backoff = WATCH_INTERVAL_S
         n.last_seen = time.time()
         n.next_probe = n.last_seen + WATCH_INTERVAL_S
-        changed = (n.alive, n.exit_code) != (alive, code)
         n.alive, n.exit_code = alive, code
         if not alive and code is None:
             # The group is gone without its wrapper writing an exit code: killed (or the file
@@ -244,6 +251,9 @@ class AttemptWatcher:
         await asyncio.sleep(SETTLE_S)
         pending = [n for n in self.nodes if not n.done and n not in lost]
         await asyncio.gather(*(self._probe(n) for n in pending))
+        # A node that stopped answering is a cause whether or not its silence has reached
+        # NODE_SILENT_S yet: the others' "peer lost" is what its death looks like from them.
+        lost = [n for n in self.nodes if not n.done and n.unreachable_since is not None]
         failed = [n for n in self.nodes if n.done and n.exit_code != 0]
         reads = await asyncio.gather(*(self._read_failure(n) for n in failed))
         slots = [e for _, ends in reads for e in ends]
@@ -281,6 +291,9 @@ class AttemptWatcher:
         for n in self.nodes:
             if n.alive and n.host not in report.unreachable:
                 n.alive = False
+                self.on_update(n)
+            elif n.alive and n.unreachable_since is None:
+                n.unreachable_since = time.time()
                 self.on_update(n)
         message = failure.message
         if timed:

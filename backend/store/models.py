@@ -80,6 +80,9 @@ class NodeProcess(SQLModel, table=True):
     started_at: float = Field(default_factory=time.time)
     ended_at: float | None = None
     last_seen: float | None = None
+    # When the node first did not answer, kept until it answers again: a watch that starts later
+    # (another CLI call, a studio restarted) counts the node's silence from here, not from itself.
+    unreachable_since: float | None = None
 
 
 class NodeRecord(SQLModel, table=True):

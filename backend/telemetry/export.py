@@ -22,7 +22,8 @@ from backend.telemetry import query
 
 S, E = MetricSample.__table__, RunEvent.__table__
 FORMATS = ("csv", "json", "tensorboard")
-CSV_COLUMNS = ("name", "node", "gpu", "rank", "t", "step", "value", "res_s")
+SERIES_COLUMNS = ("name", "node", "gpu", "rank", "t", "step", "value", "res_s")
+CSV_COLUMNS = (*SERIES_COLUMNS, "attempt")
 ALERT_COLUMNS = ("t", "last_t", "count", "rule", "severity", "node", "rank", "gpu", "message", "detail")
 
 
@@ -30,10 +31,10 @@ class ExportError(Exception):
     """An export that cannot be made (unknown run, missing tensorboard); the message says why."""
 
 
-def _rows(engine: Engine, run_id: str, names: list[str] | None) -> Iterator[tuple]:
+def _rows(engine: Engine, run_id: str, names: list[str] | None, columns=SERIES_COLUMNS) -> Iterator[tuple]:
     with engine.connect() as conn:
         cond = [S.c.run_id == run_id, query.current(conn, S, run_id)] + ([query.name_filter(names)] if names else [])
-        stmt = (select(*(S.c[c] for c in CSV_COLUMNS)).where(*cond)
+        stmt = (select(*(S.c[c] for c in columns)).where(*cond)
                 .order_by(S.c.name, S.c.node, S.c.gpu, S.c.rank, S.c.t))
         yield from conn.execution_options(stream_results=True, yield_per=5000).execute(stmt)
 
@@ -45,11 +46,12 @@ def has_data(engine: Engine, run_id: str) -> bool:
 
 def write_csv(engine: Engine, run_id: str, out: IO[str], names: list[str] | None = None) -> int:
     """One row per sample: name, node, gpu (-1: none), rank (-1: none), t (unix s), step, value,
-    res_s (0: raw sample; else the width of the averaged bucket). Returns the row count."""
+    res_s (0: raw sample; else the width of the averaged bucket), attempt (the run's attempt that
+    recorded it; of a step done again after a resume, only the later attempt's). Returns the row count."""
     w = csv.writer(out)
     w.writerow(CSV_COLUMNS)
     n = 0
-    for row in _rows(engine, run_id, names):
+    for row in _rows(engine, run_id, names, CSV_COLUMNS):
         w.writerow(["" if v is None else v for v in row])
         n += 1
     return n
