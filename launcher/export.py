@@ -161,7 +161,36 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
 def _save(model, tokenizer, new: Path, ckpt: Path) -> None:
     model.save_pretrained(new, safe_serialization=True)
     tokenizer.save_pretrained(new)
-    (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt)}) + "\n")
+    (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt), "files": _files(new)}) + "\n")
+
+
+def _files(root: Path) -> dict[str, int]:
+    """Every file under `root` (relative path → size), links as links; the marker not among them."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if rel != EXPORT_MARKER:
+                found[rel] = -1 if path.is_symlink() else path.stat().st_size
+    return found
+
+
+MARKER_MAX_BYTES = 1 << 20
+
+
+def _not_written_by_export(out: Path) -> list[str] | None:
+    """What in an earlier export its marker does not list, or lists at another size: files a user
+    added or changed there. None when the marker cannot be read (or is of a version that listed
+    nothing: then what was written is unknown)."""
+    try:
+        with open(out / EXPORT_MARKER, "rb") as f:
+            written = json.loads(f.read(MARKER_MAX_BYTES + 1)[:MARKER_MAX_BYTES]).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(written, dict):
+        return None
+    return sorted(rel for rel, size in _files(out).items() if written.get(rel) != size)
 
 
 def refuse_target(run_dir: Path, out: Path) -> None:
@@ -180,10 +209,20 @@ def refuse_target(run_dir: Path, out: Path) -> None:
 
 def refuse_occupied(out: Path) -> None:
     """An ExportError unless what is at `out` may be replaced: nothing, an empty directory, or an
-    earlier export."""
+    earlier export holding only what that export wrote."""
     if out.is_symlink():
         why = "is a symbolic link"
-    elif not out.exists() or (out.is_dir() and ((out / EXPORT_MARKER).is_file() or not any(out.iterdir()))):
+    elif out.is_dir() and (out / EXPORT_MARKER).is_file():
+        extra = _not_written_by_export(out)
+        if extra is None:
+            why = (f"is an earlier export whose {EXPORT_MARKER} does not list the files it wrote (unreadable, or "
+                   "from an older version): what else is in it cannot be told apart")
+        elif extra:
+            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            why = f"is an earlier export holding files it did not write or that changed since ({shown})"
+        else:
+            return
+    elif not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     elif not out.is_dir():
         why = "exists and is not a directory"

@@ -165,9 +165,17 @@ def test_export_replaces_its_own_earlier_export(lora_run, tmp_path, capsys):
     out = run / "export"
     first = export_here(capsys, run)
     assert first["out"] == str(out) and (out / ".swift-studio-export").is_file()
-    (out / "stale.txt").write_text("from the first export")
+    # What a user added to the export, or changed in it, is never replaced away.
+    (out / "notes.md").write_text("my notes")
+    with open(out / "config.json", "a") as f:
+        f.write("\n")
+    assert (f"error: {out}: is an earlier export holding files it did not write or that changed since "
+            "(config.json, notes.md)") in export_refusal(capsys, run, "--checkpoint", "3")
+    assert (out / "notes.md").read_text() == "my notes"
+    (out / "notes.md").unlink()
+    (out / "config.json").write_text((out / "config.json").read_text()[:-1])
     second = export_here(capsys, run, "--checkpoint", "3")
-    assert second["checkpoint"] == str(run / "checkpoint-3") and not (out / "stale.txt").exists()
+    assert second["checkpoint"] == str(run / "checkpoint-3")
     assert (out / "model.safetensors").is_file() and (out / ".swift-studio-export").is_file()
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(("checkpoint-", "events", "logs"))) == [
         "export", "job.yaml"]  # no temporary directory left beside it
