@@ -12,7 +12,7 @@ for p in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, p)
 
 
-from xdist_units import pytest_xdist_make_scheduler  # noqa: F401 (a hook: how the two xdist workers share the suite)
+from xdist_units import longest_first, pytest_xdist_make_scheduler  # noqa: F401 (a hook: how the two xdist workers share the suite)
 
 
 def pytest_addoption(parser):
@@ -21,6 +21,7 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    longest_first(items)
     if config.getoption("reverse_order"):
         items.reverse()
 
