@@ -395,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     with escaped_output():
         try:
-            # No arguments: the studio on 127.0.0.1 with this machine and the demo preset.
-            args = parser.parse_args(argv or ["studio"])
+            # No command: the studio on 127.0.0.1 with this machine and the demo preset (with the
+            # studio's options as given: `swift-studio --port 7871`).
+            if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+                argv = ["studio", *argv]
+            args = parser.parse_args(argv)
             return {c.name: c.run for c in COMMANDS}[args.command_name](args)
         except CliError as exc:
             for line in exc.lines:

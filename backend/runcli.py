@@ -54,6 +54,27 @@ def _when(t: float | None) -> str:
     return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _progress(progress: dict | None) -> str:
+    """`step 12/200, loss 1.234, 456 tokens/s, ETA 1m 30s` from RunManager.progress (what it has)."""
+    if not progress or progress.get("step") is None:
+        return ""
+    parts = [f"step {progress['step']}" + (f"/{progress['max_steps']}" if progress.get("max_steps") else "")]
+    if isinstance(progress.get("loss"), (int, float)):
+        parts.append(f"loss {progress['loss']:.4g}")
+    if isinstance(progress.get("tokens_per_s"), (int, float)):
+        parts.append(f"{progress['tokens_per_s']:.0f} tokens/s")
+    if isinstance(progress.get("eta_s"), (int, float)):
+        parts.append(f"ETA {_duration(progress['eta_s'])}")
+    return ", ".join(parts)
+
+
 def _describe(run) -> list[str]:
     from backend.runs import lifecycle
 
@@ -111,22 +132,30 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"detached; follow with: swift-studio logs {run_id} --follow")
             return 0 if run.state in (lifecycle.RUNNING, lifecycle.SUCCEEDED) else 1
         print(f"running on {', '.join(m.nodes_of(run_id))}; Ctrl-C leaves it running", flush=True)
-        try:
-            offset = 0
-            while True:
-                text, offset = m.log_since(run_id, None, offset)
-                sys.stdout.write(text)
-                sys.stdout.flush()
-                run = m.run(run_id)
-                if run.state in lifecycle.FINAL:
-                    break
-                time.sleep(1.0)
-        except KeyboardInterrupt:
-            print(f"\nleft running; stop it with: swift-studio stop {run_id}")
-            return 130
-        for line in _describe(run):
-            print(line)
-        return 0 if run.state == lifecycle.SUCCEEDED else 1
+        return _follow(m, run_id)
+
+
+def _follow(m, run_id: str) -> int:
+    """Print the first node's log (each attempt starts its own) as it grows until the run ends,
+    then how it ended."""
+    from backend.runs import lifecycle
+
+    offset = 0
+    try:
+        while True:
+            text, offset = m.log_since(run_id, None, offset)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            run = m.run(run_id)
+            if run.state in lifecycle.FINAL:
+                break
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print(f"\nleft running; stop it with: swift-studio stop {run_id}")
+        return 130
+    for line in _describe(run):
+        print(line)
+    return 0 if run.state == lifecycle.SUCCEEDED else 1
 
 
 # -- runs / status -----------------------------------------------------------------------------
@@ -141,11 +170,17 @@ def cmd_runs(args: argparse.Namespace) -> int:
         for run in m.runs():
             if run.state in lifecycle.ACTIVE:
                 m.settle(run.id)
-        runs = m.runs()
+        runs = [(run, m.progress(run.id)) for run in m.runs()]
     if not runs:
         print("no runs yet")
-    for run in runs:
+    now = time.time()
+    for run, progress in runs:
+        step = (progress or {}).get("step")
+        loss = (progress or {}).get("loss")
         print(f"{run.id:<32} {run.state:<10} attempt {run.attempts}  {_when(run.created_at)}  "
+              f"{_duration((run.ended_at or now) - run.created_at):>7}  "
+              f"{'step ' + str(step) if step is not None else '':<10} "
+              f"{f'loss {loss:.4g}' if isinstance(loss, (int, float)) else '':<12} "
               f"{(run.cause or '') if run.state == lifecycle.FAILED else ''}".rstrip())
     return 0
 
@@ -161,6 +196,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _manager(args) as m, _refused():
         run = m.settle(args.run)
         lines = _describe(run)
+        if progress := _progress(m.progress(args.run)):
+            lines.insert(1, f"  {progress}")
         attempts = m.attempts(args.run)
         if len(attempts) > 1:
             for line, message in attempt_history(attempts):
@@ -241,11 +278,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
             m.resume(args.run, cluster, from_scratch=args.from_scratch)
         run = m.wait(args.run, states=(lifecycle.RUNNING, *lifecycle.FINAL))
         if not args.detach and run.state == lifecycle.RUNNING:
-            print(f"resumed {args.run} (attempt {run.attempts}); waiting for it to end (Ctrl-C leaves it running)")
-            try:
-                run = m.wait(args.run)
-            except KeyboardInterrupt:
-                return 130
+            print(f"resumed {args.run} (attempt {run.attempts}) on {', '.join(m.nodes_of(args.run))}; "
+                  "Ctrl-C leaves it running", flush=True)
+            return _follow(m, args.run)
     for line in _describe(run):
         print(line)
     return 0 if run.state in (lifecycle.RUNNING, lifecycle.SUCCEEDED) else 1
@@ -255,13 +290,22 @@ def add_export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="run id")
     parser.add_argument("--checkpoint", help="checkpoint step or directory (default: the latest complete one)")
     parser.add_argument("--out", help="output directory (default: <run dir>/export)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (for scripts)")
     _add_db(parser)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     with _manager(args, reattach=False) as m, _refused():
         result = m.export(args.run, args.checkpoint, args.out)
-    print(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"exported {result['checkpoint']} to {result['out']} (safetensors, LoRA merged, with its tokenizer)")
+    for skipped in result.get("skipped") or []:
+        print(f"  passed over a damaged checkpoint: {skipped}")
+    if result.get("prompt") is not None:
+        print(f"  sample prompt: {result['prompt']}")
+        print(f"  its answer:    {result.get('sample')}")
     return 0
 
 

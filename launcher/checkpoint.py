@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-MARKER = "complete"
+from backend.job.rundir import CHECKPOINT_MARKER
+
+MARKER = CHECKPOINT_MARKER
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 8 << 20
 _torch_load = torch.load  # the real one, also while `safe_torch_load` has replaced torch.load

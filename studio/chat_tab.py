@@ -89,7 +89,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         if not run_id:
             return gr.update(choices=[LATEST], value=LATEST), gr.skip()
         try:
-            steps = studio.manager.checkpoints(run_id)
+            steps = studio.manager.saved_checkpoints(run_id)
         except Exception as exc:  # noqa: BLE001
             return gr.update(choices=[LATEST], value=LATEST), user_message(f"Listing the models of run {run_id}", exc)
         try:

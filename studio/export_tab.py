@@ -41,7 +41,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         return (gr.skip(), error) if error else (gr.update(choices=options, value=value), "")
 
     def on_run(run_id: str | None):
-        steps = studio.manager.checkpoints(run_id) if run_id else []
+        steps = studio.manager.saved_checkpoints(run_id) if run_id else []
         return gr.update(choices=[LATEST, *[(f"step {s} · {path}", str(s)) for s, path in steps]], value=LATEST)
 
     def on_export(run_id: str | None, checkpoint: str | None, out: str | None):

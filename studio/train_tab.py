@@ -99,7 +99,7 @@ def build(studio: Studio) -> dict[str, Any]:
 def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
     view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"],
-                    *c["groups"].values(), c["checked"]]
+                    *c["groups"].values(), c["checked"], c["launch_status"]]
 
     def render(view: TrainView, key: tuple, values: dict[str, Any] | None = None, open_errors: bool = False) -> dict:
         """The view's updates for the form state `key`; with `values` they also set the form, so a
@@ -128,6 +128,8 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         updates[c["commands"]] = view.commands
         updates[c["yaml"]] = view.yaml_text
         updates[c["ds_json"]] = view.ds_json
+        # What the last Launch said was of the form as it was then: a refusal must not outlive it.
+        updates[c["launch_status"]] = ""
         return updates
 
     def on_edit(data: dict) -> dict:
@@ -271,4 +273,4 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slur
                 monitor_run: run_choices(run_id)}
 
     c["launch"].click(on_launch, {*form.values(), cluster_state, slurm_state, c["run_name"]},
-                      [c["launch_status"], tabs, monitor_run, *c["view_outputs"]])
+                      [tabs, monitor_run, *c["view_outputs"]])

@@ -14,7 +14,8 @@ from backend.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": ["swift/self-cognition#500"], "deepspeed": "zero2",
-       "nnodes": 2, "nproc_per_node": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+       "nnodes": 2, "nproc_per_node": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+       "output_dir": "/shared/output"}
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ the local node and on two real SSH nodes (127.0.0.2, 127.0.0.3) sharing the run 
 full disk is a real tmpfs that the first checkpoint fills."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from backend.cluster import remote
+from backend.cluster.preflight import DISK_ERROR_GIB
 from backend.job import records
 from backend.job.cluster import Cluster, LOCAL_ADDR, LOCAL_HOST, Node
 from backend.job.spec import JobSpec
 from backend.runs.manager import RunManager
-from worker import ROOT
+from worker import ROOT, events, until
 
 LOCAL = Cluster(nodes=(Node(host=LOCAL_HOST, addr=LOCAL_ADDR, slots=2, python=sys.executable, local=True,
                             device="cpu"),), source="test")
@@ -45,16 +47,38 @@ def manager(tmp_path):
         m.close()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs: room for the run's files and logs, not for a checkpoint of the tiny model."""
-    where = tmp_path / "small-disk"
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str):
     where.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True, text=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
     yield where
-    subprocess.run(["umount", str(where)], check=True)
+    subprocess.run(["umount", "--lazy", str(where)], check=True)  # lazy: a failed test's run may still write there
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: room for the run's files and logs, not for a checkpoint of the tiny model."""
+    with tmpfs(tmp_path / "small-disk", "256k") as where:
+        yield where
+
+
+@pytest.fixture
+def filling_disk(tmp_path):
+    """A tmpfs with the room a launch asks for (preflight.DISK_ERROR_GIB); `fill()` then leaves
+    256 KiB of it, as a disk that other writers fill while the run trains."""
+    with tmpfs(tmp_path / "filling-disk", str(int(DISK_ERROR_GIB * 2**30) + (4 << 20))) as where:
+        def fill() -> None:
+            with open(where / "filler", "wb") as f:
+                for _ in range(50):  # the run writes beside it: what is free changes while it is taken
+                    if (free := shutil.disk_usage(where).free) <= 256 << 10:
+                        return
+                    with contextlib.suppress(OSError):
+                        os.posix_fallocate(f.fileno(), f.seek(0, os.SEEK_END), free - (256 << 10))
+            raise AssertionError(f"{where} did not fill up: {shutil.disk_usage(where).free} bytes free")
+
+        yield where, fill
 
 
 def test_exit_code_survives_a_full_disk(small_disk):
@@ -118,25 +142,41 @@ def test_damaged_checkpoint_is_named_on_resume(manager, tiny_model, tmp_path):
 
 
 @pytest.mark.e2e
-def test_full_disk_is_named_with_path_and_node_and_keeps_the_exit_code(manager, tiny_model, small_disk):
+def test_a_launch_where_the_disk_is_nearly_full_is_refused_before_anything_starts(manager, tiny_model, small_disk):
+    """Pre-flight calls less than DISK_ERROR_GIB free an error; a launch there is refused, naming
+    the node, the directory and the space, before a worker starts."""
     m = manager()
-    run = m.wait(m.launch(job(tiny_model, small_disk), LOCAL), timeout=180)
+    run = m.wait(m.launch(job(tiny_model, small_disk), LOCAL), timeout=60)
+    assert (run.state, run.cause, run.failed_node) == ("failed", "disk_full", LOCAL_HOST), run.message
+    assert run.message.startswith(f"{LOCAL_HOST}: 0.00 GiB free for the run directory {run.run_dir}, less than the "
+                                  f"{DISK_ERROR_GIB:g} GiB a run needs there"), run.message
+    assert "nothing was started" in run.message
+    assert [p.pgid for p in m.processes(run.id)] == [] and not (Path(run.run_dir) / "logs").exists()
+
+
+def test_full_disk_is_named_with_path_and_node_and_keeps_the_exit_code(manager, tiny_model, filling_disk):
+    disk, fill = filling_disk
+    m = manager()
+    run_id = m.launch(job(tiny_model, disk, max_steps=200, save_steps=100), LOCAL)
+    until(lambda: events(Path(m.run(run_id).run_dir), 0, "train") or m.run(run_id).state in ("failed", "succeeded"),
+          timeout=120, every=0.01)
+    fill()
+    run = m.wait(run_id, timeout=180)
     assert (run.state, run.cause) == ("failed", "disk_full"), (run.cause, run.message, run.log_tail)
-    assert shutil.disk_usage(small_disk).free == 0  # it did fill up
+    assert shutil.disk_usage(disk).free == 0  # it did fill up
     assert run.message.startswith(f"disk full (node {LOCAL_HOST}, rank "), run.message
-    assert f"No space left on device: {run.run_dir} (0 B free of 256.0 KiB)" in run.message
+    assert f"No space left on device: {run.run_dir} (0 B free of " in run.message
     # the wrapper's exit file, written over bytes taken at the start, survived the full disk
     assert run.exit_code == 1
     # What the full disk left: the unfinished checkpoint holding the space. The resume's attempt
-    # removes it before writing its files; before, it failed at once: the job file could not be
-    # written (and left job.yaml.tmp behind).
+    # removes it (before, the job file could not be written and job.yaml.tmp was left behind),
+    # then finds too little space for a run and starts nothing.
     assert list(Path(run.run_dir).glob("checkpoint-*.tmp"))
     m.resume(run.id)
     again = m.wait(run.id, timeout=180)
     assert (again.state, again.cause, again.attempts) == ("failed", "disk_full", 2), (again.message, again.log_tail)
-    assert again.message.startswith(f"disk full (node {LOCAL_HOST}, rank "), again.message
-    assert not list(Path(run.run_dir).glob("*.tmp")) or list(Path(run.run_dir).glob("*.tmp")) == list(
-        Path(run.run_dir).glob("checkpoint-*.tmp"))
+    assert again.message.startswith(f"{LOCAL_HOST}: 0.00 GiB free for the run directory {run.run_dir}"), again.message
+    assert list(Path(run.run_dir).glob("*.tmp")) == []
 
 
 @pytest.mark.e2e

@@ -111,8 +111,8 @@ def ssh_nodes(sshd_nodes):
     return list(sshd_nodes.nodes())
 
 
-def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None, model="m"):
-    spec = JobSpec(model=str(model), dataset=["d"], nnodes=len(nodes), output_dir=str(tmp_path / "out"),
+def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None, model="m", nnodes=None):
+    spec = JobSpec(model=str(model), dataset=["d"], nnodes=nnodes or len(nodes), output_dir=str(tmp_path / "out"),
                    env=spec_env or {})
     setups = setups or sshd_nodes.setups()
 
@@ -171,6 +171,12 @@ def test_bad_nodes_are_named(sshd_nodes, tmp_path):
     report = run(sshd_nodes, [good, closed], tmp_path)
     [cell] = [r for r in report.errors() if r.check == "ssh"]
     assert cell.node == second.host and f"port {closed.ssh_port}" in cell.reason and "refused" in cell.reason
+    # A job of fewer nodes than the cluster has: the others are shown, not checked, and why.
+    report = run(sshd_nodes, [good, closed], tmp_path, nnodes=1)
+    assert report.ok and report.table()[0] == [good.host, second.host], report.text()
+    left_out = report.get(second.host, "ssh")
+    assert (left_out.status, left_out.reason) == ("skipped", "not checked: the job (nnodes: 1) runs on the first 1 "
+                                                             "of the cluster's 2 nodes")
 
     report = run(sshd_nodes, [good, wrong_key], tmp_path)
     [cell] = [r for r in report.errors() if r.check == "ssh"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -60,10 +62,23 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         assert m.run(run_id).state == "failed" and len(m.attempts(run_id)) == 1
         (run_dir / "moved-away").rename(run_dir / f"checkpoint-{SAVE_STEPS}")
 
-        m.resume(run_id)
+        # An attached `swift-studio resume` streams the new attempt's log as `run` does, to the end.
+        assert cli.main(["resume", run_id, "--db", url]) == 0
+        resumed = capsys.readouterr().out
+        assert f"resumed {run_id} (attempt 2) on localhost; Ctrl-C leaves it running" in resumed, resumed
+        assert "resumed from" in resumed and f"{run_id}: succeeded (attempt 2" in resumed, resumed
         done = m.wait(run_id, timeout=300)
         assert done.state == "succeeded", (done.message, done.log_tail)
         until(lambda: (m.progress(run_id) or {}).get("step") == MAX_STEPS, timeout=30)
+        # `status` and `runs` say how far it got and its loss; `export` says what it wrote, in words.
+        assert cli.main(["status", run_id, "--db", url]) == 0
+        assert re.search(rf"\n  step {MAX_STEPS}/{MAX_STEPS}, loss [0-9.]+, [0-9]+ tokens/s", capsys.readouterr().out)
+        assert cli.main(["runs", "--db", url]) == 0
+        assert re.search(rf"{run_id} +succeeded +attempt 2 .* step {MAX_STEPS} +loss [0-9.]+", capsys.readouterr().out)
+        assert cli.main(["export", run_id, "--db", url]) == 0
+        exported = capsys.readouterr().out
+        assert exported.startswith(f"exported {run_dir}/checkpoint-{MAX_STEPS} to {run_dir}/export (safetensors"), exported
+        assert "its answer:" in exported
 
         # What the run's history is: attempt 1 up to its checkpoint, then attempt 2 (which
         # resumed from it). Losses would match either way (a resume is exact): times tell them apart.
@@ -88,6 +103,9 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         progress = m.progress(run_id)
         assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, SAVE_STEPS)
         assert [step for step, _ in m.checkpoints(run_id)] == [30, 20, 10]
+        # One removed (save_total_limit, a user): the lists Chat, Export and a resume offer leave it out.
+        shutil.rmtree(run_dir / "checkpoint-20")
+        assert [step for step, _ in m.saved_checkpoints(run_id)] == [30, 10]
         with m.engine.connect() as conn:  # the failed attempt's steps are kept, only not shown
             stored = conn.execute(select(func.count()).where(S.c.run_id == run_id, S.c.name == "train/loss")).scalar()
         assert stored == MAX_STEPS + reached - SAVE_STEPS

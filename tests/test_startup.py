@@ -95,8 +95,9 @@ def port_is_taken(port: int) -> bool:
 
 
 def start_studio(tmp_path, port: int, **output) -> subprocess.Popen:
-    """`swift-studio studio` on `port` with its own database and run directory."""
-    argv = [sys.executable, "-m", "backend.cli", "studio", "--port", str(port),
+    """`swift-studio --port …` (the studio's options without the word `studio`, as `swift-studio`
+    alone starts it) on `port` with its own database and run directory."""
+    argv = [sys.executable, "-m", "backend.cli", "--port", str(port),
             "--db", f"sqlite:///{tmp_path / 'studio.db'}", "--output-dir", str(tmp_path / "runs")]
     return subprocess.Popen(argv, cwd=tmp_path, env=studio_env(tmp_path), **output)
 

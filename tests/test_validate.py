@@ -203,7 +203,7 @@ def test_user_deepspeed_json_must_parse_and_have_a_valid_stage(tmp_path, content
 
 def test_user_deepspeed_json_that_works(tmp_path):
     path = write_ds(tmp_path, {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"})
-    assert check(job(deepspeed=path, nproc_per_node=8, nnodes=2)) == []
+    assert check(job(deepspeed=path, nproc_per_node=8, nnodes=2, output_dir="/shared/out")) == []
 
 
 def test_user_deepspeed_json_batch_conflict_is_a_warning(tmp_path):
@@ -251,6 +251,10 @@ WARNINGS = [
     ("fp16", dict(torch_dtype="float16"), dict(torch_dtype="bfloat16"), "torch_dtype", "loss scaling"),
     ("unused hostfile nodes", dict(nnodes=1), dict(nnodes=2), "nnodes", "not used: n1"),
     ("save_steps past the end", dict(max_steps=10, save_steps=100), dict(max_steps=10, save_steps=5), "save_steps", "final checkpoint"),
+    ("a learning rate that diverges", dict(learning_rate=1e6), dict(learning_rate=1e-3), "learning_rate",
+     "1e+06 is far above fine-tuning's usual range"),
+    ("a relative output_dir on several nodes", dict(output_dir="out"), dict(output_dir="/shared/out"), "output_dir",
+     "'out' is relative: on 2 nodes it is"),
 ]
 
 

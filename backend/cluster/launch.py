@@ -82,7 +82,8 @@ CLAIM_FILE = ".swift-studio-run"
 # (`checkpoint-<step>.tmp`, renamed only once complete) are removed: a full disk left one holding
 # the space the next attempt's files need; and so are their group ids and exit codes (`pids/`): a
 # pid file is then always this attempt's, which is how a launch cut short is found to have started
-# (`started_groups`). A file that cannot be written leaves no temporary.
+# (`started_group`). Then, given a minimum, the free space there is checked (exit 4 below it). A
+# file that cannot be written leaves no temporary.
 WRITE_FILES_PY = (
     "import json, os, re, secrets, shutil, sys\n"
     "def makedirs(path):\n"
@@ -132,6 +133,10 @@ WRITE_FILES_PY = (
     "        for entry in os.scandir(pids):\n"
     "            if re.fullmatch(r'.+\\.(pid|exit)(\\.tmp)?', entry.name) and entry.is_file(follow_symlinks=False):\n"
     "                os.unlink(entry.path)\n"
+    "    free = shutil.disk_usage(root).free\n"
+    "    if len(sys.argv) > 3 and free < int(sys.argv[3]):\n"
+    "        print(json.dumps({'free': free}))\n"
+    "        sys.exit(4)\n"
     "for rel, text in json.load(sys.stdin).items():\n"
     "    path = os.path.join(root, rel)\n"
     "    makedirs(os.path.dirname(path))\n"
@@ -147,6 +152,7 @@ WRITE_FILES_PY = (
     "        raise\n"
 ).replace("CLAIM", repr(CLAIM_FILE))
 CLAIM_TAKEN_EXIT = 3
+TOO_LITTLE_SPACE_EXIT = 4
 
 
 class RunDirTaken(ValueError):
@@ -154,15 +160,31 @@ class RunDirTaken(ValueError):
     same output_dir and name."""
 
 
+class TooLittleSpace(ValueError):
+    """The run directory's volume has less free space than a run needs there."""
+
+
 async def write_files(pool: Pool, node: Node, setup: str | None, run_dir: str, files: Mapping[str, str],
-                      claim: str | None = None) -> None:
+                      claim: str | None = None, min_free_bytes: int = 0) -> None:
     """Write the run directory's files (relative path → text) through one node, in one command;
-    with `claim` (the run's token), claim the directory first (WRITE_FILES_PY)."""
+    with `claim` (the run's token), claim the directory first and, with `min_free_bytes`, refuse
+    (TooLittleSpace, nothing written) where less is free once its own temporaries are gone
+    (WRITE_FILES_PY)."""
     for rel in files:
         if rel.startswith("/") or ".." in rel.split("/"):
             raise ValueError(f"plan file path must stay inside the run directory: {rel!r}")
-    argv = [node.python, "-c", WRITE_FILES_PY, run_dir, *([claim] if claim is not None else [])]
+    argv = [node.python, "-c", WRITE_FILES_PY, run_dir,
+            *([claim, *([str(min_free_bytes)] if min_free_bytes else [])] if claim is not None else [])]
     res = await pool.run(node, remote.quote_argv(argv), setup, input=json.dumps(dict(files)))
+    if res.rc == TOO_LITTLE_SPACE_EXIT:
+        try:
+            free = int(json.loads(res.stdout.strip().splitlines()[-1])["free"])
+        except (ValueError, IndexError, KeyError, TypeError):
+            free = 0
+        raise TooLittleSpace(f"{node.host}: {free / 2**30:.2f} GiB free for the run directory {run_dir}, less than the "
+                             f"{min_free_bytes / 2**30:g} GiB a run needs there (checkpoints, logs): it would fail when "
+                             "it first saves. Free space there or point output_dir at a larger volume; nothing was "
+                             "started")
     if res.rc == CLAIM_TAKEN_EXIT:
         try:
             held = json.loads(res.stdout.strip().splitlines()[-1])["taken"]
@@ -202,12 +224,12 @@ async def start_all(pool: Pool, commands: Sequence[NodeCommand], run_id: str, ru
     return started
 
 
-async def existing_dirs(pool: Pool, node: Node, setup: str | None, paths: Sequence[str]) -> set[str]:
-    """Which of `paths` are directories on the node."""
-    test = "for p in \"$@\"; do [ -d \"$p\" ] && printf '%s\\n' \"$p\"; done; true"
-    res = await pool.run(node, remote.quote_argv(["sh", "-c", test, "swift-studio-dirs", *paths]), setup)
+async def existing_files(pool: Pool, node: Node, setup: str | None, paths: Sequence[str]) -> set[str]:
+    """Which of `paths` are regular files on the node."""
+    test = "for p in \"$@\"; do [ -f \"$p\" ] && printf '%s\\n' \"$p\"; done; true"
+    res = await pool.run(node, remote.quote_argv(["sh", "-c", test, "swift-studio-files", *paths]), setup)
     if not res.ok:
-        raise ssh.NodeError(address_of(node), f"cannot look for {len(paths)} directories: {res.first_error_line()}")
+        raise ssh.NodeError(address_of(node), f"cannot look for {len(paths)} files: {res.first_error_line()}")
     return set(res.stdout.splitlines()) & set(paths)
 
 

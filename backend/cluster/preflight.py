@@ -437,9 +437,13 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
                 report.results.append(CheckResult(p.node.host, "port", "skipped", "the master did not answer"))
     if bandwidth:
         report.results += await _bandwidth(pool, probes, spec, report)
+    # Nodes the job does not use are shown as such, not left out of the report without a word.
+    report.results += [CheckResult(n.host, "ssh", "skipped", f"not checked: the job (nnodes: {len(nodes)}) runs on the "
+                                                             f"first {len(nodes)} of the cluster's {len(cluster.nodes)} nodes")
+                       for n in cluster.nodes[len(nodes):]]
     report.seconds = time.perf_counter() - started
     order = {c: i for i, c in enumerate(CHECKS)}
-    node_order = {n.host: i for i, n in enumerate(nodes)}
+    node_order = {n.host: i for i, n in enumerate(cluster.nodes)}
     report.results.sort(key=lambda r: (node_order.get(r.node, 99), order.get(r.check, 99)))
     return report
 

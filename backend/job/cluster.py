@@ -305,9 +305,10 @@ def usable_cores() -> int:
 
 
 def host_memory_gib() -> float | None:
-    """This machine's physical memory (GiB); None where the OS does not say."""
+    """This machine's physical memory (GiB, to 0.01: the hostfile text shows it); None where the OS
+    does not say."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 2)
     except (ValueError, OSError, AttributeError):
         return None
 

@@ -30,6 +30,7 @@ from backend.job.modelfiles import model_dir_problems
 from backend.job.spec import JobSpec, Problem
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
+HIGH_LEARNING_RATE = 0.1  # fine-tuning uses ~1e-5 (full) to ~1e-3 (LoRA); this far above, the loss diverges
 
 TP, PP, CP = "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"
 EP, SP = "expert_model_parallel_size", "sequence_parallel_size"
@@ -53,6 +54,10 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
     elif spec.nnodes < len(cluster.nodes):
         unused = ", ".join(n.host for n in cluster.nodes[spec.nnodes:])
         out.append(_warn("nnodes", f"uses the first {spec.nnodes} of {len(cluster.nodes)} nodes; not used: {unused}"))
+    if spec.nnodes > 1 and not os.path.isabs(os.path.expanduser(spec.output_dir)):
+        out.append(_warn("output_dir", f"{spec.output_dir!r} is relative: on {spec.nnodes} nodes it is "
+                                       f"{os.path.abspath(spec.output_dir)} on every node, which must be one shared "
+                                       "directory (checkpoints, logs); give the shared path"))
     for node in nodes:
         # torchrun starts nproc_per_node ranks on every node: more than its GPUs leaves ranks without
         # a device, more than a CPU node's cores makes every rank wait on the others.
@@ -177,6 +182,9 @@ def _spec_rules(spec: JobSpec) -> list[Problem]:
         out.append(_warn("gradient_checkpointing", f"off with max_length {spec.max_length}: activations grow with every layer; turn it on unless memory is plentiful"))
     if spec.torch_dtype == "float16":
         out.append(_warn("torch_dtype", "float16 training needs loss scaling and may overflow; prefer bfloat16 on GPUs that have it"))
+    if spec.learning_rate >= HIGH_LEARNING_RATE:
+        out.append(_warn("learning_rate", f"{spec.learning_rate:g} is far above fine-tuning's usual range (about 1e-5 "
+                                          "for full, 1e-4 to 1e-3 for LoRA): the loss will likely diverge"))
     if spec.save_steps and spec.max_steps > 0 and spec.save_steps > spec.max_steps:
         out.append(_warn("save_steps", f"{spec.save_steps} > max_steps {spec.max_steps}: only the final checkpoint is saved"))
     return out

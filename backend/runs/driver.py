@@ -20,6 +20,7 @@ from backend.cluster import admission, nodes, slurm, ssh
 from backend.cluster import launch as launch_ops
 from backend.cluster.launch import NodeCommand, Started
 from backend.job.cluster import Cluster, Node
+from backend.cluster.preflight import DISK_ERROR_GIB
 from backend.cluster.slurm import SlurmTarget
 from backend.job.planner import DEFAULT_MASTER_PORT, Plan
 from backend.job.spec import JobSpec
@@ -105,7 +106,7 @@ class AttemptDriver:
             plan = self.planner(spec, cluster, PlanRequest(run_id, run.run_dir, port, resume, assessment))
             self.store.set_plan(attempt.id, json.dumps(plan.to_dict()))
             await launch_ops.write_files(self.pool, master, setups.get(master.host), run.run_dir, plan.files,
-                                         claim=run.dir_claim or "")
+                                         claim=run.dir_claim or "", min_free_bytes=int(DISK_ERROR_GIB * 2**30))
             commands = [NodeCommand(n, list(p.argv), dict(p.env), setups.get(n.host))
                         for n, p in zip(cluster.nodes, plan.nodes)]
             # Recorded before they can run: a manager adopting a launch cut short here finds the
@@ -113,6 +114,10 @@ class AttemptDriver:
             procs = [self.store.add_process(NodeProcess(run_id=run_id, attempt_id=attempt.id, node=n.host,
                                                         node_rank=rank)) for rank, n in enumerate(cluster.nodes)]
             started = await launch_ops.start_all(self.pool, commands, run_id, run.run_dir)
+        except launch_ops.TooLittleSpace as exc:
+            self.store.transition(run_id, lifecycle.FAILED, Failure(master.host, None, logclass.DISK_FULL, str(exc)),
+                                  by=self.owner)
+            return
         except (ssh.NodeError, ValueError, RunError) as exc:
             self.store.transition(run_id, lifecycle.FAILED,
                                   Failure(getattr(getattr(exc, "address", None), "host", None), None,
@@ -454,7 +459,8 @@ class AttemptDriver:
         if run.stop_requested:
             self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
             return
-        self.notice_once(run.id, "re-attached: the process that watched it is gone", attempt.started_at)
+        self.notice_once(run.id, "re-attached: watched from here now (the process that watched it before has ended; "
+                                 "the workers went on)", attempt.started_at)
         self.spawn(run.id, self._watch(run.id, attempt, recorded(members, processes)))
 
     async def _adopt_start(self, run: Run, attempt: Attempt, members: list[tuple[Node, str | None]],
@@ -491,8 +497,8 @@ class AttemptDriver:
             self.spawn(run.id, self.stop(run.id, launch_ops.STOP_GRACE_S))
             return
         if info.get("job_id") and run.state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
-            self.notice_once(run.id, f"re-attached to Slurm job {info['job_id']}: the process that watched it is gone",
-                             attempt.started_at)
+            self.notice_once(run.id, f"re-attached to Slurm job {info['job_id']}: watched from here now (the process "
+                                     "that watched it before has ended; the job went on)", attempt.started_at)
             hosts = [n.host for n, _ in attempt_nodes(attempt)]
             self.spawn(run.id, self._slurm_watch(run.id, attempt.id, SlurmTarget.from_dict(info["target"]),
                                                  info["job_id"], hosts))

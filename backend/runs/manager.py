@@ -29,6 +29,7 @@ from backend.cluster import nodes, remote, ssh
 from backend.cluster import launch as launch_ops
 from backend.cluster.slurm import LOGIN as SLURM_LOGIN, SlurmTarget, check_partition
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
+from backend.job.rundir import CHECKPOINT_MARKER
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
 from backend.job.spec import JobSpec, Problem, absolute_dir
@@ -314,6 +315,18 @@ class RunManager:
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
 
+    def saved_checkpoints(self, run_id: str) -> list[tuple[int, str]]:
+        """The reported checkpoints (`checkpoints`) still whole on the run's first node (their
+        completion marker there): what Chat, Export and a resume can use now."""
+        saved = self.checkpoints(run_id)
+        members = attempt_nodes(self.store.current_attempt(run_id))
+        if not saved or not members:
+            return []
+        node, setup = members[0]
+        there = self._call(launch_ops.existing_files(self.pool, node, setup,
+                                                     [f"{path}/{CHECKPOINT_MARKER}" for _, path in saved]))
+        return [(step, path) for step, path in saved if f"{path}/{CHECKPOINT_MARKER}" in there]
+
     def usage(self, run_id: str) -> Usage:
         """GPU-hours, energy and tokens of all the run's attempts (backend.runs.usage)."""
         from backend.telemetry.query import energy_j, tokens_trained
@@ -427,17 +440,17 @@ class RunManager:
         return run_id
 
     def _refuse_lost_checkpoints(self, run: Run, cluster: Cluster | None) -> None:
-        """A RunError when the run's workers reported checkpoints and none of them is on the node
-        that would resume now (the run directory deleted, moved or on another volume)."""
+        """A RunError when the run's workers reported checkpoints and none of them is whole on the
+        node that would resume now (the run directory deleted, moved or on another volume)."""
         saved = self.checkpoints(run.id)
         if not saved:
             return
-        attempt = self.store.current_attempt(run.id)
-        members = attempt_nodes(attempt)
+        members = attempt_nodes(self.store.current_attempt(run.id))
         node, setup = ((cluster.nodes[0], None) if cluster is not None else members[0] if members
                        else (SLURM_LOGIN, None))
         try:
-            there = self._call(launch_ops.existing_dirs(self.pool, node, setup, [path for _, path in saved]))
+            there = self._call(launch_ops.existing_files(self.pool, node, setup,
+                                                         [f"{path}/{CHECKPOINT_MARKER}" for _, path in saved]))
         except ssh.NodeError as exc:
             raise RunError(f"cannot look for the run's checkpoints on {node.host}: {exc}") from None
         if not there:
