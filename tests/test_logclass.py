@@ -303,3 +303,15 @@ def test_end_events_name_the_cause(slot, kind):
 def test_ends_that_are_not_failures_name_nothing():
     assert lc.classify_end({**DATA_SLOT, "status": "stopped", "error": None}) is None
     assert lc.classify_end({**DATA_SLOT, "status": "succeeded", "error": None}) is None
+
+
+def test_the_shown_tail_has_the_workers_lines_not_torchruns_summary():
+    """A failed run's "last log lines" ended in torchrun's 40-line traceback and ChildFailedError
+    summary: the worker's own error line was cut off the top."""
+    lines = DATA_ERROR_TAIL.splitlines()
+    shown = lc.shown_tail(lines)
+    assert shown[:3] == lines[:3]  # the workers' lines and torchrun's one-line report
+    assert shown[3:] == ["(torchrun's failure summary: first failure rank 0, exit code 1)"]
+    assert not any("Traceback" in line or "ChildFailedError" in line for line in shown)
+    assert lc.shown_tail(PYTHON_EXC.splitlines()) == PYTHON_EXC.splitlines()  # no summary: as it was
+    assert lc.classify_tail(shown, exit_code=1).kind == lc.classify_tail(lines, exit_code=1).kind

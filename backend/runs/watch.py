@@ -90,7 +90,7 @@ def failure_from(node: str, exit_code: int | None, tail: list[str],
         if exit_code is None and cause.kind == logclass.UNKNOWN:
             cause = logclass.Cause(logclass.KILLED, "the node's torchrun ended without an exit code (killed)")
         message = logclass.describe(cause, node, exit_code)
-    return cause, Failure(node, exit_code, cause.kind, message, "\n".join(tail[-TAIL_LINES:]))
+    return cause, Failure(node, exit_code, cause.kind, message, "\n".join(logclass.shown_tail(tail)[-TAIL_LINES:]))
 
 
 def ends_of(host: str, pgid: int | None, slots: list[dict]) -> list[dict]:

@@ -111,6 +111,35 @@ _PATTERNS: list[tuple[str, re.Pattern[str]]] = [
 ]
 
 
+
+_CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError:")
+_BORDER = re.compile(r"^=+\s*$")
+
+
+def shown_tail(lines: list[str]) -> list[str]:
+    """A log's last lines as a user reads them for the cause: torchrun's own traceback and its
+    ChildFailedError summary (about 40 lines that repeat what the watch already says) become one
+    line naming the first failed rank and its exit code, so the workers' lines stay in view."""
+    out = list(lines)
+    for i in reversed(range(len(out))):
+        if not _CHILD_FAILED.match(out[i]):
+            continue
+        start = i
+        while start > 0 and (out[start - 1].startswith(" ") or out[start - 1].startswith("Traceback (most recent")):
+            start -= 1
+            if out[start].startswith("Traceback (most recent"):
+                break
+        borders = [k for k in range(i + 1, len(out)) if _BORDER.match(out[k])][:2]
+        end = borders[-1] + 1 if len(borders) == 2 else len(out)
+        summary = out[i:end]
+        root = next((k for k, line in enumerate(summary) if line.startswith("Root Cause")), 0)
+        rank = next((m.group(1) for line in summary[root:] if (m := _ROOT_RANK.match(line))), "?")
+        code = next((m.group(1) for line in summary[root:] if (m := _EXITCODE.match(line))), "?")
+        out[start:end] = [f"(torchrun's failure summary: first failure rank {rank}, exit code {code})"]
+        break
+    return out
+
+
 def classify_error(error_type: str | None, error: str, rank: int | None = None) -> Cause:
     """The cause of a rank's own error report: the exception's class name and its message."""
     summary = error.strip()[:500]
