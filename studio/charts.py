@@ -39,6 +39,7 @@ X_AXES = ("step", "time")
 STEP_SLACK_S = 1e-3
 # A time axis never spans less than this, so a first point does not get millisecond ticks.
 MIN_TIME_SPAN_S = 60.0
+MIN_GAP_S = 30.0  # a system series' break (stop → resume) is at least this long; sampling is every few s
 
 
 def downsample(points: list[Point], target: int) -> list[Point]:
@@ -187,10 +188,35 @@ def _done(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def lines(title: str, y_title: str, series: dict[tuple, list[Point]], empty_note: str = "waiting for data") -> go.Figure:
+def with_gaps(points: list[Point], min_gap_s: float = MIN_GAP_S) -> list[Point]:
+    """The points with a None between two that lie further apart than the series' sampling explains
+    (5 times its median interval, at least `min_gap_s`): a line breaks there (a stop and a resume,
+    a node that did not report) instead of joining the two ends with a straight line."""
+    if len(points) < 3:
+        return points
+    steps = sorted(b[0] - a[0] for a, b in zip(points, points[1:]))
+    gap = max(min_gap_s, 5 * steps[len(steps) // 2])
+    out = [points[0]]
+    for a, b in zip(points, points[1:]):
+        if b[0] - a[0] > gap:
+            out.append(((a[0] + b[0]) / 2, None))
+        out.append(b)
+    return out
+
+
+def _mode(count: int) -> str:
+    """A line of one point draws nothing: it is drawn as its marker."""
+    return "lines+markers" if count == 1 else "lines"
+
+
+def lines(title: str, y_title: str, series: dict[tuple, list[Point]], empty_note: str = "waiting for data",
+          y_range: tuple[float, float] | None = None) -> go.Figure:
     fig = _figure(title, y_title, empty_note)
     for key, pts in series.items():
-        fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode="lines", name=label(key))
+        pts = with_gaps(pts)
+        fig.add_scatter(x=_times(pts), y=[v for _, v in pts], mode=_mode(len(pts)), name=label(key))
+    if y_range is not None:  # a percentage: a dip from 100 to 99.5 is not drawn as a fall to the floor
+        fig.update_yaxes(range=list(y_range))
     return _done(fig)
 
 
@@ -232,14 +258,16 @@ def loss_figure(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> go
 def learning_rate_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure:
     fig = _figure("Learning rate", "lr", x_axis=x_axis)
     for rows in _train_rows(buf, "train/learning_rate"):
-        _train_trace(fig, rows, x_axis, mode="lines", name="lr")
+        _train_trace(fig, rows, x_axis, mode=_mode(len(rows)), name="lr")
+    # Plotly's SI suffixes read 1e6 as "1M" and 3e-4 as "300µ": an exponent says what it is.
+    fig.update_yaxes(exponentformat="e")
     return _done(fig)
 
 
 def throughput_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure:
     fig = _figure("Throughput", "tokens/s", x_axis=x_axis)
     for rows in _train_rows(buf, "train/tokens_per_s"):
-        _train_trace(fig, rows, x_axis, mode="lines", name="tokens/s")
+        _train_trace(fig, rows, x_axis, mode=_mode(len(rows)), name="tokens/s")
     for rows in _train_rows(buf, "train/mfu"):
         if any(v is not None for _, v, _ in rows):
             _train_trace(fig, rows, x_axis, [None if v is None else v * 100 for _, v, _ in rows], mode="lines",
@@ -335,11 +363,11 @@ def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[s
         **training_figures(buf, smoothing, x_axis),
         "experts": experts_figure(buf, x_axis),
         "util_heatmap": utilisation_heatmap(buf),
-        "util_lines": lines(util_title, "%", util),
+        "util_lines": lines(util_title, "%", util, y_range=(0, 100)),
         "memory": lines(mem_title, "GiB", mem),
-        "power": lines("GPU power (W)", "W", buf.named("gpu/power_w"),
-                       "no GPU reports power" if buf.named("host/cpu_pct") and not buf.named("gpu/util_pct")
-                       else "waiting for data"),
+        # A run on CPUs only has no power to show: the panel is hidden, not left empty.
+        "power": (None if buf.named("host/cpu_pct") and not buf.named("gpu/util_pct")
+                  else lines("GPU power (W)", "W", buf.named("gpu/power_w"))),
         "collective": lines("Collective wait per rank (s per step)", "s", buf.named("rank/collective_wait_s")),
         "stages": stages_figure(buf),
     }

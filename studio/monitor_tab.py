@@ -136,7 +136,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             out[c["progress"]] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
             if changed:
                 figs = figures(buf, smoothing, x_axis)
-                hidden_when_empty = ("experts", "stages", "util_heatmap")
+                hidden_when_empty = ("experts", "stages", "util_heatmap", "power")
                 out.update({c[name]: figs[name] for name in CHARTS if name not in hidden_when_empty})
                 for name in hidden_when_empty:
                     out[c[name]] = gr.update(value=figs[name], visible=figs[name] is not None)

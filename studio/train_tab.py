@@ -32,6 +32,8 @@ WATCH_EDITS_JS = """() => {
 }"""
 
 
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
     common = dict(label=view.label, info=view.info, value=value, elem_id=f"f-{view.name}")
     if view.widget == "check":
@@ -83,6 +85,8 @@ def build(studio: Studio) -> dict[str, Any]:
                 c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
                 c["launch"] = gr.Button("Pre-flight and launch", variant="primary", elem_id="launch", scale=2)
             c["launch_status"] = gr.Markdown(elem_id="launch-status", elem_classes=["problem-links"])
+            # Whether the launch status is a refusal: it then follows the form (render).
+            c["refused"] = gr.State(False)
             c["check"] = gr.Button("Check the form", elem_id="form-check", elem_classes=["hidden-trigger"])
             with gr.Tabs():
                 with gr.Tab("Commands"):
@@ -99,11 +103,13 @@ def build(studio: Studio) -> dict[str, Any]:
 def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
     view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"],
-                    *c["groups"].values(), c["checked"], c["launch_status"]]
+                    *c["groups"].values(), c["checked"], c["launch_status"], c["refused"]]
 
-    def render(view: TrainView, key: tuple, values: dict[str, Any] | None = None, open_errors: bool = False) -> dict:
+    def render(view: TrainView, key: tuple, values: dict[str, Any] | None = None, open_errors: bool = False,
+               refused: bool = False) -> dict:
         """The view's updates for the form state `key`; with `values` they also set the form, so a
-        fill is one response. `open_errors` opens the groups whose fields it marks red."""
+        fill is one response. `open_errors` opens the groups whose fields it marks red; `refused`:
+        the launch status is the last Launch's refusal, which then lists the form's errors now."""
         updates: dict = {c["checked"]: key}
         for name, component in form.items():
             problems = view.field_problems.get(name, [])
@@ -117,6 +123,8 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
                 update = dict(info=VIEWS[name].info, elem_classes=[])
             if name in PARALLEL:
                 update["interactive"] = name not in view.greyed
+            if name in LORA_FIELDS:  # they say nothing of a full fine-tuning
+                update["visible"] = view.spec is None or view.spec.train_type != "full"
             if values is not None:
                 update["value"] = values[name]
             updates[component] = gr.update(**update)
@@ -128,8 +136,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         updates[c["commands"]] = view.commands
         updates[c["yaml"]] = view.yaml_text
         updates[c["ds_json"]] = view.ds_json
-        # What the last Launch said was of the form as it was then: a refusal must not outlive it.
-        updates[c["launch_status"]] = ""
+        if refused:  # a refusal of the form as it was would contradict the problems listed above it
+            updates[c["launch_status"]] = (launch_refusal_md(view) if not view.ok
+                                           else "✔ The problems the last Launch named are fixed: launch again.")
         return updates
 
     def on_edit(data: dict) -> dict:
@@ -137,9 +146,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         key = check_key(values, cluster, slurm)
         if key == data[c["checked"]]:
             return {c["checked"]: gr.skip()}  # (an empty dict would read as one output value)
-        return render(check_form(values, cluster, slurm), key)
+        return render(check_form(values, cluster, slurm), key, refused=data[c["refused"]])
 
-    inputs = {*form.values(), cluster_state, slurm_state}
+    inputs = {*form.values(), cluster_state, slurm_state, c["refused"]}
     # Gradio's `input` of a Textbox follows keystrokes only: a paste, a drop or the browser's
     # autofill do not send it. Its `change` does, but also follows every value a fill sets, one
     # field at a time, each time with the other fields not yet filled. The browser's own `input`
@@ -150,17 +159,17 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
           inputs={*inputs, c["checked"]}, outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
     gr.on(None, None, js=WATCH_EDITS_JS)  # on page load
 
-    def fill(spec: dict[str, Any], cluster: Cluster, slurm: dict | None, message: str) -> dict:
+    def fill(spec: dict[str, Any], cluster: Cluster, slurm: dict | None, message: str, refused: bool) -> dict:
         values = default_form() | spec_to_form(spec)
-        return (render(check_form(values, cluster, slurm), check_key(values, cluster, slurm), values, open_errors=True)
-                | {c["form_message"]: message})
+        return (render(check_form(values, cluster, slurm), check_key(values, cluster, slurm), values, open_errors=True,
+                       refused=refused) | {c["form_message"]: message})
 
     fill_outputs = [*view_outputs, c["form_message"]]
 
     def not_filled(message: str) -> dict:
         return {c["form_message"]: message}
 
-    def on_load_preset(name: str | None, cluster: Cluster, slurm: dict | None) -> dict:
+    def on_load_preset(name: str | None, cluster: Cluster, slurm: dict | None, refused: bool = False) -> dict:
         if not name:
             return not_filled("Pick a preset first.")
         try:
@@ -169,7 +178,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
             return not_filled(user_message(f"Loading preset {name}", exc))
         if spec is None:
             return not_filled(f"Preset **{name}** not loaded:\n" + problems_md(problems))
-        return fill(spec, cluster, slurm, f"Loaded preset **{name}**.")
+        return fill(spec, cluster, slurm, f"Loaded preset **{name}**.", refused)
 
     def on_save_preset(name: str, data: dict) -> tuple:
         view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
@@ -181,7 +190,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
             return gr.skip(), str(exc)
         return gr.update(choices=studio.preset_names(), value=path.stem), f"Saved preset **{path.stem}** to `{path}`."
 
-    def on_upload_yaml(file: str, cluster: Cluster, slurm: dict | None) -> dict:
+    def on_upload_yaml(file: str, cluster: Cluster, slurm: dict | None, refused: bool) -> dict:
         path = Path(file)
         try:
             data = yaml.safe_load(path.read_text())
@@ -190,9 +199,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         spec, problems = parse_spec(data, source=path.name)
         if spec is None:
             return not_filled(f"`{path.name}` not loaded:\n" + problems_md(problems))
-        return fill(spec.model_dump(), cluster, slurm, f"Loaded `{path.name}`.")
+        return fill(spec.model_dump(), cluster, slurm, f"Loaded `{path.name}`.", refused)
 
-    def on_import(text: str, cluster: Cluster, slurm: dict | None) -> dict:
+    def on_import(text: str, cluster: Cluster, slurm: dict | None, refused: bool) -> dict:
         try:
             result = import_command(text or "")
         except CommandError as exc:
@@ -203,11 +212,11 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         notes = ([f"- translated: {n}" for n in result.notes] + [f"- ignored (no counterpart): `{i}`" for i in result.ignored]
                  + [f"- ms-swift default: {d}" for d in result.defaults])
         return fill(spec.model_dump(), cluster, slurm,
-                    "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""))
+                    "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""), refused)
 
-    c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state], fill_outputs)
-    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state], fill_outputs)
-    c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state], fill_outputs)
+    c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state, c["refused"]], fill_outputs)
+    c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state, c["refused"]], fill_outputs)
+    c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     save_inputs = {c["save_name"], *inputs}
     c["save_preset"].click(lambda data: on_save_preset(data[c["save_name"]], data), save_inputs,
                            [c["preset"], c["form_message"]])
@@ -232,14 +241,13 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slur
         view = check_form(values, cluster, slurm)
         if not view.ok:
             # Listed here, at the button, each linking to its field, with the fields marked.
-            yield (c["render"](view, check_key(values, cluster, slurm), open_errors=True)
-                   | {c["launch_status"]: launch_refusal_md(view)})
+            yield c["render"](view, check_key(values, cluster, slurm), open_errors=True, refused=True) | {c["refused"]: True}
             return
         name = (data[c["run_name"]] or "").strip() or None
         if view.slurm is not None:
             yield from submit(view, name)
             return
-        yield {c["launch_status"]: f"Pre-flight on {len(cluster.nodes[: view.spec.nnodes])} node(s)…"}
+        yield {c["launch_status"]: f"Pre-flight on {len(cluster.nodes[: view.spec.nnodes])} node(s)…", c["refused"]: False}
         try:
             report = studio.manager.preflight(cluster, view.spec, bandwidth=False)
             if not report.ok:
@@ -254,7 +262,7 @@ def wire_launch(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slur
 
     def submit(view, name: str | None):
         target = view.slurm
-        yield {c["launch_status"]: f"Checking Slurm partition `{target.partition}`…"}
+        yield {c["launch_status"]: f"Checking Slurm partition `{target.partition}`…", c["refused"]: False}
         try:
             unfit = studio.manager.check_partition(target)
             if unfit:

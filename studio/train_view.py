@@ -74,9 +74,14 @@ def check_form(values: dict[str, Any], cluster: Cluster, slurm: dict[str, Any] |
         view.assessment = assessed = assess(view.spec, cluster)
         problems += assessed.problems
         view.yaml_text = view.spec.to_yaml()
-        view.layout_md = layout_md(assessed.layout)
         view.greyed = greyed_dimensions(view.spec, assessed.layout, cluster)
-        view.memory_md = memory_md(assessed)
+        invalid = sorted({p.field for p in problems if p.severity == "error" and p.field in LAYOUT_FIELDS})
+        if invalid:  # the ranks it would draw (and the memory divided among them) cannot run
+            view.layout_md = f"**Layout**: ✖ none: fix {', '.join(f'`{f}`' for f in invalid)} first"
+            view.memory_md = "**Memory per GPU**: not estimated for a layout that cannot run"
+        else:
+            view.layout_md = layout_md(assessed.layout)
+            view.memory_md = memory_md(assessed)
         if not any(p.severity == "error" for p in problems):
             view.commands, ds_config = preview(assessed, view.slurm)
             view.ds_json = json.dumps(ds_config, indent=2) if ds_config else "// DeepSpeed is not used (deepspeed is empty)"
@@ -84,6 +89,9 @@ def check_form(values: dict[str, Any], cluster: Cluster, slurm: dict[str, Any] |
             view.commands = "# fix the problems marked on the form to see the launch commands"
     view.field_problems, view.other_problems = problems_by_field(problems)
     return view
+
+
+LAYOUT_FIELDS = ("nnodes", "nproc_per_node", *PARALLEL_FIELDS)
 
 
 def greyed_dimensions(spec: JobSpec, layout: Layout, cluster: Cluster) -> dict[str, str]:

@@ -77,9 +77,12 @@ class SshdCluster:
 
     def cut_connections(self, stop_listeners: bool = False) -> int:
         """Kill every per-connection sshd process (as a network cut ends them), after stopping the
-        listeners too when asked (the node is gone for good); returns how many were killed."""
+        listeners too when asked (the node is gone for good); returns how many were killed. With
+        the listeners stopped, every process still holding the server end of a connection to one of
+        the servers is killed too (one forked between the look and the kill): none outlives the cut."""
         import psutil
 
+        ends = {(s.host, s.port) for s in self.servers}
         connections = []
         for server in self.servers:
             pid = server.pid()
@@ -93,13 +96,20 @@ class SshdCluster:
         if stop_listeners:
             self.stop()
         killed = 0
-        for p in connections:
-            try:
-                p.kill()
-                killed += 1
-            except psutil.NoSuchProcess:
-                continue
-        return killed
+        for _ in range(50):
+            for p in connections:
+                try:
+                    p.kill()
+                    killed += 1
+                except psutil.NoSuchProcess:
+                    continue
+            holders = {c.pid for c in psutil.net_connections(kind="tcp")
+                       if stop_listeners and c.pid and c.status == psutil.CONN_ESTABLISHED and tuple(c.laddr) in ends}
+            if not holders:
+                return killed
+            connections = [psutil.Process(pid) for pid in holders if psutil.pid_exists(pid)]
+            time.sleep(0.02)
+        raise RuntimeError(f"connections to {sorted(ends)} outlived the cut: pids {sorted(holders)}")
 
     def start(self, hosts: list[str]) -> None:
         if not Path(SSHD).exists():

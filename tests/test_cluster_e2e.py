@@ -254,7 +254,15 @@ def test_unreachable_node_is_reported_within_30_s(lonely_run):
     # shells under them see the connection close); the workers live on.
     cut = time.monotonic()
     lonely.cut_connections(stop_listeners=True)
-    run = m.wait(run_id, timeout=40)
+    try:
+        run = m.wait(run_id, timeout=40)
+    except TimeoutError:  # what the watch saw of each node, and the sshd processes left
+        import psutil
+        watch = m.driver.watchers.get(run_id)
+        seen = [(n.host, n.alive, n.last_seen - time.time(), n.unreachable_since, n.next_probe - time.time())
+                for n in (watch.nodes if watch else [])]
+        left = [(p.pid, p.name(), p.cmdline()) for p in psutil.process_iter() if p.name().startswith("sshd")]
+        raise AssertionError(f"watch: {seen}; notices: {m.notices(run_id)}; sshd processes: {left}") from None
     took = time.monotonic() - cut
     assert run.state == "failed" and run.cause == "node_unreachable", (run.state, run.message)
     assert run.failed_node == "127.0.0.4" and took <= 30, (run.failed_node, took)

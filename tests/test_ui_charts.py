@@ -8,7 +8,7 @@ import pytest
 
 from studio.access import AccessError, check_bind, load_auth
 from studio.charts import (STEP_SERIES, SeriesBuffer, downsample, ema, figures, heatmap_grid, overlay_figure,
-                           progress_html, run_curve, stepped)
+                           progress_html, run_curve, stepped, with_gaps)
 from studio.run_view import (RESUME_LABEL, RUN_AGAIN_LABEL, alerts_md, config_diff, restart_button, restart_message,
                              status_md)
 
@@ -77,7 +77,9 @@ def test_figures_fall_back_to_cpu_and_host_memory_without_gpus():
     assert "Host memory" in figs["memory"].layout.title.text
     assert list(figs["loss"].data[0].y) == [5.0, 4.0]
     assert figs["collective"].data[0].name == "rank 1"
-    assert not figs["power"].data and figs["power"].layout.xaxis.visible is False
+    assert figs["power"] is None  # a CPU-only run has no power panel to leave empty
+    assert list(figs["util_lines"].layout.yaxis.range) == [0, 100]  # 95 % is drawn near the top, not at a floor
+    assert figs["memory"].data[0].mode == "lines+markers"  # one point: its marker, not an invisible line
     # One CPU node: its utilisation is a line; a heatmap of one row is not drawn.
     assert figs["util_heatmap"] is None and len(figs["util_lines"].data) == 1
     assert figs["stages"] is None  # no pipeline
@@ -86,6 +88,21 @@ def test_figures_fall_back_to_cpu_and_host_memory_without_gpus():
     assert "Pipeline stage compute" in stages.layout.title.text and [t.name for t in stages.data] == ["rank 0", "rank 1"]
     buf.apply({key("host/cpu_pct", "n2"): [(1.0, 50.0)]}, cursor=2, reset=False)
     assert list(figures(buf, smoothing=0.0)["util_heatmap"].data[0].y) == ["n1", "n2"]
+
+
+def test_a_series_breaks_where_it_was_not_sampled_and_a_learning_rate_axis_has_exponents():
+    """Host memory across a stop and resume was one straight line from the stop to the resume; a
+    diverging run's learning rate axis read 0.996966M."""
+    pts = [(float(t), 1.0) for t in range(0, 10, 2)] + [(float(t), 2.0) for t in range(600, 610, 2)]
+    gapped = with_gaps(pts)
+    assert [v for _, v in gapped].count(None) == 1 and gapped[5] == (304.0, None)
+    assert with_gaps(pts[:5]) == pts[:5]  # regular sampling: no break
+    buf = SeriesBuffer()
+    buf.apply({key("host/ram_used_gib"): pts, key(STEP_SERIES, rank=0): [(1.0, 1.0)],
+               key("train/learning_rate", rank=0): [(1.0, 996966.0)]}, cursor=1, reset=True)
+    figs = figures(buf, smoothing=0.0)
+    assert None in figs["memory"].data[0].y
+    assert figs["lr"].layout.yaxis.exponentformat == "e" and figs["lr"].data[0].mode == "lines+markers"
 
 
 def test_training_charts_are_drawn_against_the_step_with_the_time_in_the_hover():

@@ -78,6 +78,10 @@ def test_check_form_marks_bad_field_and_derives_layout():
     assert "sequence_parallel_size" not in check_form(values | {"deepspeed": "zero2"}, cluster).greyed
     one = check_form(values | {"nnodes": 1, "nproc_per_node": 1}, cluster)
     assert "nothing to split" in one.greyed["tensor_model_parallel_size"]
+    # A layout that is refused is not drawn, nor memory divided among its ranks.
+    refused = check_form(values | {"tensor_model_parallel_size": 3}, cluster)
+    assert refused.layout_md == "**Layout**: ✖ none: fix `tensor_model_parallel_size` first", refused.layout_md
+    assert "not estimated" in refused.memory_md
     refused = check_form(values | {"sequence_parallel_size": 2}, cluster)  # set anyway (a YAML): an error, not greyed
     assert "sequence_parallel_size" not in refused.greyed and refused.commands.startswith("# fix the problems")
 

@@ -183,7 +183,9 @@ def test_pasted_values_are_checked_and_a_refused_launch_links_to_its_fields(stud
     expect(field(page, "model")).not_to_have_class(re.compile("field-error"), timeout=15000)
     expect(page.locator("#train-problems a[href='#f-model']")).to_have_count(0)
     expect(page.locator("#train-yaml")).to_contain_text(f"model: {DEMO_MODEL}")
-    expect(status).not_to_contain_text("Not launched")  # the refusal follows the form: it was of another one
+    # The refusal follows the form: it now names the one problem left, not the two it was about.
+    expect(status).to_contain_text("Not launched: fix this problem first", timeout=15000)
+    expect(status.locator("a")).to_have_count(1)
     shot(page, "pasted-demo-model")
     assert "Traceback" not in page.content()
 
