@@ -102,7 +102,8 @@ def test_a_run_whose_driver_was_killed_is_adopted_by_a_live_manager(tmp_path, db
             driver.wait()
             # Its workers live on (own session); the studio finds the owner gone and takes over.
             until(lambda: studio.run(run.id).owner == studio.owner.id, timeout=lifecycle.OWNER_TIMEOUT_S + 5)
-            assert any("re-attached" in n for n in studio.notices(run.id))
+            # the claim lands first, the re-attach (and its notice) right after it
+            until(lambda: any("re-attached" in n for n in studio.notices(run.id)), timeout=10)
             assert studio.run(run.id).state == lifecycle.RUNNING, "adopted after the run ended: not a mid-run test"
             done = studio.wait(run.id, timeout=300)
             assert done.state == lifecycle.SUCCEEDED, (done.message, done.log_tail)

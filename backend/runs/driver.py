@@ -481,7 +481,11 @@ class AttemptDriver:
             self.store.update_process(p.id, pgid=by_node.get(p.node), state="running" if by_node.get(p.node) else "failed")
         processes = self.store.processes(attempt.id)
         if all(pgids):
-            self.store.transition(run.id, lifecycle.RUNNING, by=self.owner)
+            try:
+                self.store.transition(run.id, lifecycle.RUNNING, by=self.owner)
+            except TransitionError as exc:  # another process moved it first (a stop): its record stands
+                log.info("run %s: %s", run.id, exc)
+                return None
             self.notice(run.id, "adopted: the process launching it went away after its nodes had started")
             return processes
         await launch_ops.stop_all(self.pool, recorded(members, processes), run.id, run.run_dir,
