@@ -27,6 +27,7 @@ from backend.runs.manager import RunManager, default_planner
 from backend.store.telemetry_models import RunEvent
 from launcher import checkpoint
 from sshd import start_cluster
+from worker import until
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +99,13 @@ def wait_step(m: RunManager, run_id: str, step: int, timeout: float = 120) -> in
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def term_pending(pid: int) -> bool:
+    """Whether SIGTERM waits on the (stopped) process, sent to it or to its thread group."""
+    masks = [int(line.split()[1], 16) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+
+
 def complete_checkpoints(run_dir: Path) -> list[int]:
     return [checkpoint.step_of(p) for p in checkpoint.complete_checkpoints(run_dir)]
 
@@ -133,8 +141,16 @@ def test_run_restart_stop_resume_complete(env, sshd_nodes, capsys, monkeypatch):
         p.send_signal(signal.SIGCONT)
     reached = wait_step(m, run_id, 8)
 
-    # Stop: SIGTERM → the worker checkpoints → nothing of the run is left on either node.
-    run = m.stop(run_id)
+    # Stop: SIGTERM → the worker checkpoints → nothing of the run is left on either node. The ranks
+    # are frozen until the stop's SIGTERM waits on them, so it lands mid-run however busy the cores.
+    frozen = workers(m, run_id)
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
+    m.stop(run_id, wait=False)
+    until(lambda: all(term_pending(p.pid) for p in frozen), timeout=60, every=0.05, name="the stop's SIGTERM")
+    for p in frozen:
+        p.send_signal(signal.SIGCONT)
+    run = m.wait(run_id, timeout=120)
     assert run.state == "stopped", (run.message, run.log_tail)
     run_dir = Path(run.run_dir)
     checkpoints = complete_checkpoints(run_dir)
