@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # No command: the studio on 127.0.0.1 with this machine and the demo preset (with the
             # studio's options as given: `swift-studio --port 7871`).
-            if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+            if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
                 argv = ["studio", *argv]
             args = parser.parse_args(argv)
             return {c.name: c.run for c in COMMANDS}[args.command_name](args)

@@ -24,6 +24,7 @@ from datetime import datetime
 
 # backend.cli imports this module lazily, when one of these subcommands runs.
 from backend.cli import CliError, add_db_arg, add_slurm_args, checked, load_cluster, load_job, slurm_target
+from backend.runs.usage import format_duration
 
 
 def _manager(args: argparse.Namespace, reattach: bool = True):
@@ -54,13 +55,6 @@ def _when(t: float | None) -> str:
     return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
-
-
 def _progress(progress: dict | None) -> str:
     """`step 12/200, loss 1.234, 456 tokens/s, ETA 1m 30s` from RunManager.progress (what it has)."""
     if not progress or progress.get("step") is None:
@@ -71,7 +65,7 @@ def _progress(progress: dict | None) -> str:
     if isinstance(progress.get("tokens_per_s"), (int, float)):
         parts.append(f"{progress['tokens_per_s']:.0f} tokens/s")
     if isinstance(progress.get("eta_s"), (int, float)):
-        parts.append(f"ETA {_duration(progress['eta_s'])}")
+        parts.append(f"ETA {format_duration(progress['eta_s'])}")
     return ", ".join(parts)
 
 
@@ -178,7 +172,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         step = (progress or {}).get("step")
         loss = (progress or {}).get("loss")
         print(f"{run.id:<32} {run.state:<10} attempt {run.attempts}  {_when(run.created_at)}  "
-              f"{_duration((run.ended_at or now) - run.created_at):>7}  "
+              f"{format_duration((run.ended_at or now) - run.created_at):>7}  "
               f"{'step ' + str(step) if step is not None else '':<10} "
               f"{f'loss {loss:.4g}' if isinstance(loss, (int, float)) else '':<12} "
               f"{(run.cause or '') if run.state == lifecycle.FAILED else ''}".rstrip())

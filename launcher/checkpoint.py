@@ -29,9 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from backend.job.rundir import CHECKPOINT_MARKER
+from backend.job.rundir import CHECKPOINT_MARKER as MARKER
 
-MARKER = CHECKPOINT_MARKER
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 8 << 20
 _torch_load = torch.load  # the real one, also while `safe_torch_load` has replaced torch.load

@@ -13,6 +13,8 @@ from typing import Any, Iterable, Mapping
 
 import plotly.graph_objects as go
 
+from backend.runs.usage import format_duration
+
 Point = tuple[float, float | None]
 Stepped = tuple[float, float | None, float]
 """(step, value, t) of a training series' point."""
@@ -418,14 +420,3 @@ def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, 
     return (f"<div class='progress-outer' role='progressbar' aria-valuenow='{step}' aria-valuemax='{max_steps}'>"
             f"<div class='progress-inner' style='width:{share * 100:.1f}%'></div></div>"
             f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}</div>")
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "–"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m {seconds % 60:02d}s"
-    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"

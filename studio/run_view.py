@@ -13,7 +13,8 @@ import yaml
 from backend.job.layout import Layout
 from backend.runs.usage import Usage
 from backend.telemetry.logclass import HELP
-from studio.charts import NO_INDEX, format_duration
+from backend.runs.usage import format_duration
+from studio.charts import NO_INDEX
 from studio.errors import user_message
 from studio.cluster_view import STATUS_MARK
 

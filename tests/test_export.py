@@ -172,6 +172,12 @@ def test_export_replaces_its_own_earlier_export(lora_run, tmp_path, capsys):
     assert (f"error: {out}: is an earlier export holding files it did not write or that changed since "
             "(config.json, notes.md)") in export_refusal(capsys, run, "--checkpoint", "3")
     assert (out / "notes.md").read_text() == "my notes"
+    # A marker of an older version (no file list), or a crafted one, leaves what was written unknown.
+    marker = (out / ".swift-studio-export").read_text()
+    for crafted in ('{"checkpoint": "x"}\n', "[1, 2]\n", "not json\n"):
+        (out / ".swift-studio-export").write_text(crafted)
+        assert "does not list the files it wrote" in export_refusal(capsys, run, "--checkpoint", "3")
+    (out / ".swift-studio-export").write_text(marker)
     (out / "notes.md").unlink()
     (out / "config.json").write_text((out / "config.json").read_text()[:-1])
     second = export_here(capsys, run, "--checkpoint", "3")

@@ -27,7 +27,7 @@ from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
 from backend.job.modelfiles import model_dir_problems
-from backend.job.spec import JobSpec, Problem
+from backend.job.spec import JobSpec, Problem, absolute_dir
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
 HIGH_LEARNING_RATE = 0.1  # fine-tuning uses ~1e-5 (full) to ~1e-3 (LoRA); this far above, the loss diverges
@@ -56,7 +56,7 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
         out.append(_warn("nnodes", f"uses the first {spec.nnodes} of {len(cluster.nodes)} nodes; not used: {unused}"))
     if spec.nnodes > 1 and not os.path.isabs(os.path.expanduser(spec.output_dir)):
         out.append(_warn("output_dir", f"{spec.output_dir!r} is relative: on {spec.nnodes} nodes it is "
-                                       f"{os.path.abspath(spec.output_dir)} on every node, which must be one shared "
+                                       f"{absolute_dir(spec.output_dir)} on every node, which must be one shared "
                                        "directory (checkpoints, logs); give the shared path"))
     for node in nodes:
         # torchrun starts nproc_per_node ranks on every node: more than its GPUs leaves ranks without

@@ -30,7 +30,7 @@ from backend.cluster import launch as launch_ops
 from backend.cluster.slurm import LOGIN as SLURM_LOGIN, SlurmTarget, check_partition
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from backend.job.rundir import CHECKPOINT_MARKER
-from backend.job.cluster import Cluster
+from backend.job.cluster import Cluster, Node
 from backend.job.layout import Layout
 from backend.job.spec import JobSpec, Problem, absolute_dir
 from backend.job.validate import Assessment
@@ -315,14 +315,18 @@ class RunManager:
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
 
-    def saved_checkpoints(self, run_id: str) -> list[tuple[int, str]]:
-        """The reported checkpoints (`checkpoints`) still whole on the run's first node (their
-        completion marker there): what Chat, Export and a resume can use now."""
+    def saved_checkpoints(self, run_id: str, node: Node | None = None, setup: str | None = None
+                          ) -> list[tuple[int, str]]:
+        """The reported checkpoints (`checkpoints`) still whole on `node` (default: the run's first
+        node), their completion marker there: what Chat, Export and a resume can use now."""
         saved = self.checkpoints(run_id)
-        members = attempt_nodes(self.store.current_attempt(run_id))
-        if not saved or not members:
+        if node is None:
+            members = attempt_nodes(self.store.current_attempt(run_id))
+            if not members:
+                return []
+            node, setup = members[0]
+        if not saved:
             return []
-        node, setup = members[0]
         there = self._call(launch_ops.existing_files(self.pool, node, setup,
                                                      [f"{path}/{CHECKPOINT_MARKER}" for _, path in saved]))
         return [(step, path) for step, path in saved if f"{path}/{CHECKPOINT_MARKER}" in there]
@@ -414,29 +418,24 @@ class RunManager:
         run = self.run(run_id)
         if run.state not in (lifecycle.STOPPED, lifecycle.FAILED):
             raise RunError(f"run {run_id} is {run.state}; only a stopped or failed run can be resumed")
-        spec = spec_of(run)
-        target = slurm_target_of(self.store.current_attempt(run_id)) if cluster is None else None
-        resume = None if from_scratch else "latest"
-        if from_scratch:
-            self.driver.notice(run_id, "resumed from scratch at the user's word: from step 0, not from a checkpoint")
-        else:
+        if not from_scratch:
             self._refuse_lost_checkpoints(run, cluster)
+        members = attempt_nodes(self.store.current_attempt(run_id))
+        target = slurm_target_of(self.store.current_attempt(run_id)) if cluster is None else None
         if target is not None:
-            try:
-                self.driver.start_attempt(run_id, spec, target.cluster(), {}, resume=resume, slurm_target=target)
-            except TransitionError as exc:
-                raise RunError(str(exc)) from None
-            return run_id
-        if cluster is None:
-            members = attempt_nodes(self.store.current_attempt(run_id))
+            cluster, setups = target.cluster(), {}
+        elif cluster is None:
             cluster = Cluster(nodes=tuple(n for n, _ in members), source="previous attempt")
             setups = {**{n.host: s for n, s in members if s}, **(setups or {})}
         else:
             setups = nodes.setups_for(self.engine, cluster, setups)
         try:
-            self.driver.start_attempt(run_id, spec, cluster, dict(setups), resume=resume)
+            self.driver.start_attempt(run_id, spec_of(run), cluster, dict(setups),
+                                      resume=None if from_scratch else "latest", slurm_target=target)
         except TransitionError as exc:  # another process resumed it first
             raise RunError(str(exc)) from None
+        if from_scratch:
+            self.driver.notice(run_id, "resumed from scratch at the user's word: from step 0, not from a checkpoint")
         return run_id
 
     def _refuse_lost_checkpoints(self, run: Run, cluster: Cluster | None) -> None:
@@ -449,11 +448,10 @@ class RunManager:
         node, setup = ((cluster.nodes[0], None) if cluster is not None else members[0] if members
                        else (SLURM_LOGIN, None))
         try:
-            there = self._call(launch_ops.existing_files(self.pool, node, setup,
-                                                         [f"{path}/{CHECKPOINT_MARKER}" for _, path in saved]))
+            whole = self.saved_checkpoints(run.id, node, setup)
         except ssh.NodeError as exc:
             raise RunError(f"cannot look for the run's checkpoints on {node.host}: {exc}") from None
-        if not there:
+        if not whole:
             step, path = saved[0]
             raise RunError(f"run {run.id} saved {len(saved)} checkpoint(s), the newest {path} (step {step}), and none "
                            f"of them is on {node.host} now (the run directory deleted or moved?): resuming would start "
@@ -497,10 +495,10 @@ class RunManager:
         attempt = self.store.current_attempt(run_id)
         if attempt is None:
             return None
-        node, _ = attempt_nodes(attempt)[0]
+        node, setup = attempt_nodes(attempt)[0]
         path = f"{run.run_dir}/{EXPORT_DIR}"
-        res = self._call(self.pool.run(node, f"test -f {shlex.quote(f'{path}/{EXPORT_MARKER}')}", timeout=30))
-        return path if res.ok else None
+        marker = f"{path}/{EXPORT_MARKER}"
+        return path if self._call(launch_ops.existing_files(self.pool, node, setup, [marker])) else None
 
     def chat_open(self, run_id: str, source: str | None = None) -> tuple[str, dict]:
         """Start a chat worker on the run's first node with a checkpoint (a step, a path; None: the

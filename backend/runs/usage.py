@@ -6,6 +6,7 @@ Pure: the manager reads the attempts and the telemetry (`backend.telemetry.query
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,3 +47,15 @@ def windows(attempts: Iterable[Any], now: float) -> list[tuple[float, float]]:
 def usage_of(attempts: list[Any], now: float, energy_j: float | None, tokens: int) -> Usage:
     hours = sum((end - start) / 3600 * attempt_gpus(a) for a, (start, end) in zip(attempts, windows(attempts, now)))
     return Usage(gpu_hours=hours, energy_kwh=None if energy_j is None else energy_j / J_PER_KWH, tokens=tokens)
+
+
+def format_duration(seconds: float | None) -> str:
+    """`45s`, `3m 05s`, `1h 02m` (the studio's and the CLI's one way to say a duration)."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "–"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
