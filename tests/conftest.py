@@ -1,6 +1,7 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,13 @@ for p in (str(ROOT), str(ROOT / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+
+from backend.cluster.remote import HOST_ID_ENV  # noqa: E402
+
+# Each pytest process counts as a host of its own when admission counts the ranks running on a
+# node: the two xdist workers (and a second suite on this machine) train on the same cores at once
+# without refusing each other's runs. The test sshd servers name their own (tests/sshd.py).
+os.environ[HOST_ID_ENV] = f"pytest-{os.getpid()}"
 
 from xdist_units import longest_first, pytest_xdist_make_scheduler  # noqa: F401 (a hook: how the two xdist workers share the suite)
 

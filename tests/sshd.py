@@ -129,6 +129,8 @@ class SshdCluster:
             _wait_listening(server.host, server.port)
 
     def _start_one(self, host: str) -> SshServer:
+        from backend.cluster.remote import HOST_ID_ENV  # each server a host of its own for admission
+
         hostkey = self.root / f"hostkey_{host}"
         keygen(hostkey)
         port = free_port(host)
@@ -139,7 +141,7 @@ class SshdCluster:
             f"AuthorizedKeysFile {self.root / 'authorized_keys'}\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
-            f"PidFile {pid_file}\nMaxStartups 100:30:200\nMaxSessions 50\nLogLevel ERROR\n{self.extra_config}")
+            f"PidFile {pid_file}\nSetEnv {HOST_ID_ENV}={host}:{port}\nMaxStartups 100:30:200\nMaxSessions 50\nLogLevel ERROR\n{self.extra_config}")
         subprocess.run([SSHD, "-f", str(conf), "-E", str(self.root / f"sshd_{host}.log")], check=True)
         pub = (self.root / f"hostkey_{host}.pub").read_text().split()
         return SshServer(host, port, pid_file, f"{pub[0]} {pub[1]}")

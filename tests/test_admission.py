@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -71,24 +72,46 @@ def test_busy_counts_every_holder_and_only_shared_nodes():
     assert busy_nodes(holding("a", 5, spec(nproc_per_node=2), [CPU]), [CPU], holders[:1]) == []
 
 
+def test_ranks_running_on_a_node_count_whichever_database_started_them():
+    known = holding("run-a", 1, spec(nproc_per_node=1), [CPU])
+    new = holding("run-b", 2, spec(nproc_per_node=1), [CPU])
+    # run-a is known and found running (counted once); run-x only runs there (another database).
+    running = {"cpu-01": {"run-a": 1, "run-x": 1}}
+    ((_, message),) = busy_nodes(new, [CPU], [known], running)
+    assert message.startswith("cpu-01 is busy: run run-a (1), run run-x (1 running there) hold 2 of its 2 CPU cores")
+    # A resume finds its own earlier ranks still exiting: they are its own, not another run's.
+    assert busy_nodes(new, [CPU], [], {"cpu-01": {"run-b": 2}}) == []
+    assert busy_nodes(new, [CPU], [], {"cpu-01": {"run-x": 1}}) == []
+
+
 @pytest.mark.e2e
 def test_runs_submitted_back_to_back_do_not_share_the_cores(tmp_path, tiny_model):
-    """Three runs at once on this machine: the first takes every core, the two after it are refused
-    naming it, and once it has finished the same job starts."""
-    url = f"sqlite:///{tmp_path / 'studio.db'}"
+    """Runs at once on this machine: the first takes every core; the one after it in the same
+    database is refused naming it, and so is one from a second database (another studio, a CLI
+    with its own `--db`), which finds the first's ranks running on the node. Once the first has
+    ended, the same job starts."""
     cluster = local_cluster(GpuInfo())
     cores = cluster.nodes[0].slots
     spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
-                   output_dir=str(tmp_path / "out"), nproc_per_node=cores, max_steps=4, save_strategy="no",
+                   output_dir=str(tmp_path / "out"), nproc_per_node=cores, max_steps=100000, save_strategy="no",
                    logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
                    env={"OMP_NUM_THREADS": "1"})
-    with RunManager(url) as m:
-        first, second, third = (m.launch(spec, cluster, name=name) for name in ("first", "second", "third"))
-        for refused in (second, third):
-            run = m.wait(refused, timeout=120)
-            assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
-            assert run.message.startswith(f"localhost is busy: run {first} ({cores}) hold {cores} of its {cores} CPU cores")
-            assert run.failed_node == "localhost" and not m.processes(refused)
-        assert m.wait(first, timeout=240).state == "succeeded"
-        again = m.resume(second)
-        assert m.wait(again, timeout=240).state == "succeeded"
+    busy = f"localhost is busy: run {{}} ({cores}{{}}) hold {cores} of its {cores} CPU cores"
+    with RunManager(f"sqlite:///{tmp_path / 'studio.db'}") as m, \
+            RunManager(f"sqlite:///{tmp_path / 'other.db'}") as other:
+        first, second = (m.launch(spec, cluster, name=name) for name in ("first", "second"))
+        run = m.wait(second, timeout=120)
+        assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
+        assert run.message.startswith(busy.format(first, "")), run.message
+        assert run.failed_node == "localhost" and not m.processes(second)
+        # The other database knows nothing of `first`: what runs on the node refuses its run.
+        deadline = time.monotonic() + 120
+        while not (m.progress(first) or {}).get("step") and time.monotonic() < deadline:  # its ranks train
+            time.sleep(0.2)
+        third = other.launch(spec.model_copy(update={"max_steps": 4}), cluster, name="third")
+        run = other.wait(third, timeout=120)
+        assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
+        assert run.message.startswith(busy.format(first, " running there")), run.message
+        assert not other.processes(third)
+        assert m.stop(first).state == "stopped"
+        assert other.wait(other.resume(third), timeout=240).state == "succeeded"

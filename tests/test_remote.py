@@ -186,3 +186,20 @@ def test_workers_outlive_the_starting_shell(tmp_path):
         assert os.getsid(pgid) == pgid
     finally:
         os.killpg(pgid, 9)
+
+
+def test_running_ranks_are_counted_per_run_rank_and_host_id():
+    """`/proc/*/environ` records: a rank's children (same local rank) count once, the torchrun agent
+    (no local rank) not at all, nor ranks started under another host id or without a tag."""
+    from backend.cluster.remote import parse_ranks
+
+    def proc(pid, **env):
+        return "".join(f"/proc/{pid}/environ:{k}={v}\0" for k, v in env.items())
+
+    tag, host = "SWIFT_STUDIO_RUN_ID", "SWIFT_STUDIO_HOST_ID"
+    text = ("self=\0" + proc(10, **{tag: "a"}) + proc(11, **{tag: "a", "LOCAL_RANK": "0"})
+            + proc(12, **{tag: "a", "LOCAL_RANK": "0"}) + proc(13, **{tag: "a", "LOCAL_RANK": "1"})
+            + proc(14, **{tag: "b", "LOCAL_RANK": "0", host: "box-2"}) + proc(15, LOCAL_RANK="0"))
+    assert parse_ranks(text) == {"a": 2}
+    assert parse_ranks(text.replace("self=", "self=box-2", 1)) == {"b": 1}
+    assert parse_ranks("") == {}

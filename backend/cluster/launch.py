@@ -259,6 +259,12 @@ async def _tagged(pool: Pool, node: Node, run_id: str) -> list[int]:
     return [int(x) for x in res.stdout.split() if x.isdigit()]
 
 
+async def running_ranks(pool: Pool, node: Node) -> dict[str, int]:
+    """Run id → ranks of it running on `node`, whichever database started them (`remote.parse_ranks`)."""
+    res = await pool.run(node, remote.running_ranks(), None, timeout=20)
+    return remote.parse_ranks(res.stdout)
+
+
 async def stop_all(pool: Pool, started: Sequence[Started], run_id: str, run_dir: str,
                    grace_s: float = STOP_GRACE_S, all_nodes: Sequence[Node] = ()) -> StopReport:
     """SIGTERM every group, SIGKILL what is left after `grace_s`, then verify nothing remains.

@@ -164,6 +164,42 @@ def tagged_pids(run_id: str) -> str:
     return quote_argv(["sh", "-c", _TAGGED, "swift-studio-tag", f"{RUN_ID_ENV}={run_id}"])
 
 
+# Where several nodes share one process table but not their slots (containers in the host's PID
+# namespace; the test suite's loopback nodes), each sets this to its own name, and a node counts
+# only the ranks started under its own name.
+HOST_ID_ENV = "SWIFT_STUDIO_HOST_ID"
+# This shell's host id, then every process's run tag, local rank and host id from one grep over
+# /proc: NUL-ended `/proc/<pid>/environ:NAME=value` records.
+_RANKS = (
+    f'printf "self=%s\\0" "${HOST_ID_ENV}"; '
+    f"grep -HsazE -- '^({RUN_ID_ENV}|LOCAL_RANK|{HOST_ID_ENV})=' /proc/[0-9]*/environ; true"
+)
+
+
+def running_ranks() -> str:
+    """Shell text listing the run tag, local rank and host id of every process on a node (`parse_ranks`)."""
+    return quote_argv(["sh", "-c", _RANKS])
+
+
+def parse_ranks(text: str) -> dict[str, int]:
+    """Run id → how many ranks of it run on the node: distinct local ranks among the processes
+    carrying its tag and this node's host id (a rank's children, its data loader workers, carry
+    the same rank). Processes of other users are not readable and not counted."""
+    records = text.split("\0")
+    own = records[0].removeprefix("self=") if records and records[0].startswith("self=") else ""
+    seen: dict[str, dict[str, str]] = {}
+    for record in records[1:]:
+        path, _, assignment = record.partition(":")
+        name, eq, value = assignment.partition("=")
+        if eq and path.startswith("/proc/"):
+            seen.setdefault(path, {})[name] = value
+    ranks: dict[str, set[str]] = {}
+    for env in seen.values():
+        if RUN_ID_ENV in env and "LOCAL_RANK" in env and env.get(HOST_ID_ENV, "") == own:
+            ranks.setdefault(env[RUN_ID_ENV], set()).add(env["LOCAL_RANK"])
+    return {run_id: len(found) for run_id, found in ranks.items()}
+
+
 def signal_group(pgid: int, signal: str) -> str:
     """Signal a process group; succeeds whether or not the group still exists."""
     if signal not in ("TERM", "KILL", "INT"):

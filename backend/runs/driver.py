@@ -248,30 +248,38 @@ class AttemptDriver:
 
     async def _check(self, spec: JobSpec, cluster: Cluster, setups: Mapping[str, str],
                      attempt: Attempt, assessment: Assessment) -> Failure | None:
-        """What must hold before anything starts: a valid layout (the assessment's), slots that no
-        earlier run holds, and every node reachable."""
+        """What must hold before anything starts: a valid layout (the assessment's), every node
+        reachable, and slots that neither an earlier run of this database nor the ranks found
+        running on the node (another studio's, a CLI's with its own `--db`) hold."""
         errors = [p for p in assessment.problems if p.severity == "error"]
         if errors:
             return Failure(None, None, "invalid_job", "; ".join(str(p) for p in errors))
         holdings = [admission.holding(run.id, other.id, spec_of(run), [n for n, _ in attempt_nodes(other)])
                     for run, other in self.store.active_attempts()]
-        busy = admission.busy_nodes(admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes),
-                                    cluster.nodes, holdings)
+        new = admission.holding(attempt.run_id, attempt.id, spec, cluster.nodes)
+        busy = admission.busy_nodes(new, cluster.nodes, holdings)
         if busy:
             return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
 
         async def login(node):
             try:
                 res = await self.pool.check_python(node, setups.get(node.host))
+                if not res.ok:
+                    return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
+                                   f"{node.host}: {node.python} does not run: {res.first_error_line()}")
+                return await launch_ops.running_ranks(self.pool, node)
             except ssh.NodeError as exc:
                 return Failure(node.host, None, exc.kind, str(exc))
-            if not res.ok:
-                return Failure(node.host, res.rc, logclass.COMMAND_NOT_FOUND,
-                               f"{node.host}: {node.python} does not run: {res.first_error_line()}")
-            return None
 
         results = await asyncio.gather(*(login(n) for n in cluster.nodes))
-        return next((r for r in results if r), None)
+        failure = next((r for r in results if isinstance(r, Failure)), None)
+        if failure:
+            return failure
+        running = {admission.node_key(n): ranks for n, ranks in zip(cluster.nodes, results)}
+        busy = admission.busy_nodes(new, cluster.nodes, holdings, running)
+        if busy:
+            return Failure(busy[0][0].host, None, logclass.NODE_BUSY, "; ".join(message for _, message in busy))
+        return None
 
     def _stop_requested(self, run_id: str) -> bool:
         run = self.store.get(run_id)
