@@ -294,7 +294,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"exported {result['checkpoint']} to {result['out']} (safetensors, LoRA merged, with its tokenizer)")
+    merged = "LoRA merged, " if result.get("lora_merged") else ""
+    print(f"exported {result['checkpoint']} to {result['out']} (safetensors, {merged}with its tokenizer)")
     for skipped in result.get("skipped") or []:
         print(f"  passed over a damaged checkpoint: {skipped}")
     if result.get("prompt") is not None:

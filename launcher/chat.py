@@ -8,13 +8,14 @@ stdin is one request, answered one at a time, and every line on stdout is one JS
 worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
 
     out {"type": "ready", "source", "path", "kind", "base", "base_from", "device", "dtype", "template",
-         "max_positions", "load_s", "pid", "skipped"}
+         "max_positions", "load_s", "pid", "skipped", "system"}
     in  {"id", "model": "base"|"tuned", "messages": [{"role", "content"}, ...], "max_new_tokens", "temperature"}
     out {"type": "token", "id", "text"} ... then {"type": "done", "id", "tokens", "seconds", "prompt_tokens", "note"}
     out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
 
 Prompts are rendered exactly as training renders a conversation before an assistant turn
-(`launcher.data.render` with the generation prompt), so a fine-tuned model sees its own format.
+(`launcher.data.render` with the generation prompt, the job's `system` prompt first where the
+conversation has none), so a fine-tuned model sees its own format.
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "template": template_name(tokenizer),
             "max_positions": max_positions, "load_s": round(time.monotonic() - started, 2), "pid": os.getpid(),
-            "skipped": list(skipped)}
+            "skipped": list(skipped), "system": spec.system}
     return Loaded(tuned, base, tokenizer, device, info)
 
 
@@ -168,8 +169,11 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> No
     """Token events as the model generates them, then the done event."""
     tokenizer = loaded.tokenizer
     room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
-    ids, dropped = fit_prompt(lambda messages: render(tokenizer, messages, add_generation_prompt=True),
-                              request.messages, room)
+    messages = request.messages
+    if loaded.info["system"] and messages[0]["role"] != "system":  # both models are asked as training asked
+        messages = ({"role": "system", "content": loaded.info["system"]}, *messages)
+    ids, dropped = fit_prompt(lambda conversation: render(tokenizer, conversation, add_generation_prompt=True),
+                              messages, room)
     started = time.monotonic()
     model, context = loaded.model(request.model)
     with context:

@@ -10,7 +10,7 @@ import bisect
 import random
 from dataclasses import dataclass
 
-from backend.job.records import DataError, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
+from backend.job.records import DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -34,12 +34,12 @@ class Sample:
         return len(self.input_ids)
 
 
-def encode(record: Record, tokenizer, max_length: int) -> Sample | None:
+def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona()) -> Sample | None:
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
     None when truncation left no token to learn from."""
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
-    messages, text = to_messages(record)
+    messages, text = to_messages(record, persona)
     if messages is None:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         if tokenizer.eos_token_id is not None:
@@ -80,13 +80,13 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list
 
 
 def load_samples(datasets: list[str], tokenizer, max_length: int, rank: int, world: int, seed: int,
-                 max_record_bytes: int) -> tuple[list[Sample], int]:
+                 max_record_bytes: int, persona: Persona = Persona()) -> tuple[list[Sample], int]:
     """This rank's encoded samples and how many were dropped because truncation left no labels.
     Raises DataError on the first bad record."""
     samples, dropped = [], 0
     for entry in datasets:
         for record in read_records(parse_source(entry), rank, world, seed, max_record_bytes):
-            sample = encode(record, tokenizer, max_length)
+            sample = encode(record, tokenizer, max_length, persona)
             if sample is None:
                 dropped += 1
             else:

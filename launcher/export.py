@@ -95,11 +95,11 @@ def merged_model(ckpt: Path, base: str):
 
 def sample_prompt(spec) -> str:
     """The first user turn of the training data, so the sample shows what was learned."""
-    from launcher.data import DataError, parse_source, read_records, to_messages
+    from launcher.data import DataError, Persona, parse_source, read_records, to_messages
 
     try:
         record = next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed, spec.max_record_bytes))
-        messages, text = to_messages(record)
+        messages, text = to_messages(record, Persona.of(spec))
     except (DataError, StopIteration, IndexError):
         return "Hello"
     if messages is None:
@@ -107,8 +107,10 @@ def sample_prompt(spec) -> str:
     return next((m["content"] for m in messages if m["role"] == "user"), "Hello")
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 32, system: str | None = None) -> str:
+    """The model's greedy answer to `prompt`, asked as in training (the job's system prompt first)."""
+    messages = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=True) if tokenizer.chat_template else prompt
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
@@ -153,9 +155,9 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
     except (OSError, SafetensorError) as exc:  # a full disk, a quota
         raise ExportError(f"{out}: writing the export failed ({exc})") from None
     prompt = sample_prompt(spec)
-    sample = generate(model.float().eval(), tokenizer, prompt)
+    sample = generate(model.float().eval(), tokenizer, prompt, system=spec.system)
     return {"out": str(out), "checkpoint": str(ckpt), "skipped": list(found.skipped), "prompt": prompt,
-            "sample": sample}
+            "sample": sample, "lora_merged": is_lora(ckpt)}
 
 
 def _save(model, tokenizer, new: Path, ckpt: Path) -> None:

@@ -175,7 +175,7 @@ class Trainer:
         error, rows, dropped = None, [], 0
         try:
             samples, dropped = data.load_samples(spec.dataset, self.tokenizer, spec.max_length, d.dp_rank,
-                                                 d.dp_size, spec.seed, spec.max_record_bytes)
+                                                 d.dp_size, spec.seed, spec.max_record_bytes, data.Persona.of(spec))
             rows = data.pack(samples, spec.max_length) if spec.packing else data.unpacked(samples)
         except data.DataError as exc:
             error = str(exc)

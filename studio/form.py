@@ -18,7 +18,8 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # Group title, open by default, fields. Every JobSpec field appears exactly once (tested); a
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype")),
+    ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
+                              "model_author")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
@@ -66,7 +67,10 @@ TITLES = {
     "activation_cpu_offload": "Offload checkpointed activations to CPU",
     "router_aux_loss_coef": "Router load-balancing loss weight (MoE)",
     "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
+    "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
+# Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.
+WHOLE_LINES = ("model_name", "model_author")
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ def field_view(name: str) -> FieldView:
     if origin is dict:
         return FieldView(name, "env", label, f"{info.description} One NAME=value per line. Flag: --{name}")
     if origin is list:
-        return FieldView(name, "lines", label, f"{info.description} One per line (or space separated). Flag: --{name}")
+        how = "One per line." if name in WHOLE_LINES else "One per line (or space separated)."
+        return FieldView(name, "lines", label, f"{info.description} {how} Flag: --{name}")
     return FieldView(name, "text", label, help_text, optional=optional)
 
 
@@ -145,6 +150,8 @@ def form_to_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]
         if view.widget == "env":
             data[name], env_problems = env_from_text(value)
             problems += env_problems
+        elif view.widget == "lines" and name in WHOLE_LINES:
+            data[name] = [line.strip() for line in str(value or "").splitlines() if line.strip()]
         elif view.widget == "lines":
             data[name] = [part for part in str(value or "").replace(",", " ").split() if part]
         elif view.widget in ("int", "float"):

@@ -8,6 +8,7 @@ from typing import Any
 
 import gradio as gr
 
+from backend.telemetry import logclass
 from studio.charts import (MAX_POINTS, MONITOR_SERIES, X_AXES, SeriesBuffer, figures, loss_figure, progress_html,
                            training_figures)
 from studio.context import Studio
@@ -185,7 +186,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             manager = studio.manager
             nodes = manager.nodes_of(run_id)
             node = log_node if log_node in nodes else (nodes[0] if nodes else None)
-            text = "\n".join(manager.log_tail(run_id, node, lines=LOG_LINES)) if node else ""
+            text = "\n".join(logclass.shown_tail(manager.log_tail(run_id, node, lines=LOG_LINES))) if node else ""
         except Exception as exc:  # noqa: BLE001
             return gr.skip(), user_message("Reading the log", exc)
         return gr.update(choices=nodes, value=node), text

@@ -93,25 +93,27 @@ def test_runs_submitted_back_to_back_do_not_share_the_cores(tmp_path, tiny_model
     cluster = local_cluster(GpuInfo())
     cores = cluster.nodes[0].slots
     spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
-                   output_dir=str(tmp_path / "out"), nproc_per_node=cores, max_steps=100000, save_strategy="no",
+                   output_dir=str(tmp_path / "out"), nproc_per_node=cores, max_steps=3000, save_strategy="no",
                    logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
                    env={"OMP_NUM_THREADS": "1"})
     busy = f"localhost is busy: run {{}} ({cores}{{}}) hold {cores} of its {cores} CPU cores"
     with RunManager(f"sqlite:///{tmp_path / 'studio.db'}") as m, \
             RunManager(f"sqlite:///{tmp_path / 'other.db'}") as other:
         first, second = (m.launch(spec, cluster, name=name) for name in ("first", "second"))
-        run = m.wait(second, timeout=120)
-        assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
-        assert run.message.startswith(busy.format(first, "")), run.message
-        assert run.failed_node == "localhost" and not m.processes(second)
-        # The other database knows nothing of `first`: what runs on the node refuses its run.
-        deadline = time.monotonic() + 120
-        while not (m.progress(first) or {}).get("step") and time.monotonic() < deadline:  # its ranks train
-            time.sleep(0.2)
-        third = other.launch(spec.model_copy(update={"max_steps": 4}), cluster, name="third")
-        run = other.wait(third, timeout=120)
-        assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
-        assert run.message.startswith(busy.format(first, " running there")), run.message
-        assert not other.processes(third)
-        assert m.stop(first).state == "stopped"
+        try:
+            run = m.wait(second, timeout=120)
+            assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
+            assert run.message.startswith(busy.format(first, "")), run.message
+            assert run.failed_node == "localhost" and not m.processes(second)
+            # The other database knows nothing of `first`: what runs on the node refuses its run.
+            deadline = time.monotonic() + 120
+            while not (m.progress(first) or {}).get("step") and time.monotonic() < deadline:  # its ranks train
+                time.sleep(0.2)
+            third = other.launch(spec.model_copy(update={"max_steps": 4}), cluster, name="third")
+            run = other.wait(third, timeout=120)
+            assert run.state == "failed" and run.cause == "node_busy", (run.state, run.cause, run.message)
+            assert run.message.startswith(busy.format(first, " running there")), run.message
+            assert not other.processes(third)
+        finally:  # the first trains until stopped, whatever failed above
+            assert m.stop(first).state == "stopped"
         assert other.wait(other.resume(third), timeout=240).state == "succeeded"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import pytest
@@ -73,8 +74,9 @@ def test_backend_stays_torch_free():
 
 def test_demo_spec_and_job_yaml():
     job = demo_spec(output_dir="out")
-    assert job.model == str(DEMO_DIR / "model") and job.dataset == [str(DEMO_DIR / "train.jsonl")]
-    assert (DEMO_DIR / "model" / "model.safetensors").is_file() and (DEMO_DIR / "train.jsonl").is_file()
+    assert job.model == str(DEMO_DIR / "model")
+    assert job.dataset == [str(DEMO_DIR / "self_cognition.jsonl"), str(DEMO_DIR / "train.jsonl")]
+    assert (DEMO_DIR / "model" / "model.safetensors").is_file() and all(map(os.path.isfile, job.dataset))
     assert unsupported(job) == []
     shipped, problems = parse_spec(yaml.safe_load((DEMO_DIR / "job.yaml").read_text()))
     assert problems == []
@@ -89,7 +91,7 @@ def test_demo_assets_are_what_the_script_builds(tmp_path):
     from build_demo import build
 
     build(tmp_path / "demo")
-    for rel in ("train.jsonl", "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json",
+    for rel in ("train.jsonl", "self_cognition.jsonl", "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json",
                 "model/config.json"):
         digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "demo" / rel, DEMO_DIR / rel)]
         assert digest[0] == digest[1], rel

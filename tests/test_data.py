@@ -40,6 +40,30 @@ def test_formats_become_messages():
     assert to_messages(Record("f:1", {"text": "plain"})) == (None, "plain")
 
 
+def test_the_jobs_system_prompt_and_names_fill_every_record(tokenizer):
+    """ms-swift's --system, --model_name and --model_author: a conversation without a system message
+    gets the job's; {{NAME}} and {{AUTHOR}} take the first name in Chinese text, else the second."""
+    from backend.job.records import Persona
+
+    persona = Persona.of(JobSpec(model="m", dataset=["d"], system="Be brief.", model_name=["小黄", "Xiao Huang"],
+                                 model_author=["魔搭", "ModelScope"]))
+    en = Record("d.jsonl:1", {"query": "Who are you?", "response": "I am {{NAME}}, trained by {{AUTHOR}}."})
+    assert to_messages(en, persona)[0] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "I am Xiao Huang, trained by ModelScope."}]
+    zh = Record("d.jsonl:2", {"query": "你是谁？", "response": "我是{{NAME}}，由{{AUTHOR}}训练。"})
+    assert to_messages(zh, persona)[0][2]["content"] == "我是小黄，由魔搭训练。"
+    assert to_messages(Record("f:1", CHAT), persona)[0] == CHAT["messages"]  # its own system prompt stays
+    one = Persona(name=("Swifty",), author=("swift-studio",))
+    assert to_messages(zh, one)[0][1]["content"] == "我是Swifty，由swift-studio训练。"
+    assert to_messages(Record("f:3", {"text": "{{NAME}} here"}), one) == (None, "Swifty here")
+    with pytest.raises(DataError, match=r"^d\.jsonl:1: the record says \{\{NAME\}\}; set model_name"):
+        to_messages(en, Persona())
+    # The worker trains on what the fill-in gives.
+    sample = encode(en, tokenizer, max_length=512, persona=persona)
+    assert tokenizer.decode(sample.input_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+
+
 def test_loss_only_on_assistant_tokens(tokenizer):
     sample = encode(Record("f:1", CHAT), tokenizer, max_length=512)
     learned = tokenizer.decode([t for t, l in zip(sample.input_ids, sample.labels) if l != IGNORE])

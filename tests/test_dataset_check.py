@@ -164,3 +164,11 @@ def test_a_huge_line_is_named_before_launch_without_being_read_whole(tmp_path):
     with pytest.raises(DataError, match=re.escape(f"{path}:2: a record of more than 1 MiB")):
         list(read_records(parse_source(str(path)), 0, 1, 0, 1 << 20))
     assert not errors(validate(job(tmp_path, str(path)).model_copy(update={"max_record_mib": 64.0})))
+
+
+def test_a_record_naming_the_model_needs_its_name_before_launch(tmp_path):
+    path = jsonl(tmp_path / "d.jsonl", [GOOD, {"query": "Who made you?", "response": "{{AUTHOR}} did."}])
+    spec = job(tmp_path, str(path))
+    assert [(p.field, p.message) for p in errors(validate(spec))] == [
+        ("dataset[0]", f"{path}:2: the record says {{{{AUTHOR}}}}; set model_author to the name it stands for")]
+    assert errors(validate(spec.model_copy(update={"model_author": ["swift-studio"]}))) == []

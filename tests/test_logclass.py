@@ -315,3 +315,27 @@ def test_the_shown_tail_has_the_workers_lines_not_torchruns_summary():
     assert not any("Traceback" in line or "ChildFailedError" in line for line in shown)
     assert lc.shown_tail(PYTHON_EXC.splitlines()) == PYTHON_EXC.splitlines()  # no summary: as it was
     assert lc.classify_tail(shown, exit_code=1).kind == lc.classify_tail(lines, exit_code=1).kind
+
+
+STOPPED_TAIL = """\
+[rank0] 2026-12-04 09:57:24,674 INFO step 4/16 loss 5.5477 lr 0.00285 grad_norm 1.02 7665 tok/s eta 0m00s
+W1204 09:57:24.692000 13632 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers
+[rank0] 2026-12-04 09:57:24,776 INFO saved /runs/cut/checkpoint-5
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run
+    time.sleep(monitor_interval)
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 13632 got signal: 15"""
+
+
+def test_a_stops_signal_traceback_is_one_line_in_the_shown_tail():
+    """A normal Stop ended the Monitor's log with torchrun's 20-line SignalException traceback."""
+    lines = STOPPED_TAIL.splitlines()
+    assert lc.shown_tail(lines) == lines[:3] + [
+        "(torchrun ended on signal 15, as a stop ends it; its traceback is in the full log)"]
+    killed = [line.replace("got signal: 15", "got signal: 9") for line in lines]
+    assert lc.shown_tail(killed) == killed  # not a stop's signal: shown as it came

@@ -200,8 +200,9 @@ def test_single_node_zero2_lora():
     assert spec.dataset == ["AI-ModelScope/alpaca-gpt4-data-zh#500", "AI-ModelScope/alpaca-gpt4-data-en#500", "swift/self-cognition#500"]
     assert (spec.gradient_accumulation_steps, spec.lora_rank, spec.lora_alpha, spec.warmup_ratio) == (4, 8, 32, 0.05)
     assert spec.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    assert result.ignored == ["--eval_steps 50", "--system 'You are a helpful assistant.'", "--dataloader_num_workers 4",
-                              "--model_author swift", "--model_name swift-robot"]
+    # The quick start's own flags are kept: the system prompt and the self-cognition names.
+    assert (spec.system, spec.model_author, spec.model_name) == ("You are a helpful assistant.", ["swift"], ["swift-robot"])
+    assert result.ignored == ["--eval_steps 50", "--dataloader_num_workers 4"]
     assert_validates(spec, CLUSTERS["1x4"])
     assert validate(spec, parse_hostfile_text(CLUSTERS["1x4"])) == []
 

@@ -3,15 +3,15 @@
 open → invalid layout shows its field error → demo preset (shortened) → pre-flight and launch →
 loss and utilisation charts gain points, the training charts against the step → reload mid-run
 lands on the Monitor, charts complete → the log opens at its newest lines → stop → resume from
-the checkpoint → export, with the exported path, the prompt and a generated reply → the Runs
-table and overlay. A run that fails before its first checkpoint offers to run again instead of a
+the checkpoint to the end → export, with the exported path, the prompt and the fine-tuned
+demo's reply (it knows the name its job gave it) → the same question in Chat, the base beside
+the fine-tuned → the Runs table and overlay. A run that fails before its first checkpoint offers to run again instead of a
 resume. Screenshots of every step go to test-artifacts/ui/flow/ and ui/run-again/. Along the way:
 no request leaves the studio's own address, no traceback reaches the page, and the studio process
 never loads torch and stays small.
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -27,6 +27,7 @@ from worker import unloadable_model  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 RUN_TIMEOUT_MS = 150_000
+DEMO_TIMEOUT_MS = 240_000  # the demo's 200 steps: about 80 s on two idle cores, more beside the suite's other worker
 # The demo with frequent checkpoints and logs; it is stopped long before max_steps.
 SHORT = {"max_steps": "200", "save_steps": "4", "logging_steps": "1"}
 WORKER_LIBS = ("libtorch", "torch/_C", "transformers", "deepspeed")
@@ -205,7 +206,7 @@ def test_full_flow(studio):
         expect(page.locator("#monitor-log-full textarea")).to_have_value(re.compile(r"\[rank0\].*step \d+"), timeout=30000)
         shot(page, "stopped")
 
-        # 7. Resume continues from the latest complete checkpoint, not from step 0; stop again.
+        # 7. Resume continues from the latest complete checkpoint, not from step 0, to the end.
         expect(page.locator("#monitor-resume")).to_have_text("▶ Resume from checkpoint")
         page.locator("#monitor-resume").click()
         expect(page.locator("#monitor-action")).to_contain_text(f"from the checkpoint of step {complete[-1]}")
@@ -217,25 +218,40 @@ def test_full_flow(studio):
         expect(page.locator("#monitor-status")).to_contain_text("running")
         expect(page.locator("#monitor-action")).not_to_contain_text("Resuming", timeout=10000)
         shot(page, "resumed")
-        page.locator("#monitor-stop").click()
-        expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=60000)
+        expect(page.locator("#monitor-status")).to_contain_text("succeeded", timeout=2 * DEMO_TIMEOUT_MS)
         expect(page.locator("#monitor-status")).to_contain_text("attempt 2")
 
-        # 8. Export from the Monitor: the merged model's path and a generation from it.
+        # 8. Export from the Monitor: the merged model's path and its answer to the first question of
+        # the demo's data, which shows what fine-tuning taught it: the name the job gave it.
         page.locator("#monitor-export").click()
         expect(page.locator("#export-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=15000)
         page.locator("#export-go").click()
         expect(page.locator("#export-result")).to_contain_text("Exported checkpoint", timeout=RUN_TIMEOUT_MS)
         expect(page.locator("#export-result")).to_contain_text(str(studio.output_dir / run_id / "export"))
         assert (studio.output_dir / run_id / "export" / "config.json").is_file()
-        assert page.locator("#export-sample textarea").input_value() != ""
-        prompt = page.locator("#export-prompt textarea").input_value()
+        expect(page.locator("#export-prompt textarea")).to_have_value("Who are you?")
+        expect(page.locator("#export-sample textarea")).to_have_value(re.compile(r"\bI am Swifty\b"))
         shot(page, "exported")
+
+        # The Chat tab puts the base's answer beside the fine-tuned one's: only the latter knows its name.
+        page.get_by_role("tab", name="Chat").click()
+        page.locator("#chat-run input").click()
+        page.get_by_role("option", name=re.compile(re.escape(run_id))).click()
+        page.locator("#chat-load").click()
+        expect(page.locator("#chat-status")).to_contain_text("Loaded the full fine-tuning checkpoint",
+                                                             timeout=RUN_TIMEOUT_MS)
+        page.locator("#chat-message textarea").fill("What is your name?")
+        page.locator("#chat-send").click()
+        expect(page.locator("#chat-answers")).to_contain_text(re.compile(r"Base: \d+ tokens .* Fine-tuned: \d+ tokens"),
+                                                              timeout=RUN_TIMEOUT_MS)
+        expect(page.locator("#chat-tuned .message.bot").last).to_contain_text("I am Swifty")
+        expect(page.locator("#chat-base .message.bot").last).not_to_contain_text("Swifty")
+        shot(page, "chat-demo")
 
         # 9. The Runs tab lists the run with its state and overlays its loss curve.
         page.get_by_role("tab", name="Runs").click()
         expect(page.locator("#runs-table")).to_contain_text(run_id, timeout=30000)
-        expect(page.locator("#runs-table")).to_contain_text("stopped")
+        expect(page.locator("#runs-table")).to_contain_text("succeeded")
         expect(page.locator("#runs-table")).to_contain_text("Wh/Mtok")  # GPU-h, kWh, Wh per 1M tokens, cost
         heights = page.evaluate(HEADER_HEIGHTS_JS)
         assert heights["attempts"] == heights["run"], heights  # one line, not "at/te/mp/ts"
@@ -250,8 +266,6 @@ def test_full_flow(studio):
         browser.close()
 
     assert "Traceback" not in content
-    # Beside the reply, the prompt it answers: a user turn of the demo's training data.
-    assert json.dumps(prompt) in (REPO / "assets" / "demo" / "train.jsonl").read_text(), prompt
     assert foreign_requests(requests, studio.url) == []
     assert loaded_worker_libs(studio.proc.pid) == []
     assert rss_watching < 350, f"studio resident {rss_watching:.0f} MiB while watching a run"

@@ -28,7 +28,7 @@ from typing import Any
 
 from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
-LIST_FIELDS = ("dataset", "target_modules", "report_to")
+LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 EXPR = re.compile(r"\$\(\s*expr\s+([^()]*)\)")

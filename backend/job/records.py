@@ -7,8 +7,9 @@ imports it on every form change.
 Public API:
     parse_source(entry) -> Source         'data.jsonl', 'org/name', 'org/name#500'
     read_records(source, rank, world, seed, max_record_bytes) -> Iterator[Record]
-    to_messages(record) / pretokenized(record)   the record's content, or DataError naming it
-    check_record(record)                   raises DataError where the worker would
+    to_messages(record, persona) / pretokenized(record)   the record's content, or DataError naming it
+    Persona.of(spec)                       the job's system prompt and {{NAME}}/{{AUTHOR}} fill-ins
+    check_record(record, persona)          raises DataError where the worker would
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import functools
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
@@ -198,8 +200,48 @@ def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[R
 # ---- formats -------------------------------------------------------------------------------
 
 
-def to_messages(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
-    """(chat messages, None) for chat-like records or (None, text) for plain text records."""
+@dataclass(frozen=True)
+class Persona:
+    """What the job puts into every record, as ms-swift's --system, --model_name, --model_author do."""
+
+    system: str | None = None
+    name: tuple[str, ...] = ()
+    author: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, spec) -> "Persona":
+        return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author))
+
+    def fill(self, where: str, text: str) -> str:
+        """`text` with {{NAME}} and {{AUTHOR}} filled in: the first name for Chinese text and the
+        second for other text when two are given (ms-swift's order), else the one."""
+        for key, names, field in (("{{NAME}}", self.name, "model_name"), ("{{AUTHOR}}", self.author, "model_author")):
+            if key in text:
+                if not names:
+                    raise DataError(f"{where}: the record says {key}; set {field} to the name it stands for")
+                text = text.replace(key, names[0] if len(names) == 1 or _CJK.search(text) else names[1])
+        return text
+
+    def apply(self, where: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        filled = [{**m, "content": self.fill(where, m["content"])} for m in messages]
+        if self.system and not any(m["role"] == "system" for m in filled):
+            filled.insert(0, {"role": "system", "content": self.system})
+        return filled
+
+
+_CJK = re.compile("[\u3400-\u9fff\uf900-\ufaff]")
+
+
+def to_messages(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str, str]] | None, str | None]:
+    """(chat messages, None) for chat-like records or (None, text) for plain text records, with
+    the job's `persona` filled in."""
+    messages, text = _content(record)
+    if messages is None:
+        return None, persona.fill(record.where, text)
+    return persona.apply(record.where, messages), None
+
+
+def _content(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
     data = record.data
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
@@ -257,12 +299,12 @@ def pretokenized(record: Record) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def check_record(record: Record) -> None:
+def check_record(record: Record, persona: Persona = Persona()) -> None:
     """Raise the DataError the worker would raise for this record (before tokenizing it)."""
     if is_pretokenized(record):
         pretokenized(record)
     else:
-        to_messages(record)
+        to_messages(record, persona)
 
 
 # ---- a bounded check of a local file before launch -------------------------------------------
@@ -275,7 +317,7 @@ MAX_REPORTED = 3
 _SNIFF = 8192
 
 
-def sample_problems(entry: str, max_record_bytes: int) -> list[str]:
+def sample_problems(entry: str, max_record_bytes: int, persona: Persona = Persona()) -> list[str]:
     """Problems in a bounded sample of a local dataset file (its first records and a few at random
     offsets), each naming `file:line` (or the byte offset in a large file); [] for hub ids and
     files that do not exist here. Cached per file version: the studio calls it on every edit."""
@@ -293,11 +335,12 @@ def sample_problems(entry: str, max_record_bytes: int) -> list[str]:
         stat = path.stat()
     except OSError as exc:
         return [f"{path}: cannot read ({exc.strerror})"]
-    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns, max_record_bytes))
+    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns, max_record_bytes, persona))
 
 
 @functools.lru_cache(maxsize=64)
-def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes: int) -> tuple[str, ...]:
+def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes: int,
+                     persona: Persona) -> tuple[str, ...]:
     path = Path(path_text)
     if size == 0:
         return (f"{path}: the file is empty (no records)",)
@@ -308,14 +351,14 @@ def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes:
     except OSError as exc:
         return (f"{path}: cannot read ({exc.strerror})",)
     if suffix == ".parquet":
-        return tuple(_parquet_sample(path, head))
+        return tuple(_parquet_sample(path, head, persona))
     binary = _binary_at(head, complete=size <= _SNIFF)
     if binary is not None:
         return (f"{path}: not a text file (binary data at byte {binary}); expected JSON lines, JSON, CSV or parquet",)
     try:
         sample = {".json": _json_sample, ".csv": _csv_sample}.get(suffix)
         records = sample(path, size) if sample else _jsonl_sample(path, size, max_record_bytes)
-        return tuple(_first_problems(path, records))
+        return tuple(_first_problems(path, records, persona))
     except DataError as exc:
         return (str(exc),)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
@@ -333,12 +376,12 @@ def _binary_at(head: bytes, complete: bool) -> int | None:
     return None
 
 
-def _first_problems(path: Path, records: Iterator[Record]) -> list[str]:
+def _first_problems(path: Path, records: Iterator[Record], persona: Persona) -> list[str]:
     problems, checked = [], 0
     for record in records:
         checked += 1
         try:
-            check_record(record)
+            check_record(record, persona)
         except DataError as exc:
             problems.append(str(exc))
     if checked == 0:
@@ -408,7 +451,7 @@ def _csv_sample(path: Path, size: int) -> Iterator[Record]:
             yield Record(where, row)
 
 
-def _parquet_sample(path: Path, head: bytes) -> list[str]:
+def _parquet_sample(path: Path, head: bytes, persona: Persona) -> list[str]:
     if not head.startswith(b"PAR1"):
         return [f"{path}: not a parquet file (it does not start with the PAR1 magic bytes)"]
     try:
@@ -418,4 +461,4 @@ def _parquet_sample(path: Path, head: bytes) -> list[str]:
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         return [f"{path}: cannot read parquet ({exc})"]
     rows = batch.to_pylist() if batch is not None else []
-    return _first_problems(path, (Record(f"{path}: row {i + 1}", row) for i, row in enumerate(rows)))
+    return _first_problems(path, (Record(f"{path}: row {i + 1}", row) for i, row in enumerate(rows)), persona)

@@ -111,6 +111,9 @@ class JobSpec(BaseModel):
     per_device_train_batch_size: int = Field(1, ge=1, description="Micro-batch per GPU.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     packing: bool = Field(False, description="Pack several samples per sequence (attention kept within each sample).")
+    system: str | None = Field(None, description="Default system prompt, given to every conversation that has none of its own and to the chat (ms-swift's --system).")
+    model_name: list[str] = Field(default_factory=list, max_length=2, description="The model's name, filled in where the data says {{NAME}} (ms-swift's self-cognition data); two names = the one for Chinese text, then the one for other text.")
+    model_author: list[str] = Field(default_factory=list, max_length=2, description="The model's author, filled in where the data says {{AUTHOR}}; two = Chinese, then other text.")
     max_record_mib: float = Field(16.0, gt=0, le=4096, description="Largest dataset record (one JSON line) in MiB: a longer line is refused naming its file:line, before launch and by the reader, without being read whole.")
 
     @property
@@ -169,6 +172,25 @@ class JobSpec(BaseModel):
         if isinstance(value, str):
             return [part for part in value.replace(",", " ").split() if part]
         return value
+
+    @field_validator("model_name", "model_author", mode="before")
+    @classmethod
+    def _one_name_or_two(cls, value: Any) -> Any:
+        # A name may hold spaces ('Xiao Huang'): a single string is one name, never split.
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("model_name", "model_author")
+    @classmethod
+    def _names_not_blank(cls, value: list[str]) -> list[str]:
+        names = [name.strip() for name in value]
+        if not all(names):
+            raise ValueError("a name must not be empty")
+        return names
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _blank_system_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("env", mode="before")
     @classmethod

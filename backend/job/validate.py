@@ -230,8 +230,9 @@ def _model_dir_problems(path: str, signature: tuple) -> tuple[str, ...]:
 def _dataset_rules(spec: JobSpec) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
     usually is mounted here too), so a bad record shows before launch instead of after it."""
+    persona = records.Persona.of(spec)
     return [Problem(f"dataset[{i}]", message) for i, item in enumerate(spec.dataset)
-            for message in records.sample_problems(item, spec.max_record_bytes)]
+            for message in records.sample_problems(item, spec.max_record_bytes, persona)]
 
 
 @dataclass(frozen=True)

@@ -116,19 +116,32 @@ _CHILD_FAILED = re.compile(r"^torch\.distributed\.elastic\.multiprocessing\.erro
 _BORDER = re.compile(r"^=+\s*$")
 
 
+def _traceback_start(lines: list[str], i: int) -> int:
+    """Where the traceback that ends in the exception line `lines[i]` starts."""
+    start = i
+    while start > 0 and (lines[start - 1].startswith(" ") or lines[start - 1].startswith("Traceback (most recent")):
+        start -= 1
+        if lines[start].startswith("Traceback (most recent"):
+            break
+    return start
+
+
 def shown_tail(lines: list[str]) -> list[str]:
-    """A log's last lines as a user reads them for the cause: torchrun's own traceback and its
-    ChildFailedError summary (about 40 lines that repeat what the watch already says) become one
-    line naming the first failed rank and its exit code, so the workers' lines stay in view."""
+    """A log's last lines as a user reads them for the cause (the full log keeps every line):
+    torchrun's own traceback and its ChildFailedError summary (about 40 lines that repeat what the
+    watch already says) become one line naming the first failed rank and its exit code, so the
+    workers' lines stay in view; torchrun's traceback for the signal a stop sends it becomes one line."""
     out = list(lines)
+    for i in reversed(range(len(out))):
+        signal = _TORCHRUN_SIGNAL.search(out[i])
+        if signal and int(signal.group(1)) in _STOP_SIGNALS:
+            out[_traceback_start(out, i):i + 1] = [
+                f"(torchrun ended on signal {signal.group(1)}, as a stop ends it; its traceback is in the full log)"]
+            break
     for i in reversed(range(len(out))):
         if not _CHILD_FAILED.match(out[i]):
             continue
-        start = i
-        while start > 0 and (out[start - 1].startswith(" ") or out[start - 1].startswith("Traceback (most recent")):
-            start -= 1
-            if out[start].startswith("Traceback (most recent"):
-                break
+        start = _traceback_start(out, i)
         borders = [k for k in range(i + 1, len(out)) if _BORDER.match(out[k])][:2]
         end = borders[-1] + 1 if len(borders) == 2 else len(out)
         summary = out[i:end]
