@@ -9,8 +9,10 @@ worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
 
     out {"type": "ready", "source", "path", "kind", "base", "base_from", "device", "dtype", "template",
          "max_positions", "load_s", "pid", "skipped", "system"}
-    in  {"id", "model": "base"|"tuned", "messages": [{"role", "content"}, ...], "max_new_tokens", "temperature"}
-    out {"type": "token", "id", "text"} ... then {"type": "done", "id", "tokens", "seconds", "prompt_tokens", "note"}
+    in  {"id", "turns": [{"model": "base"|"tuned", "messages": [{"role", "content"}, ...]}, ...],
+         "max_new_tokens", "temperature", "top_p"}
+    out {"type": "token", "id", "model", "text"} ... and for each model {"type": "done", "id", "model", "tokens",
+         "seconds", "prompt_tokens", "note"}; the models of one request answer at once, their events interleaved
     out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
 
 Prompts are rendered exactly as training renders a conversation before an assistant turn
@@ -88,12 +90,9 @@ class Loaded:
     info: dict
 
     def model(self, which: str):
-        """(model, context) answering as `which`."""
-        if which == "tuned":
-            return self.tuned, contextlib.nullcontext()
-        if self.base is None:
-            return self.tuned, self.tuned.disable_adapter()
-        return self.base, contextlib.nullcontext()
+        """The separate module answering as `which` (a LoRA checkpoint's base is its own rows of a
+        batch with the adapter off: `answer`)."""
+        return self.base if which == "base" and self.base is not None else self.tuned
 
 
 def device_and_dtype() -> tuple[torch.device, torch.dtype]:
@@ -166,56 +165,117 @@ def _from_export(path: Path, dtype: torch.dtype):
 
 
 def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> None:
-    """Token events as the model generates them, then the done event."""
+    """Each model's token events as it generates them, all models at once, then its done event.
+    A LoRA checkpoint answers as one batch whose base rows run with the adapter off (peft's
+    `adapter_names`); separate base and tuned models each generate on a thread of their own."""
     tokenizer = loaded.tokenizer
     room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
-    messages = request.messages
-    if loaded.info["system"] and messages[0]["role"] != "system":  # both models are asked as training asked
-        messages = ({"role": "system", "content": loaded.info["system"]}, *messages)
-    ids, dropped = fit_prompt(lambda conversation: render(tokenizer, conversation, add_generation_prompt=True),
-                              messages, room)
+    prompts = []
+    for model, messages in request.turns:
+        if loaded.info["system"] and messages[0]["role"] != "system":  # both models are asked as training asked
+            messages = ({"role": "system", "content": loaded.info["system"]}, *messages)
+        prompts.append(fit_prompt(lambda conversation: render(tokenizer, conversation, add_generation_prompt=True),
+                                  messages, room))
+    models = [model for model, _ in request.turns]
     started = time.monotonic()
-    model, context = loaded.model(request.model)
-    with context:
-        tokens = stream_generate(model, tokenizer, ids, request, loaded.device,
-                                 lambda text: emit({"type": "token", "id": request.id, "text": text}))
-    note = (f"left out the {dropped} oldest message(s): the conversation is longer than the {room} tokens the "
-            "model has room for" if dropped else None)
-    emit({"type": "done", "id": request.id, "tokens": tokens, "seconds": round(time.monotonic() - started, 3),
-          "prompt_tokens": len(ids), "note": note})
 
+    def on_text(row: int, text: str) -> None:
+        emit({"type": "token", "id": request.id, "model": models[row], "text": text})
 
-def stream_generate(model, tokenizer, ids: list[int], request: Request, device: torch.device,
-                    on_text: Callable[[str], None]) -> int:
-    """`model.generate` on a thread, its text handed to `on_text` piece by piece as it is decoded;
-    returns the number of new tokens."""
-    from transformers import TextIteratorStreamer
+    def on_end(row: int, tokens: int) -> None:
+        ids, dropped = prompts[row]
+        note = (f"left out the {dropped} oldest message(s): the conversation is longer than the {room} tokens "
+                "the model has room for" if dropped else None)
+        emit({"type": "done", "id": request.id, "model": models[row], "tokens": tokens,
+              "seconds": round(time.monotonic() - started, 3), "prompt_tokens": len(ids), "note": note})
 
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    input_ids = torch.tensor([ids], device=device)
-    sampling = dict(do_sample=True, temperature=request.temperature) if request.temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=request.max_new_tokens,
-                  streamer=streamer, pad_token_id=tokenizer.pad_token_id, **stops(model, tokenizer), **sampling)
-    result: dict = {}
+    rows = [ids for ids, _ in prompts]
+    if loaded.base is None:
+        adapter = loaded.tuned.active_adapter
+        generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end,
+                      adapter_names=["__base__" if model == "base" else adapter for model in models])
+        return
+    errors: list[BaseException] = []
 
-    def work() -> None:
+    def work(row: int) -> None:
         try:
-            with torch.no_grad():
-                result["out"] = model.generate(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
-            result["error"] = exc
-            streamer.end()  # else the loop below waits for text forever
+            generate_rows(loaded.model(models[row]), tokenizer, [rows[row]], request, loaded.device,
+                          lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens))
+        except BaseException as exc:  # noqa: BLE001 - raised again below, on the serving thread
+            errors.append(exc)
 
-    thread = threading.Thread(target=work, name="generate", daemon=True)
-    thread.start()
-    for piece in streamer:
-        if piece:
-            on_text(piece)
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return int(result["out"].shape[1] - len(ids))
+    threads = [threading.Thread(target=work, args=(row,), name=f"generate-{model}", daemon=True)
+               for row, model in enumerate(models)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+class RowStreamer:
+    """generate()'s new tokens of each row of a batch, decoded as they come (generate's streamer
+    interface): `on_text(row, text)` for each new piece of text, `on_end(row, tokens)` once per row
+    when it has ended (an end token, or the end of generate)."""
+
+    def __init__(self, tokenizer, rows: int, end_ids: set[int], on_text, on_end):
+        self.tokenizer, self.end_ids, self.on_text, self.on_end = tokenizer, end_ids, on_text, on_end
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.sent = [0] * rows
+        self.ended = [False] * rows
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate hands the prompt over first
+            self.prompt_seen = True
+            return
+        for row, token in enumerate(value.reshape(len(self.ids), -1)[:, -1].tolist()):
+            if self.ended[row]:
+                continue  # generate pads a finished row
+            self.ids[row].append(token)
+            if token in self.end_ids:
+                self._end(row)
+            else:
+                self._flush(row, final=False)
+
+    def end(self) -> None:
+        for row in range(len(self.ids)):
+            if not self.ended[row]:
+                self._end(row)
+
+    def _flush(self, row: int, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids[row], skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return  # a character whose bytes are not all generated yet
+        if len(text) > self.sent[row]:
+            self.on_text(row, text[self.sent[row]:])
+            self.sent[row] = len(text)
+
+    def _end(self, row: int) -> None:
+        self._flush(row, final=True)
+        self.ended[row] = True
+        self.on_end(row, len(self.ids[row]))
+
+
+def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, device: torch.device,
+                  on_text: Callable[[int, str], None], on_end: Callable[[int, int], None],
+                  adapter_names: list[str] | None = None) -> None:
+    """`model.generate` over the prompts `rows` (left-padded into one batch), each row's text and
+    end handed over as they come (`RowStreamer`)."""
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
+    sampling = dict(do_sample=True, temperature=request.temperature, top_p=request.top_p) \
+        if request.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    stopping = stops(model, tokenizer)
+    # A row's pad token ends it too: generate pads the rows that have finished.
+    streamer = RowStreamer(tokenizer, len(rows), {*stopping["eos_token_id"], pad}, on_text, on_end)
+    with torch.no_grad():
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=request.max_new_tokens,
+                       streamer=streamer, pad_token_id=pad, **stopping, **sampling,
+                       **({"adapter_names": adapter_names} if adapter_names else {}))
 
 
 def turn_end(tokenizer) -> str:

@@ -64,13 +64,19 @@ def build(studio: Studio) -> dict[str, Any]:
         c["base"] = gr.Chatbot(label="Base model", height=360, elem_id="chat-base")
         c["tuned"] = gr.Chatbot(label="Fine-tuned", height=360, elem_id="chat-tuned")
     with gr.Row():
-        c["message"] = gr.Textbox(label="Message", lines=2, scale=5, elem_id="chat-message")
+        # One line that grows: Enter sends, Shift+Enter starts a new line (Gradio's rule for lines=1).
+        c["message"] = gr.Textbox(label="Message (Enter sends, Shift+Enter for a new line)", lines=1, max_lines=8,
+                                  scale=5, elem_id="chat-message")
         c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+    c["system"] = gr.Textbox(label="System prompt (both models; Load sets the job's own)", lines=1, max_lines=4,
+                             elem_id="chat-system")
     with gr.Row():
         c["max_new_tokens"] = gr.Slider(1, 1024, value=128, step=1, label="Max new tokens",
                                         elem_id="chat-max-new-tokens")
         c["temperature"] = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)",
                                      elem_id="chat-temperature")
+        c["top_p"] = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p (with temperature > 0)",
+                               elem_id="chat-top-p")
         c["clear"] = gr.Button("Clear", elem_id="chat-clear")
     c["answers"] = gr.Markdown(elem_id="chat-answers")
     # The browser's session id. Gradio drops a closed page's state (and so closes its worker) only an
@@ -101,20 +107,21 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
     def on_load(run_id: str | None, source: str | None, session: str | None):
         empty = {"base": [], "tuned": []}
         if not run_id:
-            yield "Pick a run first.", session, empty, [], []
+            yield "Pick a run first.", session, empty, [], [], gr.skip()
             return
         if session:
             studio.manager.chat_close(session)
         what = "the latest checkpoint" if source in (None, LATEST) else f"`{source}`"
-        yield f"Loading {what} of run `{run_id}` on its first node…", None, empty, [], []
+        yield f"Loading {what} of run `{run_id}` on its first node…", None, empty, [], [], gr.skip()
         try:
             session, ready = studio.manager.chat_open(run_id, None if source in (None, LATEST) else source)
         except Exception as exc:  # noqa: BLE001
-            yield user_message(f"Loading {what} of run {run_id}", exc), None, empty, [], []
+            yield user_message(f"Loading {what} of run {run_id}", exc), None, empty, [], [], gr.skip()
             return
-        yield status_line(ready), session, empty, [], []
+        yield status_line(ready), session, empty, [], [], ready.get("system") or ""
 
-    def on_send(message: str, history: dict, session: str | None, max_new_tokens: float, temperature: float):
+    def on_send(message: str, history: dict, session: str | None, system: str, max_new_tokens: float,
+                temperature: float, top_p: float):
         if not session:
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Load a model first."
             return
@@ -123,7 +130,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             return
         asked = {side: [*history[side], {"role": "user", "content": message}] for side in SIDES}
         shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
-        notes: list[str] = []
+        notes: dict[str, str] = {}  # shown base first, whichever finishes first
         answering = set(SIDES)
 
         def screens():
@@ -131,8 +138,9 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
 
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Generating…"
         try:
-            events = studio.manager.chat_reply(session, [(side, asked[side]) for side in SIDES], int(max_new_tokens),
-                                               float(temperature))
+            prefix = [{"role": "system", "content": system}] if (system or "").strip() else []
+            events = studio.manager.chat_reply(session, [(side, prefix + asked[side]) for side in SIDES],
+                                               int(max_new_tokens), float(temperature), float(top_p))
             # The first event before anything is shown: a refused exchange leaves the chatbots alone.
             for event in itertools.chain([next(events)], events):
                 side = event["model"]
@@ -141,8 +149,8 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                     yield *screens(), gr.skip(), gr.skip(), gr.skip()
                 else:
                     answering.discard(side)
-                    notes.append(answer_note(side, event))
-                    yield *screens(), gr.skip(), gr.skip(), " · ".join(notes)
+                    notes[side] = answer_note(side, event)
+                    yield *screens(), gr.skip(), gr.skip(), " · ".join(notes[s] for s in SIDES if s in notes)
         except Exception as exc:  # noqa: BLE001
             # The turn stays out of both histories (and off the chatbots) and the message in its box:
             # Send asks again.
@@ -150,7 +158,7 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                    user_message("Answering", exc))
             return
         answering.clear()
-        yield *screens(), shown, "", " · ".join(notes)
+        yield *screens(), shown, "", " · ".join(notes[s] for s in SIDES if s in notes)
 
     def on_clear():
         return [], [], {"base": [], "tuned": []}, ""
@@ -158,8 +166,9 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
     tab.select(on_open, [c["run"]], [c["run"], c["status"]])
     c["run"].change(on_run, [c["run"]], [c["source"], c["status"]])
     c["load"].click(on_load, [c["run"], c["source"], c["session"]],
-                    [c["status"], c["session"], c["history"], c["base"], c["tuned"]])
-    send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["max_new_tokens"], c["temperature"]],
+                    [c["status"], c["session"], c["history"], c["base"], c["tuned"], c["system"]])
+    send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["system"], c["max_new_tokens"],
+                                    c["temperature"], c["top_p"]],
                 outputs=[c["base"], c["tuned"], c["history"], c["message"], c["answers"]],
                 trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
     c["send"].click(**send)

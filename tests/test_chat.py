@@ -33,12 +33,16 @@ for line in sys.stdin:
     if req["max_new_tokens"] > 100:  # the real worker's answer to a request it cannot read: no id
         emit(type="error", id=None, error="request.max_new_tokens: expected an integer from 1 to 100")
         continue
-    for piece in ("one ", "two ", "three"):
-        emit(type="token", id=req["id"], text=piece)
-        if mode == "die":
-            os._exit(3)
+    models = [turn["model"] for turn in req["turns"]]
+    for piece in ("one ", "two ", "three"):  # the models of a request answer at once
+        for model in models:
+            emit(type="token", id=req["id"], model=model, text=piece)
+            if mode == "die":
+                os._exit(3)
         time.sleep(0.05)
-    emit(type="done", id=req["id"], tokens=3, seconds=0.15, prompt_tokens=len(req["messages"]), note=None)
+    for turn in req["turns"]:
+        emit(type="done", id=req["id"], model=turn["model"], tokens=3, seconds=0.15,
+             prompt_tokens=len(turn["messages"]), note=None)
 """
 
 
@@ -48,24 +52,33 @@ for line in sys.stdin:
 def test_a_request_line_of_the_backend_is_what_the_worker_parses():
     from backend.job.chat import Request, parse_request
 
-    line = chat.request_line("7", "tuned", [{"role": "user", "content": "hi"}], 16, 0.7)
-    assert parse_request(line) == Request("7", "tuned", ({"role": "user", "content": "hi"},), 16, 0.7)
+    hi = [{"role": "user", "content": "hi"}]
+    line = chat.request_line("7", [("base", hi), ("tuned", hi)], 16, 0.7, 0.9)
+    assert parse_request(line) == Request("7", (("base", tuple(hi)), ("tuned", tuple(hi))), 16, 0.7, 0.9)
+
+
+X = [{"role": "user", "content": "x"}]
 
 
 @pytest.mark.parametrize("change,field", [
     ({"id": True}, "request.id"),
-    ({"model": "other"}, "request.model: expected one of base, tuned, got 'other'"),
-    ({"messages": []}, "request.messages: expected a non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "request.messages[0]"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
-     "request.messages[1]: the last message must be the user's"),
+    ({"turns": []}, "request.turns: expected a list of 1 to 2"),
+    ({"turns": [{"model": "other", "messages": X}]}, "request.turns[0].model: expected one of base, tuned, got 'other'"),
+    ({"turns": [{"model": "base", "messages": X}, {"model": "base", "messages": X}]},
+     "request.turns[1].model: base is asked twice"),
+    ({"turns": [{"model": "base", "messages": []}]}, "request.turns[0].messages: expected a non-empty list"),
+    ({"turns": [{"model": "base", "messages": [{"role": "robot", "content": "x"}]}]}, "request.turns[0].messages[0]"),
+    ({"turns": [{"model": "base", "messages": [*X, {"role": "assistant", "content": "y"}]}]},
+     "request.turns[0].messages[1]: the last message must be the user's"),
     ({"max_new_tokens": 0}, "request.max_new_tokens: expected an integer from 1 to 4096, got 0"),
     ({"temperature": -1}, "request.temperature: expected a number from 0 (greedy) to 5, got -1"),
+    ({"top_p": 0}, "request.top_p: expected a number above 0 and at most 1, got 0"),
+    ({"top_p": "high"}, "request.top_p: expected a number, got 'high'"),
 ])
 def test_a_bad_request_is_refused_by_field(change, field):
     from backend.job.chat import ChatError, parse_request
 
-    good = {"id": 1, "model": "base", "messages": [{"role": "user", "content": "x"}]}
+    good = {"id": 1, "turns": [{"model": "base", "messages": X}]}
     with pytest.raises(ChatError) as refused:
         parse_request(json.dumps({**good, **change}))
     assert str(refused.value).startswith(field), refused.value
@@ -220,8 +233,8 @@ def test_an_exchange_streams_both_models_and_one_asked_meanwhile_is_refused(tmp_
 
     got, after = asyncio.run(go())
     assert [(e["model"], e["id"], e["type"]) for e in got] == [
-        *[("base", "1", "token")] * 3, ("base", "1", "done"), *[("tuned", "2", "token")] * 3, ("tuned", "2", "done")]
-    assert [e["id"] for e in after] == ["3"] * 4
+        *[("base", "1", "token"), ("tuned", "1", "token")] * 3, ("base", "1", "done"), ("tuned", "1", "done")]
+    assert [e["id"] for e in after] == ["2"] * 4
 
 
 def test_an_idle_session_ends_its_worker(tmp_path):

@@ -93,6 +93,14 @@ def test_lora_answers_are_the_exported_models_and_the_base_differs(trained, lora
     assert len(events) > 2 and events[-1]["tokens"] == TOKENS  # streamed piece by piece
     assert tuned == sample
     assert base != tuned and base == reference(Path(ready["path"]), str(tiny_model), prompt)[1]
+    # Both in one exchange: one batch, the base's row with the adapter off; the two answers stream at
+    # once (each model's first piece comes before either is done) and are the ones asked alone.
+    asked = [{"role": "user", "content": prompt}]
+    events = list(m.chat_reply(session, [("base", asked), ("tuned", asked)], TOKENS, 0.0))
+    first_done = next(i for i, e in enumerate(events) if e["type"] == "done")
+    assert {e["model"] for e in events[:first_done] if e["type"] == "token"} == {"base", "tuned"}, events
+    assert {side: "".join(e["text"] for e in events if e["model"] == side and e["type"] == "token")
+            for side in ("base", "tuned")} == {"base": base, "tuned": tuned}
     m.chat_close(session)
     until(lambda: gone(ready["pid"]), timeout=15)
 
@@ -113,6 +121,12 @@ def test_full_fine_tuning_answers_and_the_base_from_the_jobs_model(trained, tiny
     tuned, base = answer(m, session, "tuned", prompt)[0], answer(m, session, "base", prompt)[0]
     assert (tuned, base) == reference(Path(ready["path"]), str(tiny_model), prompt)
     assert tuned != base
+    # Both at once (a thread each: they are two models), sampled with top-p, a system prompt first.
+    asked = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": prompt}]
+    events = list(m.chat_reply(session, [("base", asked), ("tuned", asked)], 8, 0.7, 0.9))
+    done = {e["model"]: e for e in events if e["type"] == "done"}
+    assert set(done) == {"base", "tuned"} and events[-1]["type"] == "done"
+    assert done["tuned"]["prompt_tokens"] > answer(m, session, "tuned", prompt)[1][-1]["prompt_tokens"]
     m.chat_close(session)
 
 
@@ -191,8 +205,7 @@ def test_a_message_sent_while_one_is_answered_is_refused(trained):
     with pytest.raises(ChatError, match=r"the model is still answering the previous message"):
         list(m.chat_reply(session, [("tuned", hello)], 4, 0.0))
     got += list(first)
-    models = [e["model"] for e in got]
-    assert models == ["base"] * models.count("base") + ["tuned"] * models.count("tuned") and got[-1]["type"] == "done"
+    assert sorted(e["model"] for e in got if e["type"] == "done") == ["base", "tuned"] and got[-1]["type"] == "done"
     assert answer(m, session, "tuned", "Hello", 4)[1][-1]["tokens"] == 4
     m.chat_close(session)
 

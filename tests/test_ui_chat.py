@@ -1,6 +1,7 @@
 """The Chat tab in a real browser against a real studio: a tiny LoRA run trained by the worker on
-this machine is loaded, one message is answered by the base and the fine-tuned model, and both
-answers are shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
+this machine is loaded with its job's system prompt, one message (Enter sends it, Shift+Enter
+writes a new line) is answered by the base and the fine-tuned model at once, and both answers are
+shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
 between two messages is reported and loading again works; stopping the studio ends its worker. The
 studio process never loads torch.
 Screenshots: test-artifacts/ui/chat/."""
@@ -39,7 +40,8 @@ def studio_with_runs(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("chat-ui")
     broken = unloadable_model(tiny_model, root / "broken-model")
     with RunManager(f"sqlite:///{root / 'studio.db'}") as m:
-        lora = m.launch(job(tiny_model, root / "runs", train_type="lora"), local_cluster(GpuInfo()), name="chat-lora")
+        lora = m.launch(job(tiny_model, root / "runs", train_type="lora", system="Answer briefly."),
+                        local_cluster(GpuInfo()), name="chat-lora")
         failed = m.launch(job(broken, root / "runs"), local_cluster(GpuInfo()), name="no-checkpoint")
         assert m.wait(lora, timeout=300).state == "succeeded"
         assert m.wait(failed, timeout=300).state == "failed"
@@ -86,18 +88,26 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
         expect(status).to_contain_text(f"{lora}/checkpoint-3")
         expect(status).to_contain_text("on node localhost (cpu, float32, worker pid ")
         expect(status).to_contain_text("base: the same model with its LoRA adapter disabled")
+        expect(page.locator("#chat-system textarea")).to_have_value("Answer briefly.")  # the job's own
         # Sampling: the greedy answer of an untrained tiny model can be all newlines (nothing to see).
         page.locator("#chat-temperature input[type=number]").fill("1")
         page.locator("#chat-max-new-tokens input[type=number]").fill("48")
         page.locator("#chat-max-new-tokens input[type=number]").press("Tab")
         shot(page, "loaded")
 
-        send(page, "What is 2 + 3?")
+        page.locator("#chat-top-p input[type=number]").fill("0.9")
+        # Shift+Enter writes a new line; Enter sends.
+        message = page.locator("#chat-message textarea")
+        message.fill("What is 2 + 3?")
+        message.press("Shift+Enter")
+        message.type("Thanks.")
+        expect(message).to_have_value("What is 2 + 3?\nThanks.")
+        message.press("Enter")
         answers = page.locator("#chat-answers")
         expect(answers).to_contain_text(re.compile(r"Base: \d+ tokens in .* Fine-tuned: \d+ tokens in"),
                                         timeout=ANSWER_MS)
         for chatbot in ("chat-base", "chat-tuned"):
-            expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What is 2 + 3?")
+            expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("Thanks.")
             # The answer is shown: its text, or, where the sampled answer had none (a tiny model trained
             # for 3 steps may end it at once), a line that says so, never an empty bubble.
             # That it streams piece by piece is the manager's test (test_chat_e2e).

@@ -4,6 +4,7 @@ worker loads and the backend offers. Pure: both sides import it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MODELS = ("base", "tuned")
@@ -23,16 +24,20 @@ class ChatError(Exception):
 
 @dataclass(frozen=True)
 class Request:
+    """One exchange: each model's conversation (answered at once, side by side) and the sampling."""
+
     id: str
-    model: str
-    messages: tuple[dict, ...]
+    turns: tuple[tuple[str, tuple[dict, ...]], ...]  # (model, messages), one per model
     max_new_tokens: int
     temperature: float
+    top_p: float = 1.0
 
 
-def request_line(rid: str, model: str, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
-    return json.dumps({"id": rid, "model": model, "messages": messages, "max_new_tokens": int(max_new_tokens),
-                       "temperature": float(temperature)}) + "\n"
+def request_line(rid: str, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0) -> str:
+    return json.dumps({"id": rid, "turns": [{"model": model, "messages": messages} for model, messages in turns],
+                       "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+                       "top_p": float(top_p)}) + "\n"
 
 
 def request_id(line: str) -> str | None:
@@ -55,26 +60,47 @@ def parse_request(line: str) -> Request:
     rid = data.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise ChatError("request.id: expected a string or an integer")
-    if data.get("model") not in MODELS:
-        raise ChatError(f"request.model: expected one of {', '.join(MODELS)}, got {data.get('model')!r}")
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("request.messages: expected a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ChatError(f"request.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
-    if messages[-1]["role"] != "user":
-        raise ChatError(f"request.messages[{len(messages) - 1}]: the last message must be the user's")
+    turns = data.get("turns")
+    if not isinstance(turns, list) or not turns or len(turns) > len(MODELS):
+        raise ChatError(f"request.turns: expected a list of 1 to {len(MODELS)} {{'model', 'messages'}}")
+    parsed = []
+    for t, turn in enumerate(turns):
+        where = f"request.turns[{t}]"
+        if not isinstance(turn, dict) or turn.get("model") not in MODELS:
+            raise ChatError(f"{where}.model: expected one of {', '.join(MODELS)}, got "
+                            f"{turn.get('model') if isinstance(turn, dict) else turn!r}")
+        if any(model == turn["model"] for model, _ in parsed):
+            raise ChatError(f"{where}.model: {turn['model']} is asked twice")
+        parsed.append((turn["model"], _messages(where, turn.get("messages"))))
     tokens = data.get("max_new_tokens", 128)
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_NEW_TOKENS:
         raise ChatError(f"request.max_new_tokens: expected an integer from 1 to {MAX_NEW_TOKENS}, got {tokens!r}")
-    temperature = data.get("temperature", 0.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not 0 <= temperature <= MAX_TEMPERATURE:
+    temperature = _number(data, "temperature", 0.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
         raise ChatError(f"request.temperature: expected a number from 0 (greedy) to {MAX_TEMPERATURE:g}, "
-                        f"got {temperature!r}")
-    return Request(str(rid), data["model"], tuple({"role": m["role"], "content": m["content"]} for m in messages),
-                   tokens, float(temperature))
+                        f"got {data['temperature']!r}")
+    top_p = _number(data, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ChatError(f"request.top_p: expected a number above 0 and at most 1, got {data['top_p']!r}")
+    return Request(str(rid), tuple(parsed), tokens, temperature, top_p)
+
+
+def _number(data: dict, name: str, default: float) -> float:
+    value = data.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ChatError(f"request.{name}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _messages(where: str, messages) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError(f"{where}.messages: expected a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ChatError(f"{where}.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
+    if messages[-1]["role"] != "user":
+        raise ChatError(f"{where}.messages[{len(messages) - 1}]: the last message must be the user's")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 def parse_event(line: str) -> dict | None:

@@ -2,8 +2,8 @@
 the checkpoints live), spoken to over a `Stream` with stdin (JSON lines both ways; the protocol is
 launcher/chat.py's docstring and docs/architecture.md, "Chat worker").
 
-A session answers one exchange at a time (a message to the base and then to the fine-tuned model);
-one asked while another is being answered is refused, so answers never interleave. A session closes
+A session answers one exchange at a time (one message to the base and the fine-tuned model, both
+answering at once); one asked while another is being answered is refused, so exchanges never mix. A session closes
 itself after `IDLE_S` without a request and is closed with the manager, so no worker outlives the
 studio (a worker whose stdin closes exits too, however the studio ended).
 """
@@ -113,11 +113,12 @@ class ChatSession:
         finally:
             await self._events.put(None)
 
-    async def reply(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float
-                    ) -> AsyncIterator[dict]:
-        """One exchange: for each (model, messages) in turn, the worker's token events and its done
-        event, each with `model` added. A ChatError for an error event, a worker that exited or went
-        silent, and for an exchange asked while another is being answered (the two would interleave)."""
+    async def reply(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float,
+                    top_p: float = 1.0) -> AsyncIterator[dict]:
+        """One exchange: every (model, messages) answered at once, the worker's token events of all
+        models interleaved as they come and a done event for each, each with `model`. A ChatError
+        for an error event, a worker that exited or went silent, and for an exchange asked while
+        another is being answered (the two would interleave)."""
         for model, _ in turns:
             if model not in MODELS:
                 raise ChatError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
@@ -129,18 +130,18 @@ class ChatSession:
                 raise ChatError(f"{self.where}: the chat worker has exited ({self.ended}); load the model again")
             self.last_used = time.monotonic()
             try:
-                for model, messages in turns:
-                    async for event in self._answer(model, messages, max_new_tokens, temperature):
-                        yield {**event, "model": model}
+                async for event in self._answer(turns, max_new_tokens, temperature, top_p):
+                    yield event
             finally:
                 self.last_used = time.monotonic()
 
-    async def _answer(self, model: str, messages: list[dict], max_new_tokens: int, temperature: float
-                      ) -> AsyncIterator[dict]:
+    async def _answer(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float,
+                      top_p: float) -> AsyncIterator[dict]:
         rid = str(next(self._ids))
+        answering = {model for model, _ in turns}
         try:
-            await self._stream.write(request_line(rid, model, messages, max_new_tokens, temperature))
-            while True:
+            await self._stream.write(request_line(rid, turns, max_new_tokens, temperature, top_p))
+            while answering:
                 event = await asyncio.wait_for(self._events.get(), self._event_timeout_s)
                 if event is None:
                     await self._end("it exited before its answer was complete")
@@ -154,7 +155,7 @@ class ChatSession:
                     raise ChatError(f"{self.where}: {event['error']}")
                 yield event
                 if event["type"] == "done":
-                    return
+                    answering.discard(event.get("model"))
         except asyncio.TimeoutError:
             await self._end(f"no answer within {self._event_timeout_s:.0f} s")
             raise ChatError(f"{self.where}: the chat worker sent nothing for {self._event_timeout_s:.0f} s; "

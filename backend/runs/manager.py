@@ -552,15 +552,15 @@ class RunManager:
         return session.id, {**session.ready, "node": node.host}
 
     def chat_reply(self, session_id: str, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int = 128,
-                   temperature: float = 0.0) -> Iterator[dict]:
-        """The events of one exchange as they come: for each (model, messages), its `token` events
-        and then `done`, each with `model`. A ChatError where the session has ended, the worker
-        fails, or another exchange of the session is being answered."""
+                   temperature: float = 0.0, top_p: float = 1.0) -> Iterator[dict]:
+        """The events of one exchange as they come: every (model, messages) answered at once, their
+        `token` events interleaved and a `done` for each, each with `model`. A ChatError where the
+        session has ended, the worker fails, or another exchange of the session is being answered."""
         session = self._chats.get(session_id)
         if session is None:
             why = self._ended_chats.get(session_id, "the chat session has ended")
             raise chat.ChatError(f"{why}; load the model again")
-        return self._iterate(session.reply(turns, max_new_tokens, temperature))
+        return self._iterate(session.reply(turns, max_new_tokens, temperature, top_p))
 
     def chat_close(self, session_id: str) -> None:
         session = self._chats.get(session_id)
