@@ -91,13 +91,20 @@ def _strip_optional(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
+def first_sentence(text: str) -> str:
+    """A description's first sentence: the help under a field (the label already names the flag;
+    the whole text is the spec's field description, in `swift-studio --help`-style docs)."""
+    match = re.search(r"(?<!\.[a-z])(?<=[a-z0-9)'\]])\.(\s|$)", text)  # not the "g." of "e.g."
+    return text[:match.start() + 1] if match else text
+
+
 def field_view(name: str) -> FieldView:
     """How one spec field is drawn; label and help come from the spec so they never drift."""
     info = JobSpec.model_fields[name]
     annotation, optional = _strip_optional(info.annotation)
     origin = typing.get_origin(annotation)
     label = f"{TITLES.get(name, name.replace('_', ' ').capitalize())} · {name}"
-    help_text = f"{info.description} Flag: --{name}"
+    help_text = first_sentence(info.description)
     if name in OPEN_CHOICES:
         return FieldView(name, "choice", label, help_text, OPEN_CHOICES[name], True)
     if origin is Literal:
@@ -106,15 +113,15 @@ def field_view(name: str) -> FieldView:
         return FieldView(name, "check", label, help_text)
     if annotation is int:
         if optional:
-            help_text = f"{info.description} 0 = not set. Flag: --{name}"
+            help_text = f"{help_text} 0 = not set."
         return FieldView(name, "int", label, help_text, optional=optional)
     if annotation is float:
         return FieldView(name, "float", label, help_text)
     if origin is dict:
-        return FieldView(name, "env", label, f"{info.description} One NAME=value per line. Flag: --{name}")
+        return FieldView(name, "env", label, f"{help_text} One NAME=value per line.")
     if origin is list:
         how = "One per line." if name in WHOLE_LINES else "One per line (or space separated)."
-        return FieldView(name, "lines", label, f"{info.description} {how} Flag: --{name}")
+        return FieldView(name, "lines", label, f"{help_text} {how}")
     return FieldView(name, "text", label, help_text, optional=optional)
 
 

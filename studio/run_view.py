@@ -25,7 +25,7 @@ STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running"
 RESTARTABLE = ("stopped", "failed")
 RESUME_LABEL = "▶ Resume from checkpoint"
 RUN_AGAIN_LABEL = "▶ Run again"
-RUN_COLUMNS = ["run", "name", "status", "attempts", "started", "duration", "final loss", "tokens/s", "GPU-h", "kWh",
+RUN_COLUMNS = ["run", "status", "attempts", "started", "duration", "final loss", "tokens/s", "GPU-h", "kWh",
                "Wh/Mtok", "cost", "output"]
 
 
@@ -154,8 +154,8 @@ def run_rows(runs: list[Any], summaries: dict[str, dict], usages: dict[str, Usag
         s = summaries.get(run.id, {})
         loss = s.get("loss")
         tps = s.get("tokens_per_s")
-        rows.append([run.id, run.name, run.state, run.attempts,
-                     time.strftime("%Y-%m-%d %H:%M", time.localtime(run.created_at)),
+        rows.append([f"{run.name} · {run.id}" if run.name and run.name != run.id else run.id, run.state, run.attempts,
+                     time.strftime("%m-%d %H:%M", time.localtime(run.created_at)),
                      format_duration(duration_s(run)),
                      "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1),
                      *usage_cells((usages or {}).get(run.id), price), run.run_dir])

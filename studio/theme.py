@@ -26,6 +26,8 @@ table.preflight th, table.preflight td { border: 1px solid #d4d4d8; padding: 4px
 /* Dataframe headers break between words only, so a narrow column ("attempts") widens to its
    header instead of splitting it into fragments; Gradio sizes the columns after this applies. */
 th.header-cell .header { word-break: keep-all !important; overflow-wrap: normal !important; white-space: nowrap; }
+/* The Runs table's last column is a path: it breaks anywhere rather than widening the page. */
+#runs-table td:last-child, #runs-table td:last-child * { word-break: break-all; white-space: normal; }
 .problem-links ul { margin: 0.25em 0; }
 .hidden-trigger { display: none !important; }
 footer { display: none !important; }

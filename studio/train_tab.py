@@ -118,7 +118,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
                 error = any(p.severity == "error" for p in problems)
                 update = dict(info=text, elem_classes=["field-error" if error else "field-warning"])
             elif name in view.greyed:
-                update = dict(info=f"⊘ {view.greyed[name]}", elem_classes=["field-greyed"])
+                update = dict(info=f"Stays at 1 here: {view.greyed[name]}", elem_classes=["field-greyed"])
             else:
                 update = dict(info=VIEWS[name].info, elem_classes=[])
             if name in PARALLEL:

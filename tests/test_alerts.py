@@ -284,6 +284,16 @@ def test_log_lines_are_classified_with_the_line():
     assert exc.rank == 3 and "Python exception in rank 3" in exc.message
 
 
+def test_a_rank_that_stopped_for_another_ranks_error_raises_no_alert_of_its_own():
+    """A bad record found by rank 1 gave two alerts: its data error and rank 0's "peer lost" with the
+    same text and a hint about another node."""
+    record = "/d/train.jsonl:2500: unknown record format with fields ['foo']"
+    assert alerts.log_line("localhost", f"[rank0] error: PeerFailed: stopped: rank 1 found a bad record: {record}",
+                           T0) is None
+    found = alerts.log_line("localhost", f"[rank1] error: DataError: {record}", T0)
+    assert found.rank == 1 and found.message.startswith(f"data error (node localhost, rank 1): {record}")
+
+
 def test_ordinary_log_lines_stay_quiet():
     for line in ["[rank0]: step 10 loss 1.23", "WARNING: Setting OMP_NUM_THREADS environment variable",
                  "  File \"/x/train.py\", line 3, in main", ""]:

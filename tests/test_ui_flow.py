@@ -253,6 +253,10 @@ def test_full_flow(studio):
         expect(page.locator("#runs-table")).to_contain_text(run_id, timeout=30000)
         expect(page.locator("#runs-table")).to_contain_text("succeeded")
         expect(page.locator("#runs-table")).to_contain_text("Wh/Mtok")  # GPU-h, kWh, Wh per 1M tokens, cost
+        # Every column in view on a 1400 px page (the run directory wraps), the name not twice.
+        table, box = page.evaluate("() => { const b = document.querySelector('#runs-table');"
+                                   " return [b.querySelector('table').scrollWidth, b.clientWidth]; }")
+        assert table <= box, (table, box)
         heights = page.evaluate(HEADER_HEIGHTS_JS)
         assert heights["attempts"] == heights["run"], heights  # one line, not "at/te/mp/ts"
         page.locator("#runs-overlay input").click()

@@ -19,8 +19,11 @@ def test_every_spec_field_is_on_the_form_once_with_its_flag():
     names = [name for _, _, group in GROUPS for name in group]
     assert sorted(names) == sorted(FIELDS)
     for name in FIELDS:
-        assert name in VIEWS[name].label
-        assert f"--{name}" in VIEWS[name].info
+        assert VIEWS[name].label.endswith(f" · {name}")
+        # The help is the description's first sentence, not a paragraph repeating the label's flag.
+        assert "Flag:" not in VIEWS[name].info and len(VIEWS[name].info.split()) <= 50, (name, VIEWS[name].info)
+    assert VIEWS["fsdp"].info == "FSDP2 (torch fully_shard): 'full_shard', 'shard_grad_op', add 'offload' for CPU offload."
+    assert VIEWS["model"].info == "Local model directory or hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)."
 
 
 def test_advanced_groups_start_collapsed():

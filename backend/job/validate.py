@@ -201,11 +201,17 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
         path = Path(source.name).expanduser()
         looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
         if looks_local and not os.path.lexists(path):  # a link that leads nowhere: records.sample_problems
-            out.append(Problem(f"dataset[{i}]", f"file not found: {path}"))
+            out.append(Problem(f"dataset[{i}]", f"file not found: {path}{_read_from(path)}"))
     model = Path(spec.model).expanduser()
     if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
-        out.append(Problem("model", f"directory not found: {model}"))
+        out.append(Problem("model", f"directory not found: {model}{_read_from(model)}"))
     return out
+
+
+def _read_from(path: Path) -> str:
+    """Where a relative path was looked for: a job file's paths are read from the current
+    directory (as ms-swift's are), which is not always the one the user had in mind."""
+    return "" if path.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
 
 
 def _model_file_rules(spec: JobSpec) -> list[Problem]:

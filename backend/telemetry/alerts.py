@@ -455,7 +455,7 @@ def log_line(node: str, line: str, t: float) -> Finding | None:
     """A finding for a node's torchrun log line that names a failure (OOM, NCCL timeout, Python
     exception in rank N, ...), with the line itself as detail; None for an ordinary line."""
     cause = logclass.classify_line(line)
-    if cause is None:
+    if cause is None or logclass.follows_another_rank(line):  # the rank that failed first has the alert
         return None
     message = logclass.describe(cause, node=node)
     op = collective_of(line) if cause.kind == logclass.NCCL_TIMEOUT else None

@@ -93,6 +93,8 @@ _STOP_SIGNALS = (2, 15)
 _RENDEZVOUS_SHUTDOWN = re.compile(r"has failed to shutdown the rendezvous")
 # The worker's own last line (launcher.train.error_line); older workers wrote no type for user errors.
 _WORKER_LINE = re.compile(r"^\s*\[rank(\d+)\] error: (?:([A-Za-z_]\w*): )?(.*)$")
+# A rank that stopped because another rank reported its own error first (launcher.trainer.PeerFailed).
+_PEER_FAILED = re.compile(r"^\s*\[rank\d+\] error: PeerFailed: ")
 # A ConfigError about a checkpoint (resume: ..., a file of checkpoint-<step>/) is a checkpoint problem.
 _CHECKPOINT = re.compile(r"^resume:|checkpoint-\d+")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -175,6 +177,11 @@ def classify_end(event: dict) -> Cause | None:
     rank = event.get("rank")
     return classify_error(event.get("error_type"), str(event.get("error") or "failed without a message"),
                           rank if isinstance(rank, int) else None)
+
+
+def follows_another_rank(line: str) -> bool:
+    """A rank's line saying it stopped for another rank's reported error: that one names the cause."""
+    return bool(_PEER_FAILED.match(line))
 
 
 def classify_line(line: str) -> Cause | None:
