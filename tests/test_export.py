@@ -128,7 +128,10 @@ def test_sharded_full_checkpoint_consolidates_to_ddp_weights(tmp_path, tiny_mode
     initial = load_file(tiny_model / "model.safetensors")
     assert set(consolidated) == set(reference)
     for key, value in reference.items():
-        assert torch.allclose(consolidated[key], value, atol=1e-5), key
+        # ZeRO-3's reductions run in another order than DDP's: after 3 AdamW steps a weight is off by
+        # up to ~1e-5 (Adam divides a tiny gradient by its own size); a consolidation that misplaced or
+        # missed a shard would be off by the updates themselves (~1e-2).
+        assert torch.allclose(consolidated[key], value, atol=5e-5), (key, (consolidated[key] - value).abs().max().item())
     assert any(not torch.equal(reference[k], initial[k]) for k in reference)
 
 

@@ -61,13 +61,13 @@ def test_layers_must_split_into_the_stages():
 
     model = ModelConfig(model_type="llama", hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
                         num_kv_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=False)
-    fields = lambda **over: [p.field for p in _model_rules(spec(**over), model)]  # noqa: E731
+    fields = lambda **over: [p.field for p in _model_rules(spec(**over), model, 4)]  # noqa: E731
     assert fields(pipeline_model_parallel_size=2) == fields(pipeline_model_parallel_size=3) == []
     assert fields(pipeline_model_parallel_size=4) == ["pipeline_model_parallel_size"]
     assert fields(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                   pipeline_schedule="interleaved_1f1b") == ["pipeline_model_parallel_size"]
     # A tied output layer would be a second copy on the last stage, updated apart from the embedding.
-    tied = [p for p in _model_rules(spec(pipeline_model_parallel_size=2), replace(model, tie_word_embeddings=True))]
+    tied = [p for p in _model_rules(spec(pipeline_model_parallel_size=2), replace(model, tie_word_embeddings=True), 4)]
     assert [p.field for p in tied] == ["pipeline_model_parallel_size"] and "tied" in tied[0].message
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from backend.job.capabilities import TIED_UNDER_TP_FSDP, TransformersPlan, transformers_plan, unsupported
+from backend.job.capabilities import TransformersPlan, transformers_plan, unsupported
 from backend.job.spec import JobSpec
 from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, assert_timing_from_every_rank,
                     equality_job, events, losses, run_worker, torchrun, trained, trained_together, write_run)
@@ -135,25 +135,51 @@ def test_tp2_with_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_famil
     assert_same_export(both, dp, tmp_path)
 
 
-def test_tied_embeddings_under_tp_and_fsdp_are_refused():
+def test_tied_embeddings_under_tp_and_fsdp_are_refused_where_the_vocabulary_does_not_divide():
+    from dataclasses import replace
+
     from backend.job.cluster import parse_hostfile_text
     from backend.job.modelcfg import find_model_config
     from backend.job.validate import validate
 
-    tied = find_model_config("qwen2.5-0.5b")  # ties its embeddings
+    tied = find_model_config("qwen2.5-0.5b")  # ties its embeddings; 151936 = 4 x 37984
     cluster = parse_hostfile_text("n0 slots=4\n")
-    problems = [p for p in validate(spec(model="Qwen/Qwen2.5-0.5B", nproc_per_node=4, tensor_model_parallel_size=2,
-                                         fsdp="full_shard"), cluster, tied) if p.field == "fsdp"]
-    assert [p.message for p in problems] == [TIED_UNDER_TP_FSDP]
-    assert not [p for p in validate(spec(model="Qwen/Qwen2.5-0.5B", nproc_per_node=4, tensor_model_parallel_size=2),
-                                    cluster, tied) if p.field == "fsdp"]
+
+    def fsdp_problems(model, **fields):
+        job = spec(model="Qwen/Qwen2.5-0.5B", train_type="full", nproc_per_node=4, tensor_model_parallel_size=2, **fields)
+        return [p.message for p in validate(job, cluster, model) if p.field == "fsdp"]
+
+    assert fsdp_problems(tied, fsdp="full_shard") == []
+    odd = replace(tied, vocab_size=151937)
+    assert fsdp_problems(odd, fsdp="full_shard") == [
+        "full_shard with tensor_model_parallel_size > 1 trains a model with tied embeddings and a vocabulary of "
+        "151937 (not divisible by TP x FSDP = 4 ranks) wrongly in transformers' TP x FSDP2 (the updates differ from "
+        "the same job without TP); leave fsdp empty (TP with replicated data parallel), or pick a layout whose TP x "
+        "FSDP divides 151937"]
+    assert fsdp_problems(odd) == []  # TP with replicated data parallel
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_model(tmp_path_factory):
+    """The tiny model's shape with tied embeddings and a vocabulary of 303, which 4 ranks do not divide."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from worker import TINY
+
+    out = tmp_path_factory.mktemp("odd-vocab")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=303, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+                         **TINY)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
 
 
 @pytest.mark.e2e
-def test_transformers_tp_fsdp_updates_tied_embeddings_wrongly(tmp_path, tiny_model, untied_model):
+def test_transformers_tp_fsdp_updates_tied_embeddings_wrongly(tmp_path, tiny_model, untied_model, odd_vocab_model):
     """Pins the engine bug behind the refusal above (transformers 5.24): the same two AdamW steps
-    on TP2 x FSDP2 (4 ranks) and on one process end apart for the tied model, together for the
-    untied one. When this fails, transformers has fixed it: lift the refusal."""
+    on TP2 x FSDP2 (4 ranks) and on one process end apart for the tied model whose vocabulary (303)
+    4 ranks do not divide, together for the tied one whose vocabulary (384) they do and for an
+    untied one. When the first stops failing, transformers has fixed it: lift the refusal."""
     script = tmp_path / "steps.py"
     script.write_text('''
 import sys, torch, torch.distributed as dist
@@ -175,10 +201,11 @@ for path in sys.argv[1:]:
         plain = trained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
         print("LOSSES", sharded, plain, flush=True)
 ''')
-    proc = run_worker(tmp_path, argv=torchrun(4, str(script), str(tiny_model), str(untied_model)))
+    proc = run_worker(tmp_path, argv=torchrun(4, str(script), str(odd_vocab_model), str(tiny_model), str(untied_model)))
     # (found anywhere in a line: a rank's print can follow another's progress bar)
-    tied, untied = [tuple(map(float, pair)) for pair in re.findall(r"LOSSES (\S+) (\S+)", proc.log)]
-    assert abs(tied[0] - tied[1]) > 1e-2, tied
+    odd, even, untied = [tuple(map(float, pair)) for pair in re.findall(r"LOSSES (\S+) (\S+)", proc.log)]
+    assert abs(odd[0] - odd[1]) > 1e-2, odd
+    assert even[0] == pytest.approx(even[1], rel=1e-5), even
     assert untied[0] == pytest.approx(untied[1], rel=1e-5), untied
 
 

@@ -190,12 +190,21 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                              "files and the studio", "warning"))
     return problems
 
-# transformers 5.24: under TP x FSDP2 a model with tied embeddings gets correct gradients but wrong
-# updates (tests/test_tensor_parallel.py pins it); untied models and TP with replicated data
-# parallel train exactly as without TP.
-TIED_UNDER_TP_FSDP = (f"full_shard with {TP} > 1 trains models with tied embeddings wrongly in "
-                      "transformers' TP x FSDP2 (the updates differ from the same job without TP); leave fsdp "
-                      "empty (TP with replicated data parallel)")
+# transformers 5.24: under TP x FSDP2 a model with tied embeddings whose vocabulary does not divide
+# evenly over the TP x FSDP ranks gets correct gradients but wrong updates; with a vocabulary that
+# divides (Qwen2.5's 151936 over 4) and untied models it trains exactly as without TP
+# (tests/test_tensor_parallel.py pins both sides).
+def tied_under_tp_fsdp(plan: TransformersPlan | None, tied: bool, vocab_size: int) -> str | None:
+    """Why transformers' TP x FSDP2 would train this model wrongly, or None."""
+    if plan is None or plan.tp <= 1 or plan.fsdp <= 1 or not tied:
+        return None
+    shards = plan.tp * plan.fsdp
+    if vocab_size % shards == 0:
+        return None
+    return (f"full_shard with {TP} > 1 trains a model with tied embeddings and a vocabulary of {vocab_size} "
+            f"(not divisible by TP x FSDP = {shards} ranks) wrongly in transformers' TP x FSDP2 (the updates differ "
+            "from the same job without TP); leave fsdp empty (TP with replicated data parallel), or pick a "
+            f"layout whose TP x FSDP divides {vocab_size}")
 
 
 def bubble_fraction(spec: JobSpec) -> float:

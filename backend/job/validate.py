@@ -96,7 +96,7 @@ def _layout_rules(spec: JobSpec, layout: Layout) -> list[Problem]:
     return out
 
 
-def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
+def _model_rules(spec: JobSpec, model: ModelConfig, world: int) -> list[Problem]:
     out: list[Problem] = []
     tp, pp, sp = spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size, spec.sequence_parallel_size
     if model.num_heads % tp:
@@ -123,8 +123,10 @@ def _model_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         out.append(Problem(PP, f"the model's {model.num_layers} layers are not divisible by PP x virtual stages = {stages}"))
     if pp > 1 and model.tie_word_embeddings:
         out.append(Problem(PP, capabilities.TIED_UNDER_PP))
-    if tp > 1 and spec.fsdp and model.tie_word_embeddings:
-        out.append(Problem("fsdp", capabilities.TIED_UNDER_TP_FSDP))
+    tied = capabilities.tied_under_tp_fsdp(capabilities.transformers_plan(spec, world), model.tie_word_embeddings,
+                                           model.vocab_size)
+    if tied:
+        out.append(Problem("fsdp", tied))
     if model.max_position_embeddings and spec.max_length > model.max_position_embeddings:
         scaled = (f"its config scales rope ({model.rope_scaling}), so this may work, but quality past the trained "
                   "length is not guaranteed" if model.rope_scaling else
@@ -291,7 +293,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
                               "or the hub cache).")
     memory = None
     if model is not None:
-        problems += _model_rules(spec, model)
+        problems += _model_rules(spec, model, layout.world)
         if ds_error:
             memory_note = f"not estimated: {ds_error}"
         else:

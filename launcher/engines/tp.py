@@ -9,7 +9,7 @@ import torch
 
 import logging
 
-from backend.job.capabilities import TIED_UNDER_TP_FSDP, TransformersPlan, ep_model_problems
+from backend.job.capabilities import TransformersPlan, ep_model_problems, tied_under_tp_fsdp
 from launcher.config import ConfigError
 from launcher.engines.base import autocast, make_optimizer, make_scheduler
 from launcher.engines.fsdp import FSDPEngine
@@ -33,8 +33,10 @@ class TPEngine(FSDPEngine):
     reshards = True
 
     def __init__(self, model, spec, dist, total_steps: int, plan: TransformersPlan):
-        if plan.tp > 1 and plan.fsdp > 1 and getattr(model.config, "tie_word_embeddings", False):
-            raise ConfigError(f"fsdp: {TIED_UNDER_TP_FSDP}")
+        text = model.config.get_text_config()
+        tied = tied_under_tp_fsdp(plan, getattr(model.config, "tie_word_embeddings", False), text.vocab_size)
+        if tied:
+            raise ConfigError(f"fsdp: {tied}")
         if plan.ep > 1:
             self.name = "ep"
             _refuse_lora_on_experts(model, spec)
