@@ -19,7 +19,8 @@ def node_rows(cluster: Cluster, setups: dict[str, str] | None = None) -> list[li
     """The nodes table; `setups`: the inventory's setup line per host (run before every command there)."""
     rows = []
     for n in cluster.nodes:
-        ssh = "local (no SSH)" if n.local else f"{n.ssh_user + '@' if n.ssh_user else ''}{n.address}:{n.ssh_port}"
+        # SSH goes to the host name from this machine; `addr` is what the other nodes use for the rendezvous.
+        ssh = "local (no SSH)" if n.local else f"{n.ssh_user + '@' if n.ssh_user else ''}{n.host}:{n.ssh_port}"
         gpus = ", ".join(n.gpu_names) if n.gpu_names else ("CPU slots" if n.device == "cpu" else "not probed")
         mem = round(n.gpu_mem_gib, 1) if n.gpu_mem_gib else ""
         rows.append([n.host, n.address, n.slots, n.device, gpus, mem, ssh, n.python, (setups or {}).get(n.host, "")])

@@ -163,6 +163,10 @@ def test_full_flow(studio):
         wait_points(page, "chart-util-lines", util, studio=studio)
         # One CPU node: its utilisation is drawn as a line; a heatmap of one row is not drawn.
         expect(page.locator("#chart-util-heatmap")).to_be_hidden()
+        # Utilisation on 0-100 % (a 0.5 % dip is no fall to the floor); no power panel on a CPU-only run.
+        assert page.evaluate("() => document.querySelector('#chart-util-lines .js-plotly-plot').layout.yaxis.range") \
+            == [0, 100]
+        expect(page.locator("#chart-power")).to_be_hidden()
         # The training charts are drawn against the step (logged every step), time is in the hover.
         loss_axis = axis(page, "chart-loss")
         assert loss_axis["type"] == "linear" and loss_axis["title"] == "step", loss_axis
@@ -237,6 +241,13 @@ def test_full_flow(studio):
         page.get_by_role("tab", name="Chat").click()
         page.locator("#chat-run input").click()
         page.get_by_role("option", name=re.compile(re.escape(run_id))).click()
+        # Only the checkpoints still on disk are offered (save_total_limit removed the others).
+        page.locator("#chat-source input").click()
+        offered = page.get_by_role("option").all_inner_texts()
+        steps = sorted(int(m.group(1)) for text in offered if (m := re.match(r"step (\d+) ·", text)))
+        on_disk = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*") if (p / "complete").exists())
+        assert steps == on_disk and len(on_disk) == 2, (offered, on_disk)
+        page.get_by_role("option", name="latest complete checkpoint").click()
         page.locator("#chat-load").click()
         expect(page.locator("#chat-status")).to_contain_text("Loaded the full fine-tuning checkpoint",
                                                              timeout=RUN_TIMEOUT_MS)

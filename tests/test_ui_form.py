@@ -99,6 +99,7 @@ def test_put_and_remove_nodes():
     cluster = put_node(cluster, {"host": "localhost", "slots": 2})
     assert cluster.nodes[0].local and cluster.nodes[0].slots == 2
     assert node_rows(cluster)[1][:3] == ["gpu1", "10.0.0.2", 8]
+    assert node_rows(cluster)[1][6].endswith("gpu1:22")  # SSH goes to the name; addr is the rendezvous's
     with pytest.raises(HostfileError) as err:
         put_node(cluster, {"host": "bad host!", "slots": 1})
     assert "host" in str(err.value)
