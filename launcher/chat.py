@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from backend.job.chat import EXPORT_MARKER, ChatError, Request, parse_request, request_id
+from backend.job.records import with_system
 from backend.job.errors import UserError
 from launcher import checkpoint
 from launcher.data import DEFAULT_CHAT_TEMPLATE, render
@@ -171,11 +172,9 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> No
     tokenizer = loaded.tokenizer
     room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
     prompts = []
-    for model, messages in request.turns:
-        if loaded.info["system"] and messages[0]["role"] != "system":  # both models are asked as training asked
-            messages = ({"role": "system", "content": loaded.info["system"]}, *messages)
+    for model, messages in request.turns:  # both models are asked as training asked
         prompts.append(fit_prompt(lambda conversation: render(tokenizer, conversation, add_generation_prompt=True),
-                                  messages, room))
+                                  tuple(with_system(messages, loaded.info["system"])), room))
     models = [model for model, _ in request.turns]
     started = time.monotonic()
 
@@ -264,7 +263,8 @@ def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, dev
     """`model.generate` over the prompts `rows` (left-padded into one batch), each row's text and
     end handed over as they come (`RowStreamer`)."""
     width = max(map(len, rows))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Without a pad token, the end token pads (as transformers does): a real token never ends a row.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows], device=device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
     sampling = dict(do_sample=True, temperature=request.temperature, top_p=request.top_p) \

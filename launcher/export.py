@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
+from backend.job.records import with_system
 from launcher import checkpoint
 from launcher.engines.base import load_full_state_dict, read_safetensors
 
@@ -109,7 +110,7 @@ def sample_prompt(spec) -> str:
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int = 32, system: str | None = None) -> str:
     """The model's greedy answer to `prompt`, asked as in training (the job's system prompt first)."""
-    messages = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+    messages = with_system([{"role": "user", "content": prompt}], system)
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=True) if tokenizer.chat_template else prompt
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")

@@ -29,10 +29,14 @@ RUN_COLUMNS = ["run", "status", "attempts", "started", "duration", "final loss",
                "Wh/Mtok", "cost", "output"]
 
 
+def run_title(run: Any) -> str:
+    """A run as a user knows it: its name before its id, where it has a name of its own."""
+    return f"{run.name} · {run.id}" if run.name and run.name != run.id else run.id
+
+
 def run_choice(run: Any) -> tuple[str, str]:
     """(label, value) for a run picker."""
-    name = f"{run.name} · " if run.name and run.name != run.id else ""
-    return f"{STATE_MARK.get(run.state, '')} {name}{run.id} ({run.state})", run.id
+    return f"{STATE_MARK.get(run.state, '')} {run_title(run)} ({run.state})", run.id
 
 
 def run_picker(runs: list[Any], selected: str | None = None, prefer: Collection[str] = ()
@@ -154,7 +158,7 @@ def run_rows(runs: list[Any], summaries: dict[str, dict], usages: dict[str, Usag
         s = summaries.get(run.id, {})
         loss = s.get("loss")
         tps = s.get("tokens_per_s")
-        rows.append([f"{run.name} · {run.id}" if run.name and run.name != run.id else run.id, run.state, run.attempts,
+        rows.append([run_title(run), run.state, run.attempts,
                      time.strftime("%m-%d %H:%M", time.localtime(run.created_at)),
                      format_duration(duration_s(run)),
                      "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1),

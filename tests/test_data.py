@@ -54,6 +54,9 @@ def test_the_jobs_system_prompt_and_names_fill_every_record(tokenizer):
     zh = Record("d.jsonl:2", {"query": "你是谁？", "response": "我是{{NAME}}，由{{AUTHOR}}训练。"})
     assert to_messages(zh, persona)[0][2]["content"] == "我是小黄，由魔搭训练。"
     assert to_messages(Record("f:1", CHAT), persona)[0] == CHAT["messages"]  # its own system prompt stays
+    # The record's own language picks the name, not a Chinese name filled in before it.
+    mixed = Persona(name=("小黄",), author=("魔搭", "ModelScope"))
+    assert to_messages(en, mixed)[0][1]["content"] == "I am 小黄, trained by ModelScope."
     one = Persona(name=("Swifty",), author=("swift-studio",))
     assert to_messages(zh, one)[0][1]["content"] == "我是Swifty，由swift-studio训练。"
     assert to_messages(Record("f:3", {"text": "{{NAME}} here"}), one) == (None, "Swifty here")

@@ -22,7 +22,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from backend.job.errors import UserError
 from backend.job.jsonfile import read_json
@@ -214,19 +214,26 @@ class Persona:
 
     def fill(self, where: str, text: str) -> str:
         """`text` with {{NAME}} and {{AUTHOR}} filled in: the first name for Chinese text and the
-        second for other text when two are given (ms-swift's order), else the one."""
+        second for other text when two are given (ms-swift's order), else the one. The language is
+        the record's own, not that of a name filled in before."""
+        chinese = bool(_CJK.search(text))
         for key, names, field in (("{{NAME}}", self.name, "model_name"), ("{{AUTHOR}}", self.author, "model_author")):
             if key in text:
                 if not names:
                     raise DataError(f"{where}: the record says {key}; set {field} to the name it stands for")
-                text = text.replace(key, names[0] if len(names) == 1 or _CJK.search(text) else names[1])
+                text = text.replace(key, names[0] if len(names) == 1 or chinese else names[1])
         return text
 
     def apply(self, where: str, messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        filled = [{**m, "content": self.fill(where, m["content"])} for m in messages]
-        if self.system and not any(m["role"] == "system" for m in filled):
-            filled.insert(0, {"role": "system", "content": self.system})
-        return filled
+        return with_system([{**m, "content": self.fill(where, m["content"])} for m in messages], self.system)
+
+
+def with_system(messages: Sequence[dict[str, str]], system: str | None) -> list[dict[str, str]]:
+    """`messages` with `system` first where they have no system message of their own (ms-swift's
+    --system): training, the export's sample and the chat ask a model alike."""
+    if system and not any(m["role"] == "system" for m in messages):
+        return [{"role": "system", "content": system}, *messages]
+    return list(messages)
 
 
 _CJK = re.compile("[\u3400-\u9fff\uf900-\ufaff]")
