@@ -6,6 +6,8 @@ few thousand points per series. Figures are built from the buffer on every tick.
 """
 from __future__ import annotations
 
+import hashlib
+
 import math
 import time
 from dataclasses import dataclass, field
@@ -77,6 +79,20 @@ class SeriesBuffer:
     """The Monitor's resume button (label, enabled) when last drawn."""
     points: dict[tuple, list[Point]] = field(default_factory=dict)
     max_points: int = MAX_POINTS
+    drawn: dict[str, str] = field(default_factory=dict)
+    """A digest of what each output (status, charts, ...) shows, as last sent to this browser."""
+
+    def changes(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs whose content differs from what this browser shows (`drawn`), which they
+        become: a tick re-sends none of the rest, so the page redraws only what changed (a Plotly
+        chart sent again is drawn again from scratch)."""
+        out = {}
+        for name, value in outputs.items():
+            digest = _digest(value)
+            if self.drawn.get(name) != digest:
+                self.drawn[name] = digest
+                out[name] = value
+        return out
 
     def apply(self, series: dict[Any, list[Point]], cursor: int, reset: bool) -> bool:
         """Merge one read; returns True when anything changed. `reset` replaces everything."""
@@ -420,3 +436,11 @@ def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, 
     return (f"<div class='progress-outer' role='progressbar' aria-valuenow='{step}' aria-valuemax='{max_steps}'>"
             f"<div class='progress-inner' style='width:{share * 100:.1f}%'></div></div>"
             f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}</div>")
+
+
+def _digest(value: Any) -> str:
+    """What an output shows, comparable between ticks: a figure by its JSON, an update by its fields."""
+    if isinstance(value, dict):
+        return repr(sorted((k, _digest(v)) for k, v in value.items()))
+    to_json = getattr(value, "to_json", None)
+    return hashlib.sha1((to_json() if callable(to_json) else repr(value)).encode()).hexdigest()

@@ -110,6 +110,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
             return out
+        shown: dict[str, Any] = {}  # what the page shows of the run: sent only where it changed
         try:
             manager = studio.manager
             run = manager.run(run_id)
@@ -119,9 +120,9 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             result = manager.series(run_id, MONITOR_SERIES, since=buf.cursor, max_points=MAX_POINTS)
             changed = buf.apply(result.series, result.cursor, result.reset or buf.cursor is None)
             progress = manager.progress(run_id)
-            out[c["status"]] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id),
-                                         usage_line(manager.usage(run_id), studio.gpu_hour_price()),
-                                         attempt_history(manager.attempts(run_id)))
+            shown["status"] = status_md(run, progress, manager.notices(run_id), manager.layout(run_id),
+                                        usage_line(manager.usage(run_id), studio.gpu_hour_price()),
+                                        attempt_history(manager.attempts(run_id)))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
                 out[c["run"]] = choices(run_id)
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
@@ -134,14 +135,15 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                 out[c["resume"]] = gr.update(value=restart[0], interactive=restart[1])
                 buf.restart = restart
             p = progress or {}
-            out[c["progress"]] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
+            shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
             if changed:
                 figs = figures(buf, smoothing, x_axis)
                 hidden_when_empty = ("experts", "stages", "util_heatmap", "power")
-                out.update({c[name]: figs[name] for name in CHARTS if name not in hidden_when_empty})
+                shown.update({name: figs[name] for name in CHARTS if name not in hidden_when_empty})
                 for name in hidden_when_empty:
-                    out[c[name]] = gr.update(value=figs[name], visible=figs[name] is not None)
-            out[c["alerts"]] = alerts_md(manager.alerts(run_id))
+                    shown[name] = gr.update(value=figs[name], visible=figs[name] is not None)
+            shown["alerts"] = alerts_md(manager.alerts(run_id))
+            out.update({c[name]: value for name, value in buf.changes(shown).items()})
         except Exception as exc:  # noqa: BLE001 - the page shows one line, the server log has the rest
             out[c["action"]] = user_message("Reading the run", exc)
         out[c["buffer"]] = buf

@@ -8,7 +8,7 @@ from typing import Any
 import gradio as gr
 import yaml
 
-from backend.job.capabilities import PARALLEL_FIELDS as PARALLEL
+from backend.job.capabilities import PARALLEL_FIELDS as PARALLEL, apply_fixes
 from backend.job.cluster import Cluster
 from backend.job.msswift import CommandError, import_command
 from backend.job.spec import parse_spec
@@ -16,7 +16,7 @@ from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
-from studio.train_view import (TrainView, check_form, check_key, form_values, groups_with_errors,
+from studio.train_view import (TrainView, check_form, check_key, fix_label, form_values, groups_with_errors,
                                 launch_refusal_md, problem_lines, problems_md)
 
 
@@ -33,6 +33,7 @@ WATCH_EDITS_JS = """() => {
 
 
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+MAX_FIXES = 3  # EP, SP and CP exclude each other: at most one engine fix, and the pipeline's micro-batches
 
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
     common = dict(label=view.label, info=view.info, value=value, elem_id=f"f-{view.name}")
@@ -79,6 +80,9 @@ def build(studio: Studio) -> dict[str, Any]:
                                 form[name] = _widget(VIEWS[name], values[name])
         with gr.Column(scale=2):
             c["problems"] = gr.Markdown(elem_classes=["problem-list", "problem-links"], elem_id="train-problems")
+            # The form's refusals that have one remedy, one button each (TrainView.fixes).
+            with gr.Column():
+                c["fixes"] = [gr.Button(visible=False, size="sm", elem_id=f"fix-{i}") for i in range(MAX_FIXES)]
             c["layout"] = gr.Markdown(elem_id="train-layout")
             c["memory"] = gr.Markdown(elem_id="train-memory")
             with gr.Row():
@@ -102,8 +106,8 @@ def build(studio: Studio) -> dict[str, Any]:
 
 def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state: gr.State) -> None:
     form: dict[str, gr.components.Component] = c["form"]
-    view_outputs = [*form.values(), c["problems"], c["layout"], c["memory"], c["commands"], c["yaml"], c["ds_json"],
-                    *c["groups"].values(), c["checked"], c["launch_status"], c["refused"]]
+    view_outputs = [*form.values(), c["problems"], *c["fixes"], c["layout"], c["memory"], c["commands"], c["yaml"],
+                    c["ds_json"], *c["groups"].values(), c["checked"], c["launch_status"], c["refused"]]
 
     def render(view: TrainView, key: tuple, values: dict[str, Any] | None = None, open_errors: bool = False,
                refused: bool = False) -> dict:
@@ -129,6 +133,9 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
                 update["value"] = values[name]
             updates[component] = gr.update(**update)
         updates[c["problems"]] = "\n".join(problem_lines(view))
+        for i, button in enumerate(c["fixes"]):
+            fix = view.fixes[i] if i < len(view.fixes) else None
+            updates[button] = (gr.update(visible=True, value=fix_label(fix)) if fix else gr.update(visible=False))
         if open_errors:
             updates.update({c["groups"][title]: gr.update(open=True) for title in groups_with_errors(view)})
         updates[c["layout"]] = view.layout_md
@@ -214,6 +221,18 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         return fill(spec.model_dump(), cluster, slurm,
                     "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""), refused)
 
+    def on_fix(i: int, data: dict) -> dict:
+        """Apply the form's i-th fix (as checked now, so a stale button applies nothing)."""
+        values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
+        view = check_form(values, cluster, slurm)
+        if view.spec is None or i >= len(view.fixes):
+            return not_filled("Nothing to fix any more: the form changed.")
+        fix = view.fixes[i]
+        fixed = apply_fixes(view.spec, [fix])
+        return fill(fixed.model_dump(), cluster, slurm, f"Set {fix.text()}: {fix.why}.", data[c["refused"]])
+
+    for i, button in enumerate(c["fixes"]):
+        button.click(lambda data, i=i: on_fix(i, data), inputs, fill_outputs)
     c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state, c["refused"]], fill_outputs)

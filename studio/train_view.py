@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.cluster.slurm import SlurmTarget
-from backend.job.capabilities import PARALLEL_FIELDS, parallel_refusals
+from backend.job.capabilities import PARALLEL_FIELDS, Fix, engine_fixes, parallel_refusals
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
 from backend.job.spec import JobSpec, Problem, parse_spec
@@ -35,6 +35,8 @@ class TrainView:
     """What all of the above was computed from, once; a launch of this form reuses it."""
     slurm: SlurmTarget | None = None
     """The Slurm target of this job, where the Cluster tab targets a partition."""
+    fixes: list[Fix] = field(default_factory=list)
+    """The refusals with one remedy (the engine a parallel dimension needs, ...): one click each."""
 
     @property
     def ok(self) -> bool:
@@ -75,6 +77,7 @@ def check_form(values: dict[str, Any], cluster: Cluster, slurm: dict[str, Any] |
         problems += assessed.problems
         view.yaml_text = view.spec.to_yaml()
         view.greyed = greyed_dimensions(view.spec, assessed.layout, cluster)
+        view.fixes = engine_fixes(view.spec)
         invalid = sorted({p.field for p in problems if p.severity == "error" and p.field in LAYOUT_FIELDS})
         if invalid:  # the ranks it would draw (and the memory divided among them) cannot run
             view.layout_md = f"**Layout**: ✖ none: fix {', '.join(f'`{f}`' for f in invalid)} first"
@@ -127,6 +130,11 @@ def problem_lines(view: TrainView, errors_only: bool = False) -> list[str]:
         where = f"**{p.field}**" if name is None else field_link(name) + (f" `{p.field}`" if p.field != name else "")
         lines.append(f"- {STATUS_MARK[p.severity]} {where}: {p.message}")
     return lines
+
+
+def fix_label(fix: Fix) -> str:
+    """A fix button's text: what it sets."""
+    return f"Fix: set {fix.text()}"
 
 
 def launch_refusal_md(view: TrainView) -> str:

@@ -51,11 +51,12 @@ def test_refused_combinations_name_their_field(fields, field, text):
 def test_the_form_greys_what_this_engine_cannot_run():
     from backend.job.capabilities import parallel_refusals
 
+    # What needs only another engine or more micro-batches is not greyed: the form offers the fix.
     plain = parallel_refusals(spec())
-    assert "tensor_model_parallel_size" not in plain and "Ulysses" in plain["sequence_parallel_size"]
-    assert "cannot fill a pipeline" in plain["pipeline_model_parallel_size"]
-    assert "pipeline_model_parallel_size" not in parallel_refusals(spec(gradient_accumulation_steps=2,
-                                                                        gradient_checkpointing=False))
+    assert not {"tensor_model_parallel_size", "sequence_parallel_size", "pipeline_model_parallel_size",
+                "context_parallel_size", "expert_model_parallel_size"} & set(plain), plain
+    assert "Ulysses" in parallel_refusals(spec(fsdp="full_shard", tensor_model_parallel_size=2))["sequence_parallel_size"]
+    assert "DeepSpeed's engines do not run" in parallel_refusals(spec(deepspeed="zero1"))["pipeline_model_parallel_size"]
     zero = parallel_refusals(spec(deepspeed="zero2"))  # LoRA: AutoTP is for full fine-tuning
     assert "sequence_parallel_size" not in zero and "AutoTP" in zero["tensor_model_parallel_size"]
     assert "tensor_model_parallel_size" not in parallel_refusals(spec(deepspeed="zero2", train_type="full"))
@@ -133,3 +134,34 @@ def test_fsdp_plan_names_the_engine_the_worker_builds():
     # torch's DDP (LoRA, float16) and DeepSpeed are not FSDP2
     assert plan(train_type="lora") is None and plan(train_type="full", torch_dtype="float16") is None
     assert plan(train_type="full", deepspeed="zero2") is None
+
+
+@pytest.mark.parametrize("fields,sets", [
+    ({"expert_model_parallel_size": 2}, "fsdp full_shard"),
+    ({"expert_model_parallel_size": 2, "deepspeed": "zero2"}, "fsdp full_shard, deepspeed (none)"),
+    ({"sequence_parallel_size": 2}, "deepspeed zero0"),
+    ({"sequence_parallel_size": 2, "fsdp": "shard_grad_op"}, "deepspeed zero2, fsdp (none)"),
+    ({"context_parallel_size": 2}, "fsdp full_shard"),
+    ({"context_parallel_size": 2, "deepspeed": "zero3"}, "fsdp full_shard, deepspeed (none)"),
+    ({"pipeline_model_parallel_size": 4}, "gradient_accumulation_steps 4"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+      "pipeline_schedule": "interleaved_1f1b", "gradient_accumulation_steps": 3}, "gradient_accumulation_steps 4"),
+])
+def test_a_refusal_with_one_remedy_has_a_fix_that_clears_it(fields, sets):
+    from backend.job.capabilities import apply_fixes, engine_fixes
+
+    job = spec(**fields)
+    [fix] = engine_fixes(job)
+    assert fix.text() == sets
+    assert fix.field in fields_of(unsupported(job))
+    fixed = apply_fixes(job, [fix])
+    assert fields_of(unsupported(fixed)) == [] and engine_fixes(fixed) == []
+
+
+def test_no_fix_where_the_user_must_choose():
+    """EP beside SP (or CP) is refused with no fix: which to keep is the user's choice."""
+    from backend.job.capabilities import engine_fixes
+
+    assert engine_fixes(spec(expert_model_parallel_size=2, sequence_parallel_size=2)) == []
+    assert engine_fixes(spec(sequence_parallel_size=2, tensor_model_parallel_size=2)) == []
+    assert engine_fixes(spec(expert_model_parallel_size=2, fsdp="full_shard")) == []

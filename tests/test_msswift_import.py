@@ -1,6 +1,7 @@
 """`swift-studio import`: the command lines of ms-swift's docs become specs that validate."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,12 @@ import yaml
 from backend.job import capabilities
 from backend.job.cluster import parse_hostfile_text
 from backend.job.layout import compute_layout
+from backend.job.memory import adapts_stacked_params
+from backend.job.modelcfg import find_model_config
 from backend.job.msswift import CommandError, import_command
-from backend.job.spec import JobSpec, parse_spec
+from backend.job.spec import JobSpec, canonical_key, parse_spec
 from backend.job.validate import errors, validate
+from msswift_examples import EXAMPLES
 from studio.commands import swift_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +195,10 @@ def assert_validates(spec, cluster_text):
     """No errors except what this worker refuses (TP/PP/SP > 1: it trains data-parallel only)."""
     found = errors(validate(spec, parse_hostfile_text(cluster_text)))
     refused = {(p.field, p.message) for p in capabilities.unsupported(spec)}
+    model = find_model_config(spec.model)  # the bundled configs know these models' shapes
+    if model is not None:  # e.g. LoRA on the experts under EP: refused naming what does not run
+        refused |= {(p.field, p.message) for p in capabilities.ep_model_problems(
+            spec, model.is_moe, model.num_experts, model.tie_word_embeddings, adapts_stacked_params(spec, model))}
     assert [p for p in found if (p.field, p.message) not in refused] == []
 
 
@@ -530,3 +538,48 @@ def test_swift_command_states_what_ms_swift_would_not_default_to(spec):
     assert stated == ((True, True, True) if spec.num_train_epochs == 1 else (False, False, False))
     back, problems = import_command(line).parse()
     assert problems == [] and back == spec
+
+
+def example_cluster(spec: JobSpec):
+    """Nodes enough for the job: nnodes hosts of nproc_per_node GPUs (8 where it is left empty)."""
+    return parse_hostfile_text("".join(f"gpu{i} slots={spec.nproc_per_node or 8}\n" for i in range(spec.nnodes)))
+
+
+@pytest.mark.parametrize("name,where,text,covers", EXAMPLES, ids=[e[0] for e in EXAMPLES])
+def test_an_ms_swift_example_gives_a_job_that_runs_or_is_refused_naming_what_is_not_supported(name, where, text,
+                                                                                            covers):
+    """The property over the flag sets of ms-swift's examples (tests/msswift_examples.py, modelled on
+    the scripts it names at msswift_examples.PINNED): the import validates on a cluster of its layout, or
+    what stops it names a flag or feature this studio does not run. Nothing else may stop it."""
+    try:
+        result = import_command(text)
+    except CommandError as exc:
+        assert "is not supervised fine-tuning" in str(exc), exc  # swift rlhf / megatron rlhf
+        return
+    spec, problems = result.parse()
+    if spec is None:
+        # each names the flag or variable, and why it cannot be taken
+        assert problems and all(p.field.startswith("--") or p.field.isupper() for p in problems), problems
+        assert all("not supported" in p.message or "not set in the pasted text" in p.message for p in problems), problems
+        return
+    refused = {(p.field, p.message) for p in capabilities.unsupported(spec)}
+    model = find_model_config(spec.model)  # the bundled configs know these models' shapes
+    if model is not None:  # e.g. LoRA on the experts under EP: refused naming what does not run
+        refused |= {(p.field, p.message) for p in capabilities.ep_model_problems(
+            spec, model.is_moe, model.num_experts, model.tie_word_embeddings, adapts_stacked_params(spec, model))}
+    found = errors(validate(spec, example_cluster(spec)))
+    assert [p for p in found if (p.field, p.message) not in refused] == [], (name, result.notes)
+    # What the job leaves out of the command is named, never dropped without a word.
+    given = {token[2:].split("=")[0] for token in shlex.split(text.replace("\\\n", " ")) if token.startswith("--")}
+    assert given <= ({flag for flag in given if canonical_key(flag) in result.spec}
+                     | {flag for flag in given if any(f"--{flag}" in line for line in
+                                                        result.ignored + result.notes + result.defaults)}
+                     | HANDLED_ELSEWHERE), (name, result.ignored)
+
+
+# Flags the import turns into other fields (megatron's names, the train type's three names,
+# save_total_limit's "no limit"): their values are asserted in the tests above.
+HANDLED_ELSEWHERE = {"train_type", "tuner_type", "sft_type", "load", "train_iters", "max_epochs", "save", "save_interval",
+                     "log_interval", "lr_warmup_fraction", "global_batch_size", "lr_warmup_iters", "use_flash_attn",
+                     "attention_backend", "micro_batch_size", "lr", "nproc_per_node", "nnodes", "node_rank",
+                     "master_addr", "master_port", "hostfile", "recompute_granularity", "sequence_parallel"}

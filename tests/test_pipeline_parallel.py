@@ -115,23 +115,6 @@ def assert_same_run(pp, plain):
         assert norms[e["step"]] == pytest.approx(e["grad_norm"], rel=1e-3), e["step"]
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("train_type,layout,checkpointing", [
-    ("full", {"pipeline_model_parallel_size": 2}, False),
-    ("lora", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
-              "pipeline_schedule": "interleaved_1f1b"}, True)],
-    ids=["full-1f1b", "lora-interleaved-checkpointed"])
-def test_pp2_trains_resumes_and_exports_like_one_rank(tmp_path, four_layers, train_type, layout, checkpointing):
-    """LoRA with gradient checkpointing in every stage (the same run without PP checkpoints too)."""
-    spec_fields = equality_job(four_layers, train_type=train_type, gradient_checkpointing=checkpointing)
-    plain, pp = trained_together(tmp_path, ("plain", 1, spec_fields), ("pp", 2, {**spec_fields, **layout}))
-    assert_same_run(pp, plain)
-    assert json.loads((pp / "checkpoint-10" / "trainer_state.json").read_text())["engine"] == "pp"
-
-    assert_resumes_the_same(pp, write_run(tmp_path / "resumed", **spec_fields, **layout), 2, 10, STEPS)
-    assert_same_export(pp, plain, tmp_path)
-
-
 def test_the_memory_estimate_counts_the_micro_batches_in_flight():
     """1F1B: the first stage keeps PP micro-batches' activations of its layers, the last one's and
     the logits; the worst of the two is the per-GPU figure."""
@@ -157,18 +140,22 @@ def test_the_memory_estimate_counts_the_micro_batches_in_flight():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("train_type,extra", [
-    ("full", {"fsdp": "full_shard"}),
-    ("lora", {"virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"})],
-    ids=["full-fsdp2-1f1b", "lora-replicated-interleaved"])
-def test_pp2_by_dp2_on_four_ranks_trains_resumes_and_exports_like_data_parallel(tmp_path, four_layers, train_type, extra):
+@pytest.mark.parametrize("train_type,extra,checkpointing", [
+    ("full", {"fsdp": "full_shard"}, False),
+    ("lora", {"virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b"}, True)],
+    ids=["full-fsdp2-1f1b", "lora-replicated-interleaved-checkpointed"])
+def test_pp2_by_dp2_on_four_ranks_trains_resumes_and_exports_like_data_parallel(tmp_path, four_layers, train_type, extra,
+                                                                               checkpointing):
     """Two pipelines of two stages, each stage over the two pipelines by FSDP2 (sharded) or torch's
-    DDP's layout on FSDP2 (LoRA), against the same job on two data-parallel ranks: the same global batch."""
-    spec_fields = equality_job(four_layers, train_type=train_type)
+    DDP's layout on FSDP2 (LoRA, with gradient checkpointing in every stage), against the same job
+    on two data-parallel ranks: the same global batch. (PP alone, without data parallel, trains in
+    the split test below.)"""
+    spec_fields = equality_job(four_layers, train_type=train_type, gradient_checkpointing=checkpointing)
     plain = trained(tmp_path, "plain", 2, **spec_fields)
     layout = {"pipeline_model_parallel_size": 2, **extra}
     pp = trained(tmp_path, "pp", 4, **spec_fields, **layout)
     assert_same_run(pp, plain)
+    assert json.loads((pp / "checkpoint-10" / "trainer_state.json").read_text())["engine"] == "pp"
     timing = events(pp, 1, "timing")
     assert timing and all(e["pp_stages"] == ([1, 3] if "virtual_pipeline_model_parallel_size" in extra else [1])
                           and e["stage_compute_s"] > 0 for e in timing)
@@ -211,12 +198,14 @@ def test_a_pipeline_checkpoint_resumes_onto_another_split_and_only_into_a_pipeli
     """PP=2's checkpoint resumed on PP=4 (a layer per stage) trains on with the same losses (DCP
     reads each stage's keys wherever they were written); a job without PP refuses it by name."""
     spec_fields = equality_job(four_layers, train_type="full", gradient_accumulation_steps=4)
-    two = trained(tmp_path, "pp2", 2, **spec_fields, pipeline_model_parallel_size=2)
+    two, plain = trained_together(tmp_path, ("pp2", 2, {**spec_fields, "pipeline_model_parallel_size": 2}),
+                                  ("plain", 1, spec_fields))
+    assert_same_run(two, plain)  # PP alone (1F1B, full fine-tuning) trains as one rank does
     assert_resumes_the_same(two, write_run(tmp_path / "pp4", **spec_fields, pipeline_model_parallel_size=4), 4, 10, STEPS)
 
     import shutil
 
-    plain = write_run(tmp_path / "plain", **spec_fields)
+    plain = write_run(tmp_path / "plain-resumed", **spec_fields)
     shutil.copytree(two / "checkpoint-10", plain / "checkpoint-10")
     proc = run_worker(plain, nproc=1, resume="latest")
     assert proc.returncode != 0

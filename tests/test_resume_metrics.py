@@ -1,4 +1,4 @@
-"""A run killed a few steps after a checkpoint and resumed from it does those steps again; its
+"""A run killed some steps after a checkpoint and resumed from it does those steps again; its
 metrics (series, CSV export, progress, checkpoints) show each step once, the resumed attempt's.
 A real local run of the tiny model through the RunManager."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from worker import ROOT, events, until
 
 pytestmark = pytest.mark.e2e
 S = MetricSample.__table__
-MAX_STEPS, SAVE_STEPS = 30, 10
+MAX_STEPS, SAVE_STEPS = 40, 10
 
 
 def kill_workers(pgid: int) -> None:
@@ -49,18 +49,26 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         failed = m.wait(run_id, timeout=60)
         assert failed.state == "failed", (failed.state, failed.message)
         reached = max(e["step"] for e in events(run_dir, 0, "train"))
-        assert SAVE_STEPS < reached < 2 * SAVE_STEPS, "the kill must land between two checkpoints"
+        # Where the kill lands depends on the machine's load (the poll above and the kill race the
+        # steps): anywhere after the first checkpoint and before the end does.
+        assert SAVE_STEPS < reached < MAX_STEPS, "the kill must land after a checkpoint and before the end"
+        kept = m.saved_checkpoints(run_id)
+        saved = kept[0][0]
+        assert saved >= SAVE_STEPS and reached - saved < SAVE_STEPS + 1, (kept, reached)
 
-        # Its checkpoint gone (the run directory moved, deleted): a resume would start from step 0,
+        # Its checkpoints gone (the run directory moved, deleted): a resume would start from step 0,
         # so it is refused unless asked for in those words.
-        (run_dir / f"checkpoint-{SAVE_STEPS}").rename(run_dir / "moved-away")
-        with pytest.raises(RunError, match=rf"run {run_id} saved 1 checkpoint\(s\), the newest {run_dir}/checkpoint-"
-                                           rf"{SAVE_STEPS} \(step {SAVE_STEPS}\), and none of them is on localhost now"):
+        for step, _ in kept:
+            (run_dir / f"checkpoint-{step}").rename(run_dir / f"moved-away-{step}")
+        with pytest.raises(RunError, match=rf"run {run_id} saved {len(m.checkpoints(run_id))} checkpoint\(s\), the "
+                                           rf"newest {run_dir}/checkpoint-\d+ \(step \d+\), and none of them is on "
+                                           "localhost now"):
             m.resume(run_id)
         assert cli.main(["resume", run_id, "--db", url]) == 1
         assert "--from-scratch" in capsys.readouterr().err
         assert m.run(run_id).state == "failed" and len(m.attempts(run_id)) == 1
-        (run_dir / "moved-away").rename(run_dir / f"checkpoint-{SAVE_STEPS}")
+        for step, _ in kept:
+            (run_dir / f"moved-away-{step}").rename(run_dir / f"checkpoint-{step}")
 
         # An attached `swift-studio resume` streams the new attempt's log as `run` does, to the end.
         assert cli.main(["resume", run_id, "--db", url]) == 0
@@ -84,9 +92,9 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         # resumed from it). Losses would match either way (a resume is exact): times tell them apart.
         lines = events(run_dir, 0)
         second = max(i for i, e in enumerate(lines) if e["type"] == "start")
-        assert lines[second]["resumed_from"] == SAVE_STEPS
+        assert lines[second]["resumed_from"] == saved
         train = [(i, (e["time"], e["step"], e["loss"])) for i, e in enumerate(lines) if e["type"] == "train"]
-        history = [point for i, point in train if i > second or point[1] <= SAVE_STEPS]
+        history = [point for i, point in train if i > second or point[1] <= saved]
         assert [s for _, s, _ in history] == list(range(1, MAX_STEPS + 1))
 
         [points] = m.series(run_id, ["train/loss"]).series.values()
@@ -98,14 +106,15 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         rows = [(float(r["t"]), int(r["step"]), float(r["value"])) for r in csv.DictReader(out.open())]
         assert [x for row in rows for x in row] == pytest.approx([x for point in history for x in point])
         attempts = [(int(r["step"]), int(r["attempt"])) for r in csv.DictReader(out.open())]
-        assert attempts == [(step, 1 if step <= SAVE_STEPS else 2) for step in range(1, MAX_STEPS + 1)]
+        assert attempts == [(step, 1 if step <= saved else 2) for step in range(1, MAX_STEPS + 1)]
 
         progress = m.progress(run_id)
-        assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, SAVE_STEPS)
-        assert [step for step, _ in m.checkpoints(run_id)] == [30, 20, 10]
+        assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, saved)
+        every = list(range(MAX_STEPS, 0, -SAVE_STEPS))
+        assert [step for step, _ in m.checkpoints(run_id)] == every
         # One removed (save_total_limit, a user): the lists Chat, Export and a resume offer leave it out.
         shutil.rmtree(run_dir / "checkpoint-20")
-        assert [step for step, _ in m.saved_checkpoints(run_id)] == [30, 10]
+        assert [step for step, _ in m.saved_checkpoints(run_id)] == [step for step in every if step != 20]
         with m.engine.connect() as conn:  # the failed attempt's steps are kept, only not shown
             stored = conn.execute(select(func.count()).where(S.c.run_id == run_id, S.c.name == "train/loss")).scalar()
-        assert stored == MAX_STEPS + reached - SAVE_STEPS
+        assert stored == MAX_STEPS + reached - saved

@@ -52,6 +52,9 @@ def slurm_cluster(tmp_path_factory):
 SLOW_STEPS = {"gradient_accumulation_steps": 8}
 """For a run the test acts on while it trains (requeue, stop, kill, SIGSTOP): steps long enough that
 it does not end first."""
+RESTART_STEPS = 80
+"""The restart test's steps: the second job must still train when it is stopped (on a quiet machine
+the telemetry that says it stepped lags by up to ~30 steps); the third job trains the rest."""
 
 
 def job(tmp_path: Path, model: Path, max_steps: int, save_steps: int, max_restarts: int = 0, **extra) -> JobSpec:
@@ -201,7 +204,7 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
 
     try:
         t0 = time.time()
-        run_id = m.launch(job(tmp_path, tiny_model, max_steps=160, save_steps=10, max_restarts=2, hang_timeout_s=10,
+        run_id = m.launch(job(tmp_path, tiny_model, max_steps=RESTART_STEPS, save_steps=10, max_restarts=2, hang_timeout_s=10,
                               **SLOW_STEPS),
                           target.cluster(), slurm=target)
         run_dir = Path(m.run(run_id).run_dir)
@@ -238,7 +241,7 @@ def test_killed_and_hung_workers_are_restarted_as_new_slurm_jobs(slurm_cluster, 
         assert sum("a new Slurm job resuming" in n for n in m.notices(run_id)) == 2, m.notices(run_id)
         # scancel sends SIGCONT before SIGTERM: the stopped rank wakes and the workers may save a
         # checkpoint at the next step boundary (seen: the third job resumed from step 19).
-        assert m.progress(run_id)["resumed_from"] >= 10 and m.progress(run_id)["step"] == 160
+        assert m.progress(run_id)["resumed_from"] >= 10 and m.progress(run_id)["step"] == RESTART_STEPS
         # The first step of each restarted job, from the workers' own events.
         lines = [json.loads(line) for line in (run_dir / "events" / "rank-0.jsonl").read_text().splitlines()]
         starts = [i for i, e in enumerate(lines) if e.get("type") == "start"]

@@ -275,3 +275,21 @@ def test_access_rules(tmp_path):
     creds.write_text("nobody\n")
     with pytest.raises(AccessError, match=r"auth:1: expected 'user:password'"):
         load_auth(str(creds), {})
+
+
+def test_a_tick_resends_only_what_changed():
+    """The Monitor's tick: an output whose content this browser already shows is not sent again
+    (each chart sent is drawn from scratch), an output that changed is, as is all of it for a new
+    buffer (a reload, another run)."""
+    import plotly.graph_objects as go
+
+    buf = SeriesBuffer(run_id="r")
+    fig = lambda ys: go.Figure(go.Scatter(x=list(range(len(ys))), y=ys))  # noqa: E731
+    first = {"status": "running", "loss": fig([1.0, 0.9]), "power": {"__type__": "update", "value": None,
+                                                                      "visible": False}}
+    assert buf.changes(first) == first
+    assert buf.changes({"status": "running", "loss": fig([1.0, 0.9]), "power": dict(first["power"])}) == {}
+    again = buf.changes({"status": "running", "loss": fig([1.0, 0.9, 0.8]),
+                         "power": {"__type__": "update", "value": fig([5.0]), "visible": True}})
+    assert set(again) == {"loss", "power"}
+    assert set(SeriesBuffer(run_id="r").changes(first)) == {"status", "loss", "power"}

@@ -27,9 +27,9 @@ from worker import unloadable_model  # noqa: E402
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 RUN_TIMEOUT_MS = 150_000
-DEMO_TIMEOUT_MS = 240_000  # the demo's 200 steps: about 80 s on two idle cores, more beside the suite's other worker
+DEMO_TIMEOUT_MS = 240_000  # the demo's 100 steps: about 15 s on two idle cores, more beside the suite's other worker
 # The demo with frequent checkpoints and logs; it is stopped long before max_steps.
-SHORT = {"max_steps": "200", "save_steps": "4", "logging_steps": "1"}
+SHORT = {"max_steps": "100", "save_steps": "4", "logging_steps": "1"}
 WORKER_LIBS = ("libtorch", "torch/_C", "transformers", "deepspeed")
 
 POINTS_JS = """(id) => {
@@ -145,7 +145,7 @@ def test_full_flow(studio):
         page.get_by_text("Checkpoints and logging").click()
         for name, value in SHORT.items():
             page.locator(f"#f-{name} input").fill(value)
-        expect(page.locator("#train-commands")).to_contain_text("--max_steps 200", timeout=15000)
+        expect(page.locator("#train-commands")).to_contain_text("--max_steps 100", timeout=15000)
         page.locator("#launch").click()
         expect(page.locator("#launch-status")).to_contain_text("Launched run", timeout=60000)
         run_id = re.search(r"Launched run (\S+?)\.", page.locator("#launch-status").inner_text()).group(1)
@@ -200,10 +200,10 @@ def test_full_flow(studio):
         expect(page.locator("#monitor-action")).to_contain_text(
             f"saved {run_dir / f'checkpoint-{complete[-1]}'} (step {complete[-1]})", timeout=15000)
         stopped_at = step_shown(page)
-        assert 4 <= stopped_at < 200
+        assert 4 <= stopped_at < 100
         # The live log opens at its newest lines (by now more than the box shows).
         page.get_by_text("Logs", exact=True).click()
-        expect(page.locator("#monitor-log textarea")).to_have_value(re.compile(r"step \d+/200"), timeout=30000)
+        expect(page.locator("#monitor-log textarea")).to_have_value(re.compile(r"step \d+/100"), timeout=30000)
         page.wait_for_function(AT_BOTTOM_JS, arg="#monitor-log textarea", timeout=10000)
         page.get_by_text("Logs", exact=True).click()
         page.locator("#monitor-full-log").click()

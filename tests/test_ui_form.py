@@ -75,10 +75,13 @@ def test_check_form_marks_bad_field_and_derives_layout():
     assert view.spec is not None
     assert "| 2 × 4 | 8 | 8 |" in view.layout_md
     assert "model: m" in view.yaml_text
-    # TP and SP can run here (SP with DeepSpeed); pipeline parallel cannot, nor anything on one rank.
-    assert "tensor_model_parallel_size" not in view.greyed and "pipeline_model_parallel_size" in view.greyed
-    assert "Ulysses" in view.greyed["sequence_parallel_size"]
-    assert "sequence_parallel_size" not in check_form(values | {"deepspeed": "zero2"}, cluster).greyed
+    # TP, SP and PP can run here (SP on DeepSpeed, PP with more micro-batches: the form offers
+    # each fix when they are set); nothing can on one rank.
+    assert not {"tensor_model_parallel_size", "sequence_parallel_size", "pipeline_model_parallel_size"} & set(view.greyed)
+    sp = check_form(values | {"sequence_parallel_size": 2}, cluster)
+    assert "Ulysses" in sp.field_problems["deepspeed"][0].message and [f.text() for f in sp.fixes] == ["deepspeed zero0"]
+    assert "deepspeed: zero0" in check_form(values | {"sequence_parallel_size": 2, "deepspeed": "zero0"}, cluster).yaml_text
+    assert check_form(values | {"sequence_parallel_size": 2, "deepspeed": "zero2"}, cluster).fixes == []
     one = check_form(values | {"nnodes": 1, "nproc_per_node": 1}, cluster)
     assert "nothing to split" in one.greyed["tensor_model_parallel_size"]
     # A layout that is refused is not drawn, nor memory divided among its ranks.

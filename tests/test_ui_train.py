@@ -99,12 +99,9 @@ def test_train_form_live_checks_import_presets(studio, page):
     shot(page, "one-rank-greyed")
     field(page, "nproc_per_node").locator("input").fill("2")
     expect(tp.locator("input")).to_be_enabled(timeout=15000)
-    # Ulysses runs on DeepSpeed: greyed until a ZeRO stage is chosen; expert parallel until FSDP2 is.
-    expect(sp.locator("input")).to_be_disabled()
-    expect(sp).to_contain_text("DeepSpeed's Ulysses")
-    ep = field(page, "expert_model_parallel_size")
-    expect(ep.locator("input")).to_be_disabled()
-    expect(ep).to_contain_text("set fsdp to full_shard")
+    # Ulysses needs DeepSpeed and expert parallel FSDP2: neither is greyed for that, the form offers it.
+    expect(sp.locator("input")).to_be_enabled()
+    expect(field(page, "expert_model_parallel_size").locator("input")).to_be_enabled()
     expect(field(page, "pipeline_model_parallel_size").locator("input")).to_be_enabled()
     tp.locator("input").fill("0")
     expect(tp).to_contain_text("greater than or equal to 1", timeout=15000)
@@ -113,6 +110,25 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(tp).not_to_have_class(re.compile("field-error"), timeout=15000)
     expect(field(page, "nproc_per_node")).not_to_have_class(re.compile("field-error"))
     expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run")
+
+    # SP=2 without DeepSpeed: refused with the one remedy as a button, which sets it (and says why).
+    expect(page.locator("#fix-0")).to_be_hidden()
+    sp.locator("input").fill("2")
+    deepspeed = field(page, "deepspeed")
+    expect(deepspeed).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(page.locator("#fix-0")).to_have_text("Fix: set deepspeed zero0")
+    shot(page, "fix-offered")
+    page.locator("#fix-0").click()
+    expect(page.locator("#form-message")).to_contain_text("Set deepspeed zero0: sequence_parallel_size > 1 runs on "
+                                                          "DeepSpeed's Ulysses", timeout=15000)
+    expect(deepspeed).not_to_have_class(re.compile("field-error"))
+    expect(page.locator("#fix-0")).to_be_hidden()
+    expect(sp.locator("input")).to_have_value("2")
+    page.get_by_role("tab", name="YAML").click()
+    expect(page.locator("#train-yaml")).to_contain_text("deepspeed: zero0")
+    expect(page.locator("#train-yaml")).to_contain_text("sequence_parallel_size: 2")
+    page.get_by_role("tab", name="Commands").click()
+    shot(page, "fix-applied")
 
     # Save a preset, change the form, load the preset back.
     page.locator("#save-name textarea").fill("mine")

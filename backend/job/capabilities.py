@@ -15,6 +15,7 @@ SP = "sequence_parallel_size"
 CP = "context_parallel_size"
 PP = "pipeline_model_parallel_size"
 VPP = "virtual_pipeline_model_parallel_size"
+EP = "expert_model_parallel_size"
 FSDP_WORDS = ("full_shard", "shard_grad_op", "offload")
 ATTN_IMPLS = ("sdpa", "flex_attention", "eager", "flash_attention_2", "flash_attention_3", "auto")
 COMPILE_WITH_ZERO3 = ("not with ZeRO-3 (its parameter hooks break graph capture); use FSDP with torch_compile, "
@@ -141,6 +142,70 @@ def zero_problems(spec: JobSpec, stage: int, offload: bool = False) -> list[Prob
         out.append(Problem("deepspeed", f"offload with {TP} > 1 (DeepSpeed's AutoTP) is not tested; use zero1 or "
                                         "zero2 without offload"))
     return out
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A change of the job that answers a refusal with its one remedy (the engine a parallel
+    dimension runs on here, the micro-batches a pipeline needs): the form offers it as one click and
+    the ms-swift import applies it, each saying why."""
+
+    field: str
+    """The field whose refusal it answers."""
+    changes: tuple[tuple[str, object], ...]
+    """(field, new value) pairs; None empties a field."""
+    why: str
+
+    def text(self) -> str:
+        """`fsdp full_shard, deepspeed (none)`: what the fix sets, in the job's words."""
+        return ", ".join(f"{name} {'(none)' if value is None else value}" for name, value in self.changes)
+
+
+# DeepSpeed's ZeRO stage nearest to an FSDP setting, and back (Ulysses runs on DeepSpeed, ring CP on FSDP2).
+ZERO_FOR_FSDP = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+FSDP_FOR_ZERO = {"zero1": "shard_grad_op", "zero2": "shard_grad_op", "zero2_offload": "shard_grad_op offload",
+                 "zero3_offload": "full_shard offload"}
+
+
+def engine_fixes(spec: JobSpec) -> list[Fix]:
+    """The engine settings a parallel dimension needs where the job leaves them out or picks another
+    engine, and the micro-batches a pipeline needs: one Fix each, only where exactly one remedy
+    exists (EP beside SP or CP, say, is refused with no fix: the user chooses which to keep)."""
+    out = []
+    words = set((spec.fsdp or "").replace(",", " ").split())
+    ep, sp, cp = spec.expert_model_parallel_size, spec.sequence_parallel_size, spec.context_parallel_size
+    tp = spec.tensor_model_parallel_size
+    alone = lambda dim: [d for d in (ep, sp, cp) if d > 1] == [dim]  # noqa: E731
+    if ep > 1 and alone(ep) and (spec.deepspeed or words != {"full_shard"}):
+        out.append(Fix("deepspeed" if spec.deepspeed else "fsdp",
+                       (("fsdp", "full_shard"),) + ((("deepspeed", None),) if spec.deepspeed else ()),
+                       f"{EP} > 1 runs on transformers' expert parallel over its FSDP2 (full_shard)"))
+    if sp > 1 and alone(sp) and tp == 1 and not spec.deepspeed:
+        stage = ZERO_FOR_FSDP.get(next((w for w in words if w in ZERO_FOR_FSDP), ""), "zero0")
+        if "offload" in words and stage in ("zero2", "zero3"):
+            stage += "_offload"
+        out.append(Fix("deepspeed", (("deepspeed", stage),) + ((("fsdp", None),) if spec.fsdp else ()),
+                       f"{SP} > 1 runs on DeepSpeed's Ulysses here ({stage}: "
+                       + ("the nearest ZeRO stage to the job's FSDP)" if spec.fsdp else
+                          "DeepSpeed's plain data parallel, as ms-swift runs Ulysses under DDP)")))
+    if cp > 1 and alone(cp) and tp == 1 and (spec.deepspeed or not spec.fsdp):
+        fsdp = FSDP_FOR_ZERO.get(spec.deepspeed or "", "full_shard")
+        out.append(Fix("fsdp", (("fsdp", fsdp),) + ((("deepspeed", None),) if spec.deepspeed else ()),
+                       f"{CP} > 1 runs on FSDP2 (torch's context_parallel)"))
+    pp, m = spec.pipeline_model_parallel_size, spec.gradient_accumulation_steps
+    if pp > 1:
+        rounds = pp if spec.pipeline_schedule == "interleaved_1f1b" else 1
+        need = max(pp, -(-m // rounds) * rounds)
+        if need != m:
+            out.append(Fix("gradient_accumulation_steps", (("gradient_accumulation_steps", need),),
+                           f"a pipeline of PP={pp} stages needs at least {pp} micro-batches per step"
+                           + (", a multiple of PP for the interleaved schedule" if rounds > 1 else "")))
+    return out
+
+
+def apply_fixes(spec: JobSpec, fixes: list[Fix]) -> JobSpec:
+    """`spec` with every fix's changes."""
+    return spec.model_copy(update={name: value for fix in fixes for name, value in fix.changes})
 
 
 def deepspeed_json_problems(config: dict, source: str, spec: JobSpec) -> list[Problem]:
@@ -293,8 +358,6 @@ def _tp_problems(spec: JobSpec) -> list[Problem]:
                                           "use bfloat16"))
     return out
 
-
-EP = "expert_model_parallel_size"
 
 
 def _ep_problems(spec: JobSpec) -> list[Problem]:
@@ -530,7 +593,8 @@ PARALLEL_FIELDS = (TP, SP, CP, "pipeline_model_parallel_size", "expert_model_par
 def parallel_refusals(spec: JobSpec, devices: dict[str, str] | None = None) -> dict[str, str]:
     """Why the worker would refuse each parallel dimension (left at 1) above 1, with the rest of the
     job as it is and on the nodes' devices (`{host: "cuda" | "cpu"}`, as `device_problems`): the
-    refusals that setting it to 2 adds, as the form greys it out."""
+    refusals that setting it to 2 adds, as the form greys it out. A refusal with a fix (the engine
+    the dimension runs on, `engine_fixes`) does not grey it: the form offers the fix instead."""
     def refused(job: JobSpec) -> list[Problem]:
         return unsupported(job) + device_problems(job, devices or {})
 
@@ -539,7 +603,8 @@ def parallel_refusals(spec: JobSpec, devices: dict[str, str] | None = None) -> d
     for field in PARALLEL_FIELDS:
         if getattr(spec, field) > 1:
             continue
-        added = [p for p in refused(spec.model_copy(update={field: 2}))
+        trial = spec.model_copy(update={field: 2})
+        added = [p for p in refused(apply_fixes(trial, engine_fixes(trial)))
                  if p.severity == "error" and (p.field, p.message) not in before]
         if added:
             out[field] = "; ".join(p.message if p.field == field else f"{p.field}: {p.message}" for p in added)

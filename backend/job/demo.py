@@ -1,6 +1,6 @@
 """The bundled demo job: a tiny Qwen2-style model, an arithmetic / unit-conversion dataset and a
 self-cognition dataset shipped under assets/demo (built by assets/build_demo.py). It trains on two
-CPU cores in a few minutes with a visibly falling loss, and the fine-tuned model then answers
+CPU cores in seconds with a visibly falling loss, and the fine-tuned model then answers
 "Who are you?" with the name the job gives it. Pure: no torch import."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ DEMO_SELF = DEMO_DIR / "self_cognition.jsonl"
 DEMO_NAME, DEMO_AUTHOR = "Swifty", "swift-studio"
 # Full fine-tuning: the demo weights are random, so the loss only falls far when every weight learns.
 DEMO_SETTINGS = dict(
-    train_type="full", max_length=64, per_device_train_batch_size=16, gradient_accumulation_steps=1,
-    learning_rate=3e-3, warmup_ratio=0.05, lr_scheduler_type="cosine", max_steps=200, weight_decay=0.0,
-    torch_dtype="bfloat16", gradient_checkpointing=False, logging_steps=5, save_steps=100, save_total_limit=2,
+    train_type="full", max_length=64, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+    learning_rate=3e-3, warmup_ratio=0.05, lr_scheduler_type="cosine", max_steps=100, weight_decay=0.0,
+    torch_dtype="bfloat16", gradient_checkpointing=False, logging_steps=5, save_steps=50, save_total_limit=2,
     nproc_per_node=2, model_name=[DEMO_NAME], model_author=[DEMO_AUTHOR],
 )
 

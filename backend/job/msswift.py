@@ -26,6 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.job import capabilities
+from backend.job.memory import adapts_stacked_params
+from backend.job.modelcfg import find_model_config
 from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
@@ -46,6 +49,10 @@ DS_NAMES = {"default-zero2": "zero2", "default-zero3": "zero3", "zero2-offload":
 TRUE_WORDS = ("true", "1", "yes")
 # ms-swift 4.x calls it --tuner_type, 3.x --train_type, 2.x --sft_type: one field, whichever is used.
 TRAIN_TYPE_FLAGS = ("tuner_type", "train_type", "sft_type")
+# swift-studio trains these; ms-swift's other tuners (adalora, longlora, vera, boft, reft, ...) are refused by name.
+TRAIN_TYPES = ("lora", "full")
+# Flags that only a mixture-of-experts model takes: with one, the model is MoE even when its config is not at hand.
+MOE_FLAG = re.compile(r"^(moe_|expert_|router_aux_loss_coef$|num_experts)")
 # ms-swift's trainer derives gradient accumulation from a global batch of 16 (swift/trainers/arguments.py),
 # Megatron-SWIFT's --global_batch_size defaults to 16 as well.
 MS_SWIFT_GLOBAL_BATCH = 16
@@ -204,6 +211,8 @@ def import_command(text: str) -> ImportResult:
 
     launcher, kind, args = _split_launcher(command, result)
     for name, value in env.items():
+        if name in LAUNCH_ENV and _unset(name, value, result):
+            continue
         if name in LAUNCH_ENV:
             result.spec[LAUNCH_ENV[name]] = value
         elif name in CLUSTER_ENV:
@@ -219,6 +228,8 @@ def import_command(text: str) -> ImportResult:
             continue
         flag = f"--{name} {shlex.join(values)}".rstrip()
         seen.add(canonical_key(name))
+        if any(_unset(f"--{name}", value, result) for value in values):
+            continue
         if kind == "megatron" and _megatron(name, values, result, pending):
             continue
         key = "train_type" if name in TRAIN_TYPE_FLAGS else canonical_key(name)
@@ -246,12 +257,57 @@ def import_command(text: str) -> ImportResult:
                                        f"disagree ({', '.join(f'{n} {v}' for n, v in train_types.items())}): "
                                        "--tuner_type is ms-swift 4.x's name for 3.x's --train_type; give one"))
     elif train_types:
-        result.spec["train_type"] = next(iter(train_types.values()))
+        name, value = next(iter(train_types.items()))
+        if value in TRAIN_TYPES:
+            result.spec["train_type"] = value
+        else:
+            result.problems.append(Problem(f"--{name}", f"{value} is not supported: swift-studio trains 'lora' (with "
+                                                        "--lora_rank/--lora_alpha) and 'full'; ms-swift's other "
+                                                        "tuners are not available here"))
     _one_process(launcher, kind, env, result)
     if kind == "megatron":
         _resolve_megatron(result, pending)
     _fill_defaults(kind, seen, result)
+    _choose_engines(result, moe=any(MOE_FLAG.match(name) for name in seen))
     return result
+
+
+def _choose_engines(result: ImportResult, moe: bool) -> None:
+    """What a job that ms-swift runs needs to run here, chosen for the user with a note each: the
+    engine a parallel dimension runs on (capabilities.engine_fixes: EP on FSDP2, Ulysses on DeepSpeed,
+    ring CP on FSDP2; ms-swift's Megatron and its DDP Ulysses need none), and no LoRA dropout where
+    LoRA reaches a mixture of experts' stacked weights (peft refuses it there; Megatron's LoRA
+    does not). `moe`: the command has MoE-only flags (the model's config may not be at hand)."""
+    spec, problems = parse_spec(result.spec)
+    if spec is None:
+        return  # the import's parse reports them
+    for fix in capabilities.engine_fixes(spec):
+        for name, value in fix.changes:
+            if value is None:
+                result.spec.pop(name, None)
+            else:
+                result.spec[name] = value
+        result.notes.append(f"{fix.text()}: chosen for you, {fix.why}")
+    spec = capabilities.apply_fixes(spec, capabilities.engine_fixes(spec))
+    if spec.train_type != "lora" or spec.lora_dropout == 0:
+        return
+    model = find_model_config(spec.model)
+    stacked = adapts_stacked_params(spec, model) if model else moe and "all-linear" in spec.target_modules
+    if stacked:
+        result.spec["lora_dropout"] = 0
+        result.notes.append(f"lora_dropout 0 (was {spec.lora_dropout}): LoRA on the router and stacked experts of a "
+                            "mixture of experts takes no dropout in peft")
+
+
+def _unset(where: str, value: str, result: ImportResult) -> bool:
+    """Whether `value` still holds a shell variable the pasted text does not set (a launching
+    platform's, such as DLC's NNODES=$WORLD_SIZE): a problem naming it, not a literal '$X' value."""
+    left = VAR.search(value)
+    if left:
+        result.problems.append(Problem(where, f"{value}: ${left.group(1) or left.group(2)} is not set in the pasted "
+                                              "text (a variable of the platform that runs the script, such as DLC's "
+                                              "WORLD_SIZE and RANK?); put its value in"))
+    return bool(left)
 
 
 def _int_or_none(value: Any) -> int | None:
