@@ -144,3 +144,30 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
     [worker] = chat_workers(studio.proc.pid)
     studio.stop()
     until(lambda: not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE, timeout=30)
+
+
+# Whether a chart's series are one point each, drawn as a marker that Plotly rendered (the loss's
+# raw trace under its smoothed one may stay a line: the smoothed trace shows the point).
+ONE_POINT_JS = """(id) => {
+  const el = document.querySelector(`#${id} .js-plotly-plot`);
+  if (!el || !el.data) return false;
+  const traces = el.data.filter(t => (t.x || []).length);
+  return traces.length > 0 && traces.every(t => t.x.length === 1)
+    && traces.some(t => (t.mode || '').includes('markers'))
+    && el.querySelectorAll('.scatterlayer .point').length > 0;
+}"""
+
+
+def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
+    """The LoRA run logged one step: its loss, learning rate and throughput each show that point as
+    a marker (a line through one point draws nothing)."""
+    studio, lora, _ = studio_with_runs
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        page = open_studio(browser, studio.url)
+        page.get_by_role("tab", name="Monitor").click()
+        pick(page, "monitor-run", lora)
+        for chart in ("chart-loss", "chart-lr", "chart-throughput"):
+            page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=30_000)
+        Shots("chat")(page, "one-step-run-monitor")
+        browser.close()
