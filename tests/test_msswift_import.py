@@ -583,3 +583,30 @@ HANDLED_ELSEWHERE = {"train_type", "tuner_type", "sft_type", "load", "train_iter
                      "log_interval", "lr_warmup_fraction", "global_batch_size", "lr_warmup_iters", "use_flash_attn",
                      "attention_backend", "micro_batch_size", "lr", "nproc_per_node", "nnodes", "node_rank",
                      "master_addr", "master_port", "hostfile", "recompute_granularity", "sequence_parallel"}
+
+
+def test_an_moe_command_keeps_its_moe_flags_and_gets_the_engine_ep_runs_on():
+    """megatron sft's MoE flags land on the job's fields (the aux loss by either name, ETP), EP is
+    given FSDP2 and MoE LoRA no dropout, each with a note; nothing of it is dropped without a word."""
+    result = import_command("NPROC_PER_NODE=8 megatron sft --load Qwen/Qwen3-30B-A3B --dataset d.jsonl "
+                            "--expert_model_parallel_size 2 --expert_tensor_parallel_size 1 "
+                            "--moe_aux_loss_coeff 1e-3 --train_iters 10 --train_type lora --target_modules all-linear")
+    spec, problems = result.parse()
+    assert problems == [] and (spec.router_aux_loss_coef, spec.expert_tensor_parallel_size) == (1e-3, 1)
+    assert (spec.fsdp, spec.lora_dropout) == ("full_shard", 0)
+    assert any(n.startswith("fsdp full_shard: chosen for you, expert_model_parallel_size > 1") for n in result.notes)
+    assert any(n.startswith("lora_dropout 0 (was 0.05)") for n in result.notes)
+    swift = import_command("swift sft --model Qwen/Qwen3-30B-A3B --dataset d.jsonl --router_aux_loss_coef 0.01")
+    assert swift.parse()[0].router_aux_loss_coef == 0.01
+
+
+@pytest.mark.parametrize("text,field,message", [
+    ("swift sft --model m --dataset d.jsonl --train_type adalora", "--train_type",
+     "adalora is not supported: swift-studio trains 'lora'"),
+    ("NNODES=$WORLD_SIZE NPROC_PER_NODE=8 swift sft --model m --dataset d.jsonl", "NNODES",
+     "$WORLD_SIZE: $WORLD_SIZE is not set in the pasted text"),
+    ("swift sft --model m --dataset d.jsonl --max_length $MAXLEN", "--max_length", "$MAXLEN is not set"),
+])
+def test_what_cannot_run_is_refused_naming_it(text, field, message):
+    spec, problems = import_command(text).parse()
+    assert spec is None and [p.field for p in problems] == [field] and message in problems[0].message, problems

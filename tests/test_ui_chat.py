@@ -160,14 +160,19 @@ ONE_POINT_JS = """(id) => {
 
 def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
     """The LoRA run logged one step: its loss, learning rate and throughput each show that point as
-    a marker (a line through one point draws nothing)."""
-    studio, lora, _ = studio_with_runs
-    with sync_playwright() as p:
-        browser = launch_browser(p)
-        page = open_studio(browser, studio.url)
-        page.get_by_role("tab", name="Monitor").click()
-        pick(page, "monitor-run", lora)
-        for chart in ("chart-loss", "chart-lr", "chart-throughput"):
-            page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=30_000)
-        Shots("chat")(page, "one-step-run-monitor")
-        browser.close()
+    a marker (a line through one point draws nothing). A studio of its own on the module's database:
+    the chat test ends the module's studio."""
+    shared, lora, _ = studio_with_runs
+    studio = start_studio(shared.root)
+    try:
+        with sync_playwright() as p:
+            browser = launch_browser(p)
+            page = open_studio(browser, studio.url)
+            page.get_by_role("tab", name="Monitor").click()
+            pick(page, "monitor-run", lora)
+            for chart in ("chart-loss", "chart-lr", "chart-throughput"):
+                page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=30_000)
+            Shots("one-step-run")(page, "monitor")
+            browser.close()
+    finally:
+        studio.stop()
