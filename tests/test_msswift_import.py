@@ -610,3 +610,8 @@ def test_an_moe_command_keeps_its_moe_flags_and_gets_the_engine_ep_runs_on():
 def test_what_cannot_run_is_refused_naming_it(text, field, message):
     spec, problems = import_command(text).parse()
     assert spec is None and [p.field for p in problems] == [field] and message in problems[0].message, problems
+
+
+def test_a_dollar_in_free_text_is_the_users_text():
+    spec, problems = import_command("swift sft --model m --dataset d.jsonl --system 'Prices are in $USD.'").parse()
+    assert problems == [] and spec.system == "Prices are in $USD."

@@ -175,12 +175,13 @@ def engine_fixes(spec: JobSpec) -> list[Fix]:
     words = set((spec.fsdp or "").replace(",", " ").split())
     ep, sp, cp = spec.expert_model_parallel_size, spec.sequence_parallel_size, spec.context_parallel_size
     tp = spec.tensor_model_parallel_size
-    alone = lambda dim: [d for d in (ep, sp, cp) if d > 1] == [dim]  # noqa: E731
-    if ep > 1 and alone(ep) and (spec.deepspeed or words != {"full_shard"}):
+    # EP, SP and CP exclude each other here: with two of them set, which to keep is the user's choice.
+    only = [name for name, size in ((EP, ep), (SP, sp), (CP, cp)) if size > 1]
+    if only == [EP] and (spec.deepspeed or words != {"full_shard"}):
         out.append(Fix("deepspeed" if spec.deepspeed else "fsdp",
                        (("fsdp", "full_shard"),) + ((("deepspeed", None),) if spec.deepspeed else ()),
                        f"{EP} > 1 runs on transformers' expert parallel over its FSDP2 (full_shard)"))
-    if sp > 1 and alone(sp) and tp == 1 and not spec.deepspeed:
+    if only == [SP] and tp == 1 and not spec.deepspeed:
         stage = ZERO_FOR_FSDP.get(next((w for w in words if w in ZERO_FOR_FSDP), ""), "zero0")
         if "offload" in words and stage in ("zero2", "zero3"):
             stage += "_offload"
@@ -188,7 +189,7 @@ def engine_fixes(spec: JobSpec) -> list[Fix]:
                        f"{SP} > 1 runs on DeepSpeed's Ulysses here ({stage}: "
                        + ("the nearest ZeRO stage to the job's FSDP)" if spec.fsdp else
                           "DeepSpeed's plain data parallel, as ms-swift runs Ulysses under DDP)")))
-    if cp > 1 and alone(cp) and tp == 1 and (spec.deepspeed or not spec.fsdp):
+    if only == [CP] and tp == 1 and (spec.deepspeed or not spec.fsdp):
         fsdp = FSDP_FOR_ZERO.get(spec.deepspeed or "", "full_shard")
         out.append(Fix("fsdp", (("fsdp", fsdp),) + ((("deepspeed", None),) if spec.deepspeed else ()),
                        f"{CP} > 1 runs on FSDP2 (torch's context_parallel)"))

@@ -49,6 +49,8 @@ DS_NAMES = {"default-zero2": "zero2", "default-zero3": "zero3", "zero2-offload":
 TRUE_WORDS = ("true", "1", "yes")
 # ms-swift 4.x calls it --tuner_type, 3.x --train_type, 2.x --sft_type: one field, whichever is used.
 TRAIN_TYPE_FLAGS = ("tuner_type", "train_type", "sft_type")
+# Free text, where '$USD' is the user's own text and not a variable left unset.
+TEXT_FIELDS = ("system", "model_name", "model_author")
 # swift-studio trains these; ms-swift's other tuners (adalora, longlora, vera, boft, reft, ...) are refused by name.
 TRAIN_TYPES = ("lora", "full")
 # Flags that only a mixture-of-experts model takes: with one, the model is MoE even when its config is not at hand.
@@ -228,7 +230,7 @@ def import_command(text: str) -> ImportResult:
             continue
         flag = f"--{name} {shlex.join(values)}".rstrip()
         seen.add(canonical_key(name))
-        if any(_unset(f"--{name}", value, result) for value in values):
+        if canonical_key(name) not in TEXT_FIELDS and any(_unset(f"--{name}", value, result) for value in values):
             continue
         if kind == "megatron" and _megatron(name, values, result, pending):
             continue
@@ -276,19 +278,20 @@ def _choose_engines(result: ImportResult, moe: bool) -> None:
     """What a job that ms-swift runs needs to run here, chosen for the user with a note each: the
     engine a parallel dimension runs on (capabilities.engine_fixes: EP on FSDP2, Ulysses on DeepSpeed,
     ring CP on FSDP2; ms-swift's Megatron and its DDP Ulysses need none), and no LoRA dropout where
-    LoRA reaches a mixture of experts' stacked weights (peft refuses it there; Megatron's LoRA
-    does not). `moe`: the command has MoE-only flags (the model's config may not be at hand)."""
+    LoRA reaches a mixture of experts' stacked weights (peft refuses it there). `moe`: the command
+    has MoE-only flags (the model's config may not be at hand)."""
     spec, problems = parse_spec(result.spec)
     if spec is None:
         return  # the import's parse reports them
-    for fix in capabilities.engine_fixes(spec):
+    fixes = capabilities.engine_fixes(spec)
+    for fix in fixes:
         for name, value in fix.changes:
             if value is None:
                 result.spec.pop(name, None)
             else:
                 result.spec[name] = value
         result.notes.append(f"{fix.text()}: chosen for you, {fix.why}")
-    spec = capabilities.apply_fixes(spec, capabilities.engine_fixes(spec))
+    spec = capabilities.apply_fixes(spec, fixes)
     if spec.train_type != "lora" or spec.lora_dropout == 0:
         return
     model = find_model_config(spec.model)
