@@ -16,8 +16,8 @@ from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
-from studio.train_view import (TrainView, check_form, check_key, fix_label, form_values, groups_with_errors,
-                                launch_refusal_md, problem_lines, problems_md)
+from studio.train_view import (TrainView, check_form, check_key, fix_for_label, fix_label, form_values,
+                                groups_with_errors, launch_refusal_md, problem_lines, problems_md)
 
 
 # Presses #form-check after each edit the user makes in a form field (elem_id f-<name>), once
@@ -221,18 +221,18 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         return fill(spec.model_dump(), cluster, slurm,
                     "Filled the form from the command." + ("\n\n" + "\n".join(notes) if notes else ""), refused)
 
-    def on_fix(i: int, data: dict) -> dict:
-        """Apply the form's i-th fix (as checked now, so a stale button applies nothing)."""
+    def on_fix(label: str, data: dict) -> dict:
+        """Apply the fix the clicked button shows, if the form as checked now still offers it."""
         values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
         view = check_form(values, cluster, slurm)
-        if view.spec is None or i >= len(view.fixes):
-            return not_filled("Nothing to fix any more: the form changed.")
-        fix = view.fixes[i]
+        fix = fix_for_label(view, label) if view.spec is not None else None
+        if fix is None:
+            return not_filled(f"Nothing applied: the form changed since '{label}' was offered; see the problems above.")
         fixed = apply_fixes(view.spec, [fix])
         return fill(fixed.model_dump(), cluster, slurm, f"Set {fix.text()}: {fix.why}.", data[c["refused"]])
 
-    for i, button in enumerate(c["fixes"]):
-        button.click(lambda data, i=i: on_fix(i, data), inputs, fill_outputs)
+    for button in c["fixes"]:
+        button.click(lambda data, b=button: on_fix(data[b], data), {button, *inputs}, fill_outputs)
     c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state, c["refused"]], fill_outputs)

@@ -137,6 +137,13 @@ def fix_label(fix: Fix) -> str:
     return f"Fix: set {fix.text()}"
 
 
+def fix_for_label(view: TrainView, label: str) -> Fix | None:
+    """The fix a clicked button shows (`label`) among the form's fixes as checked now; None where the
+    form has changed since the button was drawn, so a stale button applies nothing rather than
+    whichever fix now sits in its place."""
+    return next((fix for fix in view.fixes if fix_label(fix) == label), None)
+
+
 def launch_refusal_md(view: TrainView) -> str:
     errors = problem_lines(view, errors_only=True)
     which = "this problem" if len(errors) == 1 else f"these {len(errors)} problems"

@@ -12,7 +12,8 @@ from backend.job.validate import assess
 from studio.cluster_view import node_rows, put_node, remove_node
 from studio.context import Studio
 from studio.form import GROUPS, VIEWS, default_form, form_to_data, problems_by_field, spec_to_form
-from studio.train_view import check_form, check_key, groups_with_errors, launch_refusal_md, problem_lines
+from studio.train_view import (check_form, check_key, fix_for_label, fix_label, groups_with_errors, launch_refusal_md,
+                               problem_lines)
 
 
 def test_every_spec_field_is_on_the_form_once_with_its_flag():
@@ -82,6 +83,11 @@ def test_check_form_marks_bad_field_and_derives_layout():
     assert "Ulysses" in sp.field_problems["deepspeed"][0].message and [f.text() for f in sp.fixes] == ["deepspeed zero0"]
     assert "deepspeed: zero0" in check_form(values | {"sequence_parallel_size": 2, "deepspeed": "zero0"}, cluster).yaml_text
     assert check_form(values | {"sequence_parallel_size": 2, "deepspeed": "zero2"}, cluster).fixes == []
+    # A button drawn for one fix applies that fix or nothing: after the form changed (SP → EP), the
+    # SP button's label finds no fix although a fix now sits in its place.
+    ep = check_form(values | {"expert_model_parallel_size": 2}, cluster)
+    assert fix_for_label(sp, fix_label(sp.fixes[0])) == sp.fixes[0]
+    assert ep.fixes and fix_for_label(ep, fix_label(sp.fixes[0])) is None
     one = check_form(values | {"nnodes": 1, "nproc_per_node": 1}, cluster)
     assert "nothing to split" in one.greyed["tensor_model_parallel_size"]
     # A layout that is refused is not drawn, nor memory divided among its ranks.

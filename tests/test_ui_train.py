@@ -218,7 +218,12 @@ def test_cluster_tab_hostfile_errors_and_nodes(own_studio, own_page):
     assert page.locator("#preflight-grid td[data-status='ok']").count() >= 3
     shot(page, "preflight")
     page.get_by_text("Hostfile", exact=True).click()
-    page.locator("#cluster-hostfile textarea").fill("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
+    # The accordion's textarea mounts with the inventory's hostfile; typing before it has would be
+    # overwritten (seen on CI: the valid local hostfile was applied).
+    hostfile = page.locator("#cluster-hostfile textarea")
+    expect(hostfile).to_have_value(re.compile(r"^localhost slots="), timeout=15000)
+    hostfile.fill("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
+    expect(hostfile).to_have_value("gpu1 slots=eight\ngpu2 slots=8 colour=blue\n")
     page.get_by_role("button", name="Use this hostfile").click()
     expect(page.locator("#cluster-message")).to_contain_text("hostfile:1", timeout=15000)
     expect(page.locator("#cluster-message")).to_contain_text("unknown key 'colour'")
