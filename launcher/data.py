@@ -1,14 +1,19 @@
 """Training data: records (read by `backend.job.records`) turned into token ids and labels, packed
 or padded into micro-batches.
 
-Each rank reads only its shard (record i belongs to rank i % world_size) and tokenizes it before
-training starts, so a bad record stops the job at once with its file and line, not at step 900.
+The records are tokenized once into an Arrow cache (`launcher.tokenized`) before training starts,
+so a bad record stops the job at once with its file and line, not at step 900; each rank reads its
+shard (record i of a dataset belongs to data-parallel rank i % world_size) from it.
 """
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 from backend.job.records import DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
 
@@ -79,21 +84,6 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def load_samples(datasets: list[str], tokenizer, max_length: int, rank: int, world: int, seed: int,
-                 max_record_bytes: int, persona: Persona = Persona()) -> tuple[list[Sample], int]:
-    """This rank's encoded samples and how many were dropped because truncation left no labels.
-    Raises DataError on the first bad record."""
-    samples, dropped = [], 0
-    for entry in datasets:
-        for record in read_records(parse_source(entry), rank, world, seed, max_record_bytes):
-            sample = encode(record, tokenizer, max_length, persona)
-            if sample is None:
-                dropped += 1
-            else:
-                samples.append(sample)
-    return samples, dropped
-
-
 # ---- packing and batching ------------------------------------------------------------------
 
 
@@ -107,42 +97,85 @@ class Row:
     n_samples: int
 
 
-def pack(samples: list[Sample], max_length: int) -> list[Row]:
+@dataclass
+class RowPlan:
+    """Which samples (indices into a rank's samples) make each row: row i is
+    members[starts[i]:starts[i + 1]], in data order. Arrays, so a rank of a million samples holds
+    a few MB, not a million lists."""
+
+    members: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def row(self, i: int) -> np.ndarray:
+        return self.members[self.starts[i]:self.starts[i + 1]]
+
+
+def one_per_row(n: int) -> RowPlan:
+    return RowPlan(np.arange(n), np.arange(n + 1))
+
+
+def pack_plan(lengths: np.ndarray, max_length: int) -> RowPlan:
     """Best-fit decreasing bin packing into rows of at most `max_length` tokens: longest sample
     first, each into the fullest row that still has room (rows come out 99% full on lengths
-    spread evenly over 50-2,048 tokens, where filling rows in data order left ~25% padding).
-    Inside a row the samples keep their data order. Position ids restart at 0 for every sample,
-    which is how transformers' mask builders (and flash-attention's varlen path) tell samples
-    apart when no attention mask is passed, so no token attends across samples. The first label
-    of every sample is ignored: it would be predicted from the previous sample."""
-    members: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # (free tokens, row), sorted: the best fit is found by bisection
-    for index in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        size = len(samples[index])
-        at = bisect.bisect_left(room, (size, -1))
-        if at == len(room):
-            members.append([index])
-            free, row = max_length - size, len(members) - 1
+    spread evenly over 50-2,048 tokens, where filling rows in data order left ~25% padding); among
+    rows as full, the oldest. Rows are kept by their free room (at most max_length distinct values),
+    so each sample costs a bisection and a heap operation however many rows there are."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    frees: list[int] = []  # sorted free-room values that some row has
+    rows_with: dict[int, list[int]] = {}  # free room -> heap of rows
+    n_rows = 0
+    for index in np.argsort(-lengths, kind="stable").tolist():
+        size = int(lengths[index])
+        at = bisect.bisect_left(frees, size)
+        if at == len(frees):
+            row, free = n_rows, max_length - size
+            n_rows += 1
         else:
-            free, row = room.pop(at)
-            members[row].append(index)
-            free -= size
+            old = frees[at]
+            row = heapq.heappop(rows_with[old])
+            if not rows_with[old]:
+                del rows_with[old], frees[at]
+            free = old - size
+        row_of[index] = row
         if free > 0:
-            bisect.insort(room, (free, row))
-    rows = []
-    for indices in members:
-        row = Row([], [], [], 0)
-        for sample in (samples[i] for i in sorted(indices)):
-            row.input_ids += sample.input_ids
-            row.labels += [IGNORE] + sample.labels[1:]
-            row.position_ids += list(range(len(sample)))
-            row.n_samples += 1
-        rows.append(row)
-    return rows
+            if free not in rows_with:
+                rows_with[free] = []
+                bisect.insort(frees, free)
+            heapq.heappush(rows_with[free], row)
+    members = np.argsort(row_of, kind="stable")
+    return RowPlan(members, np.concatenate(([0], np.cumsum(np.bincount(row_of, minlength=n_rows)))))
+
+
+def packed_row(samples: list[Sample]) -> Row:
+    """Samples in one row with position ids restarting at 0 for every sample, which is how
+    transformers' mask builders (and flash-attention's varlen path) tell samples apart when no
+    attention mask is passed, so no token attends across samples. The first label of every sample
+    is ignored: it would be predicted from the previous sample."""
+    row = Row([], [], [], 0)
+    for sample in samples:
+        row.input_ids += sample.input_ids
+        row.labels += [IGNORE] + sample.labels[1:]
+        row.position_ids += list(range(len(sample)))
+        row.n_samples += 1
+    return row
+
+
+def padded_row(sample: Sample) -> Row:
+    return Row(sample.input_ids, sample.labels, list(range(len(sample))), 1)
+
+
+def pack(samples: list[Sample], max_length: int) -> list[Row]:
+    """The rows `pack_plan` makes of `samples`."""
+    plan = pack_plan(np.array([len(s) for s in samples]), max_length)
+    return [packed_row([samples[i] for i in plan.row(r)]) for r in range(len(plan))]
 
 
 def unpacked(samples: list[Sample]) -> list[Row]:
-    return [Row(s.input_ids, s.labels, list(range(len(s))), 1) for s in samples]
+    return [padded_row(s) for s in samples]
 
 
 def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1) -> dict:
@@ -168,11 +201,13 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
 
 class Batches:
     """Micro-batches of one rank, reshuffled every epoch with a seed, addressable by global
-    optimizer step so a resume continues at the exact data position."""
+    optimizer step so a resume continues at the exact data position. Rows are made from the
+    samples when a step asks for them (`fetch`: sample indices → Samples, e.g. from the Arrow cache)."""
 
-    def __init__(self, rows: list[Row], micro_batch: int, accumulation: int, steps_per_epoch: int,
-                 seed: int, pad_id: int, packed: bool, max_length: int, multiple: int = 1):
-        self.rows, self.micro_batch, self.accumulation = rows, micro_batch, accumulation
+    def __init__(self, fetch: Callable[[np.ndarray], list[Sample]], plan: RowPlan, micro_batch: int,
+                 accumulation: int, steps_per_epoch: int, seed: int, pad_id: int, packed: bool, max_length: int,
+                 multiple: int = 1):
+        self.fetch, self.plan, self.micro_batch, self.accumulation = fetch, plan, micro_batch, accumulation
         self.multiple = multiple
         self.steps_per_epoch, self.seed, self.pad_id, self.packed = steps_per_epoch, seed, pad_id, packed
         self.max_length = max_length
@@ -182,10 +217,17 @@ class Batches:
     def _order(self, epoch: int) -> list[int]:
         # Shuffling is O(rows); steps ask for the same epoch thousands of times in a row.
         if epoch != self._epoch:
-            order = list(range(len(self.rows)))
+            order = list(range(len(self.plan)))
             random.Random(self.seed * 100_003 + epoch).shuffle(order)
             self._epoch, self._epoch_order = epoch, order
         return self._epoch_order
+
+    def rows(self, indices: list[int]) -> list[Row]:
+        members = [self.plan.row(i) for i in indices]
+        samples = iter(self.fetch(np.concatenate(members)) if members else [])
+        if not self.packed:
+            return [padded_row(next(samples)) for _ in members]
+        return [packed_row([next(samples) for _ in m]) for m in members]
 
     def step(self, step: int) -> list[tuple[dict, int, int]]:
         """Micro-batches of optimizer step `step` (0-based): (batch, tokens, samples) each."""
@@ -194,7 +236,7 @@ class Batches:
         out = []
         for micro in range(self.accumulation):
             start = (within * self.accumulation + micro) * self.micro_batch
-            rows = [self.rows[i] for i in order[start:start + self.micro_batch]]
+            rows = self.rows(order[start:start + self.micro_batch])
             batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None, self.multiple)
             out.append((batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)))
         return out

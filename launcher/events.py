@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +27,13 @@ class EventWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = open(path, "a", buffering=1)
+        self._lock = threading.Lock()  # the data heartbeat writes from a thread of its own
 
     def emit(self, type: str, **fields: Any) -> dict:
         event = {"type": type, "time": time.time(), **fields}
-        self._file.write(json.dumps(event, allow_nan=False, default=_jsonable) + "\n")
+        line = json.dumps(event, allow_nan=False, default=_jsonable) + "\n"
+        with self._lock:
+            self._file.write(line)
         return event
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from launcher.events import EventWriter, Window, eta_seconds, format_duration, s
 from launcher.engines.tp import distributed_config
 from launcher.model import flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
+from launcher.tokenized import DataHeartbeat, dataset_cache_dir, open_tokenized
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
@@ -172,11 +173,16 @@ class Trainer:
 
     def _load_data(self) -> tuple[data.Batches, Plan]:
         spec, d = self.spec, self.dist
-        error, rows, dropped = None, [], 0
+        error, shard = None, None
         try:
-            samples, dropped = data.load_samples(spec.dataset, self.tokenizer, spec.max_length, d.dp_rank,
-                                                 d.dp_size, spec.seed, spec.max_record_bytes, data.Persona.of(spec))
-            rows = data.pack(samples, spec.max_length) if spec.packing else data.unpacked(samples)
+            with DataHeartbeat(self.events):
+                tokenized = open_tokenized(spec, self.tokenizer, dataset_cache_dir(spec, self.run_dir))
+            mine, dropped = tokenized.shard(d.dp_rank, d.dp_size)
+            rows = (data.pack_plan(tokenized.lengths(mine), spec.max_length) if spec.packing
+                    else data.one_per_row(len(mine)))
+            shard = (tokenized, mine, rows, dropped)
+            self.events.emit("data", phase="ready", cache=str(tokenized.entry), tokenized=tokenized.built,
+                             seconds=round(tokenized.seconds, 3), samples=len(mine), dropped=dropped)
         except data.DataError as exc:
             error = str(exc)
         # Every rank learns about any rank's bad record, so all stop before training; the rank that
@@ -186,6 +192,7 @@ class Trainer:
             raise data.DataError(error)
         if found:
             raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
+        tokenized, mine, rows, dropped = shard
         # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
         (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
@@ -196,10 +203,11 @@ class Trainer:
                                  f"({need} = micro-batch × accumulation × {d.dp_size} data-parallel ranks)")
         if d.is_main:
             log.info("data: %d sequences over %d data-parallel ranks (%d samples dropped: no response left after "
-                     "truncation to max_length=%d), %d steps per epoch", total_rows, d.dp_size, total_dropped,
-                     spec.max_length, per_epoch)
+                     "truncation to max_length=%d), %d steps per epoch; tokenized data in %s", total_rows, d.dp_size,
+                     total_dropped, spec.max_length, per_epoch, tokenized.entry)
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
-        batches = data.Batches(rows, spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
+        batches = data.Batches(lambda members: tokenized.samples(mine[members]), rows,
+                               spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
                                spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length,
                                seq_multiple(spec))
         return batches, plan

@@ -427,15 +427,25 @@ def overlay_figure(curves: dict[str, list[Stepped]], x_axis: str = "step") -> go
     return _done(fig)
 
 
-def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, state: str) -> str:
-    """A progress bar with step counts and ETA; plain HTML so it needs no script."""
+def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, state: str,
+                  data: dict | None = None) -> str:
+    """A progress bar with step counts and ETA; plain HTML so it needs no script. Before the first
+    step, what the latest `data` event says (a large dataset is tokenized for minutes)."""
     if not max_steps or max_steps <= 0 or step is None:
-        return f"<div class='status-line'>{state}: waiting for the first step…</div>"
+        return f"<div class='status-line'>{state}: {data_line(data) + '; ' if data else ''}waiting for the first step…</div>"
     share = max(0.0, min(1.0, step / max_steps))
     eta = f" · ETA {format_duration(eta_s)}" if eta_s and state == "running" else ""
     return (f"<div class='progress-outer' role='progressbar' aria-valuenow='{step}' aria-valuemax='{max_steps}'>"
             f"<div class='progress-inner' style='width:{share * 100:.1f}%'></div></div>"
             f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}</div>")
+
+
+def data_line(event: dict) -> str:
+    """A worker's `data` event in words."""
+    if event.get("phase") == "preparing":
+        return f"tokenizing the dataset or waiting for its cache ({format_duration(event.get('elapsed_s') or 0)} so far)"
+    how = "tokenized" if event.get("tokenized") else "read from the tokenized cache"
+    return f"data {how} in {float(event.get('seconds') or 0):.1f} s"
 
 
 def _digest(value: Any) -> str:

@@ -19,7 +19,7 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
-                              "model_author")),
+                              "model_author", "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
@@ -67,6 +67,7 @@ TITLES = {
     "activation_cpu_offload": "Offload checkpointed activations to CPU",
     "router_aux_loss_coef": "Router load-balancing loss weight (MoE)",
     "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
+    "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
 # Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.

@@ -135,7 +135,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                 out[c["resume"]] = gr.update(value=restart[0], interactive=restart[1])
                 buf.restart = restart
             p = progress or {}
-            shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state)
+            shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state, p.get("data"))
             if changed:
                 figs = figures(buf, smoothing, x_axis)
                 hidden_when_empty = ("experts", "stages", "util_heatmap", "power")

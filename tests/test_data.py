@@ -7,8 +7,9 @@ import json
 import pytest
 
 from backend.job.spec import JobSpec
-from launcher.data import (IGNORE, Batches, DataError, Record, Sample, encode, load_samples, parse_source,
-                           read_records, to_messages, unpacked)
+from launcher.data import (IGNORE, Batches, DataError, Record, Sample, encode, one_per_row, parse_source,
+                           read_records, to_messages)
+from launcher.tokenized import open_tokenized
 from worker import ROOT, events, run_worker, write_run
 
 LIMIT = JobSpec(model="m", dataset=["d"]).max_record_bytes  # the job's default bound on a record
@@ -23,6 +24,13 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+
+
+def load_samples(entries, tokenizer, max_length, rank, world, cache):
+    """A rank's samples as the worker reads them: tokenized into the cache, then its shard."""
+    tokenized = open_tokenized(JobSpec(model="m", dataset=entries, max_length=max_length), tokenizer, cache)
+    rows, dropped = tokenized.shard(rank, world)
+    return tokenized.samples(rows), dropped
 
 
 def write_jsonl(path, rows):
@@ -104,7 +112,7 @@ def test_every_file_type_and_rank_shards(tmp_path, tokenizer):
         assert [len(s) for s in shards] == [4, 3, 3] and not set(shards[0]) & set(shards[1])
     limited = list(read_records(parse_source(f"{jsonl}#4"), 0, 1, 7, LIMIT))
     assert len(limited) == 4 and limited == list(read_records(parse_source(f"{jsonl}#4"), 0, 1, 7, LIMIT))
-    samples, dropped = load_samples([str(jsonl)], tokenizer, 64, rank=1, world=2, seed=0, max_record_bytes=LIMIT)
+    samples, dropped = load_samples([str(jsonl)], tokenizer, 64, rank=1, world=2, cache=tmp_path / "cache")
     assert len(samples) == 5 and dropped == 0
 
 
@@ -120,34 +128,33 @@ def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, message):
     good = {"query": "q", "response": "r"}
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, line, good])
     with pytest.raises(DataError) as err:
-        for rank in (0, 1):
-            load_samples([str(path)], tokenizer, 64, rank=rank, world=2, seed=0, max_record_bytes=LIMIT)
+        load_samples([str(path)], tokenizer, 64, rank=0, world=2, cache=tmp_path / "cache")
     assert str(err.value).startswith(f"{path}:3: ") and message in str(err.value)
 
 
-def test_a_rank_parses_only_its_own_lines(tmp_path, tokenizer):
+def test_a_rank_parses_only_its_own_lines(tmp_path):
+    """The reader behind each tokenizing process parses only the lines of its part."""
     good = json.dumps({"query": "q", "response": "r"})
-    path = write_jsonl(tmp_path / "data.jsonl", [good, good, "{broken", good])  # record 2: rank 0 of 2
+    path = write_jsonl(tmp_path / "data.jsonl", [good, good, "{broken", good])  # record 2: part 0 of 2
     with pytest.raises(DataError, match=":3: invalid JSON"):
-        load_samples([str(path)], tokenizer, 64, rank=0, world=2, seed=0, max_record_bytes=LIMIT)
-    samples, _ = load_samples([str(path)], tokenizer, 64, rank=1, world=2, seed=0, max_record_bytes=LIMIT)
-    assert len(samples) == 2
+        list(read_records(parse_source(str(path)), 0, 2, 0, LIMIT))
+    assert len(list(read_records(parse_source(str(path)), 1, 2, 0, LIMIT))) == 2
 
 
 def test_bad_sources(tmp_path, tokenizer):
     with pytest.raises(DataError, match="not found"):
-        load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, 0, max_record_bytes=LIMIT)
+        load_samples([str(tmp_path / "missing.jsonl")], tokenizer, 64, 0, 1, cache=tmp_path / "cache")
     with pytest.raises(DataError, match="positive sample count"):
         parse_source("org/name#many")
 
 
 def test_batches_of_a_step_do_not_depend_on_the_steps_asked_before():
     """A resumed run starts a fresh Batches at its step; it must see what the uninterrupted run saw."""
-    rows = unpacked([Sample([i, i + 1], [i, i + 1]) for i in range(12)])
+    samples = [Sample([i, i + 1], [i, i + 1]) for i in range(12)]
 
     def batches():
-        return Batches(rows, micro_batch=2, accumulation=2, steps_per_epoch=3, seed=7, pad_id=0, packed=False,
-                       max_length=8)
+        return Batches(lambda members: [samples[i] for i in members], one_per_row(len(samples)), micro_batch=2,
+                       accumulation=2, steps_per_epoch=3, seed=7, pad_id=0, packed=False, max_length=8)
 
     def ids(b, step):
         return [batch["input_ids"].tolist() for batch, _, _ in b.step(step)]

@@ -228,7 +228,7 @@ def test_every_worker_user_error_has_a_cause():
 
     from backend.job.errors import UserError
 
-    for module in ("backend.job.records", "launcher.config", "launcher.model", "launcher.trainer"):  # define them
+    for module in ("backend.job.records", "launcher.config", "launcher.model", "launcher.tokenized", "launcher.trainer"):  # define them
         importlib.import_module(module)
 
     def subclasses(cls):

@@ -69,6 +69,11 @@ def test_sigterm_checkpoint_and_resume_match_uninterrupted_run(tmp_path, tiny_mo
     assert proc.returncode == 0, proc.log[-4000:]
     starts = events(cut, 0, "start")
     assert starts[-1]["resumed_from"] == k
+    # One rank of the first run tokenized the data; the second run and its resume read that entry.
+    assert sorted(e["tokenized"] for r in (0, 1) for e in events(whole, r, "data") if e["phase"] == "ready") == [False, True]
+    reads = [e for r in (0, 1) for e in events(cut, r, "data") if e["phase"] == "ready"]
+    assert len(reads) == 4 and not any(e["tokenized"] for e in reads)
+    assert {e["cache"] for e in reads} == {e["cache"] for e in events(whole, 0, "data")}
     resumed = losses(cut)
     assert sorted(resumed) == list(range(1, 17))
     for step in range(k + 1, 17):

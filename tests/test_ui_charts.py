@@ -195,6 +195,10 @@ def test_resume_button_says_run_again_without_a_checkpoint():
 
 def test_progress_bar_and_eta():
     assert "waiting" in progress_html(None, None, None, "running")
+    assert "running: tokenizing the dataset or waiting for its cache (2m 05s so far); waiting" in progress_html(
+        None, None, None, "running", {"type": "data", "phase": "preparing", "elapsed_s": 125.0})
+    assert "data read from the tokenized cache in 0.3 s" in progress_html(
+        None, 100, None, "running", {"phase": "ready", "tokenized": False, "seconds": 0.31})
     text = progress_html(30, 120, 95.0, "running")
     assert "step 30 / 120 (25%)" in text and "ETA 1m 35s" in text and "width:25.0%" in text
 

@@ -255,6 +255,8 @@ WARNINGS = [
      "1e+06 is far above fine-tuning's usual range"),
     ("a relative output_dir on several nodes", dict(output_dir="out"), dict(output_dir="/shared/out"), "output_dir",
      "'out' is relative: on 2 nodes it is"),
+    ("a relative dataset_cache_dir on several nodes", dict(dataset_cache_dir="cache"),
+     dict(dataset_cache_dir="/shared/cache"), "dataset_cache_dir", "'cache' is relative: on 2 nodes it is"),
 ]
 
 
@@ -306,6 +308,10 @@ def test_local_files_must_exist(tmp_path):
     (tmp_path / "no-model").rmdir()
     shutil.copytree(DEMO_MODEL, tmp_path / "no-model")
     assert fields(check(missing, cluster=cluster)) == []
+    # The tokenized-data cache must be a directory, or not exist yet (the worker makes it).
+    assert fields(check(missing.model_copy(update={"dataset_cache_dir": str(tmp_path / "cache")}), cluster=cluster)) == []
+    taken = missing.model_copy(update={"dataset_cache_dir": str(tmp_path / "train.jsonl")})
+    assert [p.message for p in errors(check(taken, cluster=cluster))] == [f"{tmp_path / 'train.jsonl'} is not a directory"]
 
 
 def test_broken_model_config_names_the_model_field(tmp_path):

@@ -129,6 +129,8 @@ def resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
         updates["deepspeed"] = _absolute(spec.deepspeed, base_dir)
     if spec.resume_from_checkpoint:
         updates["resume_from_checkpoint"] = _absolute(spec.resume_from_checkpoint, base_dir)
+    if spec.dataset_cache_dir:
+        updates["dataset_cache_dir"] = str((base_dir / Path(spec.dataset_cache_dir).expanduser()).resolve())
     return spec.model_copy(update=updates)
 
 

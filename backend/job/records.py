@@ -7,12 +7,14 @@ imports it on every form change.
 Public API:
     parse_source(entry) -> Source         'data.jsonl', 'org/name', 'org/name#500'
     read_records(source, rank, world, seed, max_record_bytes) -> Iterator[Record]
+    positioned_records(...)                the same with each record's position in its source's selection
     to_messages(record, persona) / pretokenized(record)   the record's content, or DataError naming it
     Persona.of(spec)                       the job's system prompt and {{NAME}}/{{AUTHOR}} fill-ins
     check_record(record, persona)          raises DataError where the worker would
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import csv
 import functools
@@ -20,6 +22,7 @@ import json
 import os
 import random
 import re
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -67,6 +70,13 @@ def read_records(source: Source, rank: int, world: int, seed: int, max_record_by
     """This rank's records of one source. JSON-lines and CSV files are streamed (twice: once to
     count) and only this rank's JSON lines are parsed; JSON and parquet files are read whole. A
     JSON line longer than `max_record_bytes` raises DataError naming it, never read whole."""
+    return (record for _, record in positioned_records(source, rank, world, seed, max_record_bytes))
+
+
+def positioned_records(source: Source, rank: int, world: int, seed: int,
+                       max_record_bytes: int) -> Iterator[tuple[int, Record]]:
+    """`read_records` with each record's position in the source's selection: the records of
+    `rank` are those whose position % world == rank, in position order."""
     if not source.is_local:
         yield from _hub_records(source, rank, world, seed)
         return
@@ -76,19 +86,25 @@ def read_records(source: Source, rank: int, world: int, seed: int, max_record_by
         raise DataError(f"dataset file {path} {problem}")
     reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower())
     entries, decode = reader(path) if reader else _jsonl(path, max_record_bytes)
-    indices = _selected(len(entries), source.limit, seed)
+    position_of = _selected(len(entries), source.limit, seed)
     for index, (where, raw) in enumerate(entries):
-        if index in indices and indices[index] % world == rank:
-            yield Record(where, decode(where, raw))
+        position = position_of(index)
+        if position is not None and position % world == rank:
+            yield position, Record(where, decode(where, raw))
 
 
-def _selected(total: int, limit: int | None, seed: int) -> dict[int, int]:
-    """Record index → position in the selection (positions decide the rank)."""
-    order = list(range(total))
-    if limit is not None and limit < total:
-        random.Random(seed).shuffle(order)
-        order = sorted(order[:limit])
-    return {index: pos for pos, index in enumerate(order)}
+def _selected(total: int, limit: int | None, seed: int) -> Callable[[int], int | None]:
+    """Record index → its position in the selection (positions decide the rank), None where not
+    selected. Memory holds the selection only when there is a limit, and then as 8 bytes per
+    selected record: a file of ten million records is never listed."""
+    if limit is None or limit >= total:
+        return lambda index: index
+    chosen = array("q", sorted(random.Random(seed).sample(range(total), limit)))
+
+    def position(index: int) -> int | None:
+        at = bisect.bisect_left(chosen, index)
+        return at if at < len(chosen) and chosen[at] == index else None
+    return position
 
 
 class Entries(Protocol):
@@ -184,7 +200,9 @@ def _parquet(path: Path) -> tuple[Entries, Decode]:
     return [(f"{path}: row {index + 1}", row) for index, row in enumerate(table.to_pylist())], _as_read
 
 
-def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[Record]:
+def hub_dataset(source: Source, seed: int):
+    """A hub source as `datasets` loads it (its local cache when there), limited to `source.limit`
+    samples after a seeded shuffle."""
     import datasets
 
     try:
@@ -193,8 +211,13 @@ def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[R
         raise DataError(f"dataset '{source.name}': cannot load from the hub ({exc})") from None
     if source.limit is not None and source.limit < len(ds):
         ds = ds.shuffle(seed=seed).select(range(source.limit))
+    return ds
+
+
+def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[tuple[int, Record]]:
+    ds = hub_dataset(source, seed)
     for index in range(rank, len(ds), world):
-        yield Record(f"{source.name}[{index}]", ds[index])
+        yield index, Record(f"{source.name}[{index}]", ds[index])
 
 
 # ---- formats -------------------------------------------------------------------------------

@@ -115,6 +115,8 @@ class JobSpec(BaseModel):
     model_name: list[str] = Field(default_factory=list, max_length=2, description="The model's name, filled in where the data says {{NAME}} (ms-swift's self-cognition data); two names = the one for Chinese text, then the one for other text.")
     model_author: list[str] = Field(default_factory=list, max_length=2, description="The model's author, filled in where the data says {{AUTHOR}}; two = Chinese, then other text.")
     max_record_mib: float = Field(16.0, gt=0, le=4096, description="Largest dataset record (one JSON line) in MiB: a longer line is refused naming its file:line, before launch and by the reader, without being read whole.")
+    dataset_num_proc: int = Field(1, ge=1, le=256, description="Processes that tokenize the dataset. It is tokenized once per dataset, tokenizer and max_length into dataset_cache_dir; later runs and resumes read it from there.")
+    dataset_cache_dir: str | None = Field(None, description="Directory for tokenized datasets (Arrow), shared by the runs with the same inputs; empty: .tokenized beside the run directories, in output_dir. On several nodes it must be one shared directory.")
 
     @property
     def max_record_bytes(self) -> int:

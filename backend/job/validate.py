@@ -54,6 +54,10 @@ def _cluster_rules(spec: JobSpec, cluster: Cluster, layout: Layout) -> list[Prob
     elif spec.nnodes < len(cluster.nodes):
         unused = ", ".join(n.host for n in cluster.nodes[spec.nnodes:])
         out.append(_warn("nnodes", f"uses the first {spec.nnodes} of {len(cluster.nodes)} nodes; not used: {unused}"))
+    if spec.nnodes > 1 and spec.dataset_cache_dir and not os.path.isabs(os.path.expanduser(spec.dataset_cache_dir)):
+        out.append(_warn("dataset_cache_dir", f"{spec.dataset_cache_dir!r} is relative: on {spec.nnodes} nodes it is "
+                                              f"{absolute_dir(spec.dataset_cache_dir)} on every node, which must be one "
+                                              "shared directory (one node tokenizes, the others read); give the shared path"))
     if spec.nnodes > 1 and not os.path.isabs(os.path.expanduser(spec.output_dir)):
         out.append(_warn("output_dir", f"{spec.output_dir!r} is relative: on {spec.nnodes} nodes it is "
                                        f"{absolute_dir(spec.output_dir)} on every node, which must be one shared "
@@ -207,6 +211,9 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
     model = Path(spec.model).expanduser()
     if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
         out.append(Problem("model", f"directory not found: {model}{_read_from(model)}"))
+    cache = Path(spec.dataset_cache_dir or "").expanduser()
+    if spec.dataset_cache_dir and os.path.lexists(cache) and not cache.is_dir():
+        out.append(Problem("dataset_cache_dir", f"{cache} is not a directory{_read_from(cache)}"))
     return out
 
 

@@ -293,14 +293,16 @@ class RunManager:
         return self.sink.alerts(run_id)
 
     def progress(self, run_id: str) -> dict | None:
-        """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event and
+        """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event,
         resumed_from of the latest `start` event (all attempts; a resumed attempt's start sets
-        the step back to its checkpoint); None before the first event."""
-        latest = self.sink.events(run_id, ("train", "start"), limit=1)
-        train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
-        if train is None and start is None:
+        the step back to its checkpoint) and the latest `data` event (how the data is prepared);
+        None before the first event."""
+        latest = self.sink.events(run_id, ("train", "start", "data"), limit=1)
+        train, start, data = (next(iter(latest[etype]), None) for etype in ("train", "start", "data"))
+        if train is None and start is None and data is None:
             return None
-        out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps")}
+        out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps"),
+               "data": data}
         if train:
             out.update({k: train.get(k) for k in ("step", "eta_s", "loss", "tokens_per_s", "epoch")})
             out["t"] = train.get("time")

@@ -46,7 +46,7 @@ RESTARTABLE = frozenset({KILLED, NODE_UNREACHABLE, PEER_LOST, NCCL_TIMEOUT, HANG
 
 # The worker's user errors (subclasses of backend.job.errors.UserError, by class name): their message
 # says what to fix.
-USER_ERRORS = {"DataError": DATA_ERROR, "ConfigError": CONFIG_ERROR, "ModelError": MODEL_ERROR, "Diverged": DIVERGED,
+USER_ERRORS = {"DataError": DATA_ERROR, "CacheError": CONFIG_ERROR, "ConfigError": CONFIG_ERROR, "ModelError": MODEL_ERROR, "Diverged": DIVERGED,
                "PeerFailed": PEER_LOST}
 
 HELP = {

@@ -1,0 +1,327 @@
+"""Tokenized datasets in Arrow: a job's records become token ids and labels once per set of inputs
+(the dataset files as they are now, the tokenizer and its chat template, max_length, the job's
+system prompt and names, the record bound), kept in a cache directory that runs and resumes share
+and that every rank memory-maps.
+
+One process tokenizes, with `dataset_num_proc` workers (`datasets`' generator builder); every
+other process that needs the same entry (the run's other ranks, another run, a resume) waits on
+the entry's lock and reads the result. An entry appears whole or not at all: it is written into a
+directory of its own and renamed into place. A bad record is kept as the entry's failure (the same
+inputs give the same error), so the waiting ranks report it without tokenizing again.
+
+Layout of the cache directory:
+    <key>/             TOKENS (one Arrow IPC file, memory-mapped by the ranks) and MARKER
+    <key>.lock         the builders' lock (flock)
+    <key>.failed.json  the DataError the inputs give
+    .tmp-<key>-<hex>/  an entry being written (BUILDING inside); a killed builder's is removed by the next
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from backend.job.paths import not_a_regular_file
+from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
+from launcher.data import Sample, encode
+
+FORMAT = 1
+"""Bumped when what an entry holds changes: older entries are then not read."""
+MARKER = "swift-studio-tokenized.json"
+TOKENS = "tokens.arrow"
+COLUMNS = ["input_ids", "labels", "length", "source", "position"]
+BUILDING = ".swift-studio-building"
+VERSION_BYTES = 1 << 20
+"""Bytes at each end of a local file hashed into its version, beside its size and modification time."""
+
+
+HEARTBEAT_S = 30.0
+"""How often a rank that tokenizes, or waits for another process's tokenization, says so: the hang
+watch counts a run as starting up, not hung, while these come."""
+DEFAULT_DIR = ".tokenized"
+"""Beside the run directories (in output_dir) where dataset_cache_dir is not set; a run id never
+starts with a dot."""
+
+
+def dataset_cache_dir(spec, run_dir: Path) -> Path:
+    return Path(spec.dataset_cache_dir) if spec.dataset_cache_dir else Path(run_dir).parent / DEFAULT_DIR
+
+
+class DataHeartbeat:
+    """While the data is prepared: a `data` event every HEARTBEAT_S with the seconds so far."""
+
+    def __init__(self, events, every_s: float = HEARTBEAT_S):
+        self.events, self.every_s = events, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="data-heartbeat", daemon=True)
+
+    def __enter__(self) -> "DataHeartbeat":
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.events.emit("data", phase="preparing", elapsed_s=round(time.monotonic() - self._started, 1))
+
+
+class CacheError(DataError):
+    """The cache directory cannot be used (not writable, full, a damaged entry): named with its path."""
+
+
+@dataclass
+class Tokenized:
+    """One cache entry, memory-mapped: every record of the job's datasets in order of (dataset,
+    position), dropped ones (no response token left within max_length) with length 0."""
+
+    table: Any  # pyarrow.Table over the memory-mapped TOKENS file: input_ids, labels, length, source, position
+    entry: Path
+    built: bool
+    """Whether this process tokenized it (False: it was there, or another process built it while this one waited)."""
+    seconds: float
+
+    def __post_init__(self) -> None:
+        self._batches = self.table.select(["input_ids", "labels"]).to_batches()
+        self._offsets = np.cumsum([0] + [len(b) for b in self._batches])
+
+    def shard(self, rank: int, world: int) -> tuple[np.ndarray, int]:
+        """Rows of data-parallel rank `rank` of `world`, in the order the ranks have always read them
+        (each dataset in turn, its records whose position % world == rank), and how many of that
+        shard's records were dropped."""
+        source = self.table.column("source").to_numpy()
+        position = self.table.column("position").to_numpy()
+        mine = np.nonzero(position % world == rank)[0]
+        mine = mine[np.lexsort((position[mine], source[mine]))]
+        kept = self.table.column("length").to_numpy()[mine] > 0
+        return mine[kept], int(np.count_nonzero(~kept))
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.table.column("length").to_numpy()[rows]
+
+    def samples(self, rows: np.ndarray | list[int]) -> list[Sample]:
+        # Row by row from their record batches: a take on the whole table would first join every
+        # batch of the column into memory (1.3 GB for a million short chats).
+        out = []
+        for row in np.asarray(rows, dtype=np.int64).tolist():
+            at = int(np.searchsorted(self._offsets, row, side="right")) - 1
+            one = self._batches[at].slice(row - int(self._offsets[at]), 1)
+            out.append(Sample(one.column(0)[0].as_py(), one.column(1)[0].as_py()))
+        return out
+
+
+def cache_key(spec, tokenizer) -> tuple[str, dict[str, Any]]:
+    """The entry's name and what it was made from (kept in its MARKER)."""
+    sources = [parse_source(entry) for entry in spec.dataset]
+    inputs = {
+        "format": FORMAT,
+        "datasets": [source_version(s, spec.seed) for s in sources],
+        "tokenizer": tokenizer_digest(tokenizer),
+        "max_length": spec.max_length,
+        "max_record_bytes": spec.max_record_bytes,
+        "persona": [spec.system, spec.model_name, spec.model_author],
+    }
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+    return key, inputs
+
+
+def source_version(source: Source, seed: int) -> dict[str, Any]:
+    """What a dataset entry is now: a local file by its path, size, modification time and the hash
+    of its first and last MiB (an edit that keeps size and time to the nanosecond is not seen); a
+    hub dataset by the fingerprint `datasets` gives its download."""
+    picked = {"limit": source.limit, "seed": seed if source.limit else None}
+    if not source.is_local:
+        return {"hub": source.name, "fingerprint": hub_dataset(source, seed)._fingerprint, **picked}
+    path = Path(source.name).resolve()
+    problem = not_a_regular_file(path)
+    if problem:
+        raise DataError(f"dataset file {path} {problem}")
+    try:
+        st = path.stat()
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            digest.update(f.read(VERSION_BYTES))
+            if st.st_size > 2 * VERSION_BYTES:
+                f.seek(st.st_size - VERSION_BYTES)
+                digest.update(f.read(VERSION_BYTES))
+    except OSError as exc:
+        raise DataError(f"dataset file {path}: {exc.strerror or exc}") from None
+    return {"file": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": digest.hexdigest(), **picked}
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The tokenizer as it encodes: its full definition (a fast tokenizer's JSON, else its vocabulary)
+    and the chat template and special tokens the worker renders with."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None
+                   else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode())
+    digest.update(json.dumps([type(tokenizer).__name__, tokenizer.chat_template, tokenizer.eos_token_id,
+                              tokenizer.bos_token_id, tokenizer.pad_token_id], default=str).encode())
+    return digest.hexdigest()
+
+
+def open_tokenized(spec, tokenizer, cache_dir: Path) -> Tokenized:
+    """The job's tokenized data: read from the cache, or tokenized into it by this process (while
+    holding the entry's lock, so no other process does the same work). Raises DataError for a bad
+    record (file:line) and CacheError naming the cache directory."""
+    started = time.monotonic()
+    key, inputs = cache_key(spec, tokenizer)
+    entry = cache_dir / key
+    built = False
+    if not (entry / MARKER).is_file():
+        with _locked(cache_dir, key):
+            failed = cache_dir / f"{key}.failed.json"
+            if failed.is_file():
+                raise DataError(_read_failure(failed))
+            if not (entry / MARKER).is_file():
+                _build(spec, tokenizer, cache_dir, key, inputs)
+                built = True
+    return Tokenized(_open(entry, inputs), entry, built, time.monotonic() - started)
+
+
+def _open(entry: Path, inputs: dict[str, Any]):
+    """The entry's table, memory-mapped (pyarrow alone: a rank that reads the cache never imports `datasets`)."""
+    import pyarrow as pa
+
+    try:
+        marker = json.loads((entry / MARKER).read_text())
+        if marker.get("inputs") != inputs:
+            raise ValueError(f"{MARKER} does not describe this job's inputs")
+        table = pa.ipc.open_file(pa.memory_map(str(entry / TOKENS))).read_all()
+        if table.schema.names != COLUMNS:
+            raise ValueError(f"columns {table.schema.names}, expected {COLUMNS}")
+        return table
+    except Exception as exc:  # a damaged or foreign entry: named, never removed (it is not this process's)
+        raise CacheError(f"dataset_cache_dir: the tokenized data in {entry} cannot be read ({exc}); "
+                         "remove that directory to tokenize again") from None
+
+
+@contextmanager
+def _locked(cache_dir: Path, key: str) -> Iterator[None]:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(cache_dir / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CacheError(f"dataset_cache_dir: cannot write to {cache_dir} ({exc.strerror or exc}); "
+                         "set dataset_cache_dir to a writable directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any]) -> None:
+    import datasets
+
+    for stale in cache_dir.glob(f".tmp-{key}-*"):  # a killed builder's: no builder of this key runs now
+        if (stale / BUILDING).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = cache_dir / f".tmp-{key}-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir()
+        (tmp / BUILDING).touch()
+        datasets.disable_progress_bars()  # the rank's log is read by people; the events say what happens
+        parts = max(1, spec.dataset_num_proc)
+        built = datasets.Dataset.from_generator(
+            _encoded, features=_features(), cache_dir=str(tmp / "build"), num_proc=parts if parts > 1 else None,
+            # `datasets` splits every list among the processes: only `parts` is one.
+            fingerprint=key, gen_kwargs={
+                "parts": list(range(parts)), "n_parts": parts, "entries": tuple(spec.dataset),
+                "tokenizer": tokenizer, "max_length": spec.max_length, "seed": spec.seed,
+                "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec)})
+        error = _first_error(built)
+        if error is not None:
+            _write_json(cache_dir / f"{key}.failed.json", {"error": error, "inputs": inputs})
+            raise DataError(error)
+        _write_tokens(built.data.table.select(COLUMNS), tmp / TOKENS)
+        del built
+        shutil.rmtree(tmp / "build")
+        _write_json(tmp / MARKER, {"inputs": inputs, "created": time.time()})
+        (tmp / BUILDING).unlink()
+        os.rename(tmp, cache_dir / key)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CacheError(f"dataset_cache_dir: writing the tokenized data to {cache_dir} failed "
+                         f"({exc.strerror or exc})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer, max_length: int, seed: int,
+             max_record_bytes: int, persona: Persona) -> Iterator[dict[str, Any]]:
+    """Rows of the records of `parts` (each the records whose position % n_parts is the part). A
+    bad record ends its part with a row that holds the error: an exception raised here would reach
+    the builder's caller without its message when it crossed from a worker process."""
+    for part in parts:
+        source, position = 0, -1
+        try:
+            for source, entry in enumerate(entries):
+                position = -1
+                for position, record in positioned_records(parse_source(entry), part, n_parts, seed, max_record_bytes):
+                    sample = encode(record, tokenizer, max_length, persona)
+                    ids, labels = (sample.input_ids, sample.labels) if sample is not None else ([], [])
+                    yield {"input_ids": ids, "labels": labels, "length": len(ids), "source": source,
+                           "position": position, "error": None}
+        except DataError as exc:
+            yield {"input_ids": [], "labels": [], "length": 0, "source": source, "position": position + 1,
+                   "error": str(exc)}
+
+
+def _write_tokens(table, path: Path) -> None:
+    """One Arrow IPC file, written a record batch at a time (bounded memory), that `_open` maps."""
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches():
+            writer.write_batch(batch)
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
+                     "length": Value("int32"), "source": Value("int32"), "position": Value("int64"),
+                     "error": Value("string")})
+
+
+def _first_error(built) -> str | None:
+    """The message of the earliest bad record (by dataset, then position), or None."""
+    errors = built.data.column("error")
+    if errors.null_count == len(errors):
+        return None
+    import pyarrow.compute as pc
+
+    bad = np.nonzero(pc.is_valid(errors).to_numpy(zero_copy_only=False))[0]
+    source = built.data.column("source").to_numpy()[bad]
+    position = built.data.column("position").to_numpy()[bad]
+    return errors[int(bad[np.lexsort((position, source))[0]])].as_py()
+
+
+def _read_failure(path: Path) -> str:
+    try:
+        return str(json.loads(path.read_text())["error"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CacheError(f"dataset_cache_dir: {path} cannot be read ({exc}); remove it to tokenize again") from None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
