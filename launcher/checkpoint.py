@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -220,11 +221,14 @@ def publish(tmp: Path, step: int) -> Path:
     return final
 
 
-def prune(run_dir: Path, keep: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond `keep`; never touches incomplete ones."""
+def prune(run_dir: Path, keep: int | None, protected: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond `keep`, but never `protected` (the best by eval
+    loss, kept beside the newest ones); never touches incomplete ones."""
     if not keep:
         return []
-    done = complete_checkpoints(run_dir)
+    done = [path for path in complete_checkpoints(run_dir) if path != protected]
+    if protected is not None and keep > 1:  # the best counts among the kept (with a limit of 1: best and newest)
+        keep -= 1
     doomed = done[:-keep] if len(done) > keep else []
     for path in doomed:
         # Rename first so a crash mid-delete leaves a name that is never taken as complete.
@@ -232,6 +236,20 @@ def prune(run_dir: Path, keep: int | None) -> list[Path]:
         os.rename(path, trash)
         shutil.rmtree(trash)
     return doomed
+
+
+def best(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the lowest eval loss (its trainer_state.json's), None where no
+    checkpoint was evaluated; the earliest among equals."""
+    scored = []
+    for path in complete_checkpoints(run_dir):
+        try:
+            loss = json.loads((path / "trainer_state.json").read_text()).get("eval_loss")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            scored.append((loss, step_of(path), path))
+    return min(scored)[2] if scored else None
 
 
 # ---- reading without running code -------------------------------------------------------------

@@ -11,7 +11,7 @@ import bisect
 import heapq
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -229,17 +229,29 @@ class Batches:
             return [padded_row(next(samples)) for _ in members]
         return [packed_row([next(samples) for _ in m]) for m in members]
 
+    def batch_of(self, indices: list[int], fill: bool = False) -> tuple[dict, int, int]:
+        """The rows `indices` as one micro-batch: (batch, tokens, samples). `fill`: rows of one pad
+        token without labels make up a short micro-batch's size (engines set up for one micro-batch
+        size, as DeepSpeed's Ulysses is, refuse another; such rows add no loss and no count)."""
+        rows = self.rows(indices)
+        if fill:
+            rows += [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(self.micro_batch - len(rows))]
+        batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None, self.multiple)
+        return batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
+
     def step(self, step: int) -> list[tuple[dict, int, int]]:
         """Micro-batches of optimizer step `step` (0-based): (batch, tokens, samples) each."""
         epoch, within = divmod(step, self.steps_per_epoch)
         order = self._order(epoch)
-        out = []
-        for micro in range(self.accumulation):
-            start = (within * self.accumulation + micro) * self.micro_batch
-            rows = self.rows(order[start:start + self.micro_batch])
-            batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None, self.multiple)
-            out.append((batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)))
-        return out
+        return [self.batch_of(order[start:start + self.micro_batch])
+                for start in ((within * self.accumulation + micro) * self.micro_batch
+                              for micro in range(self.accumulation))]
+
+    def in_order(self, count: int) -> Iterator[tuple[dict, int, int]]:
+        """The first `count` micro-batches of the rows in their order (evaluation: every rank runs as
+        many), a short last one filled up to the micro-batch size."""
+        for start in range(0, count * self.micro_batch, self.micro_batch):
+            yield self.batch_of(list(range(start, min(start + self.micro_batch, len(self.plan)))), fill=True)
 
 
 def steps_per_epoch(rows_per_rank: int, micro_batch: int, accumulation: int) -> int:

@@ -99,16 +99,25 @@ class Tokenized:
         self._batches = self.table.select(["input_ids", "labels"]).to_batches()
         self._offsets = np.cumsum([0] + [len(b) for b in self._batches])
 
-    def shard(self, rank: int, world: int) -> tuple[np.ndarray, int]:
+    def shard(self, rank: int, world: int, among: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """Rows of data-parallel rank `rank` of `world`, in the order the ranks have always read them
         (each dataset in turn, its records whose position % world == rank), and how many of that
-        shard's records were dropped."""
+        shard's records were dropped; `among`: only the rows where this mask is true."""
         source = self.table.column("source").to_numpy()
         position = self.table.column("position").to_numpy()
-        mine = np.nonzero(position % world == rank)[0]
+        taken = position % world == rank
+        mine = np.nonzero(taken if among is None else taken & among)[0]
         mine = mine[np.lexsort((position[mine], source[mine]))]
         kept = self.table.column("length").to_numpy()[mine] > 0
         return mine[kept], int(np.count_nonzero(~kept))
+
+    def held_out(self, ratio: float, seed: int) -> np.ndarray:
+        """The rows split off for validation (`split_dataset_ratio`): a seeded choice of
+        round(ratio x records) of them, at least one, the same on every rank."""
+        n = self.table.num_rows
+        mask = np.zeros(n, dtype=bool)
+        mask[np.random.default_rng(seed).permutation(n)[:max(1, round(ratio * n))]] = True
+        return mask
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         return self.table.column("length").to_numpy()[rows]

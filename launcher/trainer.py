@@ -37,6 +37,7 @@ NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is s
 STOP_MARGIN_S = 3.0  # of the stop budget: for leaving the loop, the end event and the exit
 TIMED_STEPS_MIN = 3  # steps measured before the collective timeout follows the step time
 STEP_TIMES_KEPT = 100
+EVAL_HEARTBEAT_S = 30.0  # an evaluation longer than this says it is still running, this often
 
 
 class Diverged(UserError):
@@ -56,6 +57,13 @@ class Stopped(Exception):
 class Plan:
     steps_per_epoch: int
     max_steps: int
+
+
+@dataclass
+class Validation:
+    batches: data.Batches
+    count: int
+    """Micro-batches each rank evaluates."""
 
 
 class StopSignal:
@@ -89,6 +97,19 @@ def _routing(load) -> dict:
     """A MoE window's fields of the `train` event."""
     return {"moe_aux_loss": load.aux_loss, "moe_max_expert_share": load.max_expert_share,
             "moe_expert_tokens": load.expert_tokens}
+
+
+def best_eval(eval_losses: dict[int, float]) -> tuple[int, float]:
+    """(step, eval loss) of the lowest finite eval loss (the earliest among equals); (-1, inf) for none."""
+    loss, step = min(((loss, step) for step, loss in eval_losses.items() if math.isfinite(loss)),
+                     default=(math.inf, -1))
+    return step, loss
+
+
+def early_stop_due(eval_losses: dict[int, float], interval: int | None) -> bool:
+    """Whether the last `interval` evaluations all came after the best one (none was lower)."""
+    best_step, _ = best_eval(eval_losses)
+    return bool(interval) and sum(1 for step in eval_losses if step > best_step) >= interval
 
 
 def seed_everything(seed: int) -> None:
@@ -153,7 +174,8 @@ class Trainer:
         tp = transformers_plan(spec, self.dist.world_size)
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
-        self.batches, self.plan = self._load_data()
+        self.batches, self.plan, self.validation = self._load_data()
+        self.eval_losses: dict[int, float] = {}  # step -> eval loss, this attempt's and the resumed checkpoints'
         ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(self.model_config, "hidden_size", None),
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
@@ -171,28 +193,37 @@ class Trainer:
                                 if spec.train_type == "full" and self.model_config else None)
         self.peak_flops = peak_flops()
 
-    def _load_data(self) -> tuple[data.Batches, Plan]:
+    def _load_data(self) -> tuple[data.Batches, Plan, "Validation | None"]:
         spec, d = self.spec, self.dist
-        error, shard = None, None
+        error, shards = None, None
         try:
             with DataHeartbeat(self.events):
-                tokenized = open_tokenized(spec, self.tokenizer, dataset_cache_dir(spec, self.run_dir))
-            mine, dropped = tokenized.shard(d.dp_rank, d.dp_size)
-            rows = (data.pack_plan(tokenized.lengths(mine), spec.max_length) if spec.packing
-                    else data.one_per_row(len(mine)))
-            shard = (tokenized, mine, rows, dropped)
+                cache = dataset_cache_dir(spec, self.run_dir)
+                tokenized = open_tokenized(spec, self.tokenizer, cache)
+                split = (tokenized.held_out(spec.split_dataset_ratio, spec.seed)
+                         if spec.evaluates and not spec.val_dataset else None)
+                train = self._shard(tokenized, None if split is None else ~split)
+                val = None
+                if spec.val_dataset and spec.evaluates:
+                    val = self._shard(open_tokenized(spec.model_copy(update={"dataset": spec.val_dataset}),
+                                                     self.tokenizer, cache))
+                elif split is not None:
+                    val = self._shard(tokenized, split)
+            shards = (train, val)
             self.events.emit("data", phase="ready", cache=str(tokenized.entry), tokenized=tokenized.built,
-                             seconds=round(tokenized.seconds, 3), samples=len(mine), dropped=dropped)
+                             seconds=round(tokenized.seconds, 3), samples=len(train[1]), dropped=train[3],
+                             val_samples=len(val[1]) if val else 0)
         except data.DataError as exc:
-            error = str(exc)
-        # Every rank learns about any rank's bad record, so all stop before training; the rank that
-        # read it reports it, the others that they stopped for it.
+            failure, error = exc, str(exc)
+        # Every rank learns about any rank's bad record, so all stop before training. The ranks read
+        # one tokenization, so they meet the same error: the lowest rank reports it, the others that
+        # they stopped for it (a rank with an error of its own reports that).
         found = [(rank, e) for rank, e in enumerate(d.all_gather_object(error)) if e]
-        if error:
-            raise data.DataError(error)
+        if error and (found[0][0] == d.rank or error != found[0][1]):
+            raise failure
         if found:
             raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
-        tokenized, mine, rows, dropped = shard
+        (tokenized, mine, rows, dropped), val = shards
         # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
         (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
@@ -206,11 +237,34 @@ class Trainer:
                      "truncation to max_length=%d), %d steps per epoch; tokenized data in %s", total_rows, d.dp_size,
                      total_dropped, spec.max_length, per_epoch, tokenized.entry)
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
-        batches = data.Batches(lambda members: tokenized.samples(mine[members]), rows,
-                               spec.per_device_train_batch_size, spec.gradient_accumulation_steps, per_epoch,
-                               spec.seed, self.tokenizer.pad_token_id, spec.packing, spec.max_length,
-                               seq_multiple(spec))
-        return batches, plan
+        return (self._batches(tokenized, mine, rows, spec.per_device_train_batch_size, per_epoch), plan,
+                self._validation(val))
+
+    def _shard(self, tokenized, among=None) -> tuple:
+        """(the data, this rank's rows of it, their row plan, how many of its records were dropped)."""
+        mine, dropped = tokenized.shard(self.dist.dp_rank, self.dist.dp_size, among)
+        rows = (data.pack_plan(tokenized.lengths(mine), self.spec.max_length) if self.spec.packing
+                else data.one_per_row(len(mine)))
+        return tokenized, mine, rows, dropped
+
+    def _batches(self, tokenized, mine, rows, micro_batch: int, steps_per_epoch: int = 1) -> data.Batches:
+        spec = self.spec
+        return data.Batches(lambda members: tokenized.samples(mine[members]), rows, micro_batch,
+                            spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
+                            spec.packing, spec.max_length, seq_multiple(spec))
+
+    def _validation(self, val: tuple | None) -> "Validation | None":
+        """Every rank evaluates as many micro-batches: the fewest any rank's share makes."""
+        if val is None:
+            return None
+        spec, d = self.spec, self.dist
+        size = spec.per_device_eval_batch_size or spec.per_device_train_batch_size
+        (count,), _ = d.all_reduce([math.ceil(len(val[2]) / size)], "min")
+        if count < 1:
+            raise data.DataError(f"{'val_dataset' if spec.val_dataset else 'split_dataset_ratio'}: too little "
+                                 f"validation data for every one of the {d.dp_size} data-parallel ranks to have a "
+                                 "sequence; give more, or a larger split_dataset_ratio")
+        return Validation(self._batches(*val[:3], micro_batch=size), int(count))
 
     def _resume_checkpoint(self) -> Path | None:
         ref = self.resume_ref or self.spec.resume_from_checkpoint
@@ -253,15 +307,18 @@ class Trainer:
             state = {"step": step, "epoch": step / self.plan.steps_per_epoch, "steps_per_epoch": self.plan.steps_per_epoch,
                      "max_steps": self.plan.max_steps, "world_size": d.world_size, **self._layout(),
                      "engine": self.engine.name, "optimizer_state": self.engine.optimizer_state,
-                     "train_type": self.spec.train_type, "base_model": self.spec.model}
+                     "train_type": self.spec.train_type, "base_model": self.spec.model,
+                     "eval_loss": self.eval_losses.get(step),
+                     "eval_losses": {str(k): v for k, v in self.eval_losses.items()}}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         d.barrier()
         final = checkpoint.final_dir(self.run_dir, step)
         if d.is_main:
             final = checkpoint.publish(tmp, step)
-            for gone in checkpoint.prune(self.run_dir, self.spec.save_total_limit):
+            for gone in checkpoint.prune(self.run_dir, self.spec.save_total_limit, checkpoint.best(self.run_dir)):
                 log.info("deleted old checkpoint %s (save_total_limit=%s)", gone, self.spec.save_total_limit)
-            self.events.emit("checkpoint", step=step, path=str(final))
+            evaluated = {"eval_loss": self.eval_losses[step]} if step in self.eval_losses else {}
+            self.events.emit("checkpoint", step=step, path=str(final), **split_nonfinite(**evaluated)[0])
             log.info("saved %s", final)
         d.barrier()
         return final
@@ -296,6 +353,7 @@ class Trainer:
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"resume: {exc}") from None
         self.step = self.resumed_from = state["step"]
+        self.eval_losses = {int(k): float(v) for k, v in (state.get("eval_losses") or {}).items()}
         if self.dist.is_main:
             log.info("resumed from %s at step %d", path, self.step)
 
@@ -325,7 +383,10 @@ class Trainer:
                                                      float(self.stop.too_late(self.last_save_s))], "max")
             self.step_times.append(time.perf_counter() - started)
             window.add(self.step_times[-1], wait, step_data_wait, sum(m[1] for m in micro), sum(m[2] for m in micro))
-            is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps
+            due_eval = self.validation is not None and (self.step % (spec.eval_steps or spec.save_steps) == 0
+                                                        or self.step == plan.max_steps)
+            # An eval step is logged too, so its eval loss is drawn at its own step.
+            is_log = self.step % spec.logging_steps == 0 or self.step == plan.max_steps or due_eval
             if is_log or len(pending) >= NONFINITE_LIMIT:
                 step_losses, norms = self._reduce_pending(pending)
                 pending = []
@@ -339,7 +400,9 @@ class Trainer:
                 self._log(window, window_losses)
                 window, window_losses = Window(), []
                 self._follow_step_time()
-            due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps)
+            early = due_eval and self._evaluate()
+            due = spec.save_strategy == "steps" and (self.step % spec.save_steps == 0 or self.step == plan.max_steps
+                                                     or early)
             if stop_votes and late:
                 # (every rank has saved as often: the vote is late only where the last save time is known)
                 raise Stopped(self._no_checkpoint_message(f"a checkpoint takes about {self.last_save_s or 0:.0f} s, "
@@ -352,6 +415,38 @@ class Trainer:
                 window.started += self.last_save_s
             if stop_votes:
                 raise Stopped()
+            if early:
+                if d.is_main:
+                    best_step, best_loss = best_eval(self.eval_losses)
+                    log.info("early stop at step %d: no lower eval loss in the last %d evaluations (best %.4f at "
+                             "step %d)", self.step, spec.early_stop_interval, best_loss, best_step)
+                    self.events.emit("early_stop", step=self.step, best_step=best_step, best_eval_loss=best_loss)
+                return
+
+    def _evaluate(self) -> bool:
+        """The eval loss at this step, over every rank's validation share (an `eval` event, kept with
+        the next checkpoint); True when early_stop_interval evaluations in a row found none lower
+        than the best before them."""
+        spec, d, val = self.spec, self.dist, self.validation
+        started = beat = time.perf_counter()
+        loss_sum, predicted = 0.0, 0
+        for done, (batch, _, _) in enumerate(val.batches.in_order(val.count), 1):
+            count = int((batch["labels"][:, 1:] != data.IGNORE).sum())
+            loss = self.engine.evaluate({k: v.to(d.device) for k, v in batch.items()})
+            loss_sum, predicted = loss_sum + float(loss) * count, predicted + count
+            if d.is_main and time.perf_counter() - beat > EVAL_HEARTBEAT_S:  # the hang watch sees it working
+                self.events.emit("eval_progress", step=self.step, batches=done, of=val.count)
+                beat = time.perf_counter()
+        # An SP, CP or TP group's ranks add the same loss and count: the mean is unchanged.
+        (loss_sum, predicted), _ = d.all_reduce([loss_sum, float(predicted)], "sum")
+        self.eval_losses[self.step] = loss_sum / predicted if predicted else float("nan")
+        if d.is_main:
+            values, nonfinite = split_nonfinite(eval_loss=self.eval_losses[self.step])
+            self.events.emit("eval", step=self.step, **values, nonfinite=nonfinite,
+                             tokens=int(predicted), seconds=round(time.perf_counter() - started, 3))
+            log.info("step %d eval loss %.4f (%d tokens, %.1f s)", self.step, self.eval_losses[self.step],
+                     predicted, time.perf_counter() - started)
+        return early_stop_due(self.eval_losses, spec.early_stop_interval)
 
     def _follow_step_time(self) -> None:
         """Set the collective timeout from the measured step time (backend.job.limits), where it

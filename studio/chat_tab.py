@@ -11,16 +11,18 @@ import gradio as gr
 from backend.job.chat import MODELS as SIDES
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import listed_runs
+from studio.run_view import checkpoint_choices, listed_runs
 
 LATEST = "latest complete checkpoint"
 NOT_LOADED = "No model loaded: pick a run and a checkpoint, then Load."
 EMPTY_ANSWER = "*(no text: the model ended this answer without writing anything visible)*"
 
 
-def source_choices(checkpoints: list[tuple[int, str]], exported: str | None) -> list[tuple[str, str] | str]:
-    """The Model dropdown: the latest checkpoint, each one by step, and the export where there is one."""
-    steps = [(f"step {step} · {path}", str(step)) for step, path in checkpoints]
+def source_choices(checkpoints: list[tuple[int, str]], exported: str | None,
+                   eval_losses: dict[int, float] | None = None) -> list[tuple[str, str] | str]:
+    """The Model dropdown: the latest checkpoint, each one by step (with its eval loss, the best
+    marked), and the export where there is one."""
+    steps = checkpoint_choices(checkpoints, eval_losses or {})
     return [LATEST, *steps, *([(f"exported model · {exported}", exported)] if exported else [])]
 
 
@@ -95,14 +97,14 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         if not run_id:
             return gr.update(choices=[LATEST], value=LATEST), gr.skip()
         try:
-            steps = studio.manager.saved_checkpoints(run_id)
+            steps, losses = studio.manager.saved_checkpoints(run_id), studio.manager.checkpoint_eval_losses(run_id)
         except Exception as exc:  # noqa: BLE001
             return gr.update(choices=[LATEST], value=LATEST), user_message(f"Listing the models of run {run_id}", exc)
         try:
             exported, note = studio.manager.exported(run_id), gr.skip()
         except Exception as exc:  # noqa: BLE001 - the checkpoints stay offered
             exported, note = None, user_message(f"Looking for the export of run {run_id}", exc)
-        return gr.update(choices=source_choices(steps, exported), value=LATEST), note
+        return gr.update(choices=source_choices(steps, exported, losses), value=LATEST), note
 
     def on_load(run_id: str | None, source: str | None, session: str | None):
         empty = {"base": [], "tuned": []}

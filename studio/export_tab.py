@@ -9,7 +9,7 @@ import gradio as gr
 
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import listed_runs
+from studio.run_view import checkpoint_choices, listed_runs
 
 LATEST = "latest complete checkpoint"
 
@@ -41,8 +41,10 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         return (gr.skip(), error) if error else (gr.update(choices=options, value=value), "")
 
     def on_run(run_id: str | None):
-        steps = studio.manager.saved_checkpoints(run_id) if run_id else []
-        return gr.update(choices=[LATEST, *[(f"step {s} · {path}", str(s)) for s, path in steps]], value=LATEST)
+        if not run_id:
+            return gr.update(choices=[LATEST], value=LATEST)
+        steps, losses = studio.manager.saved_checkpoints(run_id), studio.manager.checkpoint_eval_losses(run_id)
+        return gr.update(choices=[LATEST, *checkpoint_choices(steps, losses)], value=LATEST)
 
     def on_export(run_id: str | None, checkpoint: str | None, out: str | None):
         if not run_id:

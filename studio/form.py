@@ -19,7 +19,8 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
-                              "model_author", "dataset_num_proc", "dataset_cache_dir")),
+                              "model_author", "val_dataset", "split_dataset_ratio", "dataset_num_proc",
+                              "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
@@ -30,9 +31,9 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
         "learning_rate", "num_train_epochs", "max_steps", "per_device_train_batch_size",
         "gradient_accumulation_steps", "warmup_ratio", "lr_scheduler_type", "weight_decay",
         "max_grad_norm")),
-    ("Checkpoints and logging", False, (
-        "output_dir", "save_strategy", "save_steps", "save_total_limit", "logging_steps", "report_to",
-        "resume_from_checkpoint")),
+    ("Checkpoints, evaluation and logging", False, (
+        "output_dir", "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps",
+        "per_device_eval_batch_size", "early_stop_interval", "logging_steps", "report_to", "resume_from_checkpoint")),
     ("Advanced", False, (
         "gradient_checkpointing", "use_liger_kernel", "tiled_mlp", "activation_cpu_offload", "torch_compile",
         "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "max_restarts", "hang_timeout_s",
@@ -67,6 +68,9 @@ TITLES = {
     "activation_cpu_offload": "Offload checkpointed activations to CPU",
     "router_aux_loss_coef": "Router load-balancing loss weight (MoE)",
     "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
+    "val_dataset": "Validation data", "split_dataset_ratio": "Held out for validation",
+    "eval_strategy": "Evaluation", "eval_steps": "Evaluate every N steps",
+    "per_device_eval_batch_size": "Eval micro-batch per GPU", "early_stop_interval": "Early stop after N evals",
     "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }

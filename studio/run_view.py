@@ -25,8 +25,8 @@ STATE_MARK = {"created": "○", "checking": "◔", "launching": "◑", "running"
 RESTARTABLE = ("stopped", "failed")
 RESUME_LABEL = "▶ Resume from checkpoint"
 RUN_AGAIN_LABEL = "▶ Run again"
-RUN_COLUMNS = ["run", "status", "attempts", "started", "duration", "final loss", "tokens/s", "GPU-h", "kWh",
-               "Wh/Mtok", "cost", "output"]
+RUN_COLUMNS = ["run", "status", "attempts", "started", "duration", "final loss", "eval loss", "tokens/s", "GPU-h",
+               "kWh", "Wh/Mtok", "cost", "output"]
 
 
 def run_title(run: Any) -> str:
@@ -156,12 +156,12 @@ def run_rows(runs: list[Any], summaries: dict[str, dict], usages: dict[str, Usag
     rows = []
     for run in runs:
         s = summaries.get(run.id, {})
-        loss = s.get("loss")
-        tps = s.get("tokens_per_s")
+        loss, eval_loss, tps = s.get("loss"), s.get("eval_loss"), s.get("tokens_per_s")
         rows.append([run_title(run), run.state, run.attempts,
                      time.strftime("%m-%d %H:%M", time.localtime(run.created_at)),
                      format_duration(duration_s(run)),
-                     "" if loss is None else round(loss, 4), "" if tps is None else round(tps, 1),
+                     "" if loss is None else round(loss, 4), "" if eval_loss is None else round(eval_loss, 4),
+                     "" if tps is None else round(tps, 1),
                      *usage_cells((usages or {}).get(run.id), price), run.run_dir])
     return rows
 
@@ -204,3 +204,15 @@ def alerts_md(alerts: list[Any]) -> str:
         out.append(f"- {STATUS_MARK.get(a.severity, '•')} {when} **{a.rule.replace('_', ' ')}**"
                    f"{f' ({where})' if where else ''}{count}: {html.escape(a.message)}")
     return "\n".join(out)
+
+
+def checkpoint_choices(checkpoints: Sequence[tuple[int, str]], eval_losses: dict[int, float]) -> list[tuple[str, str]]:
+    """A checkpoint picker's (label, step) choices, newest first, each with its eval loss where it was
+    evaluated, the lowest marked best."""
+    best = min(((loss, step) for step, loss in eval_losses.items() if step in dict(checkpoints)), default=None)
+    out = []
+    for step, path in checkpoints:
+        loss = eval_losses.get(step)
+        scored = f" · eval loss {loss:.4g}{' (best)' if best and best[1] == step else ''}" if loss is not None else ""
+        out.append((f"step {step}{scored} · {path}", str(step)))
+    return out

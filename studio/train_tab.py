@@ -33,7 +33,7 @@ WATCH_EDITS_JS = """() => {
 
 
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
-MAX_FIXES = 3  # EP, SP and CP exclude each other: at most one engine fix, and the pipeline's micro-batches
+MAX_FIXES = 3  # EP, SP and CP exclude each other: at most one engine fix, a pipeline's micro-batches and its evaluation
 
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
     common = dict(label=view.label, info=view.info, value=value, elem_id=f"f-{view.name}")

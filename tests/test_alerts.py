@@ -111,6 +111,16 @@ def test_hang_fires_and_names_the_rank_behind():
     assert "400 s" in f.message and "rank 1, node node-b, GPU 3" in f.message
 
 
+def test_an_evaluation_that_reports_is_progress_not_a_hang():
+    ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]
+    idle = window(T0 + 10 + 400, train=ev)
+    assert alerts.hang(idle, CFG)
+    # A long evaluation after step 10 writes `eval` events meanwhile: no hang until they stop coming.
+    assert alerts.hang(window(T0 + 10 + 400, train=ev, evaluated=(T0 + 350, 10)), CFG) == []
+    [f] = alerts.hang(window(T0 + 350 + 400, train=ev, evaluated=(T0 + 350, 10)), CFG)
+    assert "(last logged step 10)" in f.message
+
+
 def test_hang_names_the_rank_whose_process_is_stopped_or_in_uninterruptible_io():
     # gloo: every rank logged the same last step, so only the process states tell them apart
     ev = [train(s, 1.0, t=T0 + s) for s in range(1, 11)]

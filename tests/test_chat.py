@@ -284,6 +284,11 @@ def test_the_model_choices_and_the_status_line():
         LATEST, ("step 6 · /r/checkpoint-6", "6"), ("step 3 · /r/checkpoint-3", "3"),
         ("exported model · /r/export", "/r/export")]
     assert source_choices([], None) == [LATEST]
+    # Evaluated checkpoints show their eval loss, the lowest marked best (a pruned one is not counted).
+    saved = [(9, "/r/checkpoint-9"), (6, "/r/checkpoint-6"), (3, "/r/checkpoint-3")]
+    assert source_choices(saved, None, {9: 1.25, 6: 1.1234567, 1: 0.5}) == [
+        LATEST, ("step 9 · eval loss 1.25 · /r/checkpoint-9", "9"),
+        ("step 6 · eval loss 1.123 (best) · /r/checkpoint-6", "6"), ("step 3 · /r/checkpoint-3", "3")]
     ready = {"kind": "lora", "path": "/r/checkpoint-6", "node": "gpu-01", "device": "NVIDIA H200", "dtype": "bfloat16",
              "pid": 42, "load_s": 3.5, "base_from": "the same model with its LoRA adapter disabled",
              "template": "ChatML, as in training", "max_positions": 512, "skipped": ["checkpoint-9/x: missing"]}

@@ -87,6 +87,36 @@ def test_prune_deletes_oldest_complete_only(tmp_path):
     assert checkpoint.prune(tmp_path, keep=None) == []
 
 
+def test_the_best_checkpoint_by_eval_loss_is_kept_beside_the_newest(tmp_path):
+    def evaluated(step, loss):
+        path = make(tmp_path, step)
+        (path / "trainer_state.json").write_text(json.dumps({"step": step, "eval_loss": loss}))
+    for step, loss in ((5, 2.0), (10, 1.2), (15, float("nan")), (20, 1.5)):
+        evaluated(step, loss)
+    make(tmp_path, 25)  # not evaluated: no eval_loss
+    (tmp_path / "checkpoint-5" / "trainer_state.json").write_text("{broken")  # unreadable: not a candidate
+    assert checkpoint.best(tmp_path).name == "checkpoint-10"
+    deleted = checkpoint.prune(tmp_path, keep=2, protected=checkpoint.best(tmp_path))
+    assert [p.name for p in deleted] == ["checkpoint-5", "checkpoint-15", "checkpoint-20"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-25"]
+    evaluated(30, 1.3)  # a limit of 1 keeps the newest and the best
+    assert [p.name for p in checkpoint.prune(tmp_path, keep=1, protected=checkpoint.best(tmp_path))] == ["checkpoint-25"]
+    evaluated(35, 0.9)  # a new best: the old one is pruned like any other
+    assert checkpoint.best(tmp_path).name == "checkpoint-35"
+    assert [p.name for p in checkpoint.prune(tmp_path, keep=2, protected=checkpoint.best(tmp_path))] == ["checkpoint-10"]
+    assert checkpoint.best(tmp_path / "none") is None
+
+
+def test_early_stop_counts_the_evaluations_since_the_best():
+    from launcher.trainer import best_eval, early_stop_due
+
+    losses = {50: 1.4, 100: 1.1, 150: 1.2, 200: float("nan"), 250: 1.1}
+    assert best_eval(losses) == (100, 1.1)  # the earliest of equals; NaN is never best
+    assert not early_stop_due(losses, None) and not early_stop_due(losses, 4)
+    assert early_stop_due(losses, 3) and early_stop_due(losses, 1)
+    assert not early_stop_due({**losses, 300: 1.0}, 1) and best_eval({}) == (-1, float("inf"))
+
+
 def nan_run(tmp_path, tiny_model, logging_steps: int):
     """A run of a model whose weights make every loss NaN."""
     import shutil

@@ -15,7 +15,7 @@ from backend.job.cluster import Cluster, Node
 from backend.job.modelcfg import parse_model_config, sequence_mixing
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
-from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
+from worker import (ROOT, assert_same_eval, assert_same_export, assert_timing_from_every_rank, events,
                     losses, run_ok, run_worker, torchrun_argv, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
@@ -283,9 +283,11 @@ def test_cp2_trains_resumes_onto_one_rank_and_exports_like_one_rank(tmp_path, mh
 @gpu
 @pytest.mark.e2e
 def test_cp2_lora_and_cp2_by_dp2_match_their_plain_runs(tmp_path, mha):
-    lora = job(mha["mistral"], train_type="lora", max_steps=8)
-    assert_same_training(trained(tmp_path / "lora-cp", 2, tmp_path, **lora, context_parallel_size=2),
-                         trained(tmp_path / "lora", 1, tmp_path, **lora), steps=range(1, 9))
+    lora = job(mha["mistral"], train_type="lora", max_steps=8, split_dataset_ratio=0.1, eval_steps=4)
+    lora_cp = trained(tmp_path / "lora-cp", 2, tmp_path, **lora, context_parallel_size=2)
+    lora_plain = trained(tmp_path / "lora", 1, tmp_path, **lora)
+    assert_same_training(lora_cp, lora_plain, steps=range(1, 9))
+    assert_same_eval(lora_cp, lora_plain, [4, 8])  # the ring's forward alone, on the held-out rows
     # Four ranks as two CP groups: two data shards, the same global batch as two-rank FSDP2.
     full = job(mha["qwen3"], max_steps=8)
     assert_same_training(trained(tmp_path / "cp-dp", 4, tmp_path, **full, context_parallel_size=2),

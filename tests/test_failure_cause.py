@@ -111,7 +111,7 @@ def test_exit_code_survives_a_full_disk(small_disk):
 @pytest.mark.e2e
 def test_bad_record_names_file_line_rank_and_node(manager, tiny_model, tmp_path):
     rows = (ROOT / "assets" / "demo" / "train.jsonl").read_text().splitlines()
-    rows[706] = json.dumps({"foo": 1})  # line 707: record 706, rank 0's of 2
+    rows[706] = json.dumps({"foo": 1})  # line 707: record 706
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(rows) + "\n")
     # Past the records the validator samples before launch (a bad line 7 never reaches a worker).
@@ -121,7 +121,7 @@ def test_bad_record_names_file_line_rank_and_node(manager, tiny_model, tmp_path)
     assert (run.state, run.cause) == ("failed", "data_error"), (run.cause, run.message, run.log_tail)
     assert run.failed_node == LOCAL_HOST and run.exit_code == 1
     # the worker's own message, once, after where it happened
-    # rank 0 read the bad record; rank 1 only stopped for it
+    # one tokenization, one error: the lowest rank reports it, rank 1 only stopped for it (whichever built it)
     assert run.message.startswith(f"data error (node {LOCAL_HOST}, rank 0): {data}:707: unknown record format "
                                   "with fields ['foo']"), run.message
     assert "DataError" not in run.message and "exit code" not in run.message

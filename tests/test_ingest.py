@@ -94,6 +94,21 @@ def test_bad_lines_are_counted_not_raised(engine):
     assert count(engine, S) == 0
 
 
+def test_an_eval_event_is_the_eval_loss_series_at_its_step_and_progress_for_the_hang_rule(engine):
+    ing = Ingestor(engine, autostart=False)
+    lines = [{"type": "start", "time": T0}, {"type": "train", "time": T0 + 5, "step": 5, "loss": 2.0},
+             {"type": "eval_progress", "time": T0 + 9, "step": 5, "batches": 3, "of": 9},
+             {"type": "eval", "time": T0 + 20, "step": 5, "eval_loss": 1.5, "tokens": 900}]
+    for offset, data in enumerate(lines, 1):
+        ing.feed("r", "a", json.dumps({"kind": "event", "file": "events/rank-0.jsonl", "offset": offset, "rank": 0,
+                                       "data": data}))
+    ing.flush()
+    with engine.connect() as conn:
+        rows = conn.execute(select(S.c.step, S.c.value, S.c.t).where(S.c.name == "train/eval_loss")).all()
+    assert [tuple(r) for r in rows] == [(5, 1.5, T0 + 20)]
+    assert ing.window("r", now=T0 + 30).evaluated == (T0 + 20, 5)
+
+
 def test_reconnect_neither_loses_nor_duplicates_events(engine, tmp_path):
     run = tmp_path / "run"
     ev0 = [{"type": "start", "time": T0, "world_size": 2, "max_steps": 40}] + [

@@ -210,7 +210,7 @@ def test_single_node_zero2_lora():
     assert spec.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     # The quick start's own flags are kept: the system prompt and the self-cognition names.
     assert (spec.system, spec.model_author, spec.model_name) == ("You are a helpful assistant.", ["swift"], ["swift-robot"])
-    assert result.ignored == ["--eval_steps 50", "--dataloader_num_workers 4"]
+    assert result.ignored == ["--dataloader_num_workers 4"] and spec.eval_steps == 50
     assert_validates(spec, CLUSTERS["1x4"])
     assert validate(spec, parse_hostfile_text(CLUSTERS["1x4"])) == []
 

@@ -9,7 +9,7 @@ import pytest
 from backend.job.capabilities import same_data_ranks, unsupported
 from backend.job.spec import JobSpec
 from launcher.data import Row, collate
-from worker import (ROOT, assert_same_export, assert_timing_from_every_rank, events,
+from worker import (ROOT, assert_same_eval, assert_same_export, assert_timing_from_every_rank, events,
                     losses, run_ok, run_worker, trained_together, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
@@ -32,6 +32,9 @@ def test_what_sp_does_not_compose_with_is_refused_by_name():
     assert fields(deepspeed="zero2", packing=True) == ["packing"]
     assert fields(deepspeed="zero2", packing=True, attn_impl="flash_attention_2") == []
     assert fields(deepspeed="zero2", torch_compile=True, use_liger_kernel=True) == ["torch_compile", "use_liger_kernel"]
+    # Evaluation keeps Ulysses' one micro-batch size (a short last eval micro-batch is filled up).
+    assert fields(deepspeed="zero2", split_dataset_ratio=0.1, per_device_eval_batch_size=3) == ["per_device_eval_batch_size"]
+    assert fields(deepspeed="zero2", split_dataset_ratio=0.1, per_device_eval_batch_size=1) == []
 
 
 def test_an_sp_group_reads_one_data_shard():
@@ -109,9 +112,12 @@ def test_sp2_zero3_trains_resumes_and_exports_like_one_rank(tmp_path, tiny_model
 @pytest.mark.e2e
 def test_sp2_lora_zero2_matches_one_rank(tmp_path, tiny_model):
     """Below ZeRO-3 DeepSpeed sums the SP group's gradients: each rank's loss is its share."""
-    spec_fields = job(tiny_model, deepspeed="zero2", train_type="lora", max_steps=8)
+    spec_fields = job(tiny_model, deepspeed="zero2", train_type="lora", max_steps=8, split_dataset_ratio=0.09,
+                      eval_steps=4)
     plain, sp = trained_together(tmp_path, ("plain", 1, spec_fields), ("sp", 2, {**spec_fields, "sequence_parallel_size": 2}))
     assert_same_training(sp, plain, steps=range(1, 9))
+    # Evaluation too: the SP group's loss over the 23 held-out rows (the last micro-batch of 2 filled up).
+    assert_same_eval(sp, plain, [4, 8])
 
 
 @pytest.mark.e2e

@@ -341,7 +341,7 @@ def test_the_studio_submits_to_a_slurm_partition(slurm_cluster, tmp_path, capsys
             shot(page, "partition-fits")
 
             page.get_by_role("tab", name="Train").click()
-            page.get_by_text("Checkpoints and logging").click()
+            page.get_by_text("Checkpoints, evaluation and logging").click()
             for name, value in {"max_steps": "6", "save_steps": "3", "logging_steps": "1"}.items():
                 page.locator(f"#f-{name} input").fill(value)
             commands = page.locator("#train-commands")

@@ -10,8 +10,9 @@ import torch
 
 from backend.job.capabilities import TransformersPlan, transformers_plan, unsupported
 from backend.job.spec import JobSpec
-from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_export, assert_timing_from_every_rank,
-                    equality_job, events, losses, run_worker, torchrun, trained, trained_together, write_run)
+from worker import (EQUALITY_STEPS, assert_resumes_the_same, assert_same_eval, assert_same_export,
+                    assert_timing_from_every_rank, equality_job, events, losses, run_worker, torchrun, trained,
+                    trained_together, write_run)
 
 STEPS = EQUALITY_STEPS
 
@@ -127,10 +128,11 @@ def untied_model(tiny_model, tmp_path_factory):
 def test_tp2_with_fsdp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_families):
     """TP2 x FSDP2 (4 ranks) against 2-rank data parallel: the same global batch per step (Qwen3,
     untied)."""
-    spec_fields = equality_job(tiny_families["qwen3"], train_type="full")
+    spec_fields = equality_job(tiny_families["qwen3"], train_type="full", split_dataset_ratio=0.1)
     dp = trained(tmp_path, "dp", 2, **spec_fields)
     both = trained(tmp_path, "tp-fsdp", 4, **spec_fields, tensor_model_parallel_size=2, fsdp="full_shard")
     assert_same_curve(losses(both), losses(dp))
+    assert_same_eval(both, dp, [10, 20], rel=1e-3)  # every save_steps and at the end
     # Qwen3's per-head q_norm and k_norm too (launcher.engines.tp.ALL_REDUCE_HOOK): the loss barely shows them.
     assert_same_export(both, dp, tmp_path)
 

@@ -173,3 +173,14 @@ def test_packing_on_lengths_makes_the_rows_it_always_made():
                                 (16, [16, 1, 15, 8, 8, 8, 4, 4, 2])):
         plan = pack_plan(np.array(lengths), max_length)
         assert [plan.row(i).tolist() for i in range(len(plan))] == _reference_pack(lengths, max_length)
+
+
+def test_the_held_out_split_is_seeded_and_apart_from_the_training_rows(tmp_path, tokenizer):
+    data = open_tokenized(job(DEMO[:1], max_length=48), tokenizer, tmp_path / "cache")
+    held = data.held_out(0.1, seed=42)
+    assert held.sum() == 50 and (held == data.held_out(0.1, seed=42)).all() and not (held == data.held_out(0.1, 7)).all()
+    assert data.held_out(0.0001, 42).sum() == 1  # at least one record
+    for world in (1, 2):
+        train = np.concatenate([data.shard(r, world, ~held)[0] for r in range(world)])
+        val = np.concatenate([data.shard(r, world, held)[0] for r in range(world)])
+        assert not set(train) & set(val) and len(train) + len(val) == 500

@@ -34,6 +34,10 @@ DEMO_TIMEOUT_MS = 240_000  # this test's 300 demo steps: about 20 s on two idle 
 SHORT = {"max_steps": "300", "save_steps": "20", "logging_steps": "1"}
 WORKER_LIBS = ("libtorch", "torch/_C", "transformers", "deepspeed")
 
+EVAL_AT_JS = """(step) => {
+  const el = document.querySelector('#chart-loss .js-plotly-plot');
+  return !!el && !!el.data && el.data.some(t => t.name === 'eval' && t.x && t.x.includes(step));
+}"""
 POINTS_JS = """(id) => {
   const el = document.querySelector(`#${id} .js-plotly-plot`);
   if (!el || !el.data) return 0;
@@ -45,7 +49,8 @@ POINTS_JS = """(id) => {
 AXIS_JS = """(id) => {
   const el = document.querySelector(`#${id} .js-plotly-plot`);
   if (!el || !el.layout) return null;
-  const last = el.data.length ? el.data[el.data.length - 1] : {x: []};
+  const trained = el.data.filter(t => t.name !== 'eval');  // the eval loss has points at its steps only
+  const last = trained.length ? trained[trained.length - 1] : {x: []};
   return {type: el.layout.xaxis.type, title: el.layout.xaxis.title ? el.layout.xaxis.title.text : null,
           x: Array.from(last.x || [])};
 }"""
@@ -144,7 +149,7 @@ def test_full_flow(studio):
         expect(tp).not_to_have_class(re.compile("field-error"), timeout=15000)
 
         # 3. Checkpoint and log often, train longer than the demo, then pre-flight and launch here.
-        page.get_by_text("Checkpoints and logging").click()
+        page.get_by_text("Checkpoints, evaluation and logging").click()
         for name, value in SHORT.items():
             page.locator(f"#f-{name} input").fill(value)
         expect(page.locator("#train-commands")).to_contain_text("--max_steps 300", timeout=15000)
@@ -192,6 +197,8 @@ def test_full_flow(studio):
 
         # 6. Stop once a checkpoint exists: the workers save one more and exit.
         wait_step(page, 22, studio=studio)
+        # The demo holds 2% of its records out: their eval loss is drawn at step 20 (every save_steps).
+        page.wait_for_function(EVAL_AT_JS, arg=20, timeout=30000)
         page.locator("#monitor-stop").click()
         expect(page.locator("#monitor-status")).to_contain_text("stopped", timeout=60000)
         expect(page.locator("#monitor-resume")).to_be_enabled(timeout=15000)
@@ -231,6 +238,10 @@ def test_full_flow(studio):
         # the demo's data, which shows what fine-tuning taught it: the name the job gave it.
         page.locator("#monitor-export").click()
         expect(page.locator("#export-run input")).to_have_value(re.compile(re.escape(run_id)), timeout=15000)
+        # Its checkpoints show their eval loss, the lowest marked best.
+        page.locator("#export-checkpoint input").click()
+        expect(page.get_by_role("option", name=re.compile(r"step \d+ · eval loss [\d.]+ \(best\)"))).to_have_count(1)
+        page.get_by_role("option", name="latest complete checkpoint").click()
         page.locator("#export-go").click()
         expect(page.locator("#export-result")).to_contain_text("Exported checkpoint", timeout=RUN_TIMEOUT_MS)
         expect(page.locator("#export-result")).to_contain_text(str(studio.output_dir / run_id / "export"))

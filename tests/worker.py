@@ -163,6 +163,21 @@ def assert_same_export(run_a: Path, run_b: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(logits(run_a), logits(run_b), rtol=1e-4, atol=1e-4)
 
 
+def eval_losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["eval_loss"] for e in events(run_dir, 0, "eval")}
+
+
+def assert_same_eval(run_a: Path, run_b: Path, steps: list[int], rel: float = 2e-4) -> None:
+    """Both runs evaluated at `steps` with the same eval losses: each engine's evaluation computes
+    what the other's does (the same model, the same held-out rows on the same data-parallel ranks)."""
+    import pytest
+
+    a, b = eval_losses(run_a), eval_losses(run_b)
+    assert sorted(a) == sorted(b) == steps, (a, b)
+    for step in steps:
+        assert a[step] == pytest.approx(b[step], rel=rel), (step, a[step], b[step])
+
+
 def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, steps: int,
                             *others: tuple[Path, int]) -> None:
     """`resumed` (a run directory with its job.yaml), given `run`'s checkpoint-`step` and resumed on

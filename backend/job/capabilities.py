@@ -201,6 +201,9 @@ def engine_fixes(spec: JobSpec) -> list[Fix]:
             out.append(Fix("gradient_accumulation_steps", (("gradient_accumulation_steps", need),),
                            f"a pipeline of PP={pp} stages needs at least {pp} micro-batches per step"
                            + (", a multiple of PP for the interleaved schedule" if rounds > 1 else "")))
+        if spec.evaluates:
+            out.append(Fix("eval_strategy", (("eval_strategy", "no"),),
+                           f"evaluation does not run with {PP} > 1 here (torch's schedules run training steps only)"))
     return out
 
 
@@ -324,6 +327,9 @@ def pp_problems(spec: JobSpec) -> list[Problem]:
             out.append(Problem(field, f"not with {PP} > 1 ({why}); remove it"))
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {PP} > 1 needs a grad scaler across stages; use bfloat16"))
+    if spec.evaluates:
+        out.append(Problem("eval_strategy", f"evaluation with {PP} > 1 is not supported here (the schedules run "
+                                            "training steps only); set eval_strategy: no"))
     return out
 
 
@@ -441,6 +447,10 @@ def _sp_problems(spec: JobSpec) -> list[Problem]:
     if spec.attn_impl == "eager":
         out.append(Problem("attn_impl", f"eager attention needs a 4D mask that Ulysses ({SP} > 1) cannot "
                                         "split; use sdpa, flex_attention or flash_attention_2"))
+    eval_size = spec.per_device_eval_batch_size
+    if spec.evaluates and eval_size not in (None, spec.per_device_train_batch_size):
+        out.append(Problem("per_device_eval_batch_size", f"{eval_size} with {SP} > 1: Ulysses is set up for one "
+                                                         "micro-batch size; leave it empty (the training one)"))
     if spec.packing and spec.attn_impl not in FLASH_IMPLS:
         # DeepSpeed's Ulysses drops the attention mask; only flash-attention reads the sample
         # boundaries from the position ids, sdpa and flex would attend across packed samples.

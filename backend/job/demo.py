@@ -20,6 +20,7 @@ DEMO_SETTINGS = dict(
     learning_rate=3e-3, warmup_ratio=0.05, lr_scheduler_type="cosine", max_steps=100, weight_decay=0.0,
     torch_dtype="bfloat16", gradient_checkpointing=False, logging_steps=5, save_steps=50, save_total_limit=2,
     nproc_per_node=2, model_name=[DEMO_NAME], model_author=[DEMO_AUTHOR],
+    split_dataset_ratio=0.02,  # an eval loss at every checkpoint, on records it does not train on
 )
 
 

@@ -123,6 +123,7 @@ def resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
     updates: dict[str, Any] = {
         "model": _absolute(spec.model, base_dir),
         "dataset": [_absolute(d, base_dir) for d in spec.dataset],
+        "val_dataset": [_absolute(d, base_dir) for d in spec.val_dataset],
         "output_dir": str((base_dir / Path(spec.output_dir).expanduser()).resolve()),
     }
     if spec.deepspeed and not spec.deepspeed_preset:

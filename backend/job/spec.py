@@ -116,11 +116,22 @@ class JobSpec(BaseModel):
     model_author: list[str] = Field(default_factory=list, max_length=2, description="The model's author, filled in where the data says {{AUTHOR}}; two = Chinese, then other text.")
     max_record_mib: float = Field(16.0, gt=0, le=4096, description="Largest dataset record (one JSON line) in MiB: a longer line is refused naming its file:line, before launch and by the reader, without being read whole.")
     dataset_num_proc: int = Field(1, ge=1, le=256, description="Processes that tokenize the dataset. It is tokenized once per dataset, tokenizer and max_length into dataset_cache_dir; later runs and resumes read it from there.")
+    val_dataset: list[str] = Field(default_factory=list, description="Validation data files or hub ids (as dataset; 'name#N' takes N samples), evaluated every eval_steps.")
+    split_dataset_ratio: float = Field(0.0, ge=0, lt=1, description="Share of the training records held out for validation (seeded), when val_dataset is empty.")
+    eval_strategy: Literal["steps", "no"] = Field("steps", description="'steps': with validation data, the eval loss every eval_steps and at the end; 'no': never.")
+    eval_steps: int | None = Field(None, ge=1, description="Evaluate every N steps; empty: every save_steps.")
+    per_device_eval_batch_size: int | None = Field(None, ge=1, description="Evaluation micro-batch per GPU; empty: per_device_train_batch_size.")
+    early_stop_interval: int | None = Field(None, ge=1, description="End the run after N evaluations in a row without a lower eval loss (the best checkpoint is kept); empty: never.")
     dataset_cache_dir: str | None = Field(None, description="Directory for tokenized datasets (Arrow), shared by the runs with the same inputs; empty: .tokenized beside the run directories, in output_dir. On several nodes it must be one shared directory.")
 
     @property
     def max_record_bytes(self) -> int:
         return int(self.max_record_mib * 2**20)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the job computes an eval loss: validation data given or split off, and not turned off."""
+        return self.eval_strategy == "steps" and bool(self.val_dataset or self.split_dataset_ratio > 0)
 
     # Optimisation
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
@@ -168,7 +179,7 @@ class JobSpec(BaseModel):
     hang_step_multiple: float = Field(5.0, ge=1, description="See hang_timeout_s.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the workers (NCCL_*, ...).")
 
-    @field_validator("dataset", "target_modules", "report_to", mode="before")
+    @field_validator("dataset", "val_dataset", "target_modules", "report_to", mode="before")
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         if isinstance(value, str):

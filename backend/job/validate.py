@@ -199,7 +199,7 @@ def _spec_rules(spec: JobSpec) -> list[Problem]:
 def _local_path_rules(spec: JobSpec) -> list[Problem]:
     """Files the job names on this machine must exist when the job runs here."""
     out: list[Problem] = []
-    for i, item in enumerate(spec.dataset):
+    for field, i, item in _data_entries(spec):
         try:
             source = records.parse_source(item)
         except records.DataError:
@@ -207,7 +207,7 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
         path = Path(source.name).expanduser()
         looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
         if looks_local and not os.path.lexists(path):  # a link that leads nowhere: records.sample_problems
-            out.append(Problem(f"dataset[{i}]", f"file not found: {path}{_read_from(path)}"))
+            out.append(Problem(f"{field}[{i}]", f"file not found: {path}{_read_from(path)}"))
     model = Path(spec.model).expanduser()
     if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
         out.append(Problem("model", f"directory not found: {model}{_read_from(model)}"))
@@ -215,6 +215,11 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
     if spec.dataset_cache_dir and os.path.lexists(cache) and not cache.is_dir():
         out.append(Problem("dataset_cache_dir", f"{cache} is not a directory{_read_from(cache)}"))
     return out
+
+
+def _data_entries(spec: JobSpec) -> list[tuple[str, int, str]]:
+    """(field, index, entry) of every training and validation dataset entry."""
+    return [(field, i, item) for field in ("dataset", "val_dataset") for i, item in enumerate(getattr(spec, field))]
 
 
 def _read_from(path: Path) -> str:
@@ -246,8 +251,13 @@ def _dataset_rules(spec: JobSpec) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
     usually is mounted here too), so a bad record shows before launch instead of after it."""
     persona = records.Persona.of(spec)
-    return [Problem(f"dataset[{i}]", message) for i, item in enumerate(spec.dataset)
-            for message in records.sample_problems(item, spec.max_record_bytes, persona)]
+    out = [Problem(f"{field}[{i}]", message) for field, i, item in _data_entries(spec)
+           for message in records.sample_problems(item, spec.max_record_bytes, persona)]
+    if spec.val_dataset and spec.split_dataset_ratio > 0:
+        out.append(_warn("split_dataset_ratio", "ignored: val_dataset is given, and it is the validation data"))
+    if (spec.val_dataset or spec.split_dataset_ratio > 0) and spec.eval_strategy == "no":
+        out.append(_warn("eval_strategy", "'no': the validation data is not evaluated"))
+    return out
 
 
 @dataclass(frozen=True)

@@ -295,14 +295,14 @@ class RunManager:
     def progress(self, run_id: str) -> dict | None:
         """step, max_steps, eta_s, loss, tokens_per_s, epoch, t of the latest `train` event,
         resumed_from of the latest `start` event (all attempts; a resumed attempt's start sets
-        the step back to its checkpoint) and the latest `data` event (how the data is prepared);
-        None before the first event."""
-        latest = self.sink.events(run_id, ("train", "start", "data"), limit=1)
-        train, start, data = (next(iter(latest[etype]), None) for etype in ("train", "start", "data"))
+        the step back to its checkpoint), the latest `data` event (how the data is prepared) and
+        the latest eval loss; None before the first event."""
+        latest = self.sink.events(run_id, ("train", "start", "data", "eval"), limit=1)
+        train, start, data, evaluated = (next(iter(latest[etype]), None) for etype in ("train", "start", "data", "eval"))
         if train is None and start is None and data is None:
             return None
         out = {"resumed_from": (start or {}).get("resumed_from"), "max_steps": (train or start or {}).get("max_steps"),
-               "data": data}
+               "data": data, "eval_loss": (evaluated or {}).get("eval_loss")}
         if train:
             out.update({k: train.get(k) for k in ("step", "eta_s", "loss", "tokens_per_s", "epoch")})
             out["t"] = train.get("time")
@@ -316,6 +316,15 @@ class RunManager:
             if isinstance(event.get("step"), int):
                 seen.setdefault(event["step"], str(event.get("path")))
         return sorted(seen.items(), reverse=True)
+
+    def checkpoint_eval_losses(self, run_id: str) -> dict[int, float]:
+        """step -> eval loss of each reported checkpoint that was evaluated at its step."""
+        out: dict[int, float] = {}
+        for event in self.sink.events(run_id, ("checkpoint",))["checkpoint"]:
+            loss = event.get("eval_loss")
+            if isinstance(event.get("step"), int) and isinstance(loss, (int, float)):
+                out.setdefault(event["step"], float(loss))
+        return out
 
     def saved_checkpoints(self, run_id: str, node: Node | None = None, setup: str | None = None
                           ) -> list[tuple[int, str]]:

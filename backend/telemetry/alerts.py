@@ -85,6 +85,8 @@ class Window:
     placement: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     checkpoint: tuple[int, str] | None = None
     """(step, path) of the last checkpoint event."""
+    evaluated: tuple[float, int] | None = None
+    """(t, step) of the last `eval` or `eval_progress` event: an evaluation reports while it runs, and is progress."""
     last_collective: str | None = None
     """The collective last reported stuck: by a NCCL watchdog line in a log, or a flight recorder dump."""
     rank_states: dict[int, tuple[str, float]] = field(default_factory=dict)
@@ -206,6 +208,8 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
     progress = [(number(e.get("time")), e.get("step")) for e in w.train]
     for events in w.timing.values():
         progress += [(number(e.get("time")), e.get("step")) for e in events]
+    if w.evaluated is not None:
+        progress.append(w.evaluated)
     progress = [(t, s) for t, s in progress if t is not None and t >= w.started_t]
     if progress:
         last_t, last_step = max(progress, key=lambda p: p[0])

@@ -46,6 +46,7 @@ EXPERT_TOKENS = "train/moe_expert_tokens"
 """Routed tokens per expert of a MoE model in each logging window: one series per expert, the
 expert's index in the series' `gpu` column (the index the charts split series by)."""
 TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s", "stage_compute_s")
+EVAL_FIELDS = ("eval_loss",)
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
 SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s", "attempt")
 # Series that are sampled on a clock (and so are downsampled); train/ and rank/ follow steps.
@@ -81,6 +82,7 @@ class _RunState:
     timing: dict[int, deque] = field(default_factory=dict)
     placement: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     checkpoint: tuple[int, str] | None = None
+    evaluated: tuple[float, int] | None = None  # (t, step) of the latest eval(_progress) event: evaluating is no hang
     last_collective: str | None = None
     rank_states: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (state, since t)
     flights: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last requested flight line
@@ -242,7 +244,7 @@ class Ingestor:
             st.placement = {r: (n, g) for r, n, g in conn.execute(
                 select(P.c.rank, P.c.node, P.c.gpu).where(P.c.run_id == run_id))}
             rows = conn.execute(select(E.c.type, E.c.rank, E.c.data).where(
-                E.c.run_id == run_id, E.c.type.in_(("start", "end", "train", "timing", "checkpoint")))
+                E.c.run_id == run_id, E.c.type.in_(("start", "end", "train", "timing", "checkpoint", "eval", "eval_progress")))
                 .order_by(E.c.id.desc()).limit(500)).all()
         for etype, rank, data in reversed(rows):
             self._track_event(st, etype, rank, json.loads(data))
@@ -306,7 +308,8 @@ class Ingestor:
                                       "data": json.dumps(data, allow_nan=True), "step": step,
                                       "attempt": attempt}, derived))
         self.stats["events"] += 1
-        prefix, fields = {"train": ("train", TRAIN_FIELDS), "timing": ("rank", TIMING_FIELDS)}.get(etype, ("", ()))
+        prefix, fields = {"train": ("train", TRAIN_FIELDS), "timing": ("rank", TIMING_FIELDS),
+                          "eval": ("train", EVAL_FIELDS)}.get(etype, ("", ()))
         nonfinite = data.get("nonfinite") or {}  # written as null; kept as a gap in the series
         for f in fields:
             if data.get(f) is not None or f in nonfinite:
@@ -333,12 +336,15 @@ class Ingestor:
             st.running, st.started_t = True, t
             st.train.clear()
             st.timing.clear()
+            st.evaluated = None
         elif etype == "end":
             st.running = False
         elif etype == "train":
             st.train.append(data)
         elif etype == "timing":
             st.timing.setdefault(rank, deque(maxlen=16)).append(data)
+        elif etype in ("eval", "eval_progress") and isinstance(data.get("step"), int):
+            st.evaluated = (t, data["step"])
         elif etype == "checkpoint" and isinstance(data.get("step"), int):
             st.checkpoint = (data["step"], str(data.get("path")))
         st.dirty = True
@@ -531,7 +537,7 @@ class Ingestor:
                 util={k: list(v) for k, v in st.util.items()} if devices else {},
                 mem=dict(st.mem) if devices else {}, train=list(st.train),
                 timing={r: list(v) for r, v in st.timing.items()}, placement=dict(st.placement),
-                checkpoint=st.checkpoint, last_collective=st.last_collective, rank_states=dict(st.rank_states),
+                checkpoint=st.checkpoint, evaluated=st.evaluated, last_collective=st.last_collective, rank_states=dict(st.rank_states),
                 flights=dict(st.flights), rank_seen=dict(st.rank_seen), flight_request=st.flight_request,
                 attempt_t=self._attempt_started.get(run_id))
 

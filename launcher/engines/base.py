@@ -1,7 +1,7 @@
 """What every engine offers the training loop, and the parts they share."""
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,6 +26,11 @@ class Engine:
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    def evaluate(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's mean token loss, as `forward_backward` returns it, without gradients and
+        with dropout off. Collective where the forward is (every rank calls it as often)."""
+        raise ConfigError(f"eval_strategy: the {self.name} engine does not evaluate; set eval_strategy: no")
+
     def step(self) -> torch.Tensor | float:
         """Apply the accumulated gradients; returns the grad norm before clipping."""
         raise NotImplementedError
@@ -42,6 +47,18 @@ class Engine:
 
     def load(self, path: Path) -> None:
         raise NotImplementedError
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module):
+    """No gradients and eval mode (dropout off, LoRA's too) for the duration; the mode restored after."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(was_training)
 
 
 class TorchOptimizerEngine(Engine):

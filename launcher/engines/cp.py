@@ -34,13 +34,16 @@ class RingCP:
     def forward_backward(self, model, batch: dict, scale: float) -> torch.Tensor:
         return ring_forward_backward(model, batch, self.mesh, scale)
 
+    def evaluate(self, model, batch: dict) -> torch.Tensor:
+        return ring_forward_backward(model, batch, self.mesh, None)
 
-def ring_forward_backward(model, batch: dict, mesh, scale: float) -> torch.Tensor:
+
+def ring_forward_backward(model, batch: dict, mesh, scale: float | None) -> torch.Tensor:
     """Forward and backward of this rank's chunks of a micro-batch under torch's `context_parallel`
-    over `mesh` (the CP group), `scale` times its share of the loss; returns the micro-batch's whole
-    mean token loss. The share is the sum of the chunk's token losses over the group's count of
-    predicted tokens, so the group's shares add up to the mean; FSDP2 averages gradients over all
-    ranks, DP x CP, hence the factor CP."""
+    over `mesh` (the CP group), `scale` times its share of the loss (None: forward only, for
+    evaluation); returns the micro-batch's whole mean token loss. The share is the sum of the
+    chunk's token losses over the group's count of predicted tokens, so the group's shares add up to
+    the mean; FSDP2 averages gradients over all ranks, DP x CP, hence the factor CP."""
     import torch.distributed as dist
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -53,7 +56,8 @@ def ring_forward_backward(model, batch: dict, mesh, scale: float) -> torch.Tenso
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
         share = model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels,
                       num_items_in_batch=predicted).loss
-        (share * mesh.size() * scale).backward()
+        if scale is not None:
+            (share * mesh.size() * scale).backward()
     full = share.detach().clone()
     dist.all_reduce(full, group=mesh.get_group())
     return full

@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from launcher import checkpoint
-from launcher.engines.base import (TorchOptimizerEngine, autocast, checkpoint_part, load_weights, make_optimizer,
-                                   make_scheduler, reduce_dtype, save_pretrained)
+from launcher.engines.base import (TorchOptimizerEngine, autocast, checkpoint_part, evaluating, load_weights,
+                                   make_optimizer, make_scheduler, reduce_dtype, save_pretrained)
 
 
 def compress_hook(dtype: torch.dtype, backend: str):
@@ -52,6 +52,10 @@ class DDPEngine(TorchOptimizerEngine):
             scaled = loss / self.accumulation
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.detach()
+
+    def evaluate(self, batch: dict) -> torch.Tensor:
+        with evaluating(self.model), autocast(self.device, self.spec.torch_dtype):
+            return self.model(**batch).loss.detach()
 
     def save(self, path: Path, is_main: bool) -> None:
         if is_main:

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from backend.job.capabilities import FsdpPlan
 from launcher import checkpoint
-from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, make_optimizer, make_scheduler, reduce_dtype,
-                                   save_pretrained)
+from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, evaluating, make_optimizer, make_scheduler,
+                                   reduce_dtype, save_pretrained)
 from launcher.model import DTYPES, decoder_layers
 
 DCP_DIR = "dcp"
@@ -71,6 +71,12 @@ class FSDPEngine(TorchOptimizerEngine):
         loss = self.model(**batch).loss
         (loss / self.accumulation).backward()
         return loss.detach()
+
+    def evaluate(self, batch: dict) -> torch.Tensor:
+        with evaluating(self.model):
+            if self.cp:
+                return self.cp.evaluate(self.model, batch)
+            return self.model(**batch).loss.detach()
 
     def save(self, path: Path, is_main: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)

@@ -11,7 +11,7 @@ import logging
 
 from backend.job.capabilities import TransformersPlan, ep_model_problems, tied_under_tp_fsdp
 from launcher.config import ConfigError
-from launcher.engines.base import autocast, make_optimizer, make_scheduler
+from launcher.engines.base import autocast, evaluating, make_optimizer, make_scheduler
 from launcher.engines.fsdp import FSDPEngine
 
 
@@ -65,6 +65,10 @@ class TPEngine(FSDPEngine):
             loss = self.model(**batch).loss
         (loss / self.accumulation).backward()
         return loss.detach()
+
+    def evaluate(self, batch: dict) -> torch.Tensor:
+        with evaluating(self.model), autocast(self.device, self.spec.torch_dtype):
+            return self.model(**batch).loss.detach()
 
     def step(self):
         if self._dp_group is not None:

@@ -9,7 +9,8 @@ import torch
 
 from backend.job.capabilities import autotp
 from launcher import checkpoint
-from launcher.engines.base import Engine, checkpoint_part, make_optimizer, make_scheduler, param_groups, save_pretrained
+from launcher.engines.base import (Engine, checkpoint_part, evaluating, make_optimizer, make_scheduler, param_groups,
+                                   save_pretrained)
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
 
@@ -57,6 +58,10 @@ class DeepSpeedEngine(Engine):
             self.engine.backward(loss)
         self.engine.step()
         return full_loss.detach()
+
+    def evaluate(self, batch: dict) -> torch.Tensor:
+        with evaluating(self.engine):
+            return (self.sp.loss(self.engine, batch)[1] if self.sp else self.engine(**batch).loss).detach()
 
     def step(self):
         norm = self.engine.get_global_grad_norm()
