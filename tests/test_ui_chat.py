@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 pytest.importorskip("playwright")
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from playwright.sync_api import TimeoutError as PlaywrightTimeout, expect, sync_playwright  # noqa: E402
 
 from backend.job.cluster import GpuInfo, local_cluster  # noqa: E402
 from backend.job.spec import JobSpec  # noqa: E402
@@ -158,6 +158,14 @@ ONE_POINT_JS = """(id) => {
 }"""
 
 
+TRACES_JS = """(id) => {
+  const el = document.querySelector(`#${id} .js-plotly-plot`);
+  if (!el || !el.data) return 'no plot';
+  return JSON.stringify(el.data.map(t => ({name: t.name, mode: t.mode, x: t.x})))
+    + ` points drawn: ${el.querySelectorAll('.scatterlayer .point').length}`;
+}"""
+
+
 def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
     """The LoRA run logged one step: its loss, learning rate and throughput each show that point as
     a marker (a line through one point draws nothing). A studio of its own on the module's database:
@@ -171,7 +179,12 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
             page.get_by_role("tab", name="Monitor").click()
             pick(page, "monitor-run", lora)
             for chart in ("chart-loss", "chart-lr", "chart-throughput"):
-                page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=30_000)
+                try:
+                    page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=60_000)
+                except PlaywrightTimeout:  # say what the page showed (it timed out once in a suite run)
+                    raise AssertionError(f"{chart}: {page.evaluate(TRACES_JS, chart)}; status: "
+                                         f"{page.locator('#monitor-status').inner_text()!r}; action: "
+                                         f"{page.locator('#monitor-action').inner_text()!r}") from None
             Shots("one-step-run")(page, "monitor")
             browser.close()
     finally:
