@@ -44,8 +44,8 @@ def sentence(rng: random.Random, n: int) -> str:
 
 
 SHAPES = {  # turns, user words, assistant words
-    "short": ((1, 1), (4, 10), (3, 12)),  # the demo's shape: one question, a one-line answer (~120 bytes)
-    "long": ((1, 4), (5, 40), (10, 120)),  # multi-turn, answers of a paragraph (~1.6 KB)
+    "short": ((1, 1), (4, 10), (3, 12)),  # the demo's shape: one question, a one-line answer (~210 bytes)
+    "long": ((1, 4), (5, 40), (10, 120)),  # multi-turn, answers of a paragraph (~1.7 KB)
 }
 
 

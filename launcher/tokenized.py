@@ -229,7 +229,11 @@ def _locked(cache_dir: Path, key: str) -> Iterator[None]:
         raise CacheError(f"dataset_cache_dir: cannot write to {cache_dir} ({exc.strerror or exc}); "
                          "set dataset_cache_dir to a writable directory") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # ENOLCK: a network file system mounted without locking
+            raise CacheError(f"dataset_cache_dir: cannot lock {cache_dir / f'{key}.lock'} ({exc.strerror or exc}); "
+                             "use a directory on a file system with locks") from None
         yield
     finally:
         os.close(fd)  # releases the lock
