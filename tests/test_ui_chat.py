@@ -177,11 +177,15 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
             browser = launch_browser(p)
             page = open_studio(browser, studio.url)
             page.get_by_role("tab", name="Monitor").click()
+            # The page's load puts the latest run in the picker; a pick made before that lands is
+            # overwritten (seen in a suite run: the charts were the failed run's, empty).
+            expect(page.locator("#monitor-run input")).to_have_value(re.compile("no-checkpoint"), timeout=60_000)
             pick(page, "monitor-run", lora)
+            expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-lora"))
             for chart in ("chart-loss", "chart-lr", "chart-throughput"):
                 try:
                     page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=60_000)
-                except PlaywrightTimeout:  # say what the page showed (it timed out once in a suite run)
+                except PlaywrightTimeout:  # say what the page showed
                     raise AssertionError(f"{chart}: {page.evaluate(TRACES_JS, chart)}; status: "
                                          f"{page.locator('#monitor-status').inner_text()!r}; action: "
                                          f"{page.locator('#monitor-action').inner_text()!r}") from None
