@@ -124,7 +124,9 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                                         usage_line(manager.usage(run_id), studio.gpu_hour_price()),
                                         attempt_history(manager.attempts(run_id)))
             if run.state != buf.state:  # the picker's labels and the buttons follow the state
-                out[c["run"]] = choices(run_id)
+                # Labels only: a tick that lands after the user picked another run must not put
+                # this one back in the picker (it did, under load).
+                out[c["run"]] = gr.update(choices=run_picker(manager.runs(), run_id, ACTIVE)[0])
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
                 if run.state in SETTLED:
                     out[c["action"]] = ""
