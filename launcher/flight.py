@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 
 from backend.job.flight import MAX_REQUEST_BYTES, REQUEST, dump_file, read_regular
+from backend.job.jsonfile import write_json_atomic
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
@@ -37,12 +37,7 @@ def write_dump(run_dir: Path, rank: int, request: str = "") -> Path:
     """This rank's recorders, with the request they answer (the watch matches on it, not on clocks)."""
     path = run_dir / dump_file(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    # O_NOFOLLOW: a link planted under the temporary name must not have us write through it
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"rank": rank, "time": time.time(), "request": request, "dumps": recorder_dumps()}, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"rank": rank, "time": time.time(), "request": request, "dumps": recorder_dumps()}, 0o600)
     return path
 
 

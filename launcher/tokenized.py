@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from backend.job.jsonfile import write_json_atomic
 from backend.job.paths import not_a_regular_file
 from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
 from launcher.data import Sample, encode
@@ -260,12 +261,12 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any]) -
                 "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec)})
         error = _first_error(built)
         if error is not None:
-            _write_json(cache_dir / f"{key}.failed.json", {"error": error, "inputs": inputs})
+            write_json_atomic(cache_dir / f"{key}.failed.json", {"error": error, "inputs": inputs})
             raise DataError(error)
         _write_tokens(built.data.table.select(COLUMNS), tmp / TOKENS)
         del built
         shutil.rmtree(tmp / "build")
-        _write_json(tmp / MARKER, {"inputs": inputs, "created": time.time()})
+        write_json_atomic(tmp / MARKER, {"inputs": inputs, "created": time.time()})
         (tmp / BUILDING).unlink()
         os.rename(tmp, cache_dir / key)
     except OSError as exc:
@@ -334,7 +335,3 @@ def _read_failure(path: Path) -> str:
         raise CacheError(f"dataset_cache_dir: {path} cannot be read ({exc}); remove it to tokenize again") from None
 
 
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)

@@ -33,7 +33,8 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
         "max_grad_norm")),
     ("Checkpoints, evaluation and logging", False, (
         "output_dir", "save_strategy", "save_steps", "save_total_limit", "eval_strategy", "eval_steps",
-        "per_device_eval_batch_size", "early_stop_interval", "logging_steps", "report_to", "resume_from_checkpoint")),
+        "per_device_eval_batch_size", "early_stop_interval", "logging_steps", "report_to", "mlflow_tracking_uri",
+        "resume_from_checkpoint")),
     ("Advanced", False, (
         "gradient_checkpointing", "use_liger_kernel", "tiled_mlp", "activation_cpu_offload", "torch_compile",
         "attn_impl", "grad_reduce_dtype", "seed", "ddp_timeout", "max_restarts", "hang_timeout_s",

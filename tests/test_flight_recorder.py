@@ -143,18 +143,20 @@ def test_asking_is_bounded_by_a_hung_node_and_a_step_meanwhile_is_no_hang(monkey
 
 
 def test_a_crafted_request_or_a_planted_link_is_neither_followed_nor_blocks_the_rank(tmp_path, caplog):
-    """The run directory is written by other processes: a link planted under the dump's temporary
-    name is not written through, and a request that is a FIFO (a plain open would block) or a
-    giant file is refused, with a warning, by a thread that goes on answering."""
+    """The run directory is written by other processes: links planted under the names a dump could
+    be written through are not followed (its temporary name is fresh and made exclusively), and a
+    request that is a FIFO (a plain open would block) or a giant file is refused, with a warning,
+    by a thread that goes on answering."""
     from launcher import flight
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     (tmp_path / "flight").mkdir()
-    tmp = tmp_path / (dump_file(0) + ".tmp")
-    tmp.symlink_to(victim)
+    for name in (dump_file(0) + ".tmp", f".{Path(dump_file(0)).name}.tmp"):
+        (tmp_path / name).symlink_to(victim)
     thread = flight.answer_requests(tmp_path, 0, poll_s=0.05)
     request = tmp_path / REQUEST
+    dump = tmp_path / dump_file(0)
 
     def warned(times: int) -> None:
         deadline = time.time() + 10
@@ -162,25 +164,27 @@ def test_a_crafted_request_or_a_planted_link_is_neither_followed_nor_blocks_the_
             assert time.time() < deadline, caplog.text
             time.sleep(0.05)
 
+    def answered(token: str) -> None:
+        deadline = time.time() + 10
+        while not dump.exists() or json.loads(dump.read_text())["request"] != token:
+            assert time.time() < deadline
+            time.sleep(0.05)
+
     request.write_text("r@1\n")
-    warned(1)
-    assert victim.read_text() == "keep me" and not (tmp_path / dump_file(0)).exists()
-    tmp.unlink()
+    answered("r@1")
+    assert victim.read_text() == "keep me" and not dump.is_symlink()
     request.unlink()
     os.mkfifo(request)
-    warned(2)
+    warned(1)
     assert "not a regular file" in caplog.text
     request.unlink()
     request.write_bytes(b"x" * 10_000)
-    warned(3)
+    warned(2)
     assert "larger than 200 bytes" in caplog.text and thread.is_alive()
     time.sleep(0.1)
     # Written whole, as the watch writes it (write_files renames into place): a plain write_text
     # can be read between its truncation and its write, and answered as an empty request.
     (tmp_path / "request.new").write_text("r@2\n")
     os.replace(tmp_path / "request.new", request)
-    deadline = time.time() + 10
-    while not (tmp_path / dump_file(0)).exists():
-        assert time.time() < deadline
-        time.sleep(0.05)
-    assert json.loads((tmp_path / dump_file(0)).read_text())["request"] == "r@2"
+    answered("r@2")
+    assert victim.read_text() == "keep me"

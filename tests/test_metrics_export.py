@@ -11,7 +11,7 @@ import pytest
 from sqlmodel import create_engine
 
 from backend import cli
-from backend.telemetry.export import ExportError, export, report_sinks, write_csv, write_json, write_tensorboard
+from backend.telemetry.export import ExportError, export, write_csv, write_json, write_tensorboard
 from backend.telemetry.ingest import Ingestor
 
 T0 = 1_700_000_000.0
@@ -78,9 +78,6 @@ def test_tensorboard_without_the_package_says_how_to_get_it(recorded, tmp_path, 
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ExportError, match="pip install tensorboard"):
         write_tensorboard(engine, "r1", tmp_path / "tb")
-    lines = report_sinks(engine, "r1", ["tensorboard"], tmp_path / "tb")
-    assert len(lines) == 1 and "pip install tensorboard" in lines[0]
-    assert report_sinks(engine, "r1", [], tmp_path) == []
 
 
 def test_tensorboard_files_read_back(recorded, tmp_path):
@@ -115,14 +112,6 @@ def test_cli_alerts_and_metrics(recorded, tmp_path, capsys):
     assert cli.main(["metrics", "missing-run", "--db", url]) == 1
     err = capsys.readouterr().err
     assert "no telemetry recorded for run 'missing-run'" in err and "Traceback" not in err
-
-
-def test_report_sinks_writes_tensorboard_when_asked(recorded, tmp_path):
-    pytest.importorskip("tensorboard")
-    engine, _ = recorded
-    [line] = report_sinks(engine, "r1", ["tensorboard"], tmp_path / "tb")
-    assert line == f"tensorboard: wrote 8 scalars to {tmp_path / 'tb'}"
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
 def test_a_resumed_run_exports_each_step_once(tmp_path):

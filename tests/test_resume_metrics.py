@@ -1,5 +1,6 @@
 """A run killed some steps after a checkpoint and resumed from it does those steps again; its
-metrics (series, CSV export, progress, checkpoints) show each step once, the resumed attempt's.
+metrics (series, CSV export, progress, checkpoints) show each step once, the resumed attempt's, and
+the trackers its job reports to (TensorBoard, W&B offline, MLflow's file store) hold each step once.
 A real local run of the tiny model through the RunManager."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from backend.job.cluster import GpuInfo, local_cluster
 from backend.job.spec import JobSpec
 from backend.runs.manager import RunError, RunManager
 from backend.store.telemetry_models import MetricSample
+from tracker_files import wandb_history
 from worker import ROOT, events, until
 
 pytestmark = pytest.mark.e2e
@@ -34,12 +36,16 @@ def kill_workers(pgid: int) -> None:
             os.kill(p.pid, signal.SIGKILL)
 
 
-def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
+def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys, monkeypatch):
     url = f"sqlite:///{tmp_path / 'studio.db'}"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                    output_dir=str(tmp_path / "out"), nproc_per_node=1, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
                    logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
-                   env={"OMP_NUM_THREADS": "1"})
+                   env={"OMP_NUM_THREADS": "1"}, report_to=["tensorboard", "wandb", "mlflow"])
     with RunManager(url) as m:
         run_id = m.launch(spec, local_cluster(GpuInfo()))
         run_dir = Path(m.run(run_id).run_dir)
@@ -110,6 +116,9 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
 
         progress = m.progress(run_id)
         assert (progress["step"], progress["resumed_from"]) == (MAX_STEPS, saved)
+        notices = "\n".join(m.notices(run_id, last=100))
+        assert f"wandb: offline run {run_id} in {run_dir / 'trackers' / 'wandb'}" in notices, notices
+        assert "not reporting to it" not in notices, notices
         every = list(range(MAX_STEPS, 0, -SAVE_STEPS))
         assert [step for step, _ in m.checkpoints(run_id)] == every
         # One removed (save_total_limit, a user): the lists Chat, Export and a resume offer leave it out.
@@ -118,3 +127,20 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys):
         with m.engine.connect() as conn:  # the failed attempt's steps are kept, only not shown
             stored = conn.execute(select(func.count()).where(S.c.run_id == run_id, S.c.name == "train/loss")).scalar()
         assert stored == MAX_STEPS + reached - saved
+
+    # The trackers: each step once with the worker's loss (the first attempt's, where the second
+    # did a step again: a resume is exact, so the values agree), TensorBoard's, W&B's and MLflow's own.
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    expected = [x for _, step, loss in history for x in (step, loss)]
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [x for e in acc.Scalars("train/loss") for x in (e.step, e.value)] == pytest.approx(expected)
+    logged = [row for row in wandb_history(run_dir) if "train/loss" in row]
+    assert [x for row in logged for x in (row["train/step"], row["train/loss"])] == pytest.approx(expected)
+    client = MlflowClient(tracking_uri=(tmp_path / "out" / "mlruns").as_uri())
+    [tracked] = client.search_runs([client.get_experiment_by_name("swift-studio").experiment_id])
+    assert tracked.data.tags["swift_studio.run_id"] == run_id and tracked.info.status == "FINISHED"
+    metric = sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, "train/loss"))
+    assert [x for point in metric for x in point] == pytest.approx(expected)

@@ -252,11 +252,33 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                                    "scaler); use bfloat16"))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
-    unknown_sinks = [s for s in spec.report_to if s not in ("none", "tensorboard")]
-    if unknown_sinks:
-        problems.append(Problem("report_to", f"{unknown_sinks} not supported (only 'tensorboard', written from the "
-                                             "recorded metrics when the run ends); metrics go to the run's event "
-                                             "files and the studio", "warning"))
+    return problems
+
+
+# report_to's trackers and the package each needs where the studio runs (it writes them from its
+# database; the workers stay tracker-free): `pip install 'swift-studio[<name>]'`.
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def tracker_problems(spec: JobSpec) -> list[Problem]:
+    """report_to names only trackers the studio writes, each with its package installed here
+    (checked where the studio or CLI assesses a job, never in the worker, which needs none)."""
+    import importlib.util
+
+    problems = []
+    names = [s for s in spec.report_to if s != "none"]
+    if "none" in spec.report_to and names:
+        problems.append(Problem("report_to", f"'none' together with {names}: name the trackers or 'none', not both"))
+    for name in dict.fromkeys(names):
+        if name not in TRACKERS:
+            problems.append(Problem("report_to", f"{name!r} is not a tracker swift-studio writes; use "
+                                                 f"{', '.join(TRACKERS)} or none"))
+        elif importlib.util.find_spec(TRACKERS[name]) is None:
+            problems.append(Problem("report_to", f"{name!r} needs the {TRACKERS[name]} package where the studio runs "
+                                                 f"(it writes the tracker from its database): pip install "
+                                                 f"'swift-studio[{name}]'"))
+    if spec.mlflow_tracking_uri is not None and "mlflow" not in names:
+        problems.append(Problem("mlflow_tracking_uri", "set, but report_to does not name mlflow", "warning"))
     return problems
 
 # transformers 5.24: under TP x FSDP2 a model with tied embeddings whose vocabulary does not divide

@@ -270,8 +270,24 @@ def import_command(text: str) -> ImportResult:
     if kind == "megatron":
         _resolve_megatron(result, pending)
     _fill_defaults(kind, seen, result)
+    _trackers(result)
     _choose_engines(result, moe=any(MOE_FLAG.match(name) for name in seen))
     return result
+
+
+def _trackers(result: ImportResult) -> None:
+    """--report_to keeps the trackers swift-studio writes; another (swanlab: its SDK holds one run
+    per process, and a studio reports several runs at once) is dropped with a note: the run's
+    metrics stay in the studio's database and charts."""
+    value = result.spec.get("report_to")
+    if not value:
+        return
+    names = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    dropped = [n for n in names if n not in capabilities.TRACKERS and n != "none"]
+    if dropped:
+        result.spec["report_to"] = [n for n in names if n not in dropped]
+        result.notes.append(f"--report_to {' '.join(dropped)}: dropped, not a tracker swift-studio writes (it writes "
+                            f"{', '.join(capabilities.TRACKERS)}); the run's metrics stay in the studio")
 
 
 def _choose_engines(result: ImportResult, moe: bool) -> None:

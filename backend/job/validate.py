@@ -284,6 +284,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     cluster = cluster or local_cluster()
     layout = compute_layout(spec, cluster)
     problems = _spec_rules(spec)
+    problems += capabilities.tracker_problems(spec)
     problems += _cluster_rules(spec, cluster, layout)
     problems += _layout_rules(spec, layout)
     ds_config, ds_error = None, ""

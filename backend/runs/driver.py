@@ -6,6 +6,7 @@ owns one and calls it from its blocking methods."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from backend.runs.lifecycle import Failure, Owner, RunStore, TransitionError
 from backend.runs.slurmwatch import SlurmWatcher
 from backend.runs.watch import AttemptWatcher, NodeWatch, Outcome
 from backend.store.models import Attempt, NodeProcess, Run
-from backend.telemetry import export as metrics_export
+from backend.telemetry import trackers
 from backend.telemetry import logclass
 from backend.telemetry.ingest import TelemetrySink
 
@@ -219,16 +220,16 @@ class AttemptDriver:
                                stop_requested=lambda: self._stop_requested(run_id), on_running=on_running,
                                sink=self.sink, on_notice=lambda m: self.notice(run_id, m), hosts=list(hosts))
         self.watchers[run_id] = watcher
-        outcome = await watcher.run()
-        if outcome is not None and self.store.get(run_id).state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
-            for p in self.store.processes(attempt_id):
-                self.store.update_process(p.id, state="exited", ended_at=time.time())
-            try:
-                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
-            except TransitionError as exc:  # a stop recorded first
-                log.info("run %s: %s", run_id, exc)
-        await watcher.read_telemetry()
-        self._report(run_id)
+        async with self._reporting(run_id):
+            outcome = await watcher.run()
+            if outcome is not None and self.store.get(run_id).state in (lifecycle.LAUNCHING, lifecycle.RUNNING):
+                for p in self.store.processes(attempt_id):
+                    self.store.update_process(p.id, state="exited", ended_at=time.time())
+                try:
+                    self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+                except TransitionError as exc:  # a stop recorded first
+                    log.info("run %s: %s", run_id, exc)
+            await watcher.read_telemetry()
         if outcome is not None and outcome.state == lifecycle.FAILED:
             self._recover(run_id)
 
@@ -317,15 +318,15 @@ class AttemptDriver:
                                  sink=self.sink, on_notice=lambda m: self.notice(run_id, m), attempt=attempt.number,
                                  started_at=attempt.started_at)
         self.watchers[run_id] = watcher
-        outcome: Outcome | None = await watcher.run()
-        # None: a stop was requested, and `_stop` records the end.
-        if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
-            try:
-                self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
-            except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
-                log.info("run %s: %s", run_id, exc)
-        await watcher.drain()
-        self._report(run_id)
+        async with self._reporting(run_id):
+            outcome: Outcome | None = await watcher.run()
+            # None: a stop was requested, and `_stop` records the end.
+            if outcome is not None and self.store.get(run_id).state == lifecycle.RUNNING:
+                try:
+                    self.store.transition(run_id, outcome.state, outcome.failure, by=self.owner)
+                except TransitionError as exc:  # a stop recorded first; the agents' last lines still count
+                    log.info("run %s: %s", run_id, exc)
+            await watcher.drain()
         if outcome is not None and outcome.state == lifecycle.FAILED:
             self._recover(run_id)
 
@@ -385,13 +386,32 @@ class AttemptDriver:
         train, start = (next(iter(latest[etype]), None) for etype in ("train", "start"))
         return bool(train and (start is None or train.get("time", 0) >= start.get("time", 0)))
 
-    def _report(self, run_id: str) -> None:
-        """The sinks the spec's `report_to` names (TensorBoard files in `<run_dir>/tensorboard`),
-        written from the recorded metrics once an attempt is over; each outcome becomes a notice."""
+    @contextlib.asynccontextmanager
+    async def _reporting(self, run_id: str):
+        """The trackers the spec's `report_to` names, pushed every few seconds while the attempt is
+        watched, then once more with the attempt's telemetry in, each closed with the run's end where
+        it has one; what a user should know of them becomes a notice."""
         run = self.store.get(run_id)
-        report_to = spec_of(run).report_to
-        if report_to:
-            for line in metrics_export.report_sinks(self.engine, run_id, report_to, Path(run.run_dir) / "tensorboard"):
+        spec = spec_of(run)
+        if not any(name in trackers.SINKS for name in spec.report_to):
+            yield
+            return
+        reporter = trackers.Reporter(self.engine, trackers.RunInfo(run_id, run.name, Path(run.run_dir), spec))
+
+        async def every_few_seconds() -> None:
+            while True:
+                await asyncio.sleep(trackers.PUSH_EVERY_S)
+                for line in await asyncio.to_thread(reporter.push):
+                    self.notice(run_id, line)
+
+        task = asyncio.ensure_future(every_few_seconds())
+        try:
+            yield
+        finally:
+            task.cancel()
+            state = self.store.get(run_id).state
+            final = state if state in lifecycle.FINAL else (lifecycle.STOPPED if self._stop_requested(run_id) else None)
+            for line in await asyncio.to_thread(reporter.finish, final):
                 self.notice(run_id, line)
 
     async def stop(self, run_id: str, grace_s: float) -> None:

@@ -102,7 +102,7 @@ def write_tensorboard(engine: Engine, run_id: str, logdir: Path, names: list[str
                 continue
             t0 = t if t0 is None else min(t0, t)
             writer.add_event(Event(wall_time=t, step=step if step is not None else int(t - t0),
-                                   summary=Summary(value=[Summary.Value(tag=_tag(name, node, gpu, rank),
+                                   summary=Summary(value=[Summary.Value(tag=series_tag(name, node, gpu, rank),
                                                                         simple_value=value)])))
             n += 1
     finally:
@@ -110,7 +110,9 @@ def write_tensorboard(engine: Engine, run_id: str, logdir: Path, names: list[str
     return n
 
 
-def _tag(name: str, node: str, gpu: int, rank: int) -> str:
+def series_tag(name: str, node: str, gpu: int, rank: int) -> str:
+    """A series' name for TensorBoard and the trackers: `<name>` for a run-wide or rank-0 series,
+    `<name>/<node>:<gpu>`, `<name>/rank<N>` or `<name>/<node>` per GPU, rank or host."""
     if gpu != NO_INDEX:
         return f"{name}/{node}:{gpu}"
     if name.startswith("rank/"):
@@ -139,17 +141,3 @@ def export(engine: Engine, run_id: str, fmt: str, out: Path | None = None,
     with open(out, "w", newline="") as fh:
         return out, write(engine, run_id, fh, names)
 
-
-def report_sinks(engine: Engine, run_id: str, report_to: Iterable[str], logdir: Path) -> list[str]:
-    """What the run's `report_to` asks for, done from the recorded metrics (typically when the run
-    ends): TensorBoard event files in `logdir`, a directory on the machine running the backend
-    (the run directory itself may sit on a remote node). Returns one line per sink (written, or
-    why not); never raises."""
-    lines = []
-    if "tensorboard" in report_to:
-        try:
-            where, n = export(engine, run_id, "tensorboard", Path(logdir))
-            lines.append(f"tensorboard: wrote {n} scalars to {where}")
-        except (ExportError, OSError) as exc:
-            lines.append(f"tensorboard: {exc}")
-    return lines
