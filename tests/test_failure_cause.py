@@ -158,7 +158,9 @@ def test_a_launch_where_the_disk_is_nearly_full_is_refused_before_anything_start
 def test_full_disk_is_named_with_path_and_node_and_keeps_the_exit_code(manager, tiny_model, filling_disk):
     disk, fill = filling_disk
     m = manager()
-    run_id = m.launch(job(tiny_model, disk, max_steps=200, save_steps=100), LOCAL)
+    # Full fine-tuning: its checkpoint (weights and Adam's states, >1 MiB) cannot fit the 256 KiB
+    # fill() leaves; a LoRA checkpoint of the tiny model (~300 KB) nearly did, and once did.
+    run_id = m.launch(job(tiny_model, disk, max_steps=200, save_steps=100, train_type="full"), LOCAL)
     until(lambda: events(Path(m.run(run_id).run_dir), 0, "train") or m.run(run_id).state in ("failed", "succeeded"),
           timeout=120, every=0.01)
     fill()
