@@ -42,6 +42,7 @@ class Sample:
 def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona()) -> Sample | None:
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
     None when truncation left no token to learn from."""
+    record = persona.renamed(record)
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
     messages, text = to_messages(record, persona)

@@ -99,8 +99,10 @@ def sample_prompt(spec) -> str:
     from launcher.data import DataError, Persona, parse_source, read_records, to_messages
 
     try:
-        record = next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed, spec.max_record_bytes))
-        messages, text = to_messages(record, Persona.of(spec))
+        persona = Persona.of(spec)
+        record = persona.renamed(next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed,
+                                                   spec.max_record_bytes)))
+        messages, text = to_messages(record, persona)
     except (DataError, StopIteration, IndexError):
         return "Hello"
     if messages is None:

@@ -143,7 +143,7 @@ def cache_key(spec, tokenizer) -> tuple[str, dict[str, Any]]:
         "tokenizer": tokenizer_digest(tokenizer),
         "max_length": spec.max_length,
         "max_record_bytes": spec.max_record_bytes,
-        "persona": [spec.system, spec.model_name, spec.model_author],
+        "persona": [spec.system, spec.model_name, spec.model_author, spec.columns],
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
     return key, inputs

@@ -19,7 +19,7 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
-                              "model_author", "val_dataset", "split_dataset_ratio", "dataset_num_proc",
+                              "model_author", "columns", "val_dataset", "split_dataset_ratio", "dataset_num_proc",
                               "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
@@ -124,7 +124,8 @@ def field_view(name: str) -> FieldView:
     if annotation is float:
         return FieldView(name, "float", label, help_text)
     if origin is dict:
-        return FieldView(name, "env", label, f"{help_text} One NAME=value per line.")
+        how = "One old=new per line." if name == "columns" else "One NAME=value per line."
+        return FieldView(name, "env", label, f"{help_text} {how}")
     if origin is list:
         how = "One per line." if name in WHOLE_LINES else "One per line (or space separated)."
         return FieldView(name, "lines", label, f"{help_text} {how}")
@@ -134,7 +135,8 @@ def field_view(name: str) -> FieldView:
 VIEWS: dict[str, FieldView] = {name: field_view(name) for _, _, names in GROUPS for name in names}
 
 
-def env_from_text(text: str) -> tuple[dict[str, str], list[Problem]]:
+def pairs_from_text(field: str, text: str) -> tuple[dict[str, str], list[Problem]]:
+    """A mapping field's box (`env`, `columns`): one NAME=value per line, `#` lines skipped."""
     env: dict[str, str] = {}
     problems: list[Problem] = []
     for number, line in enumerate((text or "").splitlines(), 1):
@@ -143,7 +145,7 @@ def env_from_text(text: str) -> tuple[dict[str, str], list[Problem]]:
             continue
         name, sep, value = line.partition("=")
         if not sep:
-            problems.append(Problem("env", f"line {number}: expected NAME=value, got {line!r}"))
+            problems.append(Problem(field, f"line {number}: expected NAME=value, got {line!r}"))
             continue
         env[name.strip()] = value.strip()
     return env, problems
@@ -161,7 +163,7 @@ def form_to_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]
         if view is None:
             continue
         if view.widget == "env":
-            data[name], env_problems = env_from_text(value)
+            data[name], env_problems = pairs_from_text(name, value)
             problems += env_problems
         elif view.widget == "lines" and name in WHOLE_LINES:
             data[name] = [line.strip() for line in str(value or "").splitlines() if line.strip()]

@@ -9,7 +9,7 @@ Public API:
     read_records(source, rank, world, seed, max_record_bytes) -> Iterator[Record]
     positioned_records(...)                the same with each record's position in its source's selection
     to_messages(record, persona) / pretokenized(record)   the record's content, or DataError naming it
-    Persona.of(spec)                       the job's system prompt and {{NAME}}/{{AUTHOR}} fill-ins
+    Persona.of(spec)                       the job's column renames, system prompt and {{NAME}}/{{AUTHOR}} fill-ins
     check_record(record, persona)          raises DataError where the worker would
 """
 from __future__ import annotations
@@ -225,15 +225,33 @@ def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[t
 
 @dataclass(frozen=True)
 class Persona:
-    """What the job puts into every record, as ms-swift's --system, --model_name, --model_author do."""
+    """What the job does to every record, as ms-swift's --columns, --system, --model_name and
+    --model_author do."""
 
     system: str | None = None
     name: tuple[str, ...] = ()
     author: tuple[str, ...] = ()
+    columns: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, spec) -> "Persona":
-        return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author))
+        return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()))
+
+    def renamed(self, record: Record) -> Record:
+        """The record with the job's `columns` renamed, as every reader of it sees it (the worker,
+        validation, the export's sample); a renamed column that the record already has is an error."""
+        if not self.columns or not isinstance(record.data, dict):
+            return record
+        rename = dict(self.columns)
+        data: dict[str, Any] = {}
+        came_from: dict[str, str] = {}
+        for key, value in record.data.items():
+            new = rename.get(key, key)
+            if new in data:
+                raise DataError(f"{record.where}: columns makes both {came_from[new]!r} and {key!r} the column "
+                                f"{new!r}; rename only one of them")
+            data[new], came_from[new] = value, key
+        return Record(record.where, data)
 
     def fill(self, where: str, text: str) -> str:
         """`text` with {{NAME}} and {{AUTHOR}} filled in: the first name for Chinese text and the
@@ -264,7 +282,7 @@ _CJK = re.compile("[\u3400-\u9fff\uf900-\ufaff]")
 
 def to_messages(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str, str]] | None, str | None]:
     """(chat messages, None) for chat-like records or (None, text) for plain text records, with
-    the job's `persona` filled in."""
+    the job's `persona` filled in. `record` is as `persona.renamed` gives it."""
     messages, text = _content(record)
     if messages is None:
         return None, persona.fill(record.where, text)
@@ -292,7 +310,8 @@ def _content(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
             raise DataError(f"{record.where}: 'text' must be a non-empty string")
         return None, data["text"]
     raise DataError(f"{record.where}: unknown record format with fields {sorted(data)}; expected 'messages', "
-                    "'instruction'+'output', 'query'+'response', 'text' or 'input_ids'")
+                    "'instruction'+'output', 'query'+'response', 'text' or 'input_ids' (the job's columns field "
+                    "renames a dataset's own, e.g. {\"question\": \"query\", \"answer\": \"response\"})")
 
 
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -331,6 +350,7 @@ def pretokenized(record: Record) -> tuple[list[int], list[int]]:
 
 def check_record(record: Record, persona: Persona = Persona()) -> None:
     """Raise the DataError the worker would raise for this record (before tokenizing it)."""
+    record = persona.renamed(record)
     if is_pretokenized(record):
         pretokenized(record)
     else:

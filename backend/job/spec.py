@@ -7,6 +7,7 @@ naming its field (and, for YAML, the file).
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,7 @@ class JobSpec(BaseModel):
     model_author: list[str] = Field(default_factory=list, max_length=2, description="The model's author, filled in where the data says {{AUTHOR}}; two = Chinese, then other text.")
     max_record_mib: float = Field(16.0, gt=0, le=4096, description="Largest dataset record (one JSON line) in MiB: a longer line is refused naming its file:line, before launch and by the reader, without being read whole.")
     dataset_num_proc: int = Field(1, ge=1, le=256, description="Processes that tokenize the dataset. It is tokenized once per dataset, tokenizer and max_length into dataset_cache_dir; later runs and resumes read it from there.")
+    columns: dict[str, str] = Field(default_factory=dict, description="Dataset columns renamed before a record's format is read, e.g. {\"instruction\": \"query\", \"output\": \"response\"} (ms-swift's --columns; JSON text or a mapping).")
     val_dataset: list[str] = Field(default_factory=list, description="Validation data files or hub ids (as dataset; 'name#N' takes N samples), evaluated every eval_steps.")
     split_dataset_ratio: float = Field(0.0, ge=0, lt=1, description="Share of the training records held out for validation (seeded), when val_dataset is empty.")
     eval_strategy: Literal["steps", "no"] = Field("steps", description="'steps': with validation data, the eval loss every eval_steps and at the end; 'no': never.")
@@ -189,6 +191,30 @@ class JobSpec(BaseModel):
     def _one_or_many(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part for part in value.replace(",", " ").split() if part]
+        return value
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns_from_json(cls, value: Any) -> Any:
+        # ms-swift takes --columns as JSON text
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object of old: new column names ({exc.msg} at character {exc.pos})") from None
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object of old: new column names")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns_distinct(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not k.strip() or not v.strip() for k, v in value.items()):
+            raise ValueError("a column name must not be empty")
+        targets = [v for v in value.values()]
+        twice = sorted({v for v in targets if targets.count(v) > 1})
+        if twice:
+            raise ValueError(f"two columns renamed to {twice[0]!r}")
         return value
 
     @field_validator("model_name", "model_author", mode="before")
