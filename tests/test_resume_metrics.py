@@ -1,6 +1,7 @@
 """A run killed some steps after a checkpoint and resumed from it does those steps again; its
 metrics (series, CSV export, progress, checkpoints) show each step once, the resumed attempt's, and
-the trackers its job reports to (TensorBoard, W&B offline, MLflow's file store) hold each step once.
+the trackers its job reports to (TensorBoard, W&B offline, MLflow's file store, SwanLab offline) hold
+each step once.
 A real local run of the tiny model through the RunManager."""
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from backend.job.cluster import GpuInfo, local_cluster
 from backend.job.spec import JobSpec
 from backend.runs.manager import RunError, RunManager
 from backend.store.telemetry_models import MetricSample
-from tracker_files import wandb_history
+from tracker_files import swanlab_scalars, wandb_history
 from worker import ROOT, events, until
 
 pytestmark = pytest.mark.e2e
@@ -42,10 +43,12 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys, monkey
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_SAVE_DIR", str(tmp_path / "swanlab-home"))
     spec = JobSpec(model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")],
                    output_dir=str(tmp_path / "out"), nproc_per_node=1, max_steps=MAX_STEPS, save_steps=SAVE_STEPS,
                    logging_steps=1, torch_dtype="float32", max_length=64, gradient_checkpointing=False,
-                   env={"OMP_NUM_THREADS": "1"}, report_to=["tensorboard", "wandb", "mlflow"])
+                   env={"OMP_NUM_THREADS": "1"}, report_to=["tensorboard", "wandb", "mlflow", "swanlab"])
     with RunManager(url) as m:
         run_id = m.launch(spec, local_cluster(GpuInfo()))
         run_dir = Path(m.run(run_id).run_dir)
@@ -129,7 +132,7 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys, monkey
         assert stored == MAX_STEPS + reached - saved
 
     # The trackers: each step once with the worker's loss (the first attempt's, where the second
-    # did a step again: a resume is exact, so the values agree), TensorBoard's, W&B's and MLflow's own.
+    # did a step again: a resume is exact, so the values agree), each read with its tool's own reader.
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -144,3 +147,4 @@ def test_a_resumed_run_shows_each_step_once(tmp_path, tiny_model, capsys, monkey
     assert tracked.data.tags["swift_studio.run_id"] == run_id and tracked.info.status == "FINISHED"
     metric = sorted((m.step, m.value) for m in client.get_metric_history(tracked.info.run_id, "train/loss"))
     assert [x for point in metric for x in point] == pytest.approx(expected)
+    assert [x for point in sorted(swanlab_scalars(run_dir, "train/loss")) for x in point] == pytest.approx(expected)

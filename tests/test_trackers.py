@@ -1,4 +1,4 @@
-"""report_to's trackers (TensorBoard, W&B offline, MLflow's file store), written from the database
+"""report_to's trackers (TensorBoard, W&B offline, MLflow's file store, SwanLab offline), written from the database
 while a run trains and read back with each tool's own reader; the checks before launch; a tracker
 that fails, a cursor that is damaged, two processes writing one run's tracker."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from backend.job.validate import validate
 from backend.telemetry import trackers
 from backend.telemetry.ingest import Ingestor
 from backend.telemetry.trackers import Cursor, Reporter, RunInfo, new_points
-from tracker_files import wandb_history
+from tracker_files import swanlab_finish_states, swanlab_scalars, wandb_history
 
 T0 = 1_700_000_000.0
 
@@ -31,6 +31,8 @@ def offline_trackers(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_SAVE_DIR", str(tmp_path / "swanlab-home"))
 
 
 def ingest(engine, attempts: list[tuple[int | None, list[tuple[int, float]]]], first_attempt: int = 1,
@@ -68,18 +70,20 @@ def run_info(tmp_path: Path, report_to: list[str], **extra) -> RunInfo:
 def test_the_trackers_get_each_step_once_across_attempts_and_read_back(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
+    pytest.importorskip("swanlab")
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    info = run_info(tmp_path, ["tensorboard", "wandb", "mlflow"], learning_rate=0.002)
+    info = run_info(tmp_path, ["tensorboard", "wandb", "mlflow", "swanlab"], learning_rate=0.002)
     # Attempt 1 trained to step 5 (a NaN at 4) and failed; attempt 2 resumed from checkpoint 3.
     ingest(engine, [(None, [(1, 2.0), (2, 1.8), (3, 1.6), (4, math.nan), (5, 1.4)])])
     first = Reporter(engine, info)
     lines = first.push()
-    assert [line.split(":")[0] for line in lines] == ["tensorboard", "wandb", "mlflow"], lines
+    assert [line.split(":")[0] for line in lines] == ["tensorboard", "wandb", "mlflow", "swanlab"], lines
     assert "offline run r1" in lines[1] and str(info.run_dir / "trackers" / "wandb") in lines[1]
     assert f"at {(tmp_path / 'out' / 'mlruns').resolve().as_uri()}" in lines[2]
+    assert f"offline experiment in {info.run_dir / 'trackers' / 'swanlab'}" in lines[3]
     assert first.finish("failed") == []
     ingest(engine, [(3, [(4, 1.5), (5, 1.39), (6, 1.3), (7, 1.2)])], first_attempt=2)
     second = Reporter(engine, info)  # a new attempt (or a restarted studio) goes on from the cursors
@@ -100,6 +104,10 @@ def test_the_trackers_get_each_step_once_across_attempts_and_read_back(tmp_path)
     assert run.info.status == "FINISHED" and run.data.params["learning_rate"] == "0.002"
     metric = client.get_metric_history(run.info.run_id, "train/loss")
     assert flat(sorted((m.step, m.value) for m in metric)) == pytest.approx(flat(sent))
+
+    # SwanLab offline: one experiment per attempt (an id continues only online), each step once in all
+    assert flat(swanlab_scalars(info.run_dir, "train/loss")) == pytest.approx(flat(sent))
+    assert swanlab_finish_states(info.run_dir) == ["RUN_STATE_CRASHED", "RUN_STATE_FINISHED"]
 
 
 def test_points_are_read_in_slices_with_the_clock_series_from_the_first_sample(tmp_path, monkeypatch):
@@ -176,9 +184,9 @@ def test_report_to_is_checked_before_launch(tmp_path, monkeypatch):
 def test_an_imported_report_to_keeps_the_trackers_written_here_and_notes_the_others():
     from backend.job.msswift import import_command
 
-    result = import_command("swift sft --model m --dataset d.jsonl --report_to swanlab wandb")
-    assert result.spec["report_to"] == ["wandb"]
-    assert ("--report_to swanlab: dropped, not a tracker swift-studio writes (it writes tensorboard, wandb, mlflow); "
-            "the run's metrics stay in the studio") in result.notes
+    result = import_command("swift sft --model m --dataset d.jsonl --report_to neptune swanlab wandb")
+    assert result.spec["report_to"] == ["swanlab", "wandb"]
+    assert ("--report_to neptune: dropped, not a tracker swift-studio writes (it writes tensorboard, wandb, mlflow, "
+            "swanlab); the run's metrics stay in the studio") in result.notes
     assert import_command("swift sft --model m --dataset d.jsonl --report_to tensorboard").spec["report_to"] == [
         "tensorboard"]

@@ -34,3 +34,50 @@ def wandb_history(run_dir: Path) -> list[dict]:
                     rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                  for item in record.history.item})
     return rows
+
+
+def swanlab_files(run_dir: Path) -> list[Path]:
+    """The run's offline SwanLab experiments (one per attempt), oldest first: their directory names
+    order them only to the second."""
+    return sorted((run_dir / "trackers" / "swanlab").glob("run-*/run-*.swanlab"), key=lambda p: p.stat().st_mtime_ns)
+
+
+def swanlab_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of `key` in the run's offline SwanLab experiments, read with SwanLab's own reader."""
+    from swanlab.proto.swanlab.record.v1 import record_pb2 as pb
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    found = []
+    for path in swanlab_files(run_dir):
+        reader = DataStoreReader()
+        reader.open(path)
+        try:
+            while (data := reader.scan()) is not None:
+                record = pb.Record()
+                record.ParseFromString(data)
+                if record.WhichOneof("record_type") == "scalar" and record.scalar.key == key:
+                    found.append((record.scalar.step, record.scalar.value.number))
+        finally:
+            reader.close()
+    return found
+
+
+def swanlab_finish_states(run_dir: Path) -> list[str]:
+    """Each offline SwanLab experiment's recorded end ('RUN_STATE_FINISHED', ...), one per attempt."""
+    from swanlab.proto.swanlab.record.v1 import record_pb2 as pb
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    states = []
+    for path in swanlab_files(run_dir):
+        reader = DataStoreReader()
+        reader.open(path)
+        try:
+            while (data := reader.scan()) is not None:
+                record = pb.Record()
+                record.ParseFromString(data)
+                if record.WhichOneof("record_type") == "finish":
+                    enum = record.finish.DESCRIPTOR.fields_by_name["state"].enum_type
+                    states.append(enum.values_by_number[record.finish.state].name)
+        finally:
+            reader.close()
+    return states

@@ -257,7 +257,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
 
 # report_to's trackers and the package each needs where the studio runs (it writes them from its
 # database; the workers stay tracker-free): `pip install 'swift-studio[<name>]'`.
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 
 
 def tracker_problems(spec: JobSpec) -> list[Problem]:

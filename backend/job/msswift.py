@@ -276,9 +276,8 @@ def import_command(text: str) -> ImportResult:
 
 
 def _trackers(result: ImportResult) -> None:
-    """--report_to keeps the trackers swift-studio writes; another (swanlab: its SDK holds one run
-    per process, and a studio reports several runs at once) is dropped with a note: the run's
-    metrics stay in the studio's database and charts."""
+    """--report_to keeps the trackers swift-studio writes; another (neptune, clearml, …) is dropped
+    with a note: the run's metrics stay in the studio's database and charts."""
     value = result.spec.get("report_to")
     if not value:
         return

@@ -166,7 +166,7 @@ class JobSpec(BaseModel):
     save_total_limit: int | None = Field(None, ge=1, description="Keep at most N complete checkpoints.")
     logging_steps: int = Field(5, ge=1, description="Log loss and speed every N steps.")
     report_to: list[str] = Field(default_factory=list, description="Experiment trackers the studio writes the run's "
-                                 "metrics to while it trains: tensorboard, wandb, mlflow (each needs its "
+                                 "metrics to while it trains: tensorboard, wandb, mlflow, swanlab (each needs its "
                                  "package where the studio runs).")
     mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking server or store for report_to mlflow "
                                             "(default: $MLFLOW_TRACKING_URI where the studio runs, else a file "

@@ -1,5 +1,5 @@
 """The experiment trackers a job's `report_to` names, written from the database while the run trains:
-TensorBoard event files, a Weights & Biases run, an MLflow run.
+TensorBoard event files, a Weights & Biases run, an MLflow run, a SwanLab experiment.
 
 The workers stay tracker-free (nothing to install on the nodes, no keys there): a `Reporter` per
 watched attempt sends the samples recorded since its last push every few seconds, and once more when
@@ -270,7 +270,87 @@ class MlflowSink(Sink):
             self.client.set_terminated(self.mlflow_run, self.STATUS[final_state])
 
 
-SINKS: dict[str, Callable[[RunInfo], Sink]] = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "mlflow": MlflowSink}
+def swanlab_mode() -> str:
+    """SWANLAB_MODE where set; else online when this machine holds a SwanLab key (SWANLAB_API_KEY),
+    offline otherwise."""
+    return os.environ.get("SWANLAB_MODE") or ("online" if os.environ.get("SWANLAB_API_KEY") else "offline")
+
+
+class SwanlabSink(Sink):
+    """A SwanLab experiment in the project SWANLAB_PROJECT (default swift-studio), written by a process
+    of its own (`backend.telemetry.swanlab_child`: SwanLab holds one run per process). Offline
+    experiments are written under `<run_dir>/trackers/swanlab` for `swanlab sync`; online, each
+    attempt continues the experiment whose id is the studio run's. SwanLab's probes of the machine
+    (hardware, monitor, requirements) are off: they would describe the studio's machine."""
+    name = "swanlab"
+    STATE = {"succeeded": "success", "failed": "crashed", "stopped": "aborted"}
+    ANSWER_S = 120.0
+
+    def __init__(self, run: RunInfo):
+        self.info, self.proc = run, None
+        self.where = run.run_dir / "trackers" / "swanlab"
+
+    def _call(self, request: dict) -> dict:
+        import select
+
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            ready = select.select([self.proc.stdout], [], [], self.ANSWER_S)[0]
+            line = self.proc.stdout.readline() if ready else b""
+        except OSError:
+            line, ready = b"", True
+        if not line:
+            self.proc.kill()
+            what = "ended" if ready else f"did not answer within {self.ANSWER_S:g} s"
+            raise TrackerError(f"swanlab's process {what} (its output: {self.where / 'process.log'})")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            raise TrackerError(str(answer.get("error"))[:500])
+        return answer
+
+    def open(self, cursor: Cursor) -> str:
+        import subprocess
+        import sys
+
+        mode = swanlab_mode()
+        sid = cursor.state.get("swanlab_id") or re.sub(r"[^a-z0-9]", "", self.info.run_id.lower())[-21:] or "run"
+        cursor.state["swanlab_id"] = sid
+        self.where.mkdir(parents=True, exist_ok=True)
+        with open(self.where / "process.log", "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "backend.telemetry.swanlab_child"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
+                                         cwd=self.where, start_new_session=True)
+        kwargs = dict(project=os.environ.get("SWANLAB_PROJECT") or "swift-studio",
+                      workspace=os.environ.get("SWANLAB_WORKSPACE") or None, name=self.info.name,
+                      config=flat_config(self.info.spec), mode=mode, log_dir=str(self.where))
+        if mode == "online":
+            kwargs.update(id=sid, resume="allow")
+        where = self._call({"op": "init", "kwargs": kwargs,
+                            "probe": {"hardware": False, "monitor": False, "requirements": False}})["where"]
+        if mode == "offline":
+            return f"swanlab: offline experiment in {self.where} (no SwanLab key on this machine; `swanlab sync` uploads it)"
+        return f"swanlab: {mode} experiment {sid} in project {kwargs['project']} ({where})"
+
+    def log(self, points: list[Point], t0: float) -> None:
+        self._call({"op": "log", "rows": [(p.tag, p.step if p.step is not None else int(p.t - t0), p.value)
+                                          for p in points]})
+
+    def close(self, final_state: str | None) -> None:
+        if self.proc is None:
+            return
+        state = self.STATE.get(final_state, "aborted" if final_state else "success")
+        try:
+            self._call({"op": "finish", "state": state,
+                        "error": f"the run {final_state}" if state == "crashed" else None})
+            self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+SINKS: dict[str, Callable[[RunInfo], Sink]] = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "mlflow": MlflowSink,
+                                               "swanlab": SwanlabSink}
 
 
 class Reporter:
