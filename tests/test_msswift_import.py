@@ -1,6 +1,7 @@
 """`swift-studio import`: the command lines of ms-swift's docs become specs that validate."""
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -615,3 +616,32 @@ def test_what_cannot_run_is_refused_naming_it(text, field, message):
 def test_a_dollar_in_free_text_is_the_users_text():
     spec, problems = import_command("swift sft --model m --dataset d.jsonl --system 'Prices are in $USD.'").parse()
     assert problems == [] and spec.system == "Prices are in $USD."
+
+
+def flags_of(section: str) -> list[str]:
+    """The flags docs/msswift-flags.md lists under the heading that starts with `section`."""
+    text = (ROOT / "docs" / "msswift-flags.md").read_text()
+    start = text.index(f"## {section} (")
+    end = text.find("\n## ", start + 1)
+    body = text[start:end if end > 0 else len(text)]
+    count = int(re.search(r"\((\d+)\)", body.splitlines()[0]).group(1))
+    flags = re.findall(r"`([A-Za-z0-9_]+)`", body.split("\n\n")[-1])
+    assert len(flags) == count, (section, len(flags), count)
+    return flags
+
+
+@pytest.mark.parametrize("command,honoured,not_honoured", [
+    ("swift sft --max_steps 20", ["`swift sft`: honoured"], ["`swift sft`: not honoured"]),
+    ("megatron sft --train_iters 20", ["`megatron sft`: honoured beyond those"],
+     ["`megatron sft`: not honoured beyond those"]),
+])
+def test_the_flag_list_in_the_docs_is_what_the_import_does(command, honoured, not_honoured):
+    """docs/msswift-flags.md (every flag of ms-swift 4.5.2's parsers) is a promise: each flag it
+    calls not honoured comes back as ignored, each it calls honoured does not."""
+    def ignored(flag: str) -> bool:
+        result = import_command(f"{command} --model m --dataset d.jsonl --{flag} 2")
+        return any(entry.split()[0] == f"--{flag}" for entry in result.ignored)
+
+    wrong = [f for section in honoured for f in flags_of(section) if ignored(f)]
+    wrong += [f for section in not_honoured for f in flags_of(section) if not ignored(f)]
+    assert wrong == [], wrong

@@ -47,6 +47,8 @@ ATTN_NAMES = {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_att
 # ms-swift's older DeepSpeed names.
 DS_NAMES = {"default-zero2": "zero2", "default-zero3": "zero3", "zero2-offload": "zero2_offload", "zero3-offload": "zero3_offload"}
 TRUE_WORDS = ("true", "1", "yes")
+# The Hugging Face trainer's (and Megatron's) mixed-precision switches: swift-studio's torch_dtype.
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # ms-swift 4.x calls it --tuner_type, 3.x --train_type, 2.x --sft_type: one field, whichever is used.
 TRAIN_TYPE_FLAGS = ("tuner_type", "train_type", "sft_type")
 # Free text, where '$USD' is the user's own text and not a variable left unset.
@@ -162,7 +164,8 @@ def _megatron(name: str, values: list[str], result: ImportResult, pending: dict[
     """Megatron-SWIFT argument names; True when handled."""
     value = values[0] if values else ""
     simple = {"load": "model", "train_iters": "max_steps", "max_epochs": "num_train_epochs", "save": "output_dir",
-              "save_interval": "save_steps", "log_interval": "logging_steps", "lr_warmup_fraction": "warmup_ratio"}
+              "save_interval": "save_steps", "log_interval": "logging_steps", "lr_warmup_fraction": "warmup_ratio",
+              "clip_grad": "max_grad_norm", "lr_decay_style": "lr_scheduler_type"}
     if name in simple:
         result.spec[simple[name]] = value
         if name == "load":
@@ -233,6 +236,13 @@ def import_command(text: str) -> ImportResult:
         if canonical_key(name) not in TEXT_FIELDS and any(_unset(f"--{name}", value, result) for value in values):
             continue
         if kind == "megatron" and _megatron(name, values, result, pending):
+            continue
+        if name in HALF_DTYPES:
+            if _bool(values) or not values:
+                result.spec["torch_dtype"] = HALF_DTYPES[name]
+                result.notes.append(f"{flag} -> torch_dtype {HALF_DTYPES[name]}")
+            else:
+                result.notes.append(f"{flag}: the precision is torch_dtype's (the model's own unless set)")
             continue
         key = "train_type" if name in TRAIN_TYPE_FLAGS else canonical_key(name)
         if key not in FIELDS or key in ("env",):
