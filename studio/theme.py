@@ -30,5 +30,9 @@ th.header-cell .header { word-break: keep-all !important; overflow-wrap: normal 
 #runs-table td:last-child, #runs-table td:last-child * { word-break: break-all; white-space: normal; }
 .problem-links ul { margin: 0.25em 0; }
 .hidden-trigger { display: none !important; }
+.data-preview pre.preview-sample { white-space: pre-wrap; font-size: 0.85em; margin: 0.2em 0 0.6em; }
+.data-preview mark.loss { background: #fed7aa; color: inherit; }
+.data-preview .preview-where { color: #6b7280; font-size: 0.85em; }
+.data-preview .preview-error { color: #b91c1c; }
 footer { display: none !important; }
 """

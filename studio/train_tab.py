@@ -2,6 +2,7 @@
 presets, import and launch."""
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ from backend.job.capabilities import PARALLEL_FIELDS as PARALLEL, apply_fixes
 from backend.job.cluster import Cluster
 from backend.job.msswift import CommandError, import_command
 from backend.job.spec import parse_spec
+from backend.runs.preview import PreviewError, data_preview
 from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
+from studio.preview_view import lengths_figure, preview_html
 from studio.train_view import (TrainView, check_form, check_key, fix_for_label, fix_label, form_values,
                                 groups_with_errors, launch_refusal_md, problem_lines, problems_md)
 
@@ -78,6 +81,10 @@ def build(studio: Studio) -> dict[str, Any]:
                         for name in names:
                             with gr.Column(min_width=220):
                                 form[name] = _widget(VIEWS[name], values[name])
+            with gr.Accordion("Data preview", open=False, elem_id="data-preview-group"):
+                c["preview"] = gr.Button("Preview the data as training reads it", size="sm", elem_id="data-preview-go")
+                c["preview_html"] = gr.HTML(elem_id="data-preview")
+                c["preview_lengths"] = gr.Plot(visible=False, elem_id="data-preview-lengths")
         with gr.Column(scale=2):
             c["problems"] = gr.Markdown(elem_classes=["problem-list", "problem-links"], elem_id="train-problems")
             # The form's refusals that have one remedy, one button each (TrainView.fixes).
@@ -244,6 +251,20 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         # Presets saved since the page was built (here or in another browser) are offered too.
         return on_load_preset("demo", cluster, slurm) | {c["preset"]: gr.update(choices=studio.preset_names())}
 
+    def on_preview(data: dict) -> tuple:
+        """The form's data as the worker would tokenize it (a process of its own: the studio loads
+        no tokenizer), or why not."""
+        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
+        if view.spec is None:
+            return "✖ No preview: fix these first.<br>" + "<br>".join(
+                html.escape(line) for line in problem_lines(view, errors_only=True)), gr.update(visible=False)
+        try:
+            result = data_preview(view.spec)
+        except PreviewError as exc:
+            return f"✖ No preview: {html.escape(str(exc))}", gr.update(visible=False)
+        return preview_html(result), gr.update(value=lengths_figure(result), visible=True)
+
+    c["preview"].click(on_preview, inputs, [c["preview_html"], c["preview_lengths"]])
     c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state, slurm_state], outputs=[c["preset"], *fill_outputs])
     c["render"], c["view_outputs"] = render, view_outputs
 

@@ -74,6 +74,20 @@ def test_train_form_live_checks_import_presets(studio, page):
     page.get_by_role("tab", name="Train").click()
     shot(page, "opened")
 
+    # The demo's data as training reads it: its first record through the chat template, the
+    # answer (with the name the job gives the model) marked as what carries loss, the counts and
+    # the lengths against max_length.
+    page.get_by_text("Data preview").click()
+    page.locator("#data-preview-go").click()
+    expect(page.locator("#data-preview pre.preview-sample").first).to_contain_text("<|im_start|>user\nWho are you?",
+                                                                                  timeout=60000)
+    expect(page.locator("#data-preview pre.preview-sample mark.loss").first).to_have_text(
+        "I am Swifty, an assistant trained by swift-studio.<|im_end|>")
+    expect(page.locator("#data-preview")).to_contain_text("self_cognition.jsonl: 500 records; of the first 500: 0 "
+                                                          "longer than max_length 64")
+    expect(page.locator("#data-preview-lengths .js-plotly-plot")).to_be_visible()
+    shot(page, "data-preview")
+
     # Import an ms-swift command: the form fills, the unknown flag is reported.
     page.get_by_text("Import ms-swift command").click()
     page.locator("#import-text textarea").fill(IMPORTED)

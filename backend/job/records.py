@@ -80,17 +80,30 @@ def positioned_records(source: Source, rank: int, world: int, seed: int,
     if not source.is_local:
         yield from _hub_records(source, rank, world, seed)
         return
-    path = Path(source.name)
-    problem = not_a_regular_file(path)
-    if problem:
-        raise DataError(f"dataset file {path} {problem}")
-    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower())
-    entries, decode = reader(path) if reader else _jsonl(path, max_record_bytes)
+    entries, decode = _entries(source, max_record_bytes)
     position_of = _selected(len(entries), source.limit, seed)
     for index, (where, raw) in enumerate(entries):
         position = position_of(index)
         if position is not None and position % world == rank:
             yield position, Record(where, decode(where, raw))
+
+
+def _entries(source: Source, max_record_bytes: int) -> tuple["Entries", "Decode"]:
+    """A local source's records, counted or read, by its file type."""
+    path = Path(source.name)
+    problem = not_a_regular_file(path)
+    if problem:
+        raise DataError(f"dataset file {path} {problem}")
+    reader = {".json": _json, ".csv": _csv, ".parquet": _parquet}.get(path.suffix.lower())
+    return reader(path) if reader else _jsonl(path, max_record_bytes)
+
+
+def selected_count(source: Source, max_record_bytes: int, seed: int) -> int:
+    """How many records of `source` a run reads: its records, or `name#N`'s N of them."""
+    if not source.is_local:
+        return len(hub_dataset(source, seed))
+    total = len(_entries(source, max_record_bytes)[0])
+    return total if source.limit is None else min(total, source.limit)
 
 
 def _selected(total: int, limit: int | None, seed: int) -> Callable[[int], int | None]:

@@ -1,0 +1,94 @@
+"""What training would make of a job's data, before launch: the first records of each dataset
+through the model's chat template with the tokens that carry loss marked, the token lengths against
+max_length (how many are truncated, how many dropped), the fill that packing would reach, and the
+record counts. Tokenized exactly as the worker does (`launcher.data.encode`, the job's `columns`,
+system prompt and names).
+
+Run by the studio as `python -m launcher.preview` with the job as YAML on stdin; prints one JSON
+object: {"max_length", "packing", "datasets": [{"entry", "count", "measured", "truncated",
+"dropped", "lengths", "samples": [{"where", "tokens", "segments": [[text, carries_loss], ...]}],
+"error"}], "packed_fill", "row_fill"} or {"error"} when the job or its tokenizer cannot be read.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import numpy as np
+
+from backend.job.records import DataError, Persona, parse_source, positioned_records, selected_count
+from backend.job.spec import parse_spec
+from launcher.data import IGNORE, Sample, encode, pack_plan
+
+SHOWN = 3  # records shown per dataset
+MEASURED = 1000  # records per dataset whose token lengths are measured (the first ones)
+UNCUT = 1 << 30  # a max_length no record reaches: the length before truncation
+
+
+def segments(tokenizer, sample: Sample) -> list[tuple[str, bool]]:
+    """The sample's text in runs of tokens that carry loss (True) or do not."""
+    runs, start = [], 0
+    trained = [label != IGNORE for label in sample.labels]
+    for end in range(1, len(sample.input_ids) + 1):
+        if end == len(sample.input_ids) or trained[end] != trained[start]:
+            runs.append((tokenizer.decode(sample.input_ids[start:end]), trained[start]))
+            start = end
+    return runs
+
+
+def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
+    source = parse_source(entry)
+    out = {"entry": entry, "count": None, "measured": 0, "truncated": 0, "dropped": 0, "lengths": [],
+           "samples": [], "error": None}
+    try:
+        out["count"] = selected_count(source, spec.max_record_bytes, spec.seed)
+        records = positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes)
+        for _, record in itertools.islice(records, MEASURED):
+            whole = encode(record, tokenizer, UNCUT, persona)
+            out["measured"] += 1
+            length = len(whole.input_ids) if whole else 0
+            out["lengths"].append(length)
+            out["truncated"] += length > spec.max_length
+            # what the worker keeps: a sample with a token to learn from within max_length
+            if whole is None or not any(label != IGNORE for label in whole.labels[1:spec.max_length]):
+                out["dropped"] += 1
+            elif len(out["samples"]) < SHOWN:
+                cut = Sample(whole.input_ids[:spec.max_length], whole.labels[:spec.max_length])
+                out["samples"].append({"where": record.where, "tokens": len(cut.input_ids),
+                                       "segments": segments(tokenizer, cut)})
+    except DataError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def preview(spec, tokenizer) -> dict:
+    persona = Persona.of(spec)
+    datasets = [dataset_preview(entry, spec, tokenizer, persona) for entry in spec.dataset]
+    kept = np.array([min(n, spec.max_length) for d in datasets for n in d["lengths"] if n > 1], dtype=np.int64)
+    packed_fill = row_fill = None
+    if len(kept):
+        row_fill = float(kept.mean() / spec.max_length)
+        packed_fill = float(kept.sum() / (len(pack_plan(kept, spec.max_length)) * spec.max_length))
+    return {"max_length": spec.max_length, "packing": spec.packing, "datasets": datasets,
+            "packed_fill": packed_fill, "row_fill": row_fill}
+
+
+def main() -> int:
+    import yaml
+
+    from launcher.model import ModelError, load_tokenizer
+
+    try:
+        spec, problems = parse_spec(yaml.safe_load(sys.stdin.read()) or {})
+        if spec is None:
+            raise ValueError("; ".join(str(p) for p in problems))
+        result = preview(spec, load_tokenizer(spec.model))
+    except (ValueError, ModelError, yaml.YAMLError) as exc:
+        result = {"error": str(exc)}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
