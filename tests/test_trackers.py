@@ -190,3 +190,18 @@ def test_an_imported_report_to_keeps_the_trackers_written_here_and_notes_the_oth
             "swanlab); the run's metrics stay in the studio") in result.notes
     assert import_command("swift sft --model m --dataset d.jsonl --report_to tensorboard").spec["report_to"] == [
         "tensorboard"]
+
+
+def test_a_tracker_that_fails_to_start_leaves_no_process_behind(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab")
+    import psutil
+
+    monkeypatch.setenv("SWANLAB_MODE", "no-such-mode")
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    ingest(engine, [(None, [(1, 2.0)])])
+    reporter = Reporter(engine, run_info(tmp_path, ["swanlab"]))
+    [line] = reporter.push()
+    assert line.startswith("swanlab: writing failed, not reporting to it for the rest of this attempt:"), line
+    children = [p for p in psutil.Process().children(recursive=True) if "swanlab_child" in " ".join(p.cmdline())]
+    assert children == []
+    assert reporter.finish("succeeded") == []

@@ -122,6 +122,9 @@ class Sink:
     def close(self, final_state: str | None) -> None:
         raise NotImplementedError
 
+    def abandon(self) -> None:
+        """Let go of what `open` started after a failure (best effort; nothing more is sent)."""
+
 
 @dataclass
 class RunInfo:
@@ -158,6 +161,9 @@ class TensorBoardSink(Sink):
     def close(self, final_state: str | None) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def abandon(self) -> None:
+        self.close(None)
 
 
 def wandb_mode() -> str:
@@ -217,6 +223,10 @@ class WandbSink(Sink):
     def close(self, final_state: str | None) -> None:
         if self.run is not None:
             self.run.finish(exit_code=1 if final_state == "failed" else 0)
+
+    def abandon(self) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1)
 
 
 class MlflowSink(Sink):
@@ -336,6 +346,11 @@ class SwanlabSink(Sink):
         self._call({"op": "log", "rows": [(p.tag, p.step if p.step is not None else int(p.t - t0), p.value)
                                           for p in points]})
 
+    def abandon(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
     def close(self, final_state: str | None) -> None:
         if self.proc is None:
             return
@@ -387,6 +402,10 @@ class Reporter:
 
     def _drop(self, sink: Sink, doing: str, exc: BaseException) -> str:
         self.sinks.remove(sink)
+        try:
+            sink.abandon()
+        except Exception:  # noqa: BLE001 - it failed already; what matters is said below
+            log.debug("run %s: abandoning %s failed", self.run.run_id, sink.name, exc_info=True)
         if sink.name in self.held:
             os.close(self.held.pop(sink.name))
         log.warning("run %s: %s %s failed", self.run.run_id, sink.name, doing, exc_info=exc)
