@@ -135,7 +135,8 @@ class RunInfo:
 
 
 class TensorBoardSink(Sink):
-    """Event files in `<run_dir>/tensorboard`, a new file per attempt (TensorBoard reads them all)."""
+    """Event files in `<run_dir>/tensorboard`, a new file each time a watch of an attempt starts
+    (TensorBoard reads them all)."""
     name = "tensorboard"
 
     def __init__(self, run: RunInfo):
