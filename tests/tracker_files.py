@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Iterator
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
@@ -42,12 +43,12 @@ def swanlab_files(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "trackers" / "swanlab").glob("run-*/run-*.swanlab"), key=lambda p: p.stat().st_mtime_ns)
 
 
-def swanlab_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:
-    """(step, value) of `key` in the run's offline SwanLab experiments, read with SwanLab's own reader."""
+def swanlab_records(run_dir: Path) -> Iterator:
+    """Every record of the run's offline SwanLab experiments, oldest first, read with SwanLab's own
+    reader and record type."""
     from swanlab.proto.swanlab.record.v1 import record_pb2 as pb
     from swanlab.sdk.internal.core_python.store import DataStoreReader
 
-    found = []
     for path in swanlab_files(run_dir):
         reader = DataStoreReader()
         reader.open(path)
@@ -55,29 +56,18 @@ def swanlab_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:
             while (data := reader.scan()) is not None:
                 record = pb.Record()
                 record.ParseFromString(data)
-                if record.WhichOneof("record_type") == "scalar" and record.scalar.key == key:
-                    found.append((record.scalar.step, record.scalar.value.number))
+                yield record
         finally:
             reader.close()
-    return found
+
+
+def swanlab_scalars(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of `key` in the run's offline SwanLab experiments."""
+    return [(r.scalar.step, r.scalar.value.number) for r in swanlab_records(run_dir)
+            if r.WhichOneof("record_type") == "scalar" and r.scalar.key == key]
 
 
 def swanlab_finish_states(run_dir: Path) -> list[str]:
     """Each offline SwanLab experiment's recorded end ('RUN_STATE_FINISHED', ...), one per attempt."""
-    from swanlab.proto.swanlab.record.v1 import record_pb2 as pb
-    from swanlab.sdk.internal.core_python.store import DataStoreReader
-
-    states = []
-    for path in swanlab_files(run_dir):
-        reader = DataStoreReader()
-        reader.open(path)
-        try:
-            while (data := reader.scan()) is not None:
-                record = pb.Record()
-                record.ParseFromString(data)
-                if record.WhichOneof("record_type") == "finish":
-                    enum = record.finish.DESCRIPTOR.fields_by_name["state"].enum_type
-                    states.append(enum.values_by_number[record.finish.state].name)
-        finally:
-            reader.close()
-    return states
+    return [r.finish.DESCRIPTOR.fields_by_name["state"].enum_type.values_by_number[r.finish.state].name
+            for r in swanlab_records(run_dir) if r.WhichOneof("record_type") == "finish"]
