@@ -200,6 +200,12 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     return batch
 
 
+def micro_batch(rows: list[Row], pad_id: int, packed: bool, max_length: int, multiple: int = 1) -> tuple[dict, int, int]:
+    """(batch, tokens, samples) of the rows: packed rows padded to max_length, padded ones to the longest."""
+    batch = collate(rows, pad_id, packed, max_length if packed else None, multiple)
+    return batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
+
+
 class Batches:
     """Micro-batches of one rank, reshuffled every epoch with a seed, addressable by global
     optimizer step so a resume continues at the exact data position. Rows are made from the
@@ -237,8 +243,7 @@ class Batches:
         rows = self.rows(indices)
         if fill:
             rows += [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(self.micro_batch - len(rows))]
-        batch = collate(rows, self.pad_id, self.packed, self.max_length if self.packed else None, self.multiple)
-        return batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
+        return micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple)
 
     def step(self, step: int) -> list[tuple[dict, int, int]]:
         """Micro-batches of optimizer step `step` (0-based): (batch, tokens, samples) each."""

@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 
-from backend.job.records import DataError, Persona, parse_source, positioned_records, selected_count
+from backend.job.records import (DataError, Persona, decode_streamed, parse_source, positioned_records,
+                                 selected_count, streamed_entries)
 from backend.job.spec import parse_spec
 from launcher.data import IGNORE, Sample, encode, pack_plan
 
@@ -42,9 +43,12 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
     out = {"entry": entry, "count": None, "measured": 0, "truncated": 0, "dropped": 0, "lengths": [],
            "samples": [], "error": None}
     try:
-        out["count"] = selected_count(source, spec.max_record_bytes, spec.seed)
-        records = positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes)
-        for _, record in itertools.islice(records, MEASURED):
+        if spec.streaming and source.is_local:  # what training reads first, and no count of a file of any size
+            records = (decode_streamed(where, raw) for where, raw in streamed_entries(source, spec.max_record_bytes))
+        else:
+            out["count"] = selected_count(source, spec.max_record_bytes, spec.seed)
+            records = (record for _, record in positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes))
+        for record in itertools.islice(records, MEASURED):
             whole = encode(record, tokenizer, UNCUT, persona)
             out["measured"] += 1
             length = len(whole.input_ids) if whole else 0

@@ -42,6 +42,7 @@ FORMAT = 1
 MARKER = "swift-studio-tokenized.json"
 TOKENS = "tokens.arrow"
 COLUMNS = ["input_ids", "labels", "length", "source", "position"]
+COLUMN_TYPES = ["list<item: int32>", "list<item: int32>", "int32", "int32", "int64"]
 BUILDING = ".swift-studio-building"
 VERSION_BYTES = 1 << 20
 """Bytes at each end of a local file hashed into its version, beside its size and modification time."""
@@ -104,12 +105,12 @@ class Tokenized:
         """Rows of data-parallel rank `rank` of `world`, in the order the ranks have always read them
         (each dataset in turn, its records whose position % world == rank), and how many of that
         shard's records were dropped; `among`: only the rows where this mask is true."""
-        source = self.table.column("source").to_numpy()
-        position = self.table.column("position").to_numpy()
+        source = _numbers(self.table.column("source"))
+        position = _numbers(self.table.column("position"))
         taken = position % world == rank
         mine = np.nonzero(taken if among is None else taken & among)[0]
         mine = mine[np.lexsort((position[mine], source[mine]))]
-        kept = self.table.column("length").to_numpy()[mine] > 0
+        kept = _numbers(self.table.column("length"))[mine] > 0
         return mine[kept], int(np.count_nonzero(~kept))
 
     def held_out(self, ratio: float, seed: int) -> np.ndarray:
@@ -121,7 +122,7 @@ class Tokenized:
         return mask
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
-        return self.table.column("length").to_numpy()[rows]
+        return _numbers(self.table.column("length"))[rows]
 
     def samples(self, rows: np.ndarray | list[int]) -> list[Sample]:
         # Row by row from their record batches: a take on the whole table would first join every
@@ -213,12 +214,23 @@ def _open(entry: Path, inputs: dict[str, Any]):
         if marker.get("inputs") != inputs:
             raise ValueError(f"{MARKER} does not describe this job's inputs")
         table = pa.ipc.open_file(pa.memory_map(str(entry / TOKENS))).read_all()
-        if table.schema.names != COLUMNS:
-            raise ValueError(f"columns {table.schema.names}, expected {COLUMNS}")
+        found = [f"{field.name}: {field.type}" for field in table.schema]
+        if found != [f"{name}: {kind}" for name, kind in zip(COLUMNS, COLUMN_TYPES)]:
+            raise ValueError(f"columns {', '.join(found)}, expected {COLUMNS} of types {COLUMN_TYPES}")
+        if any(table.column(name).null_count for name in COLUMNS):
+            raise ValueError("a column has missing values")
         return table
     except Exception as exc:  # a damaged or foreign entry: named, never removed (it is not this process's)
         raise CacheError(f"dataset_cache_dir: the tokenized data in {entry} cannot be read ({exc}); "
                          "remove that directory to tokenize again") from None
+
+
+def _numbers(column) -> np.ndarray:
+    """A fixed-width column without missing values (`_open` checked both) as numpy, read from its
+    buffers: pyarrow's own to_numpy imports pandas (pyarrow 26), 0.45 s of every rank's start."""
+    dtype = np.dtype(str(column.type))
+    return np.concatenate([np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
+                           for chunk in column.chunks] or [np.zeros(0, dtype)])
 
 
 @contextmanager

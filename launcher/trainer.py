@@ -30,6 +30,7 @@ from launcher.events import EventWriter, Window, eta_seconds, format_duration, s
 from launcher.engines.tp import distributed_config
 from launcher.model import flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
+from launcher.stream import StreamBatches, load_position, open_stream, save_position
 from launcher.tokenized import DataHeartbeat, dataset_cache_dir, open_tokenized
 
 log = logging.getLogger("launcher")
@@ -163,6 +164,8 @@ class Trainer:
         self.last_save_s: float | None = None
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.collective_timeout_s = float(spec.ddp_timeout)
+        self.upcoming_missing = False
+        """The last step fetched has no data: a stream ended or met a bad record."""
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -193,7 +196,9 @@ class Trainer:
                                 if spec.train_type == "full" and self.model_config else None)
         self.peak_flops = peak_flops()
 
-    def _load_data(self) -> tuple[data.Batches, Plan, "Validation | None"]:
+    def _load_data(self) -> tuple["data.Batches | StreamBatches", Plan, "Validation | None"]:
+        if self.spec.streaming:
+            return self._stream_data()
         spec, d = self.spec, self.dist
         error, shards = None, None
         try:
@@ -239,6 +244,31 @@ class Trainer:
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
         return (self._batches(tokenized, mine, rows, spec.per_device_train_batch_size, per_epoch), plan,
                 self._validation(val))
+
+    def _stream_data(self) -> tuple[StreamBatches, Plan, "Validation | None"]:
+        """The training data streamed (nothing read before step 1; a bad record stops the run when
+        reached), the validation data through the tokenized cache as without streaming."""
+        spec, d = self.spec, self.dist
+        error, val = None, None
+        try:
+            stream = open_stream(spec, self.tokenizer, d.dp_rank, d.dp_size)
+            if spec.val_dataset and spec.evaluates:
+                with DataHeartbeat(self.events):
+                    val = self._shard(open_tokenized(spec.model_copy(update={"dataset": spec.val_dataset}),
+                                                     self.tokenizer, dataset_cache_dir(spec, self.run_dir)))
+        except data.DataError as exc:
+            failure, error = exc, str(exc)
+        found = [(rank, e) for rank, e in enumerate(d.all_gather_object(error)) if e]
+        if error:
+            raise failure
+        if found:
+            raise PeerFailed(f"stopped: rank {found[0][0]} could not open the data: {found[0][1]}")
+        self.events.emit("data", phase="ready", streaming=True, val_samples=len(val[1]) if val else 0)
+        if d.is_main:
+            log.info("data: streamed over %d data-parallel ranks, %d steps (max_steps)", d.dp_size, spec.max_steps)
+        batches = StreamBatches(stream, d.dp_size, spec.per_device_train_batch_size, spec.gradient_accumulation_steps,
+                                self.tokenizer.pad_token_id, spec.packing, spec.max_length, seq_multiple(spec))
+        return batches, Plan(spec.max_steps, spec.max_steps), self._validation(val)
 
     def _shard(self, tokenized, among=None) -> tuple:
         """(the data, this rank's rows of it, their row plan, how many of its records were dropped)."""
@@ -301,6 +331,8 @@ class Trainer:
         d.barrier()
         self.engine.save(tmp, d.is_main)
         torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
+        if self.spec.streaming:
+            save_position(self.batches, step, tmp, d.rank)
         if d.is_main:
             self.tokenizer.save_pretrained(tmp / "tokenizer")
             shutil.copy(self.run_dir / "job.yaml", tmp / "job.yaml")
@@ -352,6 +384,8 @@ class Trainer:
                 set_rng_state(checkpoint.read(rng, allowed=legacy_rng_classes()))
         except checkpoint.CheckpointError as exc:
             raise ConfigError(f"resume: {exc}") from None
+        if self.spec.streaming:
+            load_position(self.batches, state["step"], path, self.dist.rank)
         self.step = self.resumed_from = state["step"]
         self.eval_losses = {int(k): float(v) for k, v in (state.get("eval_losses") or {}).items()}
         if self.dist.is_main:
@@ -367,6 +401,8 @@ class Trainer:
         window, pending, nonfinite_run = Window(), [], 0
         window_losses: list[float] = []
         upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
+        if spec.streaming and d.all_reduce([float(upcoming is None)], "max")[0][0]:
+            self._data_ended()
         while self.step < plan.max_steps:
             started = time.perf_counter()
             micro, step_data_wait = upcoming, data_wait
@@ -379,8 +415,10 @@ class Trainer:
             if self.step < plan.max_steps:
                 upcoming, data_wait = self._fetch(self.step)
             # A stop is one decision of all ranks: to stop, and whether the checkpoint still fits.
-            (stop_votes, late), wait = d.all_reduce([float(self.stop.requested),
-                                                     float(self.stop.too_late(self.last_save_s))], "max")
+            # A stream that ended or met a bad record on any rank ends the run, after a checkpoint.
+            (stop_votes, late, ended), wait = d.all_reduce([float(self.stop.requested),
+                                                            float(self.stop.too_late(self.last_save_s)),
+                                                            float(upcoming is None)], "max")
             self.step_times.append(time.perf_counter() - started)
             window.add(self.step_times[-1], wait, step_data_wait, sum(m[1] for m in micro), sum(m[2] for m in micro))
             due_eval = self.validation is not None and (self.step % (spec.eval_steps or spec.save_steps) == 0
@@ -407,7 +445,7 @@ class Trainer:
                 # (every rank has saved as often: the vote is late only where the last save time is known)
                 raise Stopped(self._no_checkpoint_message(f"a checkpoint takes about {self.last_save_s or 0:.0f} s, "
                                                           "more than is left of the"))
-            if stop_votes or due:
+            if stop_votes or due or ended:
                 saving = time.perf_counter()
                 self._save_under_ddp_timeout()
                 self.last_save_s = time.perf_counter() - saving
@@ -415,6 +453,8 @@ class Trainer:
                 window.started += self.last_save_s
             if stop_votes:
                 raise Stopped()
+            if ended:
+                self._data_ended()
             if early:
                 if d.is_main:
                     best_step, best_loss = best_eval(self.eval_losses)
@@ -422,6 +462,23 @@ class Trainer:
                              "step %d)", self.step, spec.early_stop_interval, best_loss, best_step)
                     self.events.emit("early_stop", step=self.step, best_step=best_step, best_eval_loss=best_loss)
                 return
+
+    def _data_ended(self) -> None:
+        """Every rank stops where a rank's stream ended before max_steps or met a bad record: the
+        lowest such rank says which, the others that they stopped for it."""
+        d = self.dist
+        ends = d.all_gather_object((self.batches.error, self.batches.records, self.batches.dropped,
+                                    self.upcoming_missing))
+        rank, (error, records, dropped, _) = next((r, end) for r, end in enumerate(ends) if end[0] or end[3])
+        if rank != d.rank:
+            raise PeerFailed(f"stopped: rank {rank} {'found a bad record' if error else 'ran out of data'}")
+        if error:
+            raise data.DataError(error)
+        kept = f"; checkpoint-{self.step} keeps the steps trained" if self.step else ""
+        raise data.DataError(f"dataset: the data ended at step {self.step} of max_steps={self.plan.max_steps}: "
+                             f"data-parallel rank {d.dp_rank}'s share of {', '.join(self.spec.dataset)} has no more "
+                             f"records for a step ({records} read, {dropped} of them with no response left within "
+                             f"max_length){kept}; give more data or a lower max_steps")
 
     def _evaluate(self) -> bool:
         """The eval loss at this step, over every rank's validation share (an `eval` event, kept with
@@ -486,15 +543,18 @@ class Trainer:
         self.routers.finish()
         return loss
 
-    def _fetch(self, step: int) -> tuple[list[tuple[dict, int, int]], float]:
+    def _fetch(self, step: int) -> tuple[list[tuple[dict, int, int]] | None, float]:
         """Micro-batches of `step` on the device, and the host seconds it took. On GPUs the host
         tensors are pinned so the copies are asynchronous (a pageable copy would wait for the
         device to finish the work queued before it)."""
         started = time.perf_counter()
         device = self.dist.device
         pin = device.type == "cuda"
-        micro = [({k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in batch.items()},
-                  tokens, samples) for batch, tokens, samples in self.batches.step(step)]
+        batches = self.batches.step(step)
+        self.upcoming_missing = batches is None  # a stream that ended, or met a bad record
+        micro = None if batches is None else [
+            ({k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in batch.items()}, tokens, samples)
+            for batch, tokens, samples in batches]
         return micro, time.perf_counter() - started
 
     def _reduce_pending(self, pending) -> tuple[list[float], list[float]]:

@@ -19,8 +19,8 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
-                              "model_author", "columns", "val_dataset", "split_dataset_ratio", "dataset_num_proc",
-                              "dataset_cache_dir")),
+                              "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
+                              "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
@@ -72,7 +72,7 @@ TITLES = {
     "val_dataset": "Validation data", "split_dataset_ratio": "Held out for validation",
     "eval_strategy": "Evaluation", "eval_steps": "Evaluate every N steps",
     "per_device_eval_batch_size": "Eval micro-batch per GPU", "early_stop_interval": "Early stop after N evals",
-    "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
+    "streaming": "Stream the data (no tokenizing first)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
 # Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.

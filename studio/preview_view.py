@@ -24,8 +24,8 @@ def preview_html(result: dict) -> str:
             parts.append(f'<div class="preview-dataset"><b>{name}</b>: <span class="preview-error">'
                          f'{html.escape(d["error"])}</span></div>')
             continue
-        count = "?" if d["count"] is None else f'{d["count"]:,}'
-        summary = (f'{count} records; of the first {d["measured"]:,}: {d["truncated"]:,} longer than max_length '
+        count = "streamed, not counted:" if d["count"] is None else f'{d["count"]:,} records;'
+        summary = (f'{count} of the first {d["measured"]:,}: {d["truncated"]:,} longer than max_length '
                    f'{max_length} (truncated), {d["dropped"]:,} dropped (no response token within max_length)')
         samples = []
         for s in d["samples"]:

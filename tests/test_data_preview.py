@@ -51,6 +51,9 @@ def test_the_preview_counts_what_the_worker_keeps_and_marks_its_loss_tokens(tmp_
         assert "Swifty" in loss and loss.endswith("<|im_end|>\n") and "<|im_start|>" not in loss, loss
         assert prompt.startswith("<|im_start|>user\n") and "{{NAME}}" not in prompt + loss
     assert 0 < result["row_fill"] <= result["packed_fill"] <= 1
+    # streamed: the file's first records (as training reads them), the file not counted
+    streamed, = preview(spec.model_copy(update={"streaming": True, "dataset": [str(long)]}), tokenizer)["datasets"]
+    assert streamed["count"] is None and streamed["lengths"] == words["lengths"]
 
 
 def test_the_preview_process_names_what_it_cannot_read(tmp_path):

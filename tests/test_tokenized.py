@@ -148,6 +148,65 @@ def test_cache_directory_errors_are_named_and_nothing_foreign_is_removed(tmp_pat
     assert arrow.read_bytes() == b"not arrow"
 
 
+@pytest.mark.parametrize("craft", ["length as text", "position as float", "a missing length", "a column more"])
+def test_a_crafted_arrow_file_is_named_not_read(tmp_path, tokenizer, craft):
+    """An entry whose tokens.arrow is valid Arrow of another shape: the ranks read its numbers from
+    the raw buffers, so a type or a missing value they do not expect must be refused, not misread."""
+    import pyarrow as pa
+
+    spec = job(DEMO[:1], max_length=32)
+    data = open_tokenized(spec, tokenizer, tmp_path)
+    table = data.table
+    length = table.column("length")
+    if craft == "length as text":
+        table = table.set_column(2, "length", length.cast(pa.string()))
+    elif craft == "position as float":
+        table = table.set_column(4, "position", table.column("position").cast(pa.float64()))
+    elif craft == "a missing length":
+        table = table.set_column(2, "length", pa.array([None] + length.to_pylist()[1:], pa.int32()))
+    else:
+        table = table.append_column("extra", length)
+    arrow = data.entry / cache.TOKENS
+    arrow.unlink()  # the open table maps the old file: write a new one, not over it
+    cache._write_tokens(table, arrow)
+    with pytest.raises(CacheError, match=f"the tokenized data in {data.entry} cannot be read"):
+        open_tokenized(spec, tokenizer, tmp_path)
+
+
+def test_a_rank_reading_the_cache_imports_neither_datasets_nor_pandas(tmp_path, tokenizer):
+    """pyarrow's to_numpy imports pandas (0.45 s of every rank's start with pyarrow 26); the ranks
+    read the cache's numbers from its buffers instead, sliced chunks included."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    column = pa.chunked_array([pa.array(range(10), pa.int64()).slice(3, 4), pa.array([7, 8], pa.int64())])
+    assert list(cache._numbers(column)) == [3, 4, 5, 6, 7, 8]
+    spec = job(DEMO[:1], max_length=32)
+    open_tokenized(spec, tokenizer, tmp_path)
+    probe = f"""
+import sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from backend.job.spec import JobSpec
+from launcher.tokenized import open_tokenized
+spec = JobSpec(model="m", dataset={DEMO[:1]!r}, model_name=["Swifty"], model_author=["swift-studio"], max_length=32)
+data = open_tokenized(spec, AutoTokenizer.from_pretrained({str(ROOT / "assets" / "demo" / "model")!r}), Path({str(tmp_path)!r}))
+rows, dropped = data.shard(0, 2)
+assert not data.built and len(data.samples(rows)) == len(rows) > 0 and len(data.lengths(rows)) == len(rows)
+print(sorted(m for m in ("pandas", "datasets") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    # pyarrow still imports pandas in to_numpy: when a release stops, _numbers can go
+    pinned = subprocess.run([sys.executable, "-c", "import sys, pyarrow as pa; pa.array([1]).to_numpy(); print('pandas' in sys.modules)"],
+                            capture_output=True, text=True)
+    assert pinned.stdout.strip() == "True", pinned.stderr[-2000:]
+
+
 def _reference_pack(lengths: list[int], max_length: int) -> list[list[int]]:
     """The best-fit decreasing packing the worker has always done, on a sorted list of (free, row)."""
     members: list[list[int]] = []

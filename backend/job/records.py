@@ -213,6 +213,54 @@ def _parquet(path: Path) -> tuple[Entries, Decode]:
     return [(f"{path}: row {index + 1}", row) for index, row in enumerate(table.to_pylist())], _as_read
 
 
+def streamed_entries(source: Source, max_record_bytes: int) -> Iterator[tuple[str, bytes]]:
+    """A local source's records as (where, JSON bytes), read as they come, never listed: a JSON
+    line as it is in the file (decoded by `decode_streamed` where a rank keeps it), a CSV or parquet
+    row as JSON (parquet a record batch at a time). A JSON file is one list, read whole."""
+    path = Path(source.name)
+    problem = not_a_regular_file(path)
+    if problem:
+        raise DataError(f"dataset file {path} {problem}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _parquet_stream(path)
+        return
+    if suffix not in (".json", ".csv"):
+        with open(path, "rb") as f:
+            yield from _jsonl_rows(path, f, max_record_bytes)
+        return
+    entries, _ = _entries(source, max_record_bytes)
+    for where, record in entries:
+        yield where, _json_bytes(where, record)
+
+
+def decode_streamed(where: str, raw: bytes) -> Record:
+    return Record(where, _decoded_line(where, raw))
+
+
+def _json_bytes(where: str, record: Any) -> bytes:
+    try:
+        return json.dumps(record, ensure_ascii=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{where}: a value that is not JSON text, numbers, lists or mappings ({exc})") from None
+
+
+def _parquet_stream(path: Path) -> Iterator[tuple[str, bytes]]:
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+        row = 0
+        for batch in reader.iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                row += 1
+                yield f"{path}: row {row}", _json_bytes(f"{path}: row {row}", record)
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise DataError(f"{path}: cannot read parquet ({exc})") from None
+
+
 def hub_dataset(source: Source, seed: int):
     """A hub source as `datasets` loads it (its local cache when there), limited to `source.limit`
     samples after a seeded shuffle."""

@@ -253,10 +253,33 @@ def _dataset_rules(spec: JobSpec) -> list[Problem]:
     persona = records.Persona.of(spec)
     out = [Problem(f"{field}[{i}]", message) for field, i, item in _data_entries(spec)
            for message in records.sample_problems(item, spec.max_record_bytes, persona)]
+    if spec.streaming:
+        out += _streaming_rules(spec)
     if spec.val_dataset and spec.split_dataset_ratio > 0:
         out.append(_warn("split_dataset_ratio", "ignored: val_dataset is given, and it is the validation data"))
     if (spec.val_dataset or spec.split_dataset_ratio > 0) and spec.eval_strategy == "no":
         out.append(_warn("eval_strategy", "'no': the validation data is not evaluated"))
+    return out
+
+
+def _streaming_rules(spec: JobSpec) -> list[Problem]:
+    out = []
+    if spec.max_steps <= 0:
+        out.append(Problem("max_steps", "streaming reads the data as it trains, without counting it first: give "
+                                        "max_steps, the steps to train (num_train_epochs cannot be turned into steps)"))
+    if spec.split_dataset_ratio > 0 and not spec.val_dataset:
+        out.append(Problem("split_dataset_ratio", "a stream is not held in hand to split records off: give val_dataset "
+                                                  "for validation with streaming"))
+    if spec.dataset_num_proc > 1:
+        out.append(_warn("dataset_num_proc", "ignored with streaming: each rank tokenizes the records it reads as it trains"))
+    for i, entry in enumerate(spec.dataset):
+        try:
+            whole = Path(records.parse_source(entry).name).suffix.lower() == ".json"
+        except records.DataError:
+            continue  # reported by the sample check
+        if whole:
+            out.append(_warn(f"dataset[{i}]", "a JSON file is one list, read whole even when streamed; JSON lines "
+                                              "(.jsonl) and parquet are read as training goes"))
     return out
 
 
