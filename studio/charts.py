@@ -444,6 +444,8 @@ def data_line(event: dict) -> str:
     """A worker's `data` event in words."""
     if event.get("phase") == "preparing":
         return f"tokenizing the dataset or waiting for its cache ({format_duration(event.get('elapsed_s') or 0)} so far)"
+    if event.get("streaming"):
+        return "data streamed: read and tokenized as the steps ask"
     how = "tokenized" if event.get("tokenized") else "read from the tokenized cache"
     return f"data {how} in {float(event.get('seconds') or 0):.1f} s"
 

@@ -199,6 +199,8 @@ def test_progress_bar_and_eta():
         None, None, None, "running", {"type": "data", "phase": "preparing", "elapsed_s": 125.0})
     assert "data read from the tokenized cache in 0.3 s" in progress_html(
         None, 100, None, "running", {"phase": "ready", "tokenized": False, "seconds": 0.31})
+    assert "data streamed: read and tokenized as the steps ask" in progress_html(
+        None, 100, None, "running", {"phase": "ready", "streaming": True})
     text = progress_html(30, 120, 95.0, "running")
     assert "step 30 / 120 (25%)" in text and "ETA 1m 35s" in text and "width:25.0%" in text
 
