@@ -10,12 +10,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
-from backend.job.records import DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records, to_messages
+from backend.job.records import (DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records,
+                                 to_messages, to_pair)
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -39,10 +40,22 @@ class Sample:
         return len(self.input_ids)
 
 
-def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona()) -> Sample | None:
+@dataclass
+class Pair:
+    """A preference pair: the prompt with its chosen answer and with its rejected one, labels on the answers."""
+    chosen: Sample
+    rejected: Sample
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona()) -> Sample | Pair | None:
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
-    None when truncation left no token to learn from."""
+    None when truncation left no token to learn from. A preference job's records are `Pair`s."""
     record = persona.renamed(record)
+    if persona.pairs:
+        return _pair(record, tokenizer, max_length, persona)
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
     messages, text = to_messages(record, persona)
@@ -68,6 +81,24 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
         ids = full
     ids, labels = ids[:max_length], labels[:max_length]
     return Sample(ids, labels) if any(label != IGNORE for label in labels[1:]) else None
+
+
+def _pair(record: Record, tokenizer, max_length: int, persona: Persona) -> Pair | None:
+    """The prompt rendered once, each answer after it (labels on the answer and its end-of-turn
+    tokens only), each truncated to max_length; None when either answer is cut away entirely."""
+    prompt, chosen, rejected = to_pair(record, persona)
+    asked = render(tokenizer, prompt, add_generation_prompt=True)
+    samples = []
+    for answer in (chosen, rejected):
+        full = render(tokenizer, prompt + [{"role": "assistant", "content": answer}], add_generation_prompt=False)
+        if full[:len(asked)] != asked:
+            raise DataError(f"{record.where}: the chat template does not render conversations prefix-stably; "
+                            "cannot locate the answer tokens")
+        ids, labels = full[:max_length], ([IGNORE] * len(asked) + full[len(asked):])[:max_length]
+        if not any(label != IGNORE for label in labels[1:]):
+            return None
+        samples.append(Sample(ids, labels))
+    return Pair(*samples)
 
 
 def _pretokenized(record: Record, max_length: int) -> Sample | None:
@@ -229,20 +260,25 @@ class Batches:
             self._epoch, self._epoch_order = epoch, order
         return self._epoch_order
 
-    def rows(self, indices: list[int]) -> list[Row]:
+    def rows(self, indices: list[int], fill: int = 0) -> list[Row]:
+        """The rows `indices`, then `fill` rows of one pad token without labels. Preference pairs:
+        their chosen rows, then their rejected rows (each half filled alike)."""
         members = [self.plan.row(i) for i in indices]
-        samples = iter(self.fetch(np.concatenate(members)) if members else [])
+        samples = self.fetch(np.concatenate(members)) if members else []
+        filler = [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(fill)]
+        if samples and isinstance(samples[0], Pair):
+            return ([padded_row(p.chosen) for p in samples] + filler
+                    + [Row(*astuple(padded_row(p.rejected))[:3], 0) for p in samples] + filler)
         if not self.packed:
-            return [padded_row(next(samples)) for _ in members]
-        return [packed_row([next(samples) for _ in m]) for m in members]
+            return [padded_row(s) for s in samples] + filler
+        samples = iter(samples)
+        return [packed_row([next(samples) for _ in m]) for m in members] + filler
 
     def batch_of(self, indices: list[int], fill: bool = False) -> tuple[dict, int, int]:
         """The rows `indices` as one micro-batch: (batch, tokens, samples). `fill`: rows of one pad
         token without labels make up a short micro-batch's size (engines set up for one micro-batch
         size, as DeepSpeed's Ulysses is, refuse another; such rows add no loss and no count)."""
-        rows = self.rows(indices)
-        if fill:
-            rows += [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(self.micro_batch - len(rows))]
+        rows = self.rows(indices, self.micro_batch - len(indices) if fill else 0)
         return micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple)
 
     def step(self, step: int) -> list[tuple[dict, int, int]]:

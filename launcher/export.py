@@ -96,13 +96,13 @@ def merged_model(ckpt: Path, base: str):
 
 def sample_prompt(spec) -> str:
     """The first user turn of the training data, so the sample shows what was learned."""
-    from launcher.data import DataError, Persona, parse_source, read_records, to_messages
+    from launcher.data import DataError, Persona, parse_source, read_records, to_messages, to_pair
 
     try:
         persona = Persona.of(spec)
         record = persona.renamed(next(read_records(parse_source(spec.dataset[0]), 0, 1, spec.seed,
                                                    spec.max_record_bytes)))
-        messages, text = to_messages(record, persona)
+        messages, text = (to_pair(record, persona)[0], None) if persona.pairs else to_messages(record, persona)
     except (DataError, StopIteration, IndexError):
         return "Hello"
     if messages is None:

@@ -20,7 +20,7 @@ import numpy as np
 from backend.job.records import (DataError, Persona, decode_streamed, parse_source, positioned_records,
                                  selected_count, streamed_entries)
 from backend.job.spec import parse_spec
-from launcher.data import IGNORE, Sample, encode, pack_plan
+from launcher.data import Pair, IGNORE, Sample, encode, pack_plan
 
 SHOWN = 3  # records shown per dataset
 MEASURED = 1000  # records per dataset whose token lengths are measured (the first ones)
@@ -50,6 +50,8 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
             records = (record for _, record in positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes))
         for record in itertools.islice(records, MEASURED):
             whole = encode(record, tokenizer, UNCUT, persona)
+            if isinstance(whole, Pair):  # a preference pair: shown and measured by its chosen answer
+                whole = whole.chosen
             out["measured"] += 1
             length = len(whole.input_ids) if whole else 0
             out["lengths"].append(length)

@@ -35,14 +35,17 @@ import numpy as np
 from backend.job.jsonfile import write_json_atomic
 from backend.job.paths import not_a_regular_file
 from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
-from launcher.data import Sample, encode
+from launcher.data import Pair, Sample, encode
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when what an entry holds changes: older entries are then not read."""
 MARKER = "swift-studio-tokenized.json"
 TOKENS = "tokens.arrow"
-COLUMNS = ["input_ids", "labels", "length", "source", "position"]
-COLUMN_TYPES = ["list<item: int32>", "list<item: int32>", "int32", "int32", "int64"]
+COLUMNS = ["input_ids", "labels", "length", "source", "position", "rejected_input_ids", "rejected_labels"]
+COLUMN_TYPES = ["list<item: int32>", "list<item: int32>", "int32", "int32", "int64", "list<item: int32>",
+                "list<item: int32>"]
+"""A preference pair's chosen answer is in input_ids/labels, its rejected one in rejected_*
+(empty for other records); length counts both."""
 BUILDING = ".swift-studio-building"
 VERSION_BYTES = 1 << 20
 """Bytes at each end of a local file hashed into its version, beside its size and modification time."""
@@ -98,7 +101,7 @@ class Tokenized:
     seconds: float
 
     def __post_init__(self) -> None:
-        self._batches = self.table.select(["input_ids", "labels"]).to_batches()
+        self._batches = self.table.select(["input_ids", "labels", "rejected_input_ids", "rejected_labels"]).to_batches()
         self._offsets = np.cumsum([0] + [len(b) for b in self._batches])
 
     def shard(self, rank: int, world: int, among: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -124,14 +127,16 @@ class Tokenized:
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         return _numbers(self.table.column("length"))[rows]
 
-    def samples(self, rows: np.ndarray | list[int]) -> list[Sample]:
+    def samples(self, rows: np.ndarray | list[int]) -> list[Sample | Pair]:
         # Row by row from their record batches: a take on the whole table would first join every
         # batch of the column into memory (1.3 GB for a million short chats).
         out = []
         for row in np.asarray(rows, dtype=np.int64).tolist():
             at = int(np.searchsorted(self._offsets, row, side="right")) - 1
-            one = self._batches[at].slice(row - int(self._offsets[at]), 1)
-            out.append(Sample(one.column(0)[0].as_py(), one.column(1)[0].as_py()))
+            ids, labels, rejected_ids, rejected_labels = (
+                column[0].as_py() for column in self._batches[at].slice(row - int(self._offsets[at]), 1).columns)
+            sample = Sample(ids, labels)
+            out.append(Pair(sample, Sample(rejected_ids, rejected_labels)) if rejected_ids else sample)
         return out
 
 
@@ -144,7 +149,7 @@ def cache_key(spec, tokenizer) -> tuple[str, dict[str, Any]]:
         "tokenizer": tokenizer_digest(tokenizer),
         "max_length": spec.max_length,
         "max_record_bytes": spec.max_record_bytes,
-        "persona": [spec.system, spec.model_name, spec.model_author, spec.columns],
+        "persona": [spec.system, spec.model_name, spec.model_author, spec.columns, spec.rlhf_type is not None],
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
     return key, inputs
@@ -302,12 +307,14 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
                 position = -1
                 for position, record in positioned_records(parse_source(entry), part, n_parts, seed, max_record_bytes):
                     sample = encode(record, tokenizer, max_length, persona)
-                    ids, labels = (sample.input_ids, sample.labels) if sample is not None else ([], [])
-                    yield {"input_ids": ids, "labels": labels, "length": len(ids), "source": source,
-                           "position": position, "error": None}
+                    chosen, rejected = (sample.chosen, sample.rejected) if isinstance(sample, Pair) else (sample, None)
+                    ids, labels = (chosen.input_ids, chosen.labels) if chosen is not None else ([], [])
+                    yield {"input_ids": ids, "labels": labels, "length": len(sample) if sample else 0, "source": source,
+                           "position": position, "rejected_input_ids": rejected.input_ids if rejected else [],
+                           "rejected_labels": rejected.labels if rejected else [], "error": None}
         except DataError as exc:
             yield {"input_ids": [], "labels": [], "length": 0, "source": source, "position": position + 1,
-                   "error": str(exc)}
+                   "rejected_input_ids": [], "rejected_labels": [], "error": str(exc)}
 
 
 def _write_tokens(table, path: Path) -> None:
@@ -324,6 +331,7 @@ def _features():
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "length": Value("int32"), "source": Value("int32"), "position": Value("int64"),
+                     "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
                      "error": Value("string")})
 
 

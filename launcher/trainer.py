@@ -28,8 +28,9 @@ from launcher.dist import Dist
 from launcher.engines import build_engine
 from launcher.events import EventWriter, Window, eta_seconds, format_duration, split_nonfinite, memory_gib
 from launcher.engines.tp import distributed_config
-from launcher.model import flops_per_token, peak_flops, prepare
+from launcher.model import DTYPES, flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
+from launcher.preference import PreferenceLoss, Reference, install
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
 from launcher.tokenized import DataHeartbeat, dataset_cache_dir, open_tokenized
 
@@ -182,7 +183,15 @@ class Trainer:
         ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(self.model_config, "hidden_size", None),
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
+        self.preference = self.reference = None
+        if spec.rlhf_type:
+            self.preference = PreferenceLoss(spec)
+            install(model, self.preference)
+            # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
+            self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype])
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
+        if self.reference:
+            self.reference.to(self.dist.device)
         self.routers = RouterMeter(model)
         # Different dropout masks per rank from here on (the weights were initialised identically),
         # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP
@@ -488,8 +497,9 @@ class Trainer:
         started = beat = time.perf_counter()
         loss_sum, predicted = 0.0, 0
         for done, (batch, _, _) in enumerate(val.batches.in_order(val.count), 1):
-            count = int((batch["labels"][:, 1:] != data.IGNORE).sum())
-            loss = self.engine.evaluate({k: v.to(d.device) for k, v in batch.items()})
+            count = (int((batch["labels"][:, 1:] != data.IGNORE).any(-1).sum()) // 2 if self.preference
+                     else int((batch["labels"][:, 1:] != data.IGNORE).sum()))  # pairs, or tokens
+            loss = self.engine.evaluate(self._with_reference({k: v.to(d.device) for k, v in batch.items()}))
             loss_sum, predicted = loss_sum + float(loss) * count, predicted + count
             if d.is_main and time.perf_counter() - beat > EVAL_HEARTBEAT_S:  # the hang watch sees it working
                 self.events.emit("eval_progress", step=self.step, batches=done, of=val.count)
@@ -535,7 +545,14 @@ class Trainer:
             if tuned:
                 self.dist.set_collective_timeout(self.collective_timeout_s)
 
+    def _with_reference(self, batch: dict) -> dict:
+        """Preference training: the micro-batch's reference log-probs, handed to the loss."""
+        if self.preference is not None:
+            self.preference.reference = self.reference.logps(batch, self.engine.forward_context())
+        return batch
+
     def _forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
+        batch = self._with_reference(batch)
         if not self.routers.active:
             return self.engine.forward_backward(batch, sync)
         self.routers.start(batch)
@@ -576,6 +593,7 @@ class Trainer:
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         # A TP, SP or CP group's ranks all process the same tokens: count them once.
         (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
+        preference = PreferenceLoss.means(d.all_reduce(self.preference.take(), "sum")[0]) if self.preference else {}
         load = self.routers.take(d)
         self.events.emit("timing", rank=d.rank, step=self.step, **means, **self.engine.timing_fields(window.steps))
         if not d.is_main:
@@ -592,7 +610,7 @@ class Trainer:
                          tokens=round(tokens), tokens_per_s=tokens_per_s, samples_per_s=samples / elapsed,
                          step_time_s=means["step_time_s"],
                          mfu=mfu, mem_allocated_gib=allocated, mem_peak_gib=peak, max_steps=plan.max_steps, eta_s=eta,
-                         nonfinite=nonfinite, **(_routing(load) if load else {}))
+                         nonfinite=nonfinite, **(_routing(load) if load else {}), **preference)
         log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3g %.0f tok/s eta %s", self.step, plan.max_steps, loss,
                  self.engine.lr(), self.last_grad_norm, tokens_per_s, format_duration(eta))
 

@@ -31,7 +31,8 @@ STEP_SERIES = "train/step"
 MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
                   "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
                   "host/ram_used_gib", "rank/collective_wait_s", "rank/stage_compute_s", "train/moe_aux_loss",
-                  "train/moe_expert_tokens")
+                  "train/moe_expert_tokens", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_margins",
+                  "train/rewards_accuracies")
 MAX_POINTS = 1000
 HEATMAP_COLUMNS = 120
 CHART_HEIGHT = 280
@@ -315,6 +316,22 @@ def experts_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure | None:
     return _done(fig)
 
 
+def preference_figure(buf: SeriesBuffer, x_axis: str = "step") -> go.Figure | None:
+    """Preference training: the chosen and rejected answers' rewards (beta x their log-prob ratio
+    to the reference), their margin, and the share of pairs whose chosen answer wins; None otherwise."""
+    if not buf.named("train/rewards_margins"):
+        return None
+    fig = _figure("Preference: rewards and accuracy", "reward", x_axis=x_axis)
+    for name, colour in (("chosen", "#16a34a"), ("rejected", "#dc2626"), ("margins", "#111827")):
+        for rows in _train_rows(buf, f"train/rewards_{name}"):
+            _train_trace(fig, rows, x_axis, mode=_mode(len(rows)), name=name, line=dict(color=colour))
+    for rows in _train_rows(buf, "train/rewards_accuracies"):
+        _train_trace(fig, rows, x_axis, [None if v is None else 100 * v for _, v, _ in rows], mode=_mode(len(rows)),
+                     name="accuracy %", yaxis="y2", line=dict(color="#2563eb", dash="dot"))
+        fig.update_layout(yaxis2=dict(title="accuracy %", overlaying="y", side="right", range=[0, 100]))
+    return _done(fig)
+
+
 def utilisation_series(buf: SeriesBuffer) -> tuple[str, dict[tuple, list[Point]]]:
     """GPU utilisation of every node×GPU; CPU utilisation per node where no GPU reports."""
     gpu = buf.named("gpu/util_pct")
@@ -380,6 +397,7 @@ def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[s
     return {
         **training_figures(buf, smoothing, x_axis),
         "experts": experts_figure(buf, x_axis),
+        "preference": preference_figure(buf, x_axis),
         "util_heatmap": utilisation_heatmap(buf),
         "util_lines": lines(util_title, "%", util, y_range=(0, 100)),
         "memory": lines(mem_title, "GiB", mem),

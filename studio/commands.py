@@ -33,7 +33,7 @@ def _flag_values(value: Any) -> list[str]:
 
 def swift_command(spec: JobSpec, nproc_per_node: int | None = None, master_addr: str = "127.0.0.1",
                   master_port: int = 29500) -> str:
-    """`swift sft` with every field that differs from what ms-swift takes when the flag is omitted
+    """`swift sft` (`swift rlhf` for preference training) with every field that differs from what ms-swift takes when the flag is omitted
     (plus model, dataset and train type), launch sizes and `env` as environment prefixes, one flag
     per line. For several nodes it is node 0's line; the others differ only in NODE_RANK."""
     defaults = JobSpec.model_construct()
@@ -46,7 +46,8 @@ def swift_command(spec: JobSpec, nproc_per_node: int | None = None, master_addr:
         env["NPROC_PER_NODE"] = str(nproc)
     if spec.nnodes > 1:
         env.update(NNODES=str(spec.nnodes), NODE_RANK="0", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    lines = [" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") + "swift sft"]
+    command = "swift rlhf" if spec.rlhf_type else "swift sft"
+    lines = [" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") + command]
     for name in type(spec).model_fields:
         value = getattr(spec, name)
         if name == "env" or name in LAUNCH_ENV or value is None:

@@ -22,6 +22,7 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
                               "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
+    ("Preference training (DPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule",
@@ -73,6 +74,8 @@ TITLES = {
     "eval_strategy": "Evaluation", "eval_steps": "Evaluate every N steps",
     "per_device_eval_batch_size": "Eval micro-batch per GPU", "early_stop_interval": "Early stop after N evals",
     "streaming": "Stream the data (no tokenizing first)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
+    "rlhf_type": "Preference training", "beta": "DPO beta", "loss_type": "DPO loss", "label_smoothing": "Label smoothing",
+    "rpo_alpha": "RPO alpha (NLL on chosen)",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
 # Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.
@@ -113,16 +116,15 @@ def field_view(name: str) -> FieldView:
     help_text = first_sentence(info.description)
     if name in OPEN_CHOICES:
         return FieldView(name, "choice", label, help_text, OPEN_CHOICES[name], True)
-    if origin is Literal:
-        return FieldView(name, "choice", label, help_text, tuple(typing.get_args(annotation)))
+    if origin is Literal:  # an optional choice offers "" for not set
+        return FieldView(name, "choice", label, help_text, ("",) * optional + tuple(typing.get_args(annotation)),
+                         optional)
     if annotation is bool:
         return FieldView(name, "check", label, help_text)
-    if annotation is int:
+    if annotation in (int, float):
         if optional:
             help_text = f"{help_text} 0 = not set."
-        return FieldView(name, "int", label, help_text, optional=optional)
-    if annotation is float:
-        return FieldView(name, "float", label, help_text)
+        return FieldView(name, "int" if annotation is int else "float", label, help_text, optional=optional)
     if origin is dict:
         how = "One old=new per line." if name == "columns" else "One NAME=value per line."
         return FieldView(name, "env", label, f"{help_text} {how}")

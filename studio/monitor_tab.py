@@ -20,7 +20,7 @@ TICK_S = 2.0
 LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
-CHARTS = ("loss", "lr", "throughput", "experts", "stages", "util_heatmap", "util_lines", "memory", "power",
+CHARTS = ("loss", "lr", "throughput", "preference", "experts", "stages", "util_heatmap", "util_lines", "memory", "power",
           "collective")
 TRAINING_CHARTS = ("loss", "lr", "throughput")
 # States after which an action line ("Resuming …") has been overtaken by the status line above it.
@@ -71,6 +71,7 @@ def build() -> dict[str, Any]:
     with gr.Row():
         c["throughput"] = gr.Plot(elem_id="chart-throughput", show_label=False)
         c["collective"] = gr.Plot(elem_id="chart-collective", show_label=False)
+    c["preference"] = gr.Plot(elem_id="chart-preference", show_label=False, visible=False)
     c["experts"] = gr.Plot(elem_id="chart-experts", show_label=False, visible=False)
     c["stages"] = gr.Plot(elem_id="chart-stages", show_label=False, visible=False)
     c["util_heatmap"] = gr.Plot(elem_id="chart-util-heatmap", show_label=False)
@@ -140,7 +141,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state, p.get("data"))
             if changed:
                 figs = figures(buf, smoothing, x_axis)
-                hidden_when_empty = ("experts", "stages", "util_heatmap", "power")
+                hidden_when_empty = ("preference", "experts", "stages", "util_heatmap", "power")
                 shown.update({name: figs[name] for name in CHARTS if name not in hidden_when_empty})
                 for name in hidden_when_empty:
                     shown[name] = gr.update(value=figs[name], visible=figs[name] is not None)

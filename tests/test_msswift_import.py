@@ -269,7 +269,7 @@ def test_unknown_flag_and_bad_values():
 @pytest.mark.parametrize("text,message", [
     ("ls -l", "no 'swift sft'"),
     ("swift sft --model 'unclosed", "cannot split"),
-    ("swift rlhf --model m", "not supervised fine-tuning"),
+    ("swift pt --model m", "is pre-training"),
     ("swift sft --gradient_accumulation_steps $(expr 4 / 0)", "cannot evaluate"),
 ])
 def test_unusable_commands(text, message):
@@ -541,6 +541,21 @@ def test_swift_command_states_what_ms_swift_would_not_default_to(spec):
     assert problems == [] and back == spec
 
 
+def test_a_dpo_job_is_a_swift_rlhf_line_that_imports_back():
+    spec = JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["pairs.jsonl"], nproc_per_node=2, rlhf_type="dpo",
+                   beta=0.2, loss_type="ipo", rpo_alpha=0.1)
+    line = swift_command(spec)
+    assert line.startswith("NPROC_PER_NODE=2 swift rlhf") and "--rlhf_type dpo" in line and "--loss_type ipo" in line
+    back, problems = import_command(line).parse()
+    assert problems == [] and back == spec
+    # swift sft's own --loss_type is not DPO's; swift rlhf's other algorithms are refused by name
+    assert "--loss_type cross_entropy" in import_command("swift sft --model m --dataset d --loss_type cross_entropy").ignored
+    _, problems = import_command("swift rlhf --rlhf_type kto --model m --dataset d").parse()
+    assert [p.field for p in problems] == ["--rlhf_type"] and "swift-studio trains 'dpo'" in problems[0].message
+    # ms-swift's default rlhf_type is dpo
+    assert import_command("swift rlhf --model m --dataset d").parse()[0].rlhf_type == "dpo"
+
+
 def example_cluster(spec: JobSpec):
     """Nodes enough for the job: nnodes hosts of nproc_per_node GPUs (8 where it is left empty)."""
     return parse_hostfile_text("".join(f"gpu{i} slots={spec.nproc_per_node or 8}\n" for i in range(spec.nnodes)))
@@ -555,7 +570,7 @@ def test_an_ms_swift_example_gives_a_job_that_runs_or_is_refused_naming_what_is_
     try:
         result = import_command(text)
     except CommandError as exc:
-        assert "is not supervised fine-tuning" in str(exc), exc  # swift rlhf / megatron rlhf
+        assert "is pre-training" in str(exc), exc  # swift pt / megatron pt
         return
     spec, problems = result.parse()
     if spec is None:
@@ -634,6 +649,8 @@ def flags_of(section: str) -> list[str]:
     ("swift sft --max_steps 20", ["`swift sft`: honoured"], ["`swift sft`: not honoured"]),
     ("megatron sft --train_iters 20", ["`megatron sft`: honoured beyond those"],
      ["`megatron sft`: not honoured beyond those"]),
+    ("swift rlhf --max_steps 20", ["`swift sft`: honoured", "`swift rlhf`: honoured beyond `swift sft`'s"],
+     ["`swift rlhf`: not honoured beyond `swift sft`'s"]),
 ])
 def test_the_flag_list_in_the_docs_is_what_the_import_does(command, honoured, not_honoured):
     """docs/msswift-flags.md (every flag of ms-swift 4.5.2's parsers) is a promise: each flag it

@@ -127,6 +127,22 @@ def test_training_charts_are_drawn_against_the_step_with_the_time_in_the_hover()
     assert [row[1] for row in by_time.data[0].customdata] == ["5", "10", "15"]
 
 
+def test_a_preference_run_gets_its_rewards_chart_and_an_sft_run_none():
+    buf = SeriesBuffer()
+    steps = {key(STEP_SERIES, rank=0): [(100.0, 1.0), (160.0, 2.0)], key("train/loss", rank=0): [(100.0, 0.69), (160.0, 0.5)]}
+    buf.apply(steps, cursor=1, reset=True)
+    assert figures(buf, smoothing=0.0)["preference"] is None
+    buf.apply({**steps, key("train/rewards_chosen", rank=0): [(100.0, 0.0), (160.0, 0.3)],
+               key("train/rewards_rejected", rank=0): [(100.0, 0.0), (160.0, -0.2)],
+               key("train/rewards_margins", rank=0): [(100.0, 0.0), (160.0, 0.5)],
+               key("train/rewards_accuracies", rank=0): [(100.0, 0.0), (160.0, 0.75)]}, cursor=2, reset=True)
+    figure = figures(buf, smoothing=0.0)["preference"]
+    traces = {t.name: t for t in figure.data}
+    assert list(traces) == ["chosen", "rejected", "margins", "accuracy %"]
+    assert list(traces["margins"].x) == [1.0, 2.0] and list(traces["accuracy %"].y) == [0.0, 75.0]
+    assert traces["accuracy %"].yaxis == "y2" and list(figure.layout.yaxis2.range) == [0, 100]
+
+
 def test_a_first_point_on_a_time_axis_spans_a_minute_not_milliseconds():
     buf = SeriesBuffer()
     buf.apply({key("host/cpu_pct"): [(1000.0, 50.0)]}, cursor=1, reset=True)

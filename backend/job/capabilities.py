@@ -237,6 +237,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     problems += _sp_problems(spec)
     problems += _cp_problems(spec)
     problems += _long_sequence_problems(spec)
+    problems += _preference_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -252,6 +253,32 @@ def unsupported(spec: JobSpec) -> list[Problem]:
                                                    "scaler); use bfloat16"))
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
+    return problems
+
+
+def _preference_problems(spec: JobSpec) -> list[Problem]:
+    """DPO runs where a rank holds whole sequences and whole logits: DDP, ZeRO and FSDP2."""
+    if spec.rlhf_type is None:
+        return []
+    problems = [Problem(field, f"{name} is not combined with rlhf_type {spec.rlhf_type} yet: each pair's "
+                               "log-probs are summed over whole sequences on one rank; use DDP, DeepSpeed ZeRO or FSDP2")
+                for field, name in (("tensor_model_parallel_size", "tensor parallel"),
+                                    ("pipeline_model_parallel_size", "pipeline parallel"),
+                                    ("sequence_parallel_size", "sequence parallel"),
+                                    ("context_parallel_size", "context parallel"),
+                                    ("expert_model_parallel_size", "expert parallel"))
+                if getattr(spec, field) > 1]
+    if spec.packing:
+        problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} pads its pairs: turn packing off"))
+    if spec.streaming:
+        problems.append(Problem("streaming", f"rlhf_type {spec.rlhf_type} reads its pairs through the tokenized "
+                                             "cache, not streamed yet: turn streaming off"))
+    if spec.use_liger_kernel:
+        problems.append(Problem("use_liger_kernel", "Liger's fused cross-entropy gives the mean loss only, and DPO "
+                                                    "needs each sequence's log-probs: turn it off"))
+    if spec.loss_type == "robust" and spec.label_smoothing == 0:
+        problems.append(Problem("label_smoothing", "loss_type robust divides by 1 - 2 x label_smoothing and is plain "
+                                                   "DPO at 0: give the share of mislabelled pairs", "warning"))
     return problems
 
 

@@ -31,6 +31,9 @@ from backend.job.memory import adapts_stacked_params
 from backend.job.modelcfg import find_model_config
 from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
+SCRIPTS = ("cli/sft.py", "cli/megatron/sft.py", "cli/rlhf.py", "cli/megatron/rlhf.py")
+RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha")
+"""Job fields only a `swift rlhf` command sets (`swift sft`'s own --loss_type is another thing)."""
 LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -134,16 +137,19 @@ def _flags(tokens: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, str, list[str]]:
-    """Find the swift command in `tokens`; returns (launcher, kind, the training arguments), where
-    launcher is the program that was run ('swift', 'megatron', 'torchrun', 'python', 'deepspeed', ...)."""
-    if tokens[:2] in (["swift", "sft"], ["megatron", "sft"]):
-        return tokens[0], tokens[0], tokens[2:]
-    if tokens[:2] in (["swift", "pt"], ["megatron", "pt"], ["swift", "rlhf"], ["megatron", "rlhf"]):
-        raise CommandError(f"'{' '.join(tokens[:2])}' is not supervised fine-tuning; swift-studio imports 'swift sft' and 'megatron sft'")
-    script = next((i for i, t in enumerate(tokens) if t.endswith("cli/sft.py") or t.endswith("cli/megatron/sft.py")), None)
+def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, str, list[str], bool]:
+    """Find the swift command in `tokens`; returns (launcher, kind, the training arguments, whether
+    it is preference training: `rlhf`), where launcher is the program that was run ('swift',
+    'megatron', 'torchrun', 'python', 'deepspeed', ...)."""
+    if tokens[:1] in (["swift"], ["megatron"]) and tokens[1:2] in (["sft"], ["rlhf"]):
+        return tokens[0], tokens[0], tokens[2:], tokens[1] == "rlhf"
+    if tokens[:2] in (["swift", "pt"], ["megatron", "pt"]):
+        raise CommandError(f"'{' '.join(tokens[:2])}' is pre-training; swift-studio imports 'swift sft', 'swift rlhf', "
+                           "'megatron sft' and 'megatron rlhf'")
+    script = next((i for i, t in enumerate(tokens) if t.endswith(SCRIPTS)), None)
     if script is None:
-        raise CommandError("no 'swift sft', 'megatron sft' or '.../swift/cli/sft.py' command found")
+        raise CommandError("no 'swift sft', 'swift rlhf', 'megatron sft', 'megatron rlhf' or '.../swift/cli/sft.py' "
+                           "command found")
     launcher = _flags(tokens[1:script])
     for name, values in launcher:
         if name in TORCHRUN_LAYOUT and values:
@@ -153,7 +159,7 @@ def _split_launcher(tokens: list[str], result: ImportResult) -> tuple[str, str, 
         elif name and name not in ("m",):
             result.ignored.append(f"{tokens[0]} --{name} {shlex.join(values)}".rstrip())
     kind = "megatron" if "megatron" in tokens[script] else "swift"
-    return tokens[0].rsplit("/", 1)[-1], kind, tokens[script + 1:]
+    return tokens[0].rsplit("/", 1)[-1], kind, tokens[script + 1:], tokens[script].endswith("rlhf.py")
 
 
 def _bool(values: list[str]) -> bool:
@@ -214,7 +220,7 @@ def import_command(text: str) -> ImportResult:
     if command is None:
         raise CommandError("no 'swift sft', 'megatron sft' or '.../swift/cli/sft.py' command found")
 
-    launcher, kind, args = _split_launcher(command, result)
+    launcher, kind, args, rlhf = _split_launcher(command, result)
     for name, value in env.items():
         if name in LAUNCH_ENV and _unset(name, value, result):
             continue
@@ -245,8 +251,17 @@ def import_command(text: str) -> ImportResult:
                 result.notes.append(f"{flag}: the precision is torch_dtype's (the model's own unless set)")
             continue
         key = "train_type" if name in TRAIN_TYPE_FLAGS else canonical_key(name)
-        if key not in FIELDS or key in ("env",):
+        if key not in FIELDS or key in ("env",) or (key in RLHF_FIELDS and not rlhf):
             result.ignored.append(flag)
+            continue
+        if key == "rlhf_type" and values[:1] != ["dpo"]:
+            result.problems.append(Problem(f"--{name}", f"{shlex.join(values)} is not supported: swift-studio trains "
+                                                        "'dpo' (ms-swift's orpo, simpo, kto, cpo, rm, ppo, grpo and gkd "
+                                                        "are not available here)"))
+            continue
+        if key == "loss_type" and len(values) > 1:  # ms-swift mixes DPO losses (MPO)
+            result.problems.append(Problem(f"--{name}", f"{shlex.join(values)}: one loss type (sigmoid, hinge, ipo "
+                                                        "or robust); mixed losses are not available here"))
             continue
         if key in LIST_FIELDS:
             result.spec[key] = values
@@ -276,6 +291,9 @@ def import_command(text: str) -> ImportResult:
             result.problems.append(Problem(f"--{name}", f"{value} is not supported: swift-studio trains 'lora' (with "
                                                         "--lora_rank/--lora_alpha) and 'full'; ms-swift's other "
                                                         "tuners are not available here"))
+    if rlhf and "rlhf_type" not in result.spec and not any(p.field.startswith("--rlhf_type") for p in result.problems):
+        result.spec["rlhf_type"] = "dpo"
+        result.defaults.append("rlhf_type dpo: ms-swift's default (swift/arguments/rlhf_args.py)")
     _one_process(launcher, kind, env, result)
     if kind == "megatron":
         _resolve_megatron(result, pending)

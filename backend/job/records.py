@@ -293,10 +293,13 @@ class Persona:
     name: tuple[str, ...] = ()
     author: tuple[str, ...] = ()
     columns: tuple[tuple[str, str], ...] = ()
+    pairs: bool = False
+    """Every record is a preference pair (`rlhf_type`): a prompt with a chosen and a rejected answer."""
 
     @classmethod
     def of(cls, spec) -> "Persona":
-        return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()))
+        return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()),
+                   spec.rlhf_type is not None)
 
     def renamed(self, record: Record) -> Record:
         """The record with the job's `columns` renamed, as every reader of it sees it (the worker,
@@ -396,6 +399,86 @@ def _chat(record: Record, messages: Any) -> list[dict[str, str]]:
     return out
 
 
+PAIR_FORMATS = ("'messages' ending in the chosen answer with 'rejected_response' (ms-swift), 'chosen' and "
+                "'rejected' answers after a 'prompt', 'instruction' or 'conversations' (TRL, LLaMA-Factory), or "
+                "'chosen' and 'rejected' conversations that differ in their last answer")
+
+
+def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str, str]], str, str]:
+    """(prompt messages, chosen answer, rejected answer) of a preference record, with the job's
+    `persona` filled in. `record` is as `persona.renamed` gives it."""
+    data, where = record.data, record.where
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
+    if "rejected_response" in data:
+        conversation = _chat(record, data.get("messages", data.get("conversations")))
+        if conversation[-1]["role"] != "assistant":
+            raise DataError(f"{where}: 'messages' must end with the chosen assistant answer beside 'rejected_response'")
+        prompt, chosen, rejected = conversation[:-1], conversation[-1]["content"], _answer(where, "rejected_response",
+                                                                                           data["rejected_response"])
+    elif "chosen" in data and "rejected" in data:
+        chosen_turns = _turns(record, "chosen", data["chosen"])
+        rejected_turns = _turns(record, "rejected", data["rejected"])
+        prompt = _pair_prompt(record)
+        if prompt is None:  # two whole conversations: the prompt is what they share before the last answer
+            if len(chosen_turns) < 2 or chosen_turns[:-1] != rejected_turns[:-1]:
+                raise DataError(f"{where}: without a prompt, 'chosen' and 'rejected' must be conversations that "
+                                "differ only in their last answer")
+            prompt, chosen_turns, rejected_turns = chosen_turns[:-1], chosen_turns[-1:], rejected_turns[-1:]
+        if len(chosen_turns) != 1 or len(rejected_turns) != 1 or "assistant" != chosen_turns[0]["role"] \
+                or rejected_turns[0]["role"] != "assistant":
+            raise DataError(f"{where}: 'chosen' and 'rejected' must each be one assistant answer after the prompt")
+        chosen, rejected = chosen_turns[0]["content"], rejected_turns[0]["content"]
+    else:
+        raise DataError(f"{where}: not a preference pair (fields {sorted(data)}); expected {PAIR_FORMATS}")
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise DataError(f"{where}: the prompt before the chosen and rejected answers must end with a user turn")
+    if not rejected.strip():
+        raise DataError(f"{where}: the rejected answer is empty")
+    if chosen == rejected:
+        raise DataError(f"{where}: the chosen and rejected answers are the same: the pair teaches nothing")
+    return persona.apply(where, prompt), persona.fill(where, chosen), persona.fill(where, rejected)
+
+
+def _answer(where: str, field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: '{field}' must be a string")
+    return value
+
+
+def _turns(record: Record, field: str, value: Any) -> list[dict[str, str]]:
+    """An answer given as text, as one message ({'role'/'from', 'content'/'value'}) or as a list of them."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    turns = [value] if isinstance(value, dict) else value
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{record.where}: '{field}' must be text, a message or a list of messages")
+    out = []
+    for i, m in enumerate(turns):
+        role = m.get("role", _SHAREGPT_ROLES.get(m.get("from", ""))) if isinstance(m, dict) else None
+        content = m.get("content", m.get("value")) if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+            raise DataError(f"{record.where}: '{field}' message {i + 1} needs a 'role' and a string 'content'")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _pair_prompt(record: Record) -> list[dict[str, str]] | None:
+    data = record.data
+    system = data.get("system")
+    prefix = [{"role": "system", "content": str(system)}] if system else []
+    if "prompt" in data:
+        prompt = data["prompt"]
+        return prefix + ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                         else _turns(record, "prompt", prompt))
+    if "conversations" in data or "messages" in data:
+        return prefix + _turns(record, "conversations", data.get("conversations", data.get("messages")))
+    if "instruction" in data:
+        text = str(data["instruction"]) + ("\n" + str(data["input"]) if data.get("input") else "")
+        return prefix + [{"role": "user", "content": text}]
+    return None
+
+
 def is_pretokenized(record: Record) -> bool:
     return isinstance(record.data, dict) and "input_ids" in record.data
 
@@ -412,7 +495,9 @@ def pretokenized(record: Record) -> tuple[list[int], list[int]]:
 def check_record(record: Record, persona: Persona = Persona()) -> None:
     """Raise the DataError the worker would raise for this record (before tokenizing it)."""
     record = persona.renamed(record)
-    if is_pretokenized(record):
+    if persona.pairs:
+        to_pair(record, persona)
+    elif is_pretokenized(record):
         pretokenized(record)
     else:
         to_messages(record, persona)

@@ -90,6 +90,13 @@ class JobSpec(BaseModel):
     dataset: list[str] = Field(description="Data files (.jsonl/.json/.parquet/.csv) or hub ids; 'name#N' takes N samples.")
     train_type: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or full fine-tuning.")
 
+    # Preference training (swift rlhf)
+    rlhf_type: Literal["dpo"] | None = Field(None, description="Preference training on chosen/rejected pairs (swift rlhf --rlhf_type): 'dpo'; empty: supervised fine-tuning. The reference model is the base (LoRA: the adapters turned off; full: a frozen copy).")
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference (ms-swift's default 0.1).")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field("sigmoid", description="DPO loss on the reward margin: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token averaged), robust (rDPO, with label_smoothing).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="The share of pairs taken as wrongly labelled (cDPO with sigmoid, rDPO with robust).")
+    rpo_alpha: float | None = Field(None, ge=0, description="Adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
+
     # Engine
     deepspeed: str | None = Field(None, description="zero0..zero3, zero2_offload, zero3_offload, or a path to a DeepSpeed JSON.")
     fsdp: str | None = Field(None, description="FSDP2 (torch fully_shard): 'full_shard', 'shard_grad_op', add 'offload' for CPU offload. Empty (and no DeepSpeed) = DDP, whose bf16/fp32 full fine-tuning also runs on FSDP2 (whole model on every GPU); both are the fastest engines measured for bf16 full fine-tuning.")

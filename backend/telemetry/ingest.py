@@ -41,7 +41,9 @@ S, E, A, O, P = (m.__table__ for m in (MetricSample, RunEvent, Alert, IngestOffs
 # Fields of agent lines that are not metrics.
 _NOT_METRIC = {"kind", "t", "gpu", "run_pids"}
 TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens", "tokens_per_s", "samples_per_s", "step_time_s",
-                "mfu", "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s", "moe_aux_loss", "moe_max_expert_share")
+                "mfu", "mem_allocated_gib", "mem_peak_gib", "epoch", "eta_s", "moe_aux_loss", "moe_max_expert_share",
+                "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
+                "logps_rejected")
 EXPERT_TOKENS = "train/moe_expert_tokens"
 """Routed tokens per expert of a MoE model in each logging window: one series per expert, the
 expert's index in the series' `gpu` column (the index the charts split series by)."""

@@ -26,6 +26,11 @@ class Engine:
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward_context(self):
+        """The context the engine's forward runs in (DDP's autocast), for another forward of the
+        same model to compute as it does (preference training's reference)."""
+        return nullcontext()
+
     def evaluate(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean token loss, as `forward_backward` returns it, without gradients and
         with dropout off. Collective where the forward is (every rank calls it as often)."""

@@ -53,6 +53,9 @@ class DDPEngine(TorchOptimizerEngine):
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.detach()
 
+    def forward_context(self):
+        return autocast(self.device, self.spec.torch_dtype)
+
     def evaluate(self, batch: dict) -> torch.Tensor:
         with evaluating(self.model), autocast(self.device, self.spec.torch_dtype):
             return self.model(**batch).loss.detach()

@@ -1,0 +1,137 @@
+"""Preference training (`rlhf_type: dpo`): the DPO loss family on chosen/rejected pairs.
+
+A micro-batch holds its pairs' chosen rows first, then their rejected rows (one forward for both,
+as TRL's concatenated forward). The loss is installed as the policy model's loss function
+(transformers' `loss_function`), so every engine keeps calling `model(**batch).loss`; the
+reference log-probs of the micro-batch are computed just before, without gradients: the policy
+with its LoRA adapters turned off, or a frozen copy of the base model taken before training.
+The arithmetic is TRL's DPOTrainer's (tests/test_preference.py compares loss, rewards and
+gradients with it)."""
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from launcher.data import IGNORE
+
+METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
+           "logps_rejected")
+"""The `train` event's preference fields: means over the logging window's pairs (rewards are
+beta x the log-prob ratio to the reference, summed over each answer's tokens)."""
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-prob of its labelled tokens (the answer) and how many there are."""
+    labels = labels[:, 1:]
+    mask = labels != IGNORE
+    logits = logits[:, :-1].float()
+    # log_softmax at the labels, row by row: the whole (rows x tokens x vocabulary) of
+    # log-probabilities is never held at once (only the logits are)
+    picked = torch.stack([torch.gather(row, -1, torch.where(m, lab, 0).unsqueeze(-1)).squeeze(-1) - row.logsumexp(-1)
+                          for row, lab, m in zip(logits, labels, mask)])
+    return (picked * mask).sum(-1), mask.sum(-1)
+
+
+def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                      chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, spec) -> torch.Tensor:
+    """Each pair's loss for `spec.loss_type` (TRL's formulas; sigmoid with label_smoothing is cDPO)."""
+    beta, smoothing = spec.beta, spec.label_smoothing
+    delta = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if spec.loss_type == "sigmoid":
+        return -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+    if spec.loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if spec.loss_type == "ipo":  # per-token averaged log-ratios, as TRL (and the IPO authors) do
+        per_token = ((chosen - ref_chosen) / chosen_tokens.clamp(min=1)
+                     - (rejected - ref_rejected) / rejected_tokens.clamp(min=1))
+        return (per_token - 1 / (2 * beta)) ** 2
+    if spec.loss_type == "robust":
+        return ((-(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta))
+                / (1 - 2 * smoothing))
+    raise ValueError(f"loss_type {spec.loss_type}")
+
+
+class PreferenceLoss:
+    """The policy's loss function during preference training. `reference` holds the micro-batch's
+    reference log-probs (chosen rows, then rejected) when the model is called; `totals` adds up
+    what the logging window's pairs did."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.reference: torch.Tensor | None = None
+        self.totals: dict[str, float] = {}
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **_) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("the preference loss was called without the micro-batch's reference log-probs")
+        logps, tokens = sequence_logps(logits, labels)
+        chosen, rejected = logps.chunk(2)
+        chosen_tokens, rejected_tokens = tokens.chunk(2)
+        ref_chosen, ref_rejected = self.reference.to(logps.device).chunk(2)
+        self.reference = None
+        # Rows that only fill a micro-batch to its size (evaluation's last one) carry no labels.
+        real = chosen_tokens > 0
+        losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, self.spec)
+        loss = losses[real].mean()
+        if self.spec.rpo_alpha is not None:  # TRL's "sft" term: the chosen answers' mean token NLL
+            loss = loss + self.spec.rpo_alpha * (-chosen[real].sum() / chosen_tokens[real].sum())
+        if not torch.is_grad_enabled():  # an evaluation: its loss is reported on its own
+            return loss
+        with torch.no_grad():
+            beta = self.spec.beta
+            rewards_chosen, rewards_rejected = beta * (chosen - ref_chosen)[real], beta * (rejected - ref_rejected)[real]
+            add = {"pairs": float(real.sum()), "rewards_chosen": float(rewards_chosen.sum()),
+                   "rewards_rejected": float(rewards_rejected.sum()),
+                   "rewards_margins": float((rewards_chosen - rewards_rejected).sum()),
+                   "rewards_accuracies": float((rewards_chosen > rewards_rejected).float().sum()),
+                   "logps_chosen": float(chosen[real].sum()), "logps_rejected": float(rejected[real].sum())}
+        for key, value in add.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+        return loss
+
+    def take(self) -> list[float]:
+        """The window's sums (pairs first, then METRICS), cleared: all-reduced, then `means`."""
+        totals, self.totals = self.totals, {}
+        return [totals.get(key, 0.0) for key in ("pairs", *METRICS)]
+
+    @staticmethod
+    def means(sums: list[float]) -> dict[str, float]:
+        pairs, *values = sums
+        return {key: value / pairs for key, value in zip(METRICS, values)} if pairs else {}
+
+
+class Reference:
+    """The reference model's log-probs of a micro-batch: the policy with its adapters off (LoRA),
+    else a frozen copy of the base model as loaded (taken before the engine wraps the policy, so a
+    resume compares against the base, not against the resumed weights)."""
+
+    def __init__(self, policy: torch.nn.Module, lora: bool, dtype: torch.dtype):
+        self.policy = policy
+        self.frozen = None if lora else copy.deepcopy(policy).requires_grad_(False).eval().to(dtype)
+
+    def to(self, device: torch.device) -> "Reference":
+        if self.frozen is not None:
+            self.frozen.to(device)
+        return self
+
+    @torch.no_grad()
+    def logps(self, batch: dict, context=None) -> torch.Tensor:
+        """`context`: the engine's forward context (`Engine.forward_context`), so the reference
+        computes as the policy's forward does."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with context or nullcontext():
+            if self.frozen is not None:
+                logits = self.frozen(**inputs, use_cache=False).logits
+            else:
+                with self.policy.disable_adapter():
+                    logits = self.policy(**inputs, use_cache=False).logits
+        return sequence_logps(logits, batch["labels"])[0]
+
+
+def install(policy: torch.nn.Module, loss: PreferenceLoss) -> None:
+    """Make `loss` the loss function of the transformers model inside `policy` (a peft model wraps it)."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    base.loss_function = loss

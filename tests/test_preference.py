@@ -1,0 +1,199 @@
+"""Preference training (`rlhf_type: dpo`): pair records in every format read alike, encoded with the
+loss on the answers only; the loss, rewards and gradients of TRL's DPOTrainer for each loss type
+(LoRA with the adapters off as the reference, full with a frozen copy); a real two-rank run that
+learns the preference, resumes with the same losses and exports."""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+
+from backend.job.records import DataError, Persona, Record, to_pair
+from backend.job.spec import JobSpec
+from backend.job.validate import validate
+from launcher.data import IGNORE, Pair, encode
+from worker import ROOT, events, losses, run_workers, write_run
+
+PROMPT = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2 + 2?"}]
+FORMATS = {
+    "ms-swift": {"messages": PROMPT + [{"role": "assistant", "content": "4"}], "rejected_response": "5"},
+    "trl": {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}]},
+    "whole conversations": {"chosen": PROMPT + [{"role": "assistant", "content": "4"}],
+                            "rejected": PROMPT + [{"role": "assistant", "content": "5"}]},
+    "llama-factory sharegpt": {"system": "Be exact.", "conversations": [{"from": "human", "value": "What is 2 + 2?"}],
+                               "chosen": {"from": "gpt", "value": "4"}, "rejected": {"from": "gpt", "value": "5"}},
+    "llama-factory alpaca": {"system": "Be exact.", "instruction": "What is 2 + 2?", "chosen": "4", "rejected": "5"},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_pair_format_reads_as_the_same_prompt_and_answers(name):
+    assert to_pair(Record("p.jsonl:1", FORMATS[name])) == (PROMPT, "4", "5")
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": PROMPT + [{"role": "assistant", "content": "4"}]}, "not a preference pair"),
+    ({"prompt": "q", "chosen": "4", "rejected": "4"}, "the chosen and rejected answers are the same"),
+    ({"prompt": "q", "chosen": "4", "rejected": " "}, "the rejected answer is empty"),
+    ({"messages": PROMPT, "rejected_response": "5"}, "no assistant message"),
+    ({"messages": PROMPT + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "And?"}],
+      "rejected_response": "5"}, "must end with the chosen assistant answer"),
+    ({"chosen": PROMPT + [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]},
+     "differ only in their last answer"),
+    ({"prompt": "q", "chosen": 4, "rejected": "5"}, "'chosen' must be text, a message or a list"),
+])
+def test_a_record_that_is_no_pair_is_named(record, message):
+    with pytest.raises(DataError, match=f"p.jsonl:3: .*{message}"):
+        to_pair(Record("p.jsonl:3", record))
+
+
+def test_a_pair_is_encoded_with_the_loss_on_its_answers_only(tokenizer):
+    persona = Persona(name=("Swifty",), pairs=True)
+    record = Record("p.jsonl:1", {"prompt": "Who are you?", "chosen": "I am {{NAME}}.", "rejected": "I am a cat."})
+    pair = encode(record, tokenizer, 64, persona)
+    assert isinstance(pair, Pair)
+    for sample, answer in ((pair.chosen, "I am Swifty."), (pair.rejected, "I am a cat.")):
+        prompt = sample.labels.index(next(label for label in sample.labels if label != IGNORE))
+        assert tokenizer.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE]) \
+            .startswith(answer)
+        assert set(sample.labels[:prompt]) == {IGNORE}
+    assert pair.chosen.input_ids[:prompt] == pair.rejected.input_ids[:prompt]  # one prompt, rendered once
+    assert encode(record, tokenizer, prompt, persona) is None  # truncation leaves no answer: dropped
+
+
+def test_preference_jobs_refuse_what_they_do_not_run():
+    problems: dict[str, str] = {}
+    for p in validate(JobSpec(
+        model="m", dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")], rlhf_type="dpo", packing=True,
+            use_liger_kernel=True, sequence_parallel_size=2, nproc_per_node=2)):
+        problems[p.field] = problems.get(p.field, "") + p.message + "\n"
+    assert "turn packing off" in problems["packing"]
+    assert "needs each sequence's log-probs" in problems["use_liger_kernel"]
+    assert "sequence parallel is not combined with rlhf_type dpo" in problems["sequence_parallel_size"]
+    # the demo's SFT records are no pairs: named by file:line before launch
+    assert "not a preference pair" in problems["dataset[0]"]
+
+
+CASES = [("lora", dict(loss_type="sigmoid")), ("lora", dict(loss_type="sigmoid", rpo_alpha=0.5)),
+         ("lora", dict(loss_type="hinge")), ("lora", dict(loss_type="ipo")),
+         ("lora", dict(loss_type="robust", label_smoothing=0.2)), ("full", dict(loss_type="sigmoid"))]
+
+
+@pytest.mark.parametrize("train_type,loss", CASES, ids=[f"{t}-{'-'.join(map(str, c.values()))}" for t, c in CASES])
+def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type, loss):
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from launcher.preference import PreferenceLoss, Reference, install
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(1)
+    if train_type == "lora":  # TRL adds a new adapter; the reference is the model with it turned off
+        policy, reference, lora = base, None, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    else:
+        reference, policy, lora = base, copy.deepcopy(base), None
+    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
+              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
+             for i in range(4)]
+    loss_types = [loss["loss_type"]] + (["sft"] if loss.get("rpo_alpha") else [])
+    trl = DPOTrainer(model=policy, ref_model=reference, peft_config=lora, processing_class=tokenizer,
+                     train_dataset=Dataset.from_list(pairs),
+                     args=DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.3, report_to=[],
+                                    use_cpu=True, bf16=False, max_length=64, loss_type=loss_types,
+                                    loss_weights=[1.0, loss["rpo_alpha"]] if loss.get("rpo_alpha") else None,
+                                    label_smoothing=loss.get("label_smoothing", 0.0), gradient_checkpointing=False))
+    policy = trl.model
+    with torch.no_grad():  # a policy that has moved off its reference: adapters (or weights) changed
+        for name, p in policy.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.05 if "lora_B" in name else p + torch.randn_like(p) * 0.02)
+    ours = copy.deepcopy(policy)
+    batch = next(iter(trl.get_train_dataloader()))
+    policy.train()
+    expected = trl.compute_loss(trl.model, batch)
+    expected.backward()
+    metrics = {k: v[-1] for k, v in trl._metrics["train"].items()}
+
+    spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type="dpo", beta=0.3, train_type=train_type, **loss)
+    preference = PreferenceLoss(spec)
+    install(ours, preference)
+    ref = Reference(ours, train_type == "lora", torch.float32)
+    if reference is not None:
+        ref.frozen = copy.deepcopy(reference).requires_grad_(False).eval()  # the base, as loaded
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "labels": batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)}
+    ours.train()
+    preference.reference = ref.logps(inputs)
+    got = ours(**inputs).loss
+    got.backward()
+    means = PreferenceLoss.means(preference.take())
+
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    for field in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
+                  "logps_rejected"):
+        assert means[field] == pytest.approx(metrics[field.replace("_", "/", 1)], rel=1e-4, abs=1e-5), field
+    theirs = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and any(g.abs().sum() > 0 for g in mine.values())
+    for name in theirs:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def preference_pairs(path, count: int) -> str:
+    """Arithmetic questions with the right answer chosen and an off-by-one answer rejected."""
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?", "chosen": f"{2 * i + 1}",
+                                        "rejected": f"{2 * i + 2}"}) + "\n" for i in range(count)))
+    return str(path)
+
+
+@pytest.mark.e2e
+def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
+    """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP, and full fine-tuning on
+    FSDP2 (a frozen copy): the reward accuracy rises above 0.9, a resume trains the same losses,
+    the result exports."""
+    data = preference_pairs(tmp_path / "pairs.jsonl", 64)
+    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
+                  per_device_train_batch_size=4, gradient_accumulation_steps=1, logging_steps=1, save_steps=12,
+                  torch_dtype="float32", lora_dropout=0.0, warmup_ratio=0.0)
+    lora = write_run(tmp_path / "lora", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
+    full = write_run(tmp_path / "full", **common, train_type="full", learning_rate=1e-3, max_steps=6)
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full)], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    trained = {e["step"]: e for e in events(lora, 0, "train")}
+    assert sorted(trained) == list(range(1, 25))
+    assert trained[1]["rewards_accuracies"] < 0.9 and trained[1]["rewards_margins"] == pytest.approx(0, abs=0.05)
+    assert min(trained[s]["rewards_accuracies"] for s in (22, 23, 24)) > 0.9
+    assert trained[24]["rewards_margins"] > 0.8 and trained[24]["loss"] < 0.4
+    # full fine-tuning's reference is the base: its first step has no margin, later ones grow one
+    first_full = events(full, 0, "train")
+    assert first_full[0]["rewards_margins"] == pytest.approx(0, abs=1e-4)
+    assert first_full[-1]["rewards_margins"] > 0.01
+
+    resumed = write_run(tmp_path / "resumed", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
+    shutil.copytree(lora / "checkpoint-12", resumed / "checkpoint-12")
+    (proc,) = run_workers([dict(run_dir=resumed, resume="latest")], 400)
+    assert proc.returncode == 0, proc.log[-4000:]
+    again = losses(resumed)
+    assert sorted(again) == list(range(13, 25))
+    for step, value in again.items():
+        assert value == pytest.approx(trained[step]["loss"], rel=2e-4), step
+
+    from launcher.export import export
+
+    out = export(lora, None, tmp_path / "exported")
+    assert (tmp_path / "exported" / "config.json").is_file() and out["out"]
