@@ -244,20 +244,26 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.CompletedProcess:
-    """Launch the way the backend does: backend.job.planner's files and argv for this machine (CPU)."""
+def planned(run_dir: Path, **spec) -> dict:
+    """A launch (run_workers' entry) the way the backend makes it: backend.job.planner's files
+    written, its argv and environment for this machine (CPU)."""
     from backend.job.cluster import GpuInfo, local_cluster
     from backend.job.planner import plan
     from backend.job.spec import parse_spec
 
     job, problems = parse_spec(spec)
     assert job is not None, problems
-    planned = plan(job, local_cluster(GpuInfo()), run_dir.name, run_dir, master_port=free_port())
+    made = plan(job, local_cluster(GpuInfo()), run_dir.name, run_dir, master_port=free_port())
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in planned.files.items():
+    for name, text in made.files.items():
         (run_dir / name).write_text(text)
-    node, = planned.nodes
-    return run_worker(run_dir, timeout=timeout, argv=list(node.argv), env=node.env)
+    node, = made.nodes
+    return dict(run_dir=run_dir, argv=list(node.argv), env=node.env)
+
+
+def run_planned(run_dir: Path, timeout: int = 240, **spec) -> subprocess.CompletedProcess:
+    """Launch the way the backend does (`planned`) and wait for it."""
+    return run_workers([planned(run_dir, **spec)], timeout)[0]
 
 
 def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
