@@ -259,3 +259,18 @@ def test_moe_lora_counts_the_experts_peft_adapts():
     experts = 48 * 8 * (128 * 2 * (2048 + 2 * 768) + 128 * (768 + 2048) + (2048 + 128))
     assert trainable_params(spec, model) == attention + experts
     assert estimate_memory(spec, model).trainable_params > 70 * attention
+
+
+def test_dpo_counts_its_two_sequences_per_pair_and_a_full_reference_copy():
+    model = find_model_config("qwen2.5-7b")
+    base = dict(model="m", dataset=["d"], max_length=2048, per_device_train_batch_size=2, fsdp="full_shard",
+                nproc_per_node=8, gradient_checkpointing=True)
+    for train_type in ("lora", "full"):
+        sft = estimate_memory(JobSpec(**base, train_type=train_type), model)
+        dpo = estimate_memory(JobSpec(**base, train_type=train_type, rlhf_type="dpo"), model)
+        doubled = estimate_memory(JobSpec(**{**base, "per_device_train_batch_size": 4}, train_type=train_type), model)
+        assert dpo.activations_gib == pytest.approx(doubled.activations_gib)
+        copy = dpo.parameters_gib - sft.parameters_gib
+        # full: the frozen reference, whole (bf16) on each of the 8 ranks; LoRA: none
+        assert copy == pytest.approx(model.param_count() * 2 / GIB if train_type == "full" else 0)
+        assert any(n.startswith("dpo: the reference is") for n in dpo.notes)

@@ -327,6 +327,17 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         states = _ddp_states(spec, sizes, layout.world)
     params, grads, optim, offloaded, buckets, transient, note = states
     notes = [note]
+    if spec.rlhf_type:
+        # A micro-batch of pairs is twice as many sequences (chosen and rejected in one forward).
+        spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
+        if spec.train_type == "full":
+            reference = total * sizes.width / model_parallel
+            params += reference
+            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, whole on every rank "
+                         f"({reference / GIB:.1f} GiB); each pair is two sequences")
+        else:
+            notes.append(f"{spec.rlhf_type}: the reference is the model with its adapters off (no copy); each pair is "
+                         "two sequences")
     if layout.tp > 1:
         notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
                      f"divided by {layout.tp}")
