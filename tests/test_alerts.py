@@ -310,6 +310,25 @@ def test_ordinary_log_lines_stay_quiet():
         assert alerts.log_line("a", line, T0) is None
 
 
+def dpo_window(margins: list[float], chosen: list[float]) -> Window:
+    return window(T0 + 60, train=[{**train(i + 1, 0.6), "rewards_margins": m, "rewards_accuracies": 0.0,
+                                   "logps_chosen": c} for i, (m, c) in enumerate(zip(margins, chosen))])
+
+
+def test_a_dpo_margin_stuck_at_zero_and_chosen_answers_pushed_down_are_named():
+    steady = [-20.0] * 12
+    [stuck] = alerts.preference_stalled(dpo_window([0.0] * 12, steady), CFG)
+    assert "stayed within 0.01 of 0 for 10 logging windows up to step 12" in stuck.message
+    assert alerts.preference_stalled(dpo_window([0.0] * 11 + [0.3], steady), CFG) == []  # it moved
+    assert alerts.preference_stalled(dpo_window([0.0] * 10, steady), CFG) == []  # the first window is always 0
+    learning = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]
+    [falling] = alerts.chosen_falling(dpo_window(learning, [-20.0 - 0.5 * i for i in range(12)]), CFG)
+    assert "fell from -21 at step 3 to -25.5 at step 12" in falling.message and "rpo_alpha" in falling.message
+    noisy = [-20.0, -20.5, -19.8, -20.4, -20.1, -19.9, -20.6, -20.0, -20.3, -19.7, -20.2, -20.1]
+    assert alerts.chosen_falling(dpo_window(learning, noisy), CFG) == []
+    assert alerts.preference_stalled(window(T0 + 60, train=[train(i + 1, 1.0) for i in range(12)]), CFG) == []
+
+
 def test_evaluate_runs_every_rule_and_keys_are_stable():
     w = window(T0 + 90, util={("a", 0): util_series([5.0] * 91)}, mem={("a", 0): (T0 + 90, 79.9, 80.0)})
     first = alerts.evaluate(w, CFG)

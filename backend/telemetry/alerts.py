@@ -47,6 +47,13 @@ class AlertConfig:
     """A MoE expert taking more than this multiple of an even share (1 / experts) of the routed tokens ..."""
     expert_load_windows: int = 3
     """... in each of this many consecutive logging windows (one window's routing is noisy)."""
+    preference_windows: int = 10
+    """Preference training: logging windows (after the first) whose reward margin stays within
+    `preference_margin` of 0 (no preference learned: a reference that moves with the policy, a learning
+    rate of 0), or over which the chosen answers' log-prob falls ..."""
+    preference_margin: float = 0.01
+    chosen_drop: float = 0.1
+    """... by more than this share of its first value (and 2 nats): both answers pushed down."""
 
 
 @dataclass(frozen=True)
@@ -421,7 +428,39 @@ def expert_imbalance(w: Window, cfg: AlertConfig) -> list[Finding]:
                     "rate")]
 
 
-RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory, expert_imbalance)
+def preference_stalled(w: Window, cfg: AlertConfig) -> list[Finding]:
+    """DPO whose reward margin stays at 0: the policy is not moving away from its reference."""
+    recent = [e for e in w.train if number(e.get("rewards_margins")) is not None and (number(e.get("step")) or 0) > 1]
+    recent = recent[-cfg.preference_windows:]
+    if len(recent) < cfg.preference_windows or any(abs(number(e["rewards_margins"])) > cfg.preference_margin
+                                                   for e in recent):
+        return []
+    last = recent[-1]
+    return [Finding("preference_stalled", "preference_stalled", "warning", number(last.get("time")) or w.now,
+                    f"the reward margin stayed within {cfg.preference_margin:g} of 0 for {len(recent)} logging windows "
+                    f"up to step {last.get('step')} (accuracy {number(last.get('rewards_accuracies')) or 0:.0%}): the "
+                    "policy is not moving from its reference; check the learning rate, and that chosen and rejected "
+                    "answers differ in the data")]
+
+
+def chosen_falling(w: Window, cfg: AlertConfig) -> list[Finding]:
+    """DPO pushing the chosen answers' likelihood down with the rejected ones' (margin up, both down)."""
+    values = [(e.get("step"), number(e.get("logps_chosen")), number(e.get("time"))) for e in w.train]
+    values = [(s, v, t) for s, v, t in values if v is not None and math.isfinite(v)][-cfg.preference_windows:]
+    if len(values) < cfg.preference_windows:
+        return []
+    (first_step, first, _), (step, last, t) = values[0], values[-1]
+    falling = sum(b[1] < a[1] for a, b in zip(values, values[1:])) >= 0.7 * (len(values) - 1)
+    if not (falling and first - last > max(2.0, cfg.chosen_drop * abs(first))):
+        return []
+    return [Finding("chosen_falling", "chosen_falling", "warning", t or w.now,
+                    f"the chosen answers' log-prob fell from {first:.4g} at step {first_step} to {last:.4g} at step "
+                    f"{step}: DPO is pushing both answers down (the margin can grow while both fall); add rpo_alpha "
+                    "(an NLL term on the chosen answers), raise beta or lower the learning rate")]
+
+
+RULES = (low_utilisation, non_finite, loss_spike, hang, straggler, gpu_memory, expert_imbalance, preference_stalled,
+         chosen_falling)
 
 
 def evaluate(w: Window, cfg: AlertConfig = AlertConfig()) -> list[Finding]:
