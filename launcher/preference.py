@@ -106,15 +106,17 @@ class PreferenceLoss:
 class Reference:
     """The reference model's log-probs of a micro-batch: the policy with its adapters off (LoRA),
     else a frozen copy of the base model as loaded (taken before the engine wraps the policy, so a
-    resume compares against the base, not against the resumed weights)."""
+    resume compares against the base, not against the resumed weights), placed by the engine:
+    sharded as the policy under FSDP2, whole on each rank under DDP's layout and DeepSpeed."""
 
     def __init__(self, policy: torch.nn.Module, lora: bool, dtype: torch.dtype):
         self.policy = policy
         self.frozen = None if lora else copy.deepcopy(policy).requires_grad_(False).eval().to(dtype)
 
-    def to(self, device: torch.device) -> "Reference":
+    def place(self, engine, device: torch.device) -> "Reference":
+        """The frozen copy placed as `engine` places a model (FSDP2 shards it as the policy)."""
         if self.frozen is not None:
-            self.frozen.to(device)
+            self.frozen = engine.frozen(self.frozen, device)
         return self
 
     @torch.no_grad()

@@ -191,7 +191,7 @@ class Trainer:
             self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype])
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.reference:
-            self.reference.to(self.dist.device)
+            self.reference.place(self.engine, self.dist.device)
         self.routers = RouterMeter(model)
         # Different dropout masks per rank from here on (the weights were initialised identically),
         # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP

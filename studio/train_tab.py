@@ -36,6 +36,7 @@ WATCH_EDITS_JS = """() => {
 
 
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+PREFERENCE_FIELDS = ("beta", "loss_type", "label_smoothing", "rpo_alpha")
 MAX_FIXES = 3  # EP, SP and CP exclude each other: at most one engine fix, a pipeline's micro-batches and its evaluation
 
 def _widget(view: FieldView, value: Any) -> gr.components.Component:
@@ -136,6 +137,8 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
                 update["interactive"] = name not in view.greyed
             if name in LORA_FIELDS:  # they say nothing of a full fine-tuning
                 update["visible"] = view.spec is None or view.spec.train_type != "full"
+            if name in PREFERENCE_FIELDS:  # nor these of supervised fine-tuning
+                update["visible"] = view.spec is None or view.spec.rlhf_type is not None
             if values is not None:
                 update["value"] = values[name]
             updates[component] = gr.update(**update)

@@ -271,6 +271,11 @@ def test_dpo_counts_its_two_sequences_per_pair_and_a_full_reference_copy():
         doubled = estimate_memory(JobSpec(**{**base, "per_device_train_batch_size": 4}, train_type=train_type), model)
         assert dpo.activations_gib == pytest.approx(doubled.activations_gib)
         copy = dpo.parameters_gib - sft.parameters_gib
-        # full: the frozen reference, whole (bf16) on each of the 8 ranks; LoRA: none
-        assert copy == pytest.approx(model.param_count() * 2 / GIB if train_type == "full" else 0)
+        # full: the frozen reference in bf16, sharded over the 8 ranks as the policy; LoRA: none
+        assert copy == pytest.approx(model.param_count() * 2 / 8 / GIB if train_type == "full" else 0)
         assert any(n.startswith("dpo: the reference is") for n in dpo.notes)
+    # DeepSpeed keeps the reference whole on every rank (not sharded yet)
+    zero3 = {**base, "fsdp": None, "deepspeed": "zero3", "train_type": "full"}
+    whole = estimate_memory(JobSpec(**zero3, rlhf_type="dpo"), model).parameters_gib - \
+        estimate_memory(JobSpec(**zero3), model).parameters_gib
+    assert whole == pytest.approx(model.param_count() * 2 / GIB)

@@ -5,7 +5,6 @@ learns the preference, resumes with the same losses and exports."""
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 
 import pytest
@@ -14,7 +13,7 @@ from backend.job.records import DataError, Persona, Record, to_pair
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
 from launcher.data import IGNORE, Pair, encode
-from worker import ROOT, events, losses, planned, run_workers, write_run
+from worker import ROOT, events, losses, planned, preference_pairs, run_workers, write_run
 
 PROMPT = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2 + 2?"}]
 FORMATS = {
@@ -154,24 +153,17 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
         torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def preference_pairs(path, count: int) -> str:
-    """Arithmetic questions with the right answer chosen and an off-by-one answer rejected."""
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?", "chosen": f"{2 * i + 1}",
-                                        "rejected": f"{2 * i + 2}"}) + "\n" for i in range(count)))
-    return str(path)
-
-
 @pytest.mark.e2e
 def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
     """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP and on ZeRO-3, and full
-    fine-tuning on FSDP2 (a frozen copy): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
+    fine-tuning on FSDP2 (a frozen copy, sharded as the policy): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
     losses, a resume trains the same losses, the result exports."""
     data = preference_pairs(tmp_path / "pairs.jsonl", 64)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
                   per_device_train_batch_size=4, gradient_accumulation_steps=1, logging_steps=1, save_steps=12,
                   torch_dtype="float32", lora_dropout=0.0, warmup_ratio=0.0)
     lora = write_run(tmp_path / "lora", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
-    full = write_run(tmp_path / "full", **common, train_type="full", learning_rate=1e-3, max_steps=6)
+    full = write_run(tmp_path / "full", **common, train_type="full", learning_rate=1e-3, max_steps=6, fsdp="full_shard")
     zero3 = tmp_path / "zero3"  # the reference forward outside DeepSpeed's engine, its hooks gathering
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=full),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
@@ -187,7 +179,7 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     assert sorted(losses(zero3)) == [1, 2]
     for step, value in losses(zero3).items():
         assert value == pytest.approx(trained[step]["loss"], rel=2e-4), step
-    # full fine-tuning's reference is the base: its first step has no margin, later ones grow one
+    # full fine-tuning's sharded reference is the base: its first step has no margin, later ones grow one
     first_full = events(full, 0, "train")
     assert first_full[0]["rewards_margins"] == pytest.approx(0, abs=1e-4)
     assert first_full[-1]["rewards_margins"] > 0.01

@@ -1,5 +1,5 @@
-"""The Chat tab in a real browser against a real studio: a tiny LoRA run trained by the worker on
-this machine is loaded with its job's system prompt, one message (Enter sends it, Shift+Enter
+"""The Chat tab in a real browser against a real studio: a tiny LoRA run (DPO on preference pairs)
+trained by the worker on this machine is loaded with its job's system prompt, one message (Enter sends it, Shift+Enter
 writes a new line) is answered by the base and the fine-tuned model at once, and both answers are
 shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
 between two messages is reported and loading again works; stopping the studio ends its worker. The
@@ -22,25 +22,29 @@ from backend.job.spec import JobSpec  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
 from test_ui_flow import loaded_worker_libs  # noqa: E402
-from worker import ROOT, unloadable_model, until  # noqa: E402
+from worker import ROOT, preference_pairs, unloadable_model, until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
 def job(model, output_dir, **extra) -> JobSpec:
-    return JobSpec(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"],
-                   output_dir=str(output_dir), nproc_per_node=1, max_steps=3, save_steps=3, logging_steps=3,
-                   torch_dtype="float32", max_length=64, gradient_checkpointing=False, per_device_train_batch_size=4,
-                   learning_rate=1e-2, lora_dropout=0.0, env={"OMP_NUM_THREADS": "1"}, **extra)
+    return JobSpec(**{**dict(model=str(model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"],
+                             output_dir=str(output_dir), nproc_per_node=1, max_steps=3, save_steps=3, logging_steps=3,
+                             torch_dtype="float32", max_length=64, gradient_checkpointing=False,
+                             per_device_train_batch_size=4, learning_rate=1e-2, lora_dropout=0.0,
+                             env={"OMP_NUM_THREADS": "1"}), **extra})
 
 
 @pytest.fixture(scope="module")
 def studio_with_runs(tmp_path_factory, tiny_model):
-    """A studio whose database holds a trained LoRA run and a run that failed before its first
+    """A studio whose database holds a trained LoRA run (DPO) and a run that failed before its first
     checkpoint (both trained by the real worker, through a RunManager on the studio's database)."""
     root = tmp_path_factory.mktemp("chat-ui")
     broken = unloadable_model(tiny_model, root / "broken-model")
     with RunManager(f"sqlite:///{root / 'studio.db'}") as m:
-        lora = m.launch(job(tiny_model, root / "runs", train_type="lora", system="Answer briefly."),
+        # A DPO run: the Chat tab serves a preference-trained checkpoint as it does a supervised one,
+        # and its Monitor draws the rewards.
+        lora = m.launch(job(tiny_model, root / "runs", train_type="lora", system="Answer briefly.", rlhf_type="dpo",
+                            dataset=[preference_pairs(root / "pairs.jsonl", 32)]),
                         local_cluster(GpuInfo()), name="chat-lora")
         failed = m.launch(job(broken, root / "runs"), local_cluster(GpuInfo()), name="no-checkpoint")
         assert m.wait(lora, timeout=300).state == "succeeded"
@@ -167,8 +171,8 @@ TRACES_JS = """(id) => {
 
 
 def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
-    """The LoRA run logged one step: its loss, learning rate and throughput each show that point as
-    a marker (a line through one point draws nothing). A studio of its own on the module's database:
+    """The LoRA run (DPO) logged one step: its loss, learning rate, throughput and rewards each show
+    that point as a marker (a line through one point draws nothing). A studio of its own on the module's database:
     the chat test ends the module's studio."""
     shared, lora, _ = studio_with_runs
     studio = start_studio(shared.root)
@@ -182,7 +186,7 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
             expect(page.locator("#monitor-run input")).to_have_value(re.compile("no-checkpoint"), timeout=60_000)
             pick(page, "monitor-run", lora)
             expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-lora"))
-            for chart in ("chart-loss", "chart-lr", "chart-throughput"):
+            for chart in ("chart-loss", "chart-lr", "chart-throughput", "chart-preference"):
                 try:
                     page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=60_000)
                 except PlaywrightTimeout:  # say what the page showed

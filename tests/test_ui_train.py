@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 from studio_server import REPO  # noqa: E402
 
 from backend.job.cluster import usable_cores  # noqa: E402
-from worker import until  # noqa: E402
+from worker import preference_pairs, until  # noqa: E402
 
 DEMO_MODEL, DEMO_DATA = str(REPO / "assets/demo/model"), str(REPO / "assets/demo/train.jsonl")
 IMPORTED = (f"NPROC_PER_NODE=1 swift sft --model {DEMO_MODEL} --dataset {DEMO_DATA} "
@@ -143,6 +143,25 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(page.locator("#train-yaml")).to_contain_text("sequence_parallel_size: 2")
     page.get_by_role("tab", name="Commands").click()
     shot(page, "fix-applied")
+
+    # Preference training: DPO is a swift rlhf line, and Ulysses SP (set just above) is refused for it by name.
+    page.get_by_text("Preference training (DPO)").click()
+    expect(field(page, "beta")).to_be_hidden()  # DPO's settings show for a DPO job only
+    field(page, "rlhf_type").locator("input").click()
+    page.get_by_role("option", name="dpo", exact=True).click()
+    expect(sp).to_have_class(re.compile("field-error"), timeout=15000)
+    expect(sp).to_contain_text("sequence parallel is not combined with rlhf_type dpo")
+    expect(field(page, "beta").locator("input")).to_have_value("0.1")
+    shot(page, "dpo-refused")
+    sp.locator("input").fill("1")
+    expect(sp).not_to_have_class(re.compile("field-error"), timeout=15000)
+    # the demo's records are no pairs, named by file:line; a file of pairs is taken
+    expect(field(page, "dataset")).to_contain_text("not a preference pair")
+    field(page, "dataset").locator("textarea").fill(preference_pairs(studio.root / "pairs.jsonl", 8))
+    expect(field(page, "dataset")).not_to_have_class(re.compile("field-error"), timeout=15000)
+    expect(page.locator("#train-commands")).to_contain_text("swift rlhf", timeout=15000)
+    expect(page.locator("#train-commands")).to_contain_text("--rlhf_type dpo")
+    shot(page, "dpo")
 
     # Save a preset, change the form, load the preset back.
     page.locator("#save-name textarea").fill("mine")

@@ -54,6 +54,14 @@ def unloadable_model(src: Path, out: Path) -> Path:
     return out
 
 
+def preference_pairs(path: Path, count: int) -> str:
+    """A preference data file: arithmetic questions with the right answer chosen and an off-by-one
+    answer rejected."""
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i + 1}?", "chosen": f"{2 * i + 1}",
+                                        "rejected": f"{2 * i + 2}"}) + "\n" for i in range(count)))
+    return str(path)
+
+
 def write_run(run_dir: Path, **spec) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))

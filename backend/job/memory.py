@@ -331,10 +331,13 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         # A micro-batch of pairs is twice as many sequences (chosen and rejected in one forward).
         spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
         if spec.train_type == "full":
-            reference = total * sizes.width / model_parallel
+            plan = None if spec.deepspeed else fsdp_plan(spec)
+            sharded = plan is not None and not plan.replicate  # FSDP2 shards it as the policy; else whole
+            reference = total * sizes.width / model_parallel / (sizes.shard if sharded else 1)
             params += reference
-            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, whole on every rank "
-                         f"({reference / GIB:.1f} GiB); each pair is two sequences")
+            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, "
+                         f"{'sharded as the policy' if sharded else 'whole on every rank'} ({reference / GIB:.1f} GiB); "
+                         "each pair is two sequences")
         else:
             notes.append(f"{spec.rlhf_type}: the reference is the model with its adapters off (no copy); each pair is "
                          "two sequences")

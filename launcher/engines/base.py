@@ -26,6 +26,11 @@ class Engine:
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    def frozen(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """`module`, a frozen copy of the model (preference training's reference), placed for this
+        engine's forward: whole on this rank's device unless the engine shards it."""
+        return module.to(device)
+
     def forward_context(self):
         """The context the engine's forward runs in (DDP's autocast), for another forward of the
         same model to compute as it does (preference training's reference)."""

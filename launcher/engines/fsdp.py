@@ -52,6 +52,7 @@ class FSDPEngine(TorchOptimizerEngine):
             last = i == len(layers) - 1
             fully_shard(layer, **{**kwargs, "reshard_after_forward": plan.reshard_after_forward and not last})
         fully_shard(model, **kwargs)
+        self._shard_kwargs = kwargs
         self.model = model
         self.optimizer = make_optimizer(model, spec, dist.device if "offload_policy" not in kwargs else torch.device("cpu"))
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
@@ -62,6 +63,17 @@ class FSDPEngine(TorchOptimizerEngine):
             from launcher.engines.cp import RingCP
 
             self.cp = RingCP(model, spec, dist, layers)
+
+    def frozen(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """A frozen copy of the model (preference training's reference) sharded as the policy is:
+        each rank keeps its shard, a layer is gathered for its forward and freed after it."""
+        kwargs = {**self._shard_kwargs, "reshard_after_forward": True}
+        if "offload_policy" not in kwargs:
+            module.to(device)
+        for layer in decoder_layers(module):
+            fully_shard(layer, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         # Reduce-scatter only on the last micro-batch; earlier ones accumulate unsharded grads.
