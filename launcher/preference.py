@@ -1,12 +1,12 @@
-"""Preference training (`rlhf_type: dpo`): the DPO loss family on chosen/rejected pairs.
+"""Preference training (`rlhf_type`): DPO's loss family, CPO and SimPO on chosen/rejected pairs.
 
 A micro-batch holds its pairs' chosen rows first, then their rejected rows (one forward for both,
 as TRL's concatenated forward). The loss is installed as the policy model's loss function
 (transformers' `loss_function`), so every engine keeps calling `model(**batch).loss`; the
-reference log-probs of the micro-batch are computed just before, without gradients: the policy
-with its LoRA adapters turned off, or a frozen copy of the base model taken before training.
-The arithmetic is TRL's DPOTrainer's (tests/test_preference.py compares loss, rewards and
-gradients with it)."""
+reference log-probs of the micro-batch (DPO) are computed just before, without gradients: the
+policy with its LoRA adapters turned off, or a frozen copy of the base model taken before
+training. CPO and SimPO need no reference. The arithmetic is TRL's DPOTrainer's and CPOTrainer's
+(tests/test_preference.py compares loss, rewards and gradients with them)."""
 from __future__ import annotations
 
 import copy
@@ -37,8 +37,8 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
                       chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, spec) -> torch.Tensor:
-    """Each pair's loss for `spec.loss_type` (TRL's formulas; sigmoid with label_smoothing is cDPO)."""
-    beta, smoothing = spec.beta, spec.label_smoothing
+    """Each pair's DPO loss for `spec.loss_type` (TRL's formulas; sigmoid with label_smoothing is cDPO)."""
+    beta, smoothing = spec.preference_beta, spec.label_smoothing
     delta = (chosen - ref_chosen) - (rejected - ref_rejected)
     if spec.loss_type == "sigmoid":
         return -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
@@ -54,6 +54,27 @@ def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: 
     raise ValueError(f"loss_type {spec.loss_type}")
 
 
+def reference_free_losses(chosen: torch.Tensor, rejected: torch.Tensor, spec) -> torch.Tensor:
+    """Each pair's CPO or SimPO loss on the policy's own log-probs (TRL's CPOTrainer; SimPO's and
+    IPO's per token): no reference model."""
+    beta, smoothing = spec.preference_beta, spec.label_smoothing
+    delta = chosen - rejected
+    if spec.rlhf_type == "simpo":
+        delta = delta - spec.simpo_gamma / beta
+    if spec.rlhf_type == "simpo" or spec.loss_type == "sigmoid":
+        return -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+    if spec.loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if spec.loss_type == "ipo":
+        return (delta - 1 / (2 * beta)) ** 2
+    raise ValueError(f"loss_type {spec.loss_type} with rlhf_type {spec.rlhf_type}")
+
+
+def per_token(spec) -> bool:
+    """Whether the algorithm compares answers by their mean token log-prob (SimPO, CPO's IPO), not their sum."""
+    return spec.rlhf_type == "simpo" or (spec.rlhf_type == "cpo" and spec.loss_type == "ipo")
+
+
 class PreferenceLoss:
     """The policy's loss function during preference training. `reference` holds the micro-batch's
     reference log-probs (chosen rows, then rejected) when the model is called; `totals` adds up
@@ -65,23 +86,32 @@ class PreferenceLoss:
         self.totals: dict[str, float] = {}
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **_) -> torch.Tensor:
-        if self.reference is None:
-            raise RuntimeError("the preference loss was called without the micro-batch's reference log-probs")
+        spec = self.spec
         logps, tokens = sequence_logps(logits, labels)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
-        ref_chosen, ref_rejected = self.reference.to(logps.device).chunk(2)
-        self.reference = None
         # Rows that only fill a micro-batch to its size (evaluation's last one) carry no labels.
         real = chosen_tokens > 0
-        losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, self.spec)
-        loss = losses[real].mean()
-        if self.spec.rpo_alpha is not None:  # TRL's "sft" term: the chosen answers' mean token NLL
-            loss = loss + self.spec.rpo_alpha * (-chosen[real].sum() / chosen_tokens[real].sum())
+        # The chosen answers' mean token NLL: DPO's rpo_alpha term (TRL's "sft" loss), CPO's and SimPO's own.
+        nll = -chosen[real].sum() / chosen_tokens[real].sum()
+        if spec.rlhf_type == "dpo":
+            if self.reference is None:
+                raise RuntimeError("the preference loss was called without the micro-batch's reference log-probs")
+            ref_chosen, ref_rejected = self.reference.to(logps.device).chunk(2)
+            self.reference = None
+            losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, spec)
+            weight = spec.rpo_alpha
+        else:
+            if per_token(spec):
+                chosen, rejected = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
+            ref_chosen = ref_rejected = torch.zeros_like(chosen)
+            losses = reference_free_losses(chosen, rejected, spec)
+            weight = spec.cpo_alpha or None
+        loss = losses[real].mean() + (weight * nll if weight is not None else 0)
         if not torch.is_grad_enabled():  # an evaluation: its loss is reported on its own
             return loss
         with torch.no_grad():
-            beta = self.spec.beta
+            beta = spec.preference_beta
             rewards_chosen, rewards_rejected = beta * (chosen - ref_chosen)[real], beta * (rejected - ref_rejected)[real]
             add = {"pairs": float(real.sum()), "rewards_chosen": float(rewards_chosen.sum()),
                    "rewards_rejected": float(rewards_rejected.sum()),

@@ -187,6 +187,7 @@ class Trainer:
         if spec.rlhf_type:
             self.preference = PreferenceLoss(spec)
             install(model, self.preference)
+        if spec.rlhf_type == "dpo":
             # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
             self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype])
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
@@ -547,7 +548,7 @@ class Trainer:
 
     def _with_reference(self, batch: dict) -> dict:
         """Preference training: the micro-batch's reference log-probs, handed to the loss."""
-        if self.preference is not None:
+        if self.reference is not None:
             self.preference.reference = self.reference.logps(batch, self.engine.forward_context())
         return batch
 

@@ -22,7 +22,8 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
                               "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
-    ("Preference training (DPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha")),
+    ("Preference training (DPO, CPO, SimPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
+                                                      "cpo_alpha", "simpo_gamma")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule",
@@ -74,8 +75,8 @@ TITLES = {
     "eval_strategy": "Evaluation", "eval_steps": "Evaluate every N steps",
     "per_device_eval_batch_size": "Eval micro-batch per GPU", "early_stop_interval": "Early stop after N evals",
     "streaming": "Stream the data (no tokenizing first)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
-    "rlhf_type": "Preference training", "beta": "DPO beta", "loss_type": "DPO loss", "label_smoothing": "Label smoothing",
-    "rpo_alpha": "RPO alpha (NLL on chosen)",
+    "rlhf_type": "Preference training", "beta": "Beta", "loss_type": "Preference loss", "label_smoothing": "Label smoothing",
+    "rpo_alpha": "RPO alpha (DPO's NLL on chosen)", "cpo_alpha": "CPO alpha (NLL on chosen)", "simpo_gamma": "SimPO gamma",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
 # Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.
@@ -205,7 +206,7 @@ def spec_to_form(spec: dict[str, Any]) -> dict[str, Any]:
         elif view.widget == "lines":
             values[name] = "\n".join(value or []) if isinstance(value, list) else str(value or "")
         elif value is None:
-            values[name] = 0 if view.optional and view.widget == "int" else ("" if view.widget not in ("int", "float") else None)
+            values[name] = 0 if view.optional and view.widget in ("int", "float") else ("" if view.widget not in ("int", "float") else None)
         else:
             values[name] = value
     return values

@@ -153,10 +153,75 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
         torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+# (hinge with a small beta: the pairs' margins stay inside the hinge, so it has gradients)
+REFERENCE_FREE = [("cpo", dict(loss_type="sigmoid")), ("cpo", dict(loss_type="hinge", cpo_alpha=0.0, beta=0.01)),
+                  ("cpo", dict(loss_type="ipo", cpo_alpha=0.5, label_smoothing=0.0)),
+                  ("simpo", dict(simpo_gamma=0.5, label_smoothing=0.1))]
+
+
+@pytest.mark.parametrize("rlhf_type,loss", REFERENCE_FREE,
+                         ids=[f"{t}-{'-'.join(map(str, c.values()))}" for t, c in REFERENCE_FREE])
+def test_cpo_and_simpo_equal_trls_cpo_trainer(tmp_path, tiny_model, rlhf_type, loss):
+    """CPO and SimPO (no reference model): the loss (with its NLL term), the rewards and the
+    gradients of TRL's CPOTrainer, on its own batch."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from launcher.preference import PreferenceLoss, install
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(1)
+    spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type=rlhf_type, **loss)
+    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
+              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
+             for i in range(4)]
+    trl = CPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(pairs),
+                     peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
+                     args=CPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                    bf16=False, max_length=64, gradient_checkpointing=False,
+                                    beta=spec.preference_beta, cpo_alpha=spec.cpo_alpha, simpo_gamma=spec.simpo_gamma,
+                                    label_smoothing=spec.label_smoothing,
+                                    loss_type="simpo" if rlhf_type == "simpo" else spec.loss_type))
+    policy = trl.model
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ours = copy.deepcopy(policy)
+    batch = next(iter(trl.get_train_dataloader()))
+    policy.train()
+    expected, metrics = trl.get_batch_loss_metrics(policy, batch)
+    expected.backward()
+
+    preference = PreferenceLoss(spec)
+    install(ours, preference)
+    both = trl.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=trl.pad_token_id, device="cpu")
+    ours.train()
+    got = ours(input_ids=both["concatenated_input_ids"], attention_mask=both["concatenated_attention_mask"],
+               labels=both["concatenated_labels"]).loss
+    got.backward()
+    means = PreferenceLoss.means(preference.take())
+
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    for field in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
+                  "logps_rejected"):
+        assert means[field] == pytest.approx(metrics[field.replace("_", "/", 1)], rel=1e-4, abs=1e-5), field
+    theirs = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and any(g.abs().sum() > 0 for g in mine.values())
+    for name in theirs:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.e2e
 def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
     """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP and on ZeRO-3, and full
-    fine-tuning on FSDP2 (a frozen copy, sharded as the policy): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
+    fine-tuning on FSDP2 (a frozen copy, sharded as the policy), SimPO (none): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
     losses, a resume trains the same losses, the result exports."""
     data = preference_pairs(tmp_path / "pairs.jsonl", 64)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
@@ -165,7 +230,9 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     lora = write_run(tmp_path / "lora", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
     full = write_run(tmp_path / "full", **common, train_type="full", learning_rate=1e-3, max_steps=6, fsdp="full_shard")
     zero3 = tmp_path / "zero3"  # the reference forward outside DeepSpeed's engine, its hooks gathering
-    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full),
+    simpo = write_run(tmp_path / "simpo", **{**common, "rlhf_type": "simpo", "beta": None}, train_type="lora",
+                      learning_rate=1e-2, max_steps=6)
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
                                      deepspeed="zero3", nproc_per_node=2)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
@@ -179,6 +246,11 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     assert sorted(losses(zero3)) == [1, 2]
     for step, value in losses(zero3).items():
         assert value == pytest.approx(trained[step]["loss"], rel=2e-4), step
+    # SimPO (no reference; ms-swift's beta 2.0): the length-normalised margin grows, the loss falls
+    simpo_steps = events(simpo, 0, "train")
+    assert [e["step"] for e in simpo_steps] == list(range(1, 7))
+    assert simpo_steps[-1]["rewards_margins"] > simpo_steps[0]["rewards_margins"] and \
+        simpo_steps[-1]["loss"] < simpo_steps[0]["loss"]
     # full fine-tuning's sharded reference is the base: its first step has no margin, later ones grow one
     first_full = events(full, 0, "train")
     assert first_full[0]["rewards_margins"] == pytest.approx(0, abs=1e-4)

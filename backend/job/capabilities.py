@@ -276,6 +276,15 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     if spec.use_liger_kernel:
         problems.append(Problem("use_liger_kernel", "Liger's fused cross-entropy gives the mean loss only, and DPO "
                                                     "needs each sequence's log-probs: turn it off"))
+    if spec.rlhf_type != "dpo" and spec.loss_type == "robust":
+        problems.append(Problem("loss_type", f"robust is DPO's (it needs the reference); rlhf_type {spec.rlhf_type} "
+                                             "takes sigmoid, hinge or ipo"))
+    if spec.rlhf_type == "simpo" and spec.loss_type != "sigmoid":
+        problems.append(Problem("loss_type", "ignored: simpo has its own loss (a sigmoid of the length-normalised "
+                                             "margin less simpo_gamma)", "warning"))
+    if spec.rlhf_type != "dpo" and spec.rpo_alpha is not None:
+        problems.append(Problem("rpo_alpha", f"ignored with rlhf_type {spec.rlhf_type}: cpo_alpha weighs its NLL term",
+                                "warning"))
     if spec.loss_type == "robust" and spec.label_smoothing == 0:
         problems.append(Problem("label_smoothing", "loss_type robust divides by 1 - 2 x label_smoothing and is plain "
                                                    "DPO at 0: give the share of mislabelled pairs", "warning"))

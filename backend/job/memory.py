@@ -330,7 +330,9 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     if spec.rlhf_type:
         # A micro-batch of pairs is twice as many sequences (chosen and rejected in one forward).
         spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
-        if spec.train_type == "full":
+        if spec.rlhf_type != "dpo":
+            notes.append(f"{spec.rlhf_type}: no reference model; each pair is two sequences")
+        elif spec.train_type == "full":
             plan = None if spec.deepspeed else fsdp_plan(spec)
             sharded = plan is not None and not plan.replicate  # FSDP2 shards it as the policy; else whole
             reference = total * sizes.width / model_parallel / (sizes.shard if sharded else 1)

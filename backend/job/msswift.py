@@ -32,7 +32,8 @@ from backend.job.modelcfg import find_model_config
 from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 SCRIPTS = ("cli/sft.py", "cli/megatron/sft.py", "cli/rlhf.py", "cli/megatron/rlhf.py")
-RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha")
+RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma")
+RLHF_TYPES = ("dpo", "cpo", "simpo")
 """Job fields only a `swift rlhf` command sets (`swift sft`'s own --loss_type is another thing)."""
 LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -233,6 +234,7 @@ def import_command(text: str) -> ImportResult:
     pending: dict[str, str] = {}
     train_types: dict[str, str] = {}
     seen: set[str] = set()
+    simpo_loss = False
     for name, values in _flags(args):
         if not name:
             result.ignored.append(f"stray argument {' '.join(values)}")
@@ -254,10 +256,14 @@ def import_command(text: str) -> ImportResult:
         if key not in FIELDS or key in ("env",) or (key in RLHF_FIELDS and not rlhf):
             result.ignored.append(flag)
             continue
-        if key == "rlhf_type" and values[:1] != ["dpo"]:
+        if key == "rlhf_type" and (len(values) != 1 or values[0] not in RLHF_TYPES):
             result.problems.append(Problem(f"--{name}", f"{shlex.join(values)} is not supported: swift-studio trains "
-                                                        "'dpo' (ms-swift's orpo, simpo, kto, cpo, rm, ppo, grpo and gkd "
-                                                        "are not available here)"))
+                                                        "'dpo', 'cpo' and 'simpo' (ms-swift's orpo, kto, rm, ppo, grpo "
+                                                        "and gkd are not available here)"))
+            continue
+        if key == "loss_type" and values == ["simpo"]:  # ms-swift's simpo is cpo with this loss
+            result.notes.append(f"{flag} -> rlhf_type simpo")
+            simpo_loss = True
             continue
         if key == "loss_type" and len(values) > 1:  # ms-swift mixes DPO losses (MPO)
             result.problems.append(Problem(f"--{name}", f"{shlex.join(values)}: one loss type (sigmoid, hinge, ipo "
@@ -291,6 +297,8 @@ def import_command(text: str) -> ImportResult:
             result.problems.append(Problem(f"--{name}", f"{value} is not supported: swift-studio trains 'lora' (with "
                                                         "--lora_rank/--lora_alpha) and 'full'; ms-swift's other "
                                                         "tuners are not available here"))
+    if simpo_loss:
+        result.spec["rlhf_type"] = "simpo"
     if rlhf and "rlhf_type" not in result.spec and not any(p.field.startswith("--rlhf_type") for p in result.problems):
         result.spec["rlhf_type"] = "dpo"
         result.defaults.append("rlhf_type dpo: ms-swift's default (swift/arguments/rlhf_args.py)")

@@ -91,11 +91,13 @@ class JobSpec(BaseModel):
     train_type: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or full fine-tuning.")
 
     # Preference training (swift rlhf)
-    rlhf_type: Literal["dpo"] | None = Field(None, description="Preference training on chosen/rejected pairs (swift rlhf --rlhf_type): 'dpo'; empty: supervised fine-tuning. The reference model is the base (LoRA: the adapters turned off; full: a frozen copy).")
-    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference (ms-swift's default 0.1).")
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field("sigmoid", description="DPO loss on the reward margin: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token averaged), robust (rDPO, with label_smoothing).")
+    rlhf_type: Literal["dpo", "cpo", "simpo"] | None = Field(None, description="Preference training on chosen/rejected pairs (swift rlhf --rlhf_type): 'dpo' against a reference model (the base: LoRA with its adapters off, full a frozen copy); 'cpo' and 'simpo' without one; empty: supervised fine-tuning.")
+    beta: float | None = Field(None, gt=0, description="How strongly the loss separates chosen from rejected (DPO: how far the policy may move from the reference); empty: ms-swift's default for the algorithm, 0.1 for dpo and cpo, 2.0 for simpo.")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field("sigmoid", description="The loss on the reward margin: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token averaged), robust (rDPO, with label_smoothing; dpo only); simpo has its own.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="The share of pairs taken as wrongly labelled (cDPO with sigmoid, rDPO with robust).")
-    rpo_alpha: float | None = Field(None, ge=0, description="Adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
+    rpo_alpha: float | None = Field(None, ge=0, description="dpo: adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
+    cpo_alpha: float = Field(1.0, ge=0, description="cpo and simpo: the weight of the chosen answers' mean token NLL in the loss (ms-swift's default 1).")
+    simpo_gamma: float = Field(1.0, description="simpo: the target reward margin (ms-swift's default 1).")
 
     # Engine
     deepspeed: str | None = Field(None, description="zero0..zero3, zero2_offload, zero3_offload, or a path to a DeepSpeed JSON.")
@@ -137,6 +139,11 @@ class JobSpec(BaseModel):
     @property
     def max_record_bytes(self) -> int:
         return int(self.max_record_mib * 2**20)
+
+    @property
+    def preference_beta(self) -> float:
+        """`beta`, or ms-swift's default for the preference algorithm (swift/arguments/rlhf_args.py)."""
+        return self.beta if self.beta is not None else 2.0 if self.rlhf_type == "simpo" else 0.1
 
     @property
     def evaluates(self) -> bool:
