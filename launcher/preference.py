@@ -83,7 +83,7 @@ class PreferenceLoss:
     def __init__(self, spec):
         self.spec = spec
         self.reference: torch.Tensor | None = None
-        self.totals: dict[str, float] = {}
+        self.totals: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **_) -> torch.Tensor:
         spec = self.spec
@@ -113,19 +113,17 @@ class PreferenceLoss:
         with torch.no_grad():
             beta = spec.preference_beta
             rewards_chosen, rewards_rejected = beta * (chosen - ref_chosen)[real], beta * (rejected - ref_rejected)[real]
-            add = {"pairs": float(real.sum()), "rewards_chosen": float(rewards_chosen.sum()),
-                   "rewards_rejected": float(rewards_rejected.sum()),
-                   "rewards_margins": float((rewards_chosen - rewards_rejected).sum()),
-                   "rewards_accuracies": float((rewards_chosen > rewards_rejected).float().sum()),
-                   "logps_chosen": float(chosen[real].sum()), "logps_rejected": float(rejected[real].sum())}
-        for key, value in add.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
+            # Summed on the device: reading them here would wait for the device every micro-batch.
+            sums = torch.stack([real.sum().float(), rewards_chosen.sum(), rewards_rejected.sum(),
+                                (rewards_chosen - rewards_rejected).sum(), (rewards_chosen > rewards_rejected).sum().float(),
+                                chosen[real].sum(), rejected[real].sum()]).double()
+            self.totals = sums if self.totals is None else self.totals + sums
         return loss
 
     def take(self) -> list[float]:
-        """The window's sums (pairs first, then METRICS), cleared: all-reduced, then `means`."""
-        totals, self.totals = self.totals, {}
-        return [totals.get(key, 0.0) for key in ("pairs", *METRICS)]
+        """The window's sums (pairs, then METRICS), cleared: all-reduced, then `means`."""
+        totals, self.totals = self.totals, None
+        return totals.tolist() if totals is not None else [0.0] * (1 + len(METRICS))
 
     @staticmethod
     def means(sums: list[float]) -> dict[str, float]:
