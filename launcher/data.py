@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -196,8 +196,9 @@ def packed_row(samples: list[Sample]) -> Row:
     return row
 
 
-def padded_row(sample: Sample) -> Row:
-    return Row(sample.input_ids, sample.labels, list(range(len(sample))), 1)
+def padded_row(sample: Sample, counted: bool = True) -> Row:
+    """`counted`: the row is a sample of its own (a pair's rejected row is not)."""
+    return Row(sample.input_ids, sample.labels, list(range(len(sample))), int(counted))
 
 
 def pack(samples: list[Sample], max_length: int) -> list[Row]:
@@ -268,7 +269,7 @@ class Batches:
         filler = [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(fill)]
         if samples and isinstance(samples[0], Pair):
             return ([padded_row(p.chosen) for p in samples] + filler
-                    + [Row(*astuple(padded_row(p.rejected))[:3], 0) for p in samples] + filler)
+                    + [padded_row(p.rejected, counted=False) for p in samples] + filler)
         if not self.packed:
             return [padded_row(s) for s in samples] + filler
         samples = iter(samples)

@@ -165,8 +165,6 @@ class Trainer:
         self.last_save_s: float | None = None
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.collective_timeout_s = float(spec.ddp_timeout)
-        self.upcoming_missing = False
-        """The last step fetched has no data: a stream ended or met a bad record."""
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -210,7 +208,7 @@ class Trainer:
         if self.spec.streaming:
             return self._stream_data()
         spec, d = self.spec, self.dist
-        error, shards = None, None
+        failure, shards = None, None
         try:
             with DataHeartbeat(self.events):
                 cache = dataset_cache_dir(spec, self.run_dir)
@@ -229,15 +227,8 @@ class Trainer:
                              seconds=round(tokenized.seconds, 3), samples=len(train[1]), dropped=train[3],
                              val_samples=len(val[1]) if val else 0)
         except data.DataError as exc:
-            failure, error = exc, str(exc)
-        # Every rank learns about any rank's bad record, so all stop before training. The ranks read
-        # one tokenization, so they meet the same error: the lowest rank reports it, the others that
-        # they stopped for it (a rank with an error of its own reports that).
-        found = [(rank, e) for rank, e in enumerate(d.all_gather_object(error)) if e]
-        if error and (found[0][0] == d.rank or error != found[0][1]):
-            raise failure
-        if found:
-            raise PeerFailed(f"stopped: rank {found[0][0]} found a bad record: {found[0][1]}")
+            failure = exc
+        self._stop_for_data_errors(failure, "found a bad record")
         (tokenized, mine, rows, dropped), val = shards
         # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
@@ -255,11 +246,22 @@ class Trainer:
         return (self._batches(tokenized, mine, rows, spec.per_device_train_batch_size, per_epoch), plan,
                 self._validation(val))
 
+    def _stop_for_data_errors(self, failure: "data.DataError | None", what: str) -> None:
+        """Every rank learns about any rank's data error, so all stop before training. The ranks
+        read the same data, so they meet the same error: the lowest rank reports it, the others that
+        they stopped for it (`what` it did); a rank with an error of its own reports that."""
+        error = None if failure is None else str(failure)
+        found = [(rank, e) for rank, e in enumerate(self.dist.all_gather_object(error)) if e]
+        if error and (found[0][0] == self.dist.rank or error != found[0][1]):
+            raise failure
+        if found:
+            raise PeerFailed(f"stopped: rank {found[0][0]} {what}: {found[0][1]}")
+
     def _stream_data(self) -> tuple[StreamBatches, Plan, "Validation | None"]:
         """The training data streamed (nothing read before step 1; a bad record stops the run when
         reached), the validation data through the tokenized cache as without streaming."""
         spec, d = self.spec, self.dist
-        error, val = None, None
+        failure, val = None, None
         try:
             stream = open_stream(spec, self.tokenizer, d.dp_rank, d.dp_size)
             if spec.val_dataset and spec.evaluates:
@@ -267,12 +269,8 @@ class Trainer:
                     val = self._shard(open_tokenized(spec.model_copy(update={"dataset": spec.val_dataset}),
                                                      self.tokenizer, dataset_cache_dir(spec, self.run_dir)))
         except data.DataError as exc:
-            failure, error = exc, str(exc)
-        found = [(rank, e) for rank, e in enumerate(d.all_gather_object(error)) if e]
-        if error:
-            raise failure
-        if found:
-            raise PeerFailed(f"stopped: rank {found[0][0]} could not open the data: {found[0][1]}")
+            failure = exc
+        self._stop_for_data_errors(failure, "could not open the data")
         self.events.emit("data", phase="ready", streaming=True, val_samples=len(val[1]) if val else 0)
         if d.is_main:
             log.info("data: streamed over %d data-parallel ranks, %d steps (max_steps)", d.dp_size, spec.max_steps)
@@ -412,7 +410,7 @@ class Trainer:
         window_losses: list[float] = []
         upcoming, data_wait = self._fetch(self.step) if self.step < plan.max_steps else ([], 0.0)
         if spec.streaming and d.all_reduce([float(upcoming is None)], "max")[0][0]:
-            self._data_ended()
+            self._data_ended(upcoming is None)
         while self.step < plan.max_steps:
             started = time.perf_counter()
             micro, step_data_wait = upcoming, data_wait
@@ -464,7 +462,7 @@ class Trainer:
             if stop_votes:
                 raise Stopped()
             if ended:
-                self._data_ended()
+                self._data_ended(upcoming is None)
             if early:
                 if d.is_main:
                     best_step, best_loss = best_eval(self.eval_losses)
@@ -473,12 +471,12 @@ class Trainer:
                     self.events.emit("early_stop", step=self.step, best_step=best_step, best_eval_loss=best_loss)
                 return
 
-    def _data_ended(self) -> None:
-        """Every rank stops where a rank's stream ended before max_steps or met a bad record: the
-        lowest such rank says which, the others that they stopped for it."""
+    def _data_ended(self, missing: bool) -> None:
+        """Every rank stops where a rank's stream ended before max_steps or met a bad record
+        (`missing`: this rank's next step has no data): the lowest such rank says which, the others
+        that they stopped for it."""
         d = self.dist
-        ends = d.all_gather_object((self.batches.error, self.batches.records, self.batches.dropped,
-                                    self.upcoming_missing))
+        ends = d.all_gather_object((self.batches.error, self.batches.records, self.batches.dropped, missing))
         rank, (error, records, dropped, _) = next((r, end) for r, end in enumerate(ends) if end[0] or end[3])
         if rank != d.rank:
             raise PeerFailed(f"stopped: rank {rank} {'found a bad record' if error else 'ran out of data'}")
@@ -568,8 +566,7 @@ class Trainer:
         started = time.perf_counter()
         device = self.dist.device
         pin = device.type == "cuda"
-        batches = self.batches.step(step)
-        self.upcoming_missing = batches is None  # a stream that ended, or met a bad record
+        batches = self.batches.step(step)  # None: a stream that ended, or met a bad record
         micro = None if batches is None else [
             ({k: (v.pin_memory() if pin else v).to(device, non_blocking=True) for k, v in batch.items()}, tokens, samples)
             for batch, tokens, samples in batches]

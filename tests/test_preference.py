@@ -83,6 +83,23 @@ def test_preference_jobs_refuse_what_they_do_not_run():
     assert "not a preference pair" in problems["dataset[0]"]
 
 
+def assert_same_as_trl(got, preference, ours, expected, metrics: dict, policy) -> None:
+    """Our loss, the window's reward metrics and every trainable parameter's gradient equal TRL's."""
+    import torch
+
+    from launcher.preference import METRICS, PreferenceLoss
+
+    means = PreferenceLoss.means(preference.take())
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    for field in METRICS:
+        assert means[field] == pytest.approx(metrics[field.replace("_", "/", 1)], rel=1e-4, abs=1e-5), field
+    theirs = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert theirs.keys() == mine.keys() and any(g.abs().sum() > 0 for g in mine.values())
+    for name in theirs:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 CASES = [("lora", dict(loss_type="sigmoid")), ("lora", dict(loss_type="sigmoid", rpo_alpha=0.5)),
          ("lora", dict(loss_type="hinge")), ("lora", dict(loss_type="ipo")),
          ("lora", dict(loss_type="robust", label_smoothing=0.2)), ("full", dict(loss_type="sigmoid"))]
@@ -140,17 +157,7 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
     preference.reference = ref.logps(inputs)
     got = ours(**inputs).loss
     got.backward()
-    means = PreferenceLoss.means(preference.take())
-
-    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
-    for field in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
-                  "logps_rejected"):
-        assert means[field] == pytest.approx(metrics[field.replace("_", "/", 1)], rel=1e-4, abs=1e-5), field
-    theirs = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
-    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    assert theirs.keys() == mine.keys() and any(g.abs().sum() > 0 for g in mine.values())
-    for name in theirs:
-        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_trl(got, preference, ours, expected, metrics, policy)
 
 
 # (hinge with a small beta: the pairs' margins stay inside the hinge, so it has gradients)
@@ -205,17 +212,7 @@ def test_cpo_and_simpo_equal_trls_cpo_trainer(tmp_path, tiny_model, rlhf_type, l
     got = ours(input_ids=both["concatenated_input_ids"], attention_mask=both["concatenated_attention_mask"],
                labels=both["concatenated_labels"]).loss
     got.backward()
-    means = PreferenceLoss.means(preference.take())
-
-    assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
-    for field in ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
-                  "logps_rejected"):
-        assert means[field] == pytest.approx(metrics[field.replace("_", "/", 1)], rel=1e-4, abs=1e-5), field
-    theirs = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
-    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    assert theirs.keys() == mine.keys() and any(g.abs().sum() > 0 for g in mine.values())
-    for name in theirs:
-        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_trl(got, preference, ours, expected, metrics, policy)
 
 
 @pytest.mark.e2e
