@@ -14,6 +14,8 @@ worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
     out {"type": "token", "id", "model", "text"} ... and for each model {"type": "done", "id", "model", "tokens",
          "seconds", "prompt_tokens", "note"}; the models of one request answer at once, their events interleaved
     out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
+    in  {"cancel": id}: that request's answer ends where it is (read while it is being answered);
+        its done events say "cancelled": true
 
 Prompts are rendered exactly as training renders a conversation before an assistant turn
 (`launcher.data.render` with the generation prompt, the job's `system` prompt first where the
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -33,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from backend.job.chat import EXPORT_MARKER, ChatError, Request, parse_request, request_id
+from backend.job.chat import EXPORT_MARKER, ChatError, Request, cancelled_id, parse_request, request_id
 from backend.job.records import with_system
 from backend.job.errors import UserError
 from launcher import checkpoint
@@ -165,10 +169,12 @@ def _from_export(path: Path, dtype: torch.dtype):
 # ---- answering ------------------------------------------------------------------------------------
 
 
-def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> None:
+def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
+           cancelled: Callable[[], bool] = lambda: False) -> None:
     """Each model's token events as it generates them, all models at once, then its done event.
     A LoRA checkpoint answers as one batch whose base rows run with the adapter off (peft's
-    `adapter_names`); separate base and tuned models each generate on a thread of their own."""
+    `adapter_names`); separate base and tuned models each generate on a thread of their own.
+    Generation ends at the next token once `cancelled()` says so."""
     tokenizer = loaded.tokenizer
     room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
     prompts = []
@@ -186,12 +192,13 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> No
         note = (f"left out the {dropped} oldest message(s): the conversation is longer than the {room} tokens "
                 "the model has room for" if dropped else None)
         emit({"type": "done", "id": request.id, "model": models[row], "tokens": tokens,
-              "seconds": round(time.monotonic() - started, 3), "prompt_tokens": len(ids), "note": note})
+              "seconds": round(time.monotonic() - started, 3), "prompt_tokens": len(ids), "note": note,
+              **({"cancelled": True} if cancelled() else {})})
 
     rows = [ids for ids, _ in prompts]
     if loaded.base is None:
         adapter = loaded.tuned.active_adapter
-        generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end,
+        generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end, cancelled,
                       adapter_names=["__base__" if model == "base" else adapter for model in models])
         return
     errors: list[BaseException] = []
@@ -199,7 +206,7 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None]) -> No
     def work(row: int) -> None:
         try:
             generate_rows(loaded.model(models[row]), tokenizer, [rows[row]], request, loaded.device,
-                          lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens))
+                          lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled)
         except BaseException as exc:  # noqa: BLE001 - raised again below, on the serving thread
             errors.append(exc)
 
@@ -257,11 +264,21 @@ class RowStreamer:
         self.on_end(row, len(self.ids[row]))
 
 
+class Cancelled(StoppingCriteria):
+    """generate() ends every row at the next token once `cancelled()` says so."""
+
+    def __init__(self, cancelled: Callable[[], bool]):
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.cancelled(), dtype=torch.bool, device=input_ids.device)
+
+
 def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, device: torch.device,
                   on_text: Callable[[int, str], None], on_end: Callable[[int, int], None],
-                  adapter_names: list[str] | None = None) -> None:
+                  cancelled: Callable[[], bool], adapter_names: list[str] | None = None) -> None:
     """`model.generate` over the prompts `rows` (left-padded into one batch), each row's text and
-    end handed over as they come (`RowStreamer`)."""
+    end handed over as they come (`RowStreamer`), until `cancelled()`."""
     width = max(map(len, rows))
     # Without a pad token, the end token pads (as transformers does): a real token never ends a row.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -275,6 +292,7 @@ def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, dev
     with torch.no_grad():
         model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=request.max_new_tokens,
                        streamer=streamer, pad_token_id=pad, **stopping, **sampling,
+                       stopping_criteria=StoppingCriteriaList([Cancelled(cancelled)]),
                        **({"adapter_names": adapter_names} if adapter_names else {}))
 
 
@@ -307,13 +325,27 @@ def stops(model, tokenizer) -> dict:
 
 
 def serve(loaded: Loaded, lines: Iterable[str], emit: Callable[[dict], None]) -> None:
-    """Answer each request line in turn; a failed request is reported and the next one served."""
-    for line in lines:
-        if not line.strip():
-            continue
+    """Answer each request line in turn; a failed request is reported and the next one served. The
+    lines are read on a thread of their own, so a cancel line reaches the answer it ends."""
+    requests: queue.Queue[str | None] = queue.Queue()
+    cancelled: set[str] = set()
+
+    def read() -> None:
+        try:
+            for line in lines:
+                rid = cancelled_id(line)
+                if rid is not None:
+                    cancelled.add(rid)
+                elif line.strip():
+                    requests.put(line)
+        finally:
+            requests.put(None)
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    while (line := requests.get()) is not None:
         rid = request_id(line)
         try:
-            answer(loaded, parse_request(line), emit)
+            answer(loaded, parse_request(line), emit, lambda: rid in cancelled)
         except ChatError as exc:
             emit({"type": "error", "id": rid, "error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - out of memory, a library's refusal: the worker serves on

@@ -3,6 +3,7 @@ run's first node (RunManager.chat_open; the studio never loads a model), then se
 the base and the fine-tuned model side by side and watch both answers stream in."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -144,15 +145,17 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             events = studio.manager.chat_reply(session, [(side, prefix + asked[side]) for side in SIDES],
                                                int(max_new_tokens), float(temperature), float(top_p))
             # The first event before anything is shown: a refused exchange leaves the chatbots alone.
-            for event in itertools.chain([next(events)], events):
-                side = event["model"]
-                if event["type"] == "token":
-                    shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
-                    yield *screens(), gr.skip(), gr.skip(), gr.skip()
-                else:
-                    answering.discard(side)
-                    notes[side] = answer_note(side, event)
-                    yield *screens(), gr.skip(), gr.skip(), " · ".join(notes[s] for s in SIDES if s in notes)
+            # Closed with this answer (Clear cancels it): the worker then stops generating it.
+            with contextlib.closing(events):
+                for event in itertools.chain([next(events)], events):
+                    side = event["model"]
+                    if event["type"] == "token":
+                        shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
+                        yield *screens(), gr.skip(), gr.skip(), gr.skip()
+                    else:
+                        answering.discard(side)
+                        notes[side] = answer_note(side, event)
+                        yield *screens(), gr.skip(), gr.skip(), " · ".join(notes[s] for s in SIDES if s in notes)
         except Exception as exc:  # noqa: BLE001
             # The turn stays out of both histories (and off the chatbots) and the message in its box:
             # Send asks again.
@@ -167,12 +170,12 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
 
     tab.select(on_open, [c["run"]], [c["run"], c["status"]])
     c["run"].change(on_run, [c["run"]], [c["source"], c["status"]])
-    c["load"].click(on_load, [c["run"], c["source"], c["session"]],
-                    [c["status"], c["session"], c["history"], c["base"], c["tuned"], c["system"]])
     send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["system"], c["max_new_tokens"],
                                     c["temperature"], c["top_p"]],
                 outputs=[c["base"], c["tuned"], c["history"], c["message"], c["answers"]],
                 trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
-    c["send"].click(**send)
-    c["message"].submit(**send)
-    c["clear"].click(on_clear, None, [c["base"], c["tuned"], c["history"], c["answers"]])
+    sending = [c["send"].click(**send), c["message"].submit(**send)]
+    # Clear and Load end an answer being streamed (the worker stops generating it) first.
+    c["clear"].click(on_clear, None, [c["base"], c["tuned"], c["history"], c["answers"]], cancels=sending)
+    c["load"].click(on_load, [c["run"], c["source"], c["session"]],
+                    [c["status"], c["session"], c["history"], c["base"], c["tuned"], c["system"]], cancels=sending)

@@ -30,6 +30,10 @@ print("a library's progress line, not an event", flush=True)
 emit(type="ready", pid=os.getpid(), kind="lora")
 for line in sys.stdin:
     req = json.loads(line)
+    if "cancel" in req:  # kept beside the script, so the test sees it arrived
+        with open(os.path.join(os.path.dirname(__file__), "cancelled"), "a") as f:
+            f.write(f"{req['cancel']}\n")
+        continue
     if req["max_new_tokens"] > 100:  # the real worker's answer to a request it cannot read: no id
         emit(type="error", id=None, error="request.max_new_tokens: expected an integer from 1 to 100")
         continue
@@ -332,6 +336,63 @@ def test_a_reader_that_goes_away_mid_answer_leaves_the_session_serving(tmp_path)
     got, after, ended = asyncio.run(go())
     assert got[0]["text"] == "one "
     assert [e.get("text") for e in after] == ["one ", "two ", "three", None] and ended == "closed"
+
+
+def test_a_reader_that_goes_away_tells_the_worker_to_stop_that_answer(tmp_path):
+    """Clear in the Chat tab cancels the exchange being read (Gradio closes its generator): the
+    session sends the worker a cancel line for that request, and a message sent at once after it
+    is answered, not refused as one asked while another is answered."""
+    async def go():
+        session = await start(tmp_path, "ok")
+        first = session.reply([("tuned", [{"role": "user", "content": "hi"}])], 8, 0.0)
+        await anext(first)
+        await first.aclose()
+        after = await collect(session)
+        await session.close()
+        return after
+
+    after = asyncio.run(go())
+    assert [e["id"] for e in after] == ["2"] * 4 and (tmp_path / "cancelled").read_text() == "1\n"
+
+
+def test_a_cancel_line_ends_the_answer_the_worker_is_generating(demo_tokenizer):
+    """The real worker's serving loop with the demo model: lines are read while it answers, so a
+    cancel line ends request 1 at its next token (its done event says so); request 2, read meanwhile,
+    is then answered in full."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from backend.job.chat import cancel_line, request_line
+    from launcher.chat import Loaded, serve
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "demo" / "model").eval()
+    model.generation_config.eos_token_id = None  # only max_new_tokens or the cancel ends an answer
+    loaded = Loaded(model, model, demo_tokenizer, torch_cpu(), {"max_positions": 512, "system": None})
+    started, events = threading.Event(), []
+
+    def emit(event: dict) -> None:
+        events.append(event)
+        if event["type"] == "token":
+            started.set()
+
+    def lines():
+        ask = [("tuned", [{"role": "user", "content": "Convert 6 h to min."}])]
+        yield request_line("1", ask, 400, 0.0)
+        assert started.wait(60)
+        yield cancel_line("1")
+        yield request_line("2", ask, 5, 0.0)
+
+    serve(loaded, lines(), emit)
+    done = {e["id"]: e for e in events if e["type"] == "done"}
+    assert done["1"]["cancelled"] is True and done["1"]["tokens"] < 400
+    assert done["2"]["tokens"] == 5 and "cancelled" not in done["2"]
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
 
 
 def test_an_error_about_an_unreadable_request_reaches_the_one_who_asked(tmp_path):

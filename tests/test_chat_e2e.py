@@ -196,14 +196,18 @@ def test_a_worker_killed_mid_answer_is_reported_and_loading_again_works(trained)
 
 def test_a_message_sent_while_one_is_answered_is_refused(trained):
     m, runs, _ = trained
-    session, _ = m.chat_open(runs["lora"])
+    session, ready = m.chat_open(runs["lora"])
     hello = [{"role": "user", "content": "Hello"}]
-    # The exchange is pumped to its end whether read or not: 64 tokens a model keep the lock for
-    # seconds, the refusal below comes within milliseconds of the first token.
+    # The exchange is pumped to its end whether read or not; the worker is paused after its first
+    # token, so the answer is still being given when the second message waits its grace out.
     first = m.chat_reply(session, [("base", hello), ("tuned", hello)], 64, 0.0)
     got = [next(first)]
-    with pytest.raises(ChatError, match=r"the model is still answering the previous message"):
-        list(m.chat_reply(session, [("tuned", hello)], 4, 0.0))
+    os.kill(ready["pid"], signal.SIGSTOP)
+    try:
+        with pytest.raises(ChatError, match=r"the model is still answering the previous message"):
+            list(m.chat_reply(session, [("tuned", hello)], 4, 0.0))
+    finally:
+        os.kill(ready["pid"], signal.SIGCONT)
     got += list(first)
     assert sorted(e["model"] for e in got if e["type"] == "done") == ["base", "tuned"] and got[-1]["type"] == "done"
     assert answer(m, session, "tuned", "Hello", 4)[1][-1]["tokens"] == 4

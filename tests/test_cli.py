@@ -123,6 +123,31 @@ def test_import_bad_command(capsys):
     assert code == 1 and "dataset: required" in err and "lora_rank:" in err
 
 
+def test_a_job_files_inputs_are_read_from_its_directory(tmp_path, monkeypatch, capsys):
+    """The bundled demo job validates from any directory; a job file's relative inputs are read from
+    its own directory where it holds them, anything else (hub ids, paths from the current directory,
+    the outputs) as written."""
+    from backend.job.spec import load_spec
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = run(capsys, "validate", ROOT / "assets" / "demo" / "job.yaml")
+    assert code == 0 and out.startswith("ok: 1 node(s) x 2 proc"), err
+    jobs = tmp_path / "jobs"
+    (jobs / "data").mkdir(parents=True)
+    (jobs / "data" / "a.jsonl").write_text('{"query": "q", "response": "r"}\n')
+    (jobs / "ds.json").write_text("{}")
+    (elsewhere / "here.jsonl").write_text('{"query": "q", "response": "r"}\n')
+    (jobs / "job.yaml").write_text(yaml.safe_dump({
+        "model": "Qwen/Qwen2.5-0.5B", "dataset": ["data/a.jsonl#1", "here.jsonl", "swift/self-cognition#5"],
+        "val_dataset": ["data/a.jsonl"], "deepspeed": "ds.json", "output_dir": "out"}))
+    spec, problems = load_spec(Path("..") / "jobs" / "job.yaml")
+    assert problems == []
+    assert spec.dataset == [f"{jobs}/data/a.jsonl#1", "here.jsonl", "swift/self-cognition#5"]
+    assert (spec.val_dataset, spec.deepspeed) == ([f"{jobs}/data/a.jsonl"], f"{jobs}/ds.json")
+    assert (spec.model, spec.output_dir) == ("Qwen/Qwen2.5-0.5B", "out")
+
+
 def test_console_script_in_a_real_process(files):
     """`python -m backend.cli` from another directory: exit codes and output as a user sees them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -141,11 +141,11 @@ def test_a_fifo_device_directory_or_link_loop_as_dataset_is_named_before_launch(
     missing = tmp_path / "missing.jsonl"
     assert [(p.field, p.message) for p in errors(validate(job(tmp_path, str(missing))))
             if p.field.startswith("dataset")] == [("dataset[0]", f"file not found: {missing}")]
-    # A relative path says where it was looked for (a job file's paths are read from the current directory).
+    # A relative path says where it was looked for.
     assert [(p.field, p.message) for p in errors(validate(job(tmp_path, "data/missing.jsonl")))
             if p.field.startswith("dataset")] == [
-        ("dataset[0]", f"file not found: data/missing.jsonl (relative paths are read from the current directory, "
-                       f"{os.getcwd()})")]
+        ("dataset[0]", f"file not found: data/missing.jsonl (a relative path is read from the job file's directory, "
+                       f"else from the current directory, {os.getcwd()})")]
 
 
 def test_a_huge_line_is_named_before_launch_without_being_read_whole(tmp_path):

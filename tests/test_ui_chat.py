@@ -2,7 +2,8 @@
 trained by the worker on this machine is loaded with its job's system prompt, one message (Enter sends it, Shift+Enter
 writes a new line) is answered by the base and the fine-tuned model at once, and both answers are
 shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
-between two messages is reported and loading again works; stopping the studio ends its worker. The
+between two messages is reported and loading again works; Clear ends an answer being streamed;
+stopping the studio ends its worker. The
 studio process never loads torch.
 Screenshots: test-artifacts/ui/chat/."""
 from __future__ import annotations
@@ -137,6 +138,34 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
             re.compile(r"Base: \d+ tokens in .* Fine-tuned: \d+ tokens in"), timeout=ANSWER_MS)
         expect(page.locator("#chat-tuned .message.user").last).to_contain_text("And 2 + 4?")
         shot(page, "loaded-again")
+
+        # Clear while both answers are being generated: the exchange is cancelled (the worker is told
+        # to stop generating it), nothing of it comes back, and the next message is answered alone.
+        # The worker is paused until Clear is clicked, so the answer cannot finish first.
+        tokens = page.locator("#chat-max-new-tokens input[type=number]")
+        tokens.fill("400")
+        tokens.press("Tab")
+        [worker] = chat_workers(studio.proc.pid)
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            send(page, "Count to a hundred.")
+            expect(page.locator("#chat-answers")).to_contain_text("Generating")
+            page.locator("#chat-clear").click()
+            expect(page.locator("#chat-tuned .message")).to_have_count(0)
+            expect(page.locator("#chat-answers")).not_to_contain_text("Generating")
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        page.wait_for_timeout(3000)  # the 400 tokens take under a second here
+        expect(page.locator("#chat-tuned .message")).to_have_count(0)
+        expect(page.locator("#chat-base .message")).to_have_count(0)
+        tokens.fill("8")
+        tokens.press("Tab")
+        send(page, "And 3 + 4?")
+        expect(page.locator("#chat-answers")).to_contain_text(
+            re.compile(r"Base: \d+ tokens in .* Fine-tuned: \d+ tokens in"), timeout=ANSWER_MS)
+        for chatbot in ("chat-base", "chat-tuned"):
+            expect(page.locator(f"#{chatbot} .message.user")).to_have_count(1)
+            expect(page.locator(f"#{chatbot} .message.user")).to_contain_text("And 3 + 4?")
 
         page.locator("#chat-clear").click()
         expect(page.locator("#chat-tuned .message")).to_have_count(0)

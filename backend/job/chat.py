@@ -40,6 +40,21 @@ def request_line(rid: str, turns: Sequence[tuple[str, list[dict]]], max_new_toke
                        "top_p": float(top_p)}) + "\n"
 
 
+def cancel_line(rid: str) -> str:
+    """Ends request `rid`'s answer where it is (its asker went away: Clear, a closed page)."""
+    return json.dumps({"cancel": rid}) + "\n"
+
+
+def cancelled_id(line: str) -> str | None:
+    """The request a cancel line names; None for any other line."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    rid = data.get("cancel") if isinstance(data, dict) and set(data) == {"cancel"} else None
+    return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
 def request_id(line: str) -> str | None:
     """The id of a request line however wrong the rest is, so its error reaches the one who asked."""
     try:

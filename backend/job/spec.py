@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from backend.job.paths import not_a_regular_file
+from backend.job.records import DataError, parse_source
 
 DEEPSPEED_PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -401,7 +403,32 @@ def load_spec(path: str | Path) -> tuple[JobSpec | None, list[Problem]]:
         return None, [Problem(where, f"invalid YAML: {reason}")]
     if data is None:
         return None, [Problem(str(path), "file is empty; it needs at least 'model' and 'dataset'")]
-    return parse_spec(data, source=str(path))
+    spec, problems = parse_spec(data, source=str(path))
+    return (spec and anchored(spec, path.parent)), problems
+
+
+def anchored(spec: JobSpec, base: Path) -> JobSpec:
+    """The spec with its relative input paths (model, data, DeepSpeed JSON, checkpoint) read from
+    `base`, the job file's directory, where they exist there, so a job file works from any directory.
+    Any other value stays as written: a hub id, a path meant from the current directory (ms-swift's
+    reading), and the outputs (output_dir, dataset_cache_dir), which go where the job is run."""
+    def anchor(value: str | None) -> str | None:
+        if not value or os.path.isabs(os.path.expanduser(value)):
+            return value
+        candidate = Path(base, value).absolute()
+        return os.path.normpath(candidate) if os.path.lexists(candidate) else value
+
+    def anchor_entry(entry: str) -> str:
+        try:
+            name = parse_source(entry).name
+        except DataError:
+            return entry  # the validator names it
+        return anchor(name) + entry[len(name):]
+
+    return spec.model_copy(update=dict(
+        model=anchor(spec.model), deepspeed=anchor(spec.deepspeed),
+        resume_from_checkpoint=anchor(spec.resume_from_checkpoint),
+        dataset=[anchor_entry(e) for e in spec.dataset], val_dataset=[anchor_entry(e) for e in spec.val_dataset]))
 
 
 def dump_spec(spec: JobSpec, path: str | Path) -> None:

@@ -223,9 +223,9 @@ def _data_entries(spec: JobSpec) -> list[tuple[str, int, str]]:
 
 
 def _read_from(path: Path) -> str:
-    """Where a relative path was looked for: a job file's paths are read from the current
-    directory (as ms-swift's are), which is not always the one the user had in mind."""
-    return "" if path.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
+    """Where a relative path was looked for: one a job file's directory does not hold is read from
+    the current directory (as ms-swift reads them), which is not always the one the user had in mind."""
+    return "" if path.is_absolute() else f" (a relative path is read from the job file's directory, else from the current directory, {Path.cwd()})"
 
 
 def _model_file_rules(spec: JobSpec) -> list[Problem]:

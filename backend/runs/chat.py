@@ -10,6 +10,7 @@ studio (a worker whose stdin closes exits too, however the studio ended).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import shlex
@@ -18,11 +19,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from backend.cluster import remote, ssh
-from backend.job.chat import MODELS, parse_event, request_line
+from backend.job.chat import MODELS, cancel_line, parse_event, request_line
 from backend.runs.driver import RunError
 
 READY_TIMEOUT_S = 600.0  # loading a large model from a network disk onto a GPU
 EVENT_TIMEOUT_S = 300.0  # between two events of one answer (the first token of a long prompt on a CPU)
+LOCK_GRACE_S = 1.0       # how long a message waits for the previous exchange to let go of the session
 IDLE_S = 900.0           # a session nobody spoke to for this long ends (its worker holds a GPU)
 
 
@@ -122,18 +124,21 @@ class ChatSession:
         for model, _ in turns:
             if model not in MODELS:
                 raise ChatError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
-        if self._lock.locked():
+        try:
+            # A cancelled exchange (Clear) lets go within moments; one still answering does not.
+            await asyncio.wait_for(self._lock.acquire(), LOCK_GRACE_S)
+        except asyncio.TimeoutError:
             raise ChatError(f"{self.where}: the model is still answering the previous message; send again once it "
-                            "has finished")
-        async with self._lock:
+                            "has finished") from None
+        try:
             if self.ended:
                 raise ChatError(f"{self.where}: the chat worker has exited ({self.ended}); load the model again")
             self.last_used = time.monotonic()
-            try:
-                async for event in self._answer(turns, max_new_tokens, temperature, top_p):
-                    yield event
-            finally:
-                self.last_used = time.monotonic()
+            async for event in self._answer(turns, max_new_tokens, temperature, top_p):
+                yield event
+        finally:
+            self.last_used = time.monotonic()
+            self._lock.release()
 
     async def _answer(self, turns: Sequence[tuple[str, list[dict]]], max_new_tokens: int, temperature: float,
                       top_p: float) -> AsyncIterator[dict]:
@@ -163,6 +168,13 @@ class ChatSession:
         except ssh.NodeError as exc:
             await self._end(str(exc))
             raise ChatError(f"{self.where}: the chat worker is gone ({exc.reason}); load the model again") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            # The asker went away (Clear, a closed page): the worker stops generating for nobody, so
+            # the next message does not wait for the rest of this answer.
+            if self.ended is None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._stream.write(cancel_line(rid)), 10)
+            raise
 
     async def close(self) -> None:
         await self._end("closed")
