@@ -1,12 +1,13 @@
-"""Preference training (`rlhf_type`): DPO's loss family, CPO and SimPO on chosen/rejected pairs.
+"""Preference training (`rlhf_type`): DPO's loss family, CPO, SimPO and ORPO on chosen/rejected pairs.
 
 A micro-batch holds its pairs' chosen rows first, then their rejected rows (one forward for both,
 as TRL's concatenated forward). The loss is installed as the policy model's loss function
 (transformers' `loss_function`), so every engine keeps calling `model(**batch).loss`; the
 reference log-probs of the micro-batch (DPO) are computed just before, without gradients: the
 policy with its LoRA adapters turned off, or a frozen copy of the base model taken before
-training. CPO and SimPO need no reference. The arithmetic is TRL's DPOTrainer's and CPOTrainer's
-(tests/test_preference.py compares loss, rewards and gradients with them)."""
+training. CPO, SimPO and ORPO need no reference. The arithmetic is TRL's DPOTrainer's, CPOTrainer's
+and ORPOTrainer's (ORPO's NLL on the answer tokens, as ms-swift runs it; tests/test_preference.py
+compares loss, rewards and gradients with them)."""
 from __future__ import annotations
 
 import copy
@@ -55,10 +56,12 @@ def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: 
 
 
 def reference_free_losses(chosen: torch.Tensor, rejected: torch.Tensor, spec) -> torch.Tensor:
-    """Each pair's CPO or SimPO loss on the policy's own log-probs (TRL's CPOTrainer; SimPO's and
-    IPO's per token): no reference model."""
+    """Each pair's CPO, SimPO or ORPO loss on the policy's own log-probs (TRL's CPOTrainer and
+    ORPOTrainer; SimPO's, ORPO's and IPO's per token): no reference model."""
     beta, smoothing = spec.preference_beta, spec.label_smoothing
     delta = chosen - rejected
+    if spec.rlhf_type == "orpo":  # the log odds ratio, odds = p / (1 - p) of the mean token probability
+        return -beta * F.logsigmoid(delta - (log1mexp(chosen) - log1mexp(rejected)))
     if spec.rlhf_type == "simpo":
         delta = delta - spec.simpo_gamma / beta
     if spec.rlhf_type == "simpo" or spec.loss_type == "sigmoid":
@@ -70,9 +73,14 @@ def reference_free_losses(chosen: torch.Tensor, rejected: torch.Tensor, spec) ->
     raise ValueError(f"loss_type {spec.loss_type} with rlhf_type {spec.rlhf_type}")
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -log 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
 def per_token(spec) -> bool:
-    """Whether the algorithm compares answers by their mean token log-prob (SimPO, CPO's IPO), not their sum."""
-    return spec.rlhf_type == "simpo" or (spec.rlhf_type == "cpo" and spec.loss_type == "ipo")
+    """Whether the algorithm compares answers by their mean token log-prob (SimPO, ORPO, CPO's IPO), not their sum."""
+    return spec.rlhf_type in ("simpo", "orpo") or (spec.rlhf_type == "cpo" and spec.loss_type == "ipo")
 
 
 class PreferenceLoss:
@@ -92,7 +100,7 @@ class PreferenceLoss:
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         # Rows that only fill a micro-batch to its size (evaluation's last one) carry no labels.
         real = chosen_tokens > 0
-        # The chosen answers' mean token NLL: DPO's rpo_alpha term (TRL's "sft" loss), CPO's and SimPO's own.
+        # The chosen answers' mean token NLL: DPO's rpo_alpha term (TRL's "sft" loss), CPO's, SimPO's and ORPO's own.
         nll = -chosen[real].sum() / chosen_tokens[real].sum()
         if spec.rlhf_type == "dpo":
             if self.reference is None:
@@ -106,7 +114,7 @@ class PreferenceLoss:
                 chosen, rejected = chosen / chosen_tokens.clamp(min=1), rejected / rejected_tokens.clamp(min=1)
             ref_chosen = ref_rejected = torch.zeros_like(chosen)
             losses = reference_free_losses(chosen, rejected, spec)
-            weight = spec.cpo_alpha or None
+            weight = 1.0 if spec.rlhf_type == "orpo" else spec.cpo_alpha or None
         loss = losses[real].mean() + (weight * nll if weight is not None else 0)
         if not torch.is_grad_enabled():  # an evaluation: its loss is reported on its own
             return loss

@@ -22,7 +22,7 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
                               "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
-    ("Preference training (DPO, CPO, SimPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
+    ("Preference training (DPO, CPO, SimPO, ORPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
                                                       "cpo_alpha", "simpo_gamma")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",

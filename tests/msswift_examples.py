@@ -970,6 +970,40 @@ swift rlhf \
     --padding_free true""",
      "swift rlhf DPO full parameters with ZeRO-3 and padding_free"),
 
+    ("rlhf-orpo-lora-zero2",
+     "examples/train/rlhf/orpo.sh",
+     r"""nproc_per_node=2
+
+CUDA_VISIBLE_DEVICES=0,1 \
+NPROC_PER_NODE=$nproc_per_node \
+swift rlhf \
+    --rlhf_type orpo \
+    --model Qwen/Qwen2.5-7B-Instruct \
+    --train_type lora \
+    --dataset hjh0119/shareAI-Llama3-DPO-zh-en-emoji \
+    --load_from_cache_file true \
+    --split_dataset_ratio 0.01 \
+    --torch_dtype bfloat16 \
+    --num_train_epochs 1 \
+    --per_device_train_batch_size 1 \
+    --per_device_eval_batch_size 1 \
+    --learning_rate 1e-4 \
+    --lora_rank 8 \
+    --lora_alpha 32 \
+    --target_modules all-linear \
+    --gradient_accumulation_steps $(expr 16 / $nproc_per_node) \
+    --eval_steps 100 \
+    --save_steps 100 \
+    --save_total_limit 2 \
+    --logging_steps 5 \
+    --max_length 2048 \
+    --output_dir output \
+    --warmup_ratio 0.05 \
+    --dataloader_num_workers 4 \
+    --deepspeed zero2 \
+    --dataset_num_proc 4""",
+     "swift rlhf ORPO with LoRA on ZeRO-2"),
+
     ("megatron-rlhf-dpo-moe-lora",
      "examples/megatron/lora/dpo.sh examples/megatron/rlhf/dpo/moe.sh",
      r"""PYTORCH_CUDA_ALLOC_CONF='expandable_segments:True' \

@@ -215,10 +215,65 @@ def test_cpo_and_simpo_equal_trls_cpo_trainer(tmp_path, tiny_model, rlhf_type, l
     assert_same_as_trl(got, preference, ours, expected, metrics, policy)
 
 
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_orpo_equals_trls_orpo_trainer_as_ms_swift_runs_it(tmp_path, tiny_model, beta):
+    """ORPO: the loss (the chosen answers' NLL less beta x the log-sigmoid of the log odds ratio of
+    the mean token log-probs), the rewards and the gradients of TRL's ORPOTrainer, its NLL on the
+    answer tokens as ms-swift runs it (swift/rlhf_trainers/rlhf_mixin.py hands TRL the labels as the
+    tokens of that NLL; TRL alone would count the prompt's tokens too)."""
+    from unittest import mock
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from launcher.preference import PreferenceLoss, install
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    torch.manual_seed(1)
+    spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type="orpo", beta=beta)
+    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
+              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
+             for i in range(4)]
+    trl = ORPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(pairs),
+                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
+                      args=ORPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                      bf16=False, max_length=64, gradient_checkpointing=False, beta=spec.preference_beta))
+    policy = trl.model
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ours = copy.deepcopy(policy)
+    batch = next(iter(trl.get_train_dataloader()))
+    both = trl.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=trl.padding_value, device="cpu")
+    policy.train()
+    outputs = policy(input_ids=both["concatenated_input_ids"], attention_mask=both["concatenated_attention_mask"],
+                     use_cache=False)
+    # ms-swift's RLHFTrainerMixin.concatenated_forward: the forward done, TRL handed the labels as its input ids
+    as_ms_swift = {**both, "concatenated_input_ids": both["concatenated_labels"]}
+    with mock.patch.object(trl, "concatenated_inputs", lambda *a, **k: as_ms_swift), \
+            mock.patch.object(type(policy), "__call__", lambda *a, **k: outputs):
+        expected, metrics = trl.get_batch_loss_metrics(policy, batch)
+    expected.backward()
+
+    preference = PreferenceLoss(spec)
+    install(ours, preference)
+    ours.train()
+    got = ours(input_ids=both["concatenated_input_ids"], attention_mask=both["concatenated_attention_mask"],
+               labels=both["concatenated_labels"]).loss
+    got.backward()
+    assert_same_as_trl(got, preference, ours, expected, metrics, policy)
+
+
 @pytest.mark.e2e
 def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
     """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP and on ZeRO-3, and full
-    fine-tuning on FSDP2 (a frozen copy, sharded as the policy), SimPO (none): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
+    fine-tuning on FSDP2 (a frozen copy, sharded as the policy), SimPO and ORPO (none): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's
     losses, a resume trains the same losses, the result exports."""
     data = preference_pairs(tmp_path / "pairs.jsonl", 64)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
@@ -229,7 +284,9 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     zero3 = tmp_path / "zero3"  # the reference forward outside DeepSpeed's engine, its hooks gathering
     simpo = write_run(tmp_path / "simpo", **{**common, "rlhf_type": "simpo", "beta": None}, train_type="lora",
                       learning_rate=1e-2, max_steps=6)
-    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo),
+    orpo = write_run(tmp_path / "orpo", **{**common, "rlhf_type": "orpo", "beta": None}, train_type="lora",
+                     learning_rate=1e-2, max_steps=6)
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo), dict(run_dir=orpo),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
                                      deepspeed="zero3", nproc_per_node=2)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
@@ -248,6 +305,11 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     assert [e["step"] for e in simpo_steps] == list(range(1, 7))
     assert simpo_steps[-1]["rewards_margins"] > simpo_steps[0]["rewards_margins"] and \
         simpo_steps[-1]["loss"] < simpo_steps[0]["loss"]
+    # ORPO (no reference; beta 0.1): its loss is mostly the chosen answers' NLL, which falls, and the
+    # mean token log-prob of the chosen answers rises past the rejected ones'
+    orpo_steps = events(orpo, 0, "train")
+    assert [e["step"] for e in orpo_steps] == list(range(1, 7)) and orpo_steps[-1]["loss"] < orpo_steps[0]["loss"]
+    assert orpo_steps[-1]["rewards_margins"] > orpo_steps[0]["rewards_margins"]
     # full fine-tuning's sharded reference is the base: its first step has no margin, later ones grow one
     first_full = events(full, 0, "train")
     assert first_full[0]["rewards_margins"] == pytest.approx(0, abs=1e-4)

@@ -282,6 +282,12 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     if spec.rlhf_type == "simpo" and spec.loss_type != "sigmoid":
         problems.append(Problem("loss_type", "ignored: simpo has its own loss (a sigmoid of the length-normalised "
                                              "margin less simpo_gamma)", "warning"))
+    if spec.rlhf_type == "orpo":
+        problems += [Problem(field, f"ignored: orpo's loss is the chosen answers' NLL less beta x the log-sigmoid of "
+                                    f"the log odds ratio ({why})", "warning")
+                     for field, why in (("loss_type", "it has no other"), ("label_smoothing", "no smoothing"),
+                                        ("cpo_alpha", "the NLL's weight is 1"))
+                     if getattr(spec, field) != JobSpec.model_fields[field].default]
     if spec.rlhf_type != "dpo" and spec.rpo_alpha is not None:
         problems.append(Problem("rpo_alpha", f"ignored with rlhf_type {spec.rlhf_type}: cpo_alpha weighs its NLL term",
                                 "warning"))

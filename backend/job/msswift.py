@@ -33,7 +33,7 @@ from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 SCRIPTS = ("cli/sft.py", "cli/megatron/sft.py", "cli/rlhf.py", "cli/megatron/rlhf.py")
 RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma")
-RLHF_TYPES = ("dpo", "cpo", "simpo")
+RLHF_TYPES = ("dpo", "cpo", "simpo", "orpo")
 """Job fields only a `swift rlhf` command sets (`swift sft`'s own --loss_type is another thing)."""
 LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -258,8 +258,8 @@ def import_command(text: str) -> ImportResult:
             continue
         if key == "rlhf_type" and (len(values) != 1 or values[0] not in RLHF_TYPES):
             result.problems.append(Problem(f"--{name}", f"{shlex.join(values)} is not supported: swift-studio trains "
-                                                        "'dpo', 'cpo' and 'simpo' (ms-swift's orpo, kto, rm, ppo, grpo "
-                                                        "and gkd are not available here)"))
+                                                        "'dpo', 'cpo', 'simpo' and 'orpo' (ms-swift's kto, rm, ppo, "
+                                                        "grpo and gkd are not available here)"))
             continue
         if key == "loss_type" and values == ["simpo"]:  # ms-swift's simpo is cpo with this loss
             result.notes.append(f"{flag} -> rlhf_type simpo")

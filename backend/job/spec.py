@@ -93,8 +93,8 @@ class JobSpec(BaseModel):
     train_type: Literal["lora", "full"] = Field("lora", description="LoRA adapters (peft) or full fine-tuning.")
 
     # Preference training (swift rlhf)
-    rlhf_type: Literal["dpo", "cpo", "simpo"] | None = Field(None, description="Preference training on chosen/rejected pairs (swift rlhf --rlhf_type): 'dpo' against a reference model (the base: LoRA with its adapters off, full a frozen copy); 'cpo' and 'simpo' without one; empty: supervised fine-tuning.")
-    beta: float | None = Field(None, gt=0, description="How strongly the loss separates chosen from rejected (DPO: how far the policy may move from the reference); empty: ms-swift's default for the algorithm, 0.1 for dpo and cpo, 2.0 for simpo.")
+    rlhf_type: Literal["dpo", "cpo", "simpo", "orpo"] | None = Field(None, description="Preference training on chosen/rejected pairs (swift rlhf --rlhf_type): 'dpo' against a reference model (the base: LoRA with its adapters off, full a frozen copy); 'cpo', 'simpo' and 'orpo' (odds ratio plus the chosen answers' NLL) without one; empty: supervised fine-tuning.")
+    beta: float | None = Field(None, gt=0, description="How strongly the loss separates chosen from rejected (DPO: how far the policy may move from the reference); empty: ms-swift's default for the algorithm, 0.1 for dpo, cpo and orpo, 2.0 for simpo.")
     loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = Field("sigmoid", description="The loss on the reward margin: sigmoid (DPO), hinge (SLiC), ipo (IPO, per-token averaged), robust (rDPO, with label_smoothing; dpo only); simpo has its own.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="The share of pairs taken as wrongly labelled (cDPO with sigmoid, rDPO with robust).")
     rpo_alpha: float | None = Field(None, ge=0, description="dpo: adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
