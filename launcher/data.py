@@ -252,6 +252,9 @@ class Batches:
         self.max_length = max_length
         self._epoch: int | None = None
         self._epoch_order: list[int] = []
+        self.reference: Callable[[np.ndarray], np.ndarray] | None = None
+        """Preference pairs with precomputed reference log-probs: the plan's sample indices → their
+        (chosen, rejected) log-probs, handed along as the micro-batch's `reference_logps`."""
 
     def _order(self, epoch: int) -> list[int]:
         # Shuffling is O(rows); steps ask for the same epoch thousands of times in a row.
@@ -279,8 +282,17 @@ class Batches:
         """The rows `indices` as one micro-batch: (batch, tokens, samples). `fill`: rows of one pad
         token without labels make up a short micro-batch's size (engines set up for one micro-batch
         size, as DeepSpeed's Ulysses is, refuse another; such rows add no loss and no count)."""
-        rows = self.rows(indices, self.micro_batch - len(indices) if fill else 0)
-        return micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple)
+        filled = self.micro_batch - len(indices) if fill else 0
+        batch, tokens, samples = micro_batch(self.rows(indices, filled), self.pad_id, self.packed, self.max_length,
+                                             self.multiple)
+        if self.reference is not None:  # chosen rows, then rejected rows, each half filled alike
+            import torch
+
+            members = np.concatenate([self.plan.row(i) for i in indices]) if indices else np.zeros(0, np.int64)
+            logps = np.asarray(self.reference(members), dtype=np.float32).reshape(-1, 2)
+            pad = np.zeros(filled, np.float32)
+            batch["reference_logps"] = torch.from_numpy(np.concatenate([logps[:, 0], pad, logps[:, 1], pad]))
+        return batch, tokens, samples
 
     def step(self, step: int) -> list[tuple[dict, int, int]]:
         """Micro-batches of optimizer step `step` (0-based): (batch, tokens, samples) each."""

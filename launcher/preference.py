@@ -11,12 +11,20 @@ compares loss, rewards and gradients with them)."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import logging
+import os
 from contextlib import nullcontext
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from launcher.data import IGNORE
+
+log = logging.getLogger(__name__)
 
 METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies", "logps_chosen",
            "logps_rejected")
@@ -143,11 +151,14 @@ class Reference:
     """The reference model's log-probs of a micro-batch: the policy with its adapters off (LoRA),
     else a frozen copy of the base model as loaded (taken before the engine wraps the policy, so a
     resume compares against the base, not against the resumed weights), placed by the engine:
-    sharded as the policy under FSDP2, whole on each rank under DDP's layout and DeepSpeed."""
+    sharded as the policy under FSDP2, whole on each rank under DDP's layout and DeepSpeed.
+    `copy=False` (the log-probs precomputed before any step or checkpoint): full fine-tuning's
+    reference is the policy itself, still the base."""
 
-    def __init__(self, policy: torch.nn.Module, lora: bool, dtype: torch.dtype):
-        self.policy = policy
-        self.frozen = None if lora else copy.deepcopy(policy).requires_grad_(False).eval().to(dtype)
+    def __init__(self, policy: torch.nn.Module, lora: bool, dtype: torch.dtype, copy_base: bool = True):
+        self.policy, self.lora = policy, lora
+        self.frozen = (copy.deepcopy(policy).requires_grad_(False).eval().to(dtype)
+                       if copy_base and not lora else None)
 
     def place(self, engine, device: torch.device) -> "Reference":
         """The frozen copy placed as `engine` places a model (FSDP2 shards it as the policy)."""
@@ -163,10 +174,79 @@ class Reference:
         with context or nullcontext():
             if self.frozen is not None:
                 logits = self.frozen(**inputs, use_cache=False).logits
-            else:
+            elif self.lora:
                 with self.policy.disable_adapter():
                     logits = self.policy(**inputs, use_cache=False).logits
+            else:
+                logits = self.policy(**inputs, use_cache=False).logits
         return sequence_logps(logits, batch["labels"])[0]
+
+
+# ---- precomputed reference log-probs (precompute_ref_log_probs) ------------------------------------
+
+
+def reference_file(entry: Path, spec) -> Path:
+    """Where an entry of the tokenized cache keeps its pairs' reference log-probs under this job's
+    reference: the model as loaded (a local directory's files by name, size and time) and the
+    compute dtype."""
+    model = Path(spec.model).expanduser()
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file()) \
+        if model.is_dir() else []
+    key = json.dumps({"model": spec.model, "files": files, "dtype": spec.torch_dtype}, sort_keys=True)
+    return entry / f"reference-logps-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+
+
+def load_reference_table(path: Path, pairs: int) -> np.ndarray:
+    """(pairs, 2) float32 of the entry's rows (chosen, rejected), NaN where none was computed. A
+    missing file is all NaN; so is a damaged or foreign one (logged): it is a cache. Its .npy header
+    is read and checked before its data (so a header claiming a huge shape allocates nothing), and
+    the data taken as plain float32 bytes: nothing in the file is unpickled or run."""
+    empty = np.full((pairs, 2), np.nan, dtype=np.float32)
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = header(f)
+            if (shape, fortran_order, dtype) != ((pairs, 2), False, np.dtype("<f4")):
+                raise ValueError(f"{dtype} {shape}, expected float32 ({pairs}, 2)")
+            data = f.read(pairs * 8 + 1)
+        if len(data) != pairs * 8:
+            raise ValueError(f"{len(data)} bytes of data for {pairs} pairs")
+    except FileNotFoundError:
+        return empty
+    except (OSError, ValueError) as exc:
+        log.warning("%s: not this entry's reference log-probs (%s); they are computed again", path, exc)
+        return empty
+    return np.frombuffer(data, dtype="<f4").reshape(pairs, 2).copy()
+
+
+def save_reference_table(path: Path, table: np.ndarray) -> None:
+    """Written whole or not at all (a temporary file renamed over it); a failure (a full disk) is
+    logged: training goes on with the values in memory, a later run computes them again."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, table, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        log.warning("%s: cannot keep the reference log-probs (%s); a later run computes them again", path, exc)
+
+
+@torch.no_grad()
+def precompute(batches, count: int, reference: Reference, device: torch.device, context=None) -> np.ndarray:
+    """This rank's pairs' reference log-probs in the order of its plan, (pairs, 2): chosen, rejected.
+    `count` micro-batches, the most any rank has: the engines' forwards are collective (ZeRO-3 and
+    FSDP2 gather the weights), so every rank runs as many, its last ones filled."""
+    pairs, size, out = len(batches.plan), batches.micro_batch, []
+    for k, (batch, _, _) in enumerate(batches.in_order(count)):
+        real = max(0, min(size, pairs - k * size))
+        logps = reference.logps({key: value.to(device) for key, value in batch.items()}, context).float().cpu()
+        half = logps.shape[0] // 2  # chosen rows then rejected rows, each half filled to the micro-batch
+        out.append(torch.stack([logps[:real], logps[half:half + real]], dim=1))
+    return torch.cat(out).numpy() if out else np.zeros((0, 2), np.float32)
 
 
 def install(policy: torch.nn.Module, loss: PreferenceLoss) -> None:

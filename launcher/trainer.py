@@ -30,9 +30,10 @@ from launcher.events import EventWriter, Window, eta_seconds, format_duration, s
 from launcher.engines.tp import distributed_config
 from launcher.model import DTYPES, flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
-from launcher.preference import PreferenceLoss, Reference, install
+from launcher.preference import (PreferenceLoss, Reference, install, load_reference_table, precompute,
+                                 reference_file, save_reference_table)
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
-from launcher.tokenized import DataHeartbeat, dataset_cache_dir, open_tokenized
+from launcher.tokenized import DataHeartbeat, Tokenized, dataset_cache_dir, open_tokenized
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
@@ -176,6 +177,7 @@ class Trainer:
         tp = transformers_plan(spec, self.dist.world_size)
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
+        self._pair_sources: list[tuple[data.Batches, Tokenized, np.ndarray]] = []  # made by _batches
         self.batches, self.plan, self.validation = self._load_data()
         self.eval_losses: dict[int, float] = {}  # step -> eval loss, this attempt's and the resumed checkpoints'
         ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(self.model_config, "hidden_size", None),
@@ -187,10 +189,14 @@ class Trainer:
             install(model, self.preference)
         if spec.rlhf_type == "dpo":
             # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
-            self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype])
+            self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype],
+                                       copy_base=not spec.precompute_ref_log_probs)
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.reference:
             self.reference.place(self.engine, self.dist.device)
+        if self.reference and spec.precompute_ref_log_probs:
+            self._precompute_reference(model)  # before a checkpoint is loaded: the policy is still the base
+            self.reference = None
         self.routers = RouterMeter(model)
         # Different dropout masks per rank from here on (the weights were initialised identically),
         # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP
@@ -278,6 +284,35 @@ class Trainer:
                                 self.tokenizer.pad_token_id, spec.packing, spec.max_length, seq_multiple(spec))
         return batches, Plan(spec.max_steps, spec.max_steps), self._validation(val)
 
+    def _precompute_reference(self, model: torch.nn.Module) -> None:
+        """DPO's reference log-probs of every training and validation pair, computed in one pass
+        where the tokenized cache does not hold them for this model yet, then handed to the loss
+        with each micro-batch (`precompute_ref_log_probs`)."""
+        d = self.dist
+        for batches, tokenized, mine in self._pair_sources:
+            path = reference_file(tokenized.entry, self.spec)
+            table = load_reference_table(path, tokenized.table.num_rows)
+            (missing,), _ = d.all_reduce([float(not np.isfinite(table[mine]).all())], "max")
+            if missing:
+                started = time.perf_counter()
+                (count,), _ = d.all_reduce([math.ceil(len(batches.plan) / batches.micro_batch)], "max")
+                was_training = model.training
+                model.eval()
+                with DataHeartbeat(self.events):
+                    computed = precompute(batches, int(count), self.reference, d.device, self.engine.forward_context())
+                model.train(was_training)
+                gathered = d.all_gather_object((mine, computed))
+                for ids, values in gathered:
+                    table[ids] = values
+                if d.is_main:
+                    save_reference_table(path, table)
+                    log.info("reference log-probs of %d pairs computed in %.1f s, kept in %s",
+                             sum(len(ids) for ids, _ in gathered) // d.same_data_ranks, time.perf_counter() - started,
+                             path)
+            elif d.is_main:
+                log.info("reference log-probs read from %s", path)
+            batches.reference = lambda members, table=table, mine=mine: table[mine[members]]
+
     def _shard(self, tokenized, among=None) -> tuple:
         """(the data, this rank's rows of it, their row plan, how many of its records were dropped)."""
         mine, dropped = tokenized.shard(self.dist.dp_rank, self.dist.dp_size, among)
@@ -287,9 +322,11 @@ class Trainer:
 
     def _batches(self, tokenized, mine, rows, micro_batch: int, steps_per_epoch: int = 1) -> data.Batches:
         spec = self.spec
-        return data.Batches(lambda members: tokenized.samples(mine[members]), rows, micro_batch,
-                            spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
-                            spec.packing, spec.max_length, seq_multiple(spec))
+        batches = data.Batches(lambda members: tokenized.samples(mine[members]), rows, micro_batch,
+                               spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
+                               spec.packing, spec.max_length, seq_multiple(spec))
+        self._pair_sources.append((batches, tokenized, mine))
+        return batches
 
     def _validation(self, val: tuple | None) -> "Validation | None":
         """Every rank evaluates as many micro-batches: the fewest any rank's share makes."""
@@ -546,7 +583,10 @@ class Trainer:
 
     def _with_reference(self, batch: dict) -> dict:
         """Preference training: the micro-batch's reference log-probs, handed to the loss."""
-        if self.reference is not None:
+        if "reference_logps" in batch:
+            batch = dict(batch)
+            self.preference.reference = batch.pop("reference_logps")
+        elif self.reference is not None:
             self.preference.reference = self.reference.logps(batch, self.engine.forward_context())
         return batch
 

@@ -279,3 +279,7 @@ def test_dpo_counts_its_two_sequences_per_pair_and_a_full_reference_copy():
     whole = estimate_memory(JobSpec(**zero3, rlhf_type="dpo"), model).parameters_gib - \
         estimate_memory(JobSpec(**zero3), model).parameters_gib
     assert whole == pytest.approx(model.param_count() * 2 / GIB)
+    # precomputed reference log-probs: no copy held at all
+    precomputed = estimate_memory(JobSpec(**zero3, rlhf_type="dpo", precompute_ref_log_probs=True), model)
+    assert precomputed.parameters_gib == pytest.approx(estimate_memory(JobSpec(**zero3), model).parameters_gib)
+    assert any("precomputed before training" in n for n in precomputed.notes)

@@ -543,13 +543,16 @@ def test_swift_command_states_what_ms_swift_would_not_default_to(spec):
 
 def test_a_dpo_job_is_a_swift_rlhf_line_that_imports_back():
     spec = JobSpec(model="Qwen/Qwen2.5-7B-Instruct", dataset=["pairs.jsonl"], nproc_per_node=2, rlhf_type="dpo",
-                   beta=0.2, loss_type="ipo", rpo_alpha=0.1)
+                   beta=0.2, loss_type="ipo", rpo_alpha=0.1, precompute_ref_log_probs=True)
     line = swift_command(spec)
     assert line.startswith("NPROC_PER_NODE=2 swift rlhf") and "--rlhf_type dpo" in line and "--loss_type ipo" in line
+    assert "--precompute_ref_log_probs true" in line
     back, problems = import_command(line).parse()
     assert problems == [] and back == spec
     # swift sft's own --loss_type is not DPO's; swift rlhf's other algorithms are refused by name
     assert "--loss_type cross_entropy" in import_command("swift sft --model m --dataset d --loss_type cross_entropy").ignored
+    assert import_command("swift sft --model m --dataset d --precompute_ref_log_probs true").ignored == [
+        "--precompute_ref_log_probs true"]
     _, problems = import_command("swift rlhf --rlhf_type kto --model m --dataset d").parse()
     assert [p.field for p in problems] == ["--rlhf_type"] and "swift-studio trains 'dpo'" in problems[0].message
     # ms-swift's default rlhf_type is dpo

@@ -81,6 +81,13 @@ def test_preference_jobs_refuse_what_they_do_not_run():
     assert "sequence parallel is not combined with rlhf_type dpo" in problems["sequence_parallel_size"]
     # the demo's SFT records are no pairs: named by file:line before launch
     assert "not a preference pair" in problems["dataset[0]"]
+    # settings an algorithm does not use are warned, not silently dropped
+    warned = {p.field: p.message for p in validate(JobSpec(
+        model="m", dataset=["p.jsonl"], rlhf_type="orpo", loss_type="hinge", label_smoothing=0.1, cpo_alpha=0.5,
+        precompute_ref_log_probs=True)) if p.severity == "warning"}
+    assert {"loss_type", "label_smoothing", "cpo_alpha", "precompute_ref_log_probs"} <= set(warned)
+    assert "orpo's loss is the chosen answers' NLL" in warned["cpo_alpha"] and "no reference" in \
+        warned["precompute_ref_log_probs"]
 
 
 def assert_same_as_trl(got, preference, ours, expected, metrics: dict, policy) -> None:
@@ -328,3 +335,74 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
 
     out = export(lora, None, tmp_path / "exported")
     assert (tmp_path / "exported" / "config.json").is_file() and out["out"]
+
+
+@pytest.mark.e2e
+def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_kept(tmp_path, tiny_model):
+    """precompute_ref_log_probs, full fine-tuning on two ranks: no frozen copy, the losses and eval
+    losses of the run that holds one; the log-probs kept beside the tokenized data are read by a
+    resume, and a damaged file is computed again from the base (before the checkpoint is loaded)."""
+    data = preference_pairs(tmp_path / "pairs.jsonl", 40)
+    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48, train_type="full",
+                  per_device_train_batch_size=4, logging_steps=1, save_steps=2, max_steps=4, learning_rate=1e-3,
+                  torch_dtype="float32", warmup_ratio=0.0, split_dataset_ratio=0.2, eval_steps=2)
+    live = write_run(tmp_path / "live", **common)
+    pre = write_run(tmp_path / "pre", **common, precompute_ref_log_probs=True)
+    for proc in run_workers([dict(run_dir=live), dict(run_dir=pre)], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    precomputed = proc.log
+    assert "reference log-probs of 32 pairs computed" in precomputed and "of 8 pairs computed" in precomputed
+    assert sorted(losses(pre)) == [1, 2, 3, 4]
+    for step, value in losses(live).items():
+        assert losses(pre)[step] == pytest.approx(value, rel=1e-5), step
+    assert events(pre, 0, "train")[0]["rewards_margins"] == pytest.approx(0, abs=1e-5)
+    evals = {e["step"]: e["eval_loss"] for e in events(live, 0, "eval")}
+    assert sorted(evals) == [2, 4] and all(e["eval_loss"] == pytest.approx(evals[e["step"]], rel=1e-5)
+                                           for e in events(pre, 0, "eval"))
+    [kept] = (tmp_path / ".tokenized").glob("*/reference-logps-*.npy")
+
+    resumed = write_run(tmp_path / "resumed", **common, precompute_ref_log_probs=True)
+    shutil.copytree(pre / "checkpoint-2", resumed / "checkpoint-2")
+    damaged = write_run(tmp_path / "damaged", **common, precompute_ref_log_probs=True)
+    shutil.copytree(pre / "checkpoint-2", damaged / "checkpoint-2")
+    (proc,) = run_workers([dict(run_dir=resumed, resume="latest")], 400)
+    assert proc.returncode == 0 and "reference log-probs read from" in proc.log, proc.log[-4000:]
+    kept.write_bytes(kept.read_bytes()[:200])  # cut short, as by a full disk under another tool
+    (again,) = run_workers([dict(run_dir=damaged, resume="latest")], 400)
+    assert again.returncode == 0 and "not this entry's reference log-probs" in again.log, again.log[-4000:]
+    assert "reference log-probs of 32 pairs computed" in again.log
+    for run in (resumed, damaged):
+        assert sorted(losses(run)) == [3, 4]
+        for step, value in losses(run).items():
+            assert value == pytest.approx(losses(pre)[step], rel=1e-5), (run.name, step)
+
+
+def test_a_reference_table_that_is_not_ours_is_computed_again(tmp_path):
+    """The kept reference log-probs are a cache read with np.load and no pickles: a file of another
+    shape or dtype, an object array, a header claiming a huge shape or a cut-off file is ignored
+    (all NaN: computed again); a good one round-trips."""
+    import numpy as np
+
+    from launcher.preference import load_reference_table, save_reference_table
+
+    path = tmp_path / "reference-logps-x.npy"
+    assert np.isnan(load_reference_table(path, 3)).all()  # none yet
+    good = np.arange(6, dtype=np.float32).reshape(3, 2)
+    save_reference_table(path, good)
+    assert np.array_equal(load_reference_table(path, 3), good) and not list(tmp_path.glob(".tmp-*"))
+    bad = [np.zeros((3, 2)), np.zeros((4, 2), np.float32), np.array([{"a": 1}] * 6, dtype=object).reshape(3, 2)]
+    for table in bad:
+        with open(path, "wb") as f:
+            np.save(f, table, allow_pickle=True)
+        assert np.isnan(load_reference_table(path, 3)).all(), table.dtype
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000, 2), }"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\x00" * 24)
+    assert np.isnan(load_reference_table(path, 3)).all()
+    save_reference_table(path, good)
+    path.write_bytes(path.read_bytes()[:-4])
+    assert np.isnan(load_reference_table(path, 3)).all()
+    # a directory where the file would go: nothing written, training goes on
+    path.unlink()
+    path.mkdir()
+    save_reference_table(path, good)
+    assert path.is_dir() and not list(tmp_path.glob(".tmp-*"))

@@ -288,6 +288,9 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                      for field, why in (("loss_type", "it has no other"), ("label_smoothing", "no smoothing"),
                                         ("cpo_alpha", "the NLL's weight is 1"))
                      if getattr(spec, field) != JobSpec.model_fields[field].default]
+    if spec.rlhf_type != "dpo" and spec.precompute_ref_log_probs:
+        problems.append(Problem("precompute_ref_log_probs", f"ignored: rlhf_type {spec.rlhf_type} has no reference "
+                                                            "model", "warning"))
     if spec.rlhf_type != "dpo" and spec.rpo_alpha is not None:
         problems.append(Problem("rpo_alpha", f"ignored with rlhf_type {spec.rlhf_type}: cpo_alpha weighs its NLL term",
                                 "warning"))

@@ -332,6 +332,9 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
         if spec.rlhf_type != "dpo":
             notes.append(f"{spec.rlhf_type}: no reference model; each pair is two sequences")
+        elif spec.precompute_ref_log_probs:
+            notes.append(f"{spec.rlhf_type}: the reference log-probs precomputed before training (no reference "
+                         "model held); each pair is two sequences")
         elif spec.train_type == "full":
             plan = None if spec.deepspeed else fsdp_plan(spec)
             sharded = plan is not None and not plan.replicate  # FSDP2 shards it as the policy; else whole

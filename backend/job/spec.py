@@ -100,6 +100,7 @@ class JobSpec(BaseModel):
     rpo_alpha: float | None = Field(None, ge=0, description="dpo: adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
     cpo_alpha: float = Field(1.0, ge=0, description="cpo and simpo: the weight of the chosen answers' mean token NLL in the loss (ms-swift's default 1).")
     simpo_gamma: float = Field(1.0, description="simpo: the target reward margin (ms-swift's default 1).")
+    precompute_ref_log_probs: bool = Field(False, description="dpo: every pair's reference log-probs computed in one pass before training and kept beside the tokenized data, so training holds no reference model (no frozen copy for full fine-tuning) and runs no reference forward; resumes and later runs reuse them.")
 
     # Engine
     deepspeed: str | None = Field(None, description="zero0..zero3, zero2_offload, zero3_offload, or a path to a DeepSpeed JSON.")
