@@ -274,11 +274,13 @@ def test_dpo_counts_its_two_sequences_per_pair_and_a_full_reference_copy():
         # full: the frozen reference in bf16, sharded over the 8 ranks as the policy; LoRA: none
         assert copy == pytest.approx(model.param_count() * 2 / 8 / GIB if train_type == "full" else 0)
         assert any(n.startswith("dpo: the reference is") for n in dpo.notes)
-    # DeepSpeed keeps the reference whole on every rank (not sharded yet)
+    # ZeRO-3 partitions the reference as the policy; ZeRO-2 keeps it whole on every rank
     zero3 = {**base, "fsdp": None, "deepspeed": "zero3", "train_type": "full"}
-    whole = estimate_memory(JobSpec(**zero3, rlhf_type="dpo"), model).parameters_gib - \
-        estimate_memory(JobSpec(**zero3), model).parameters_gib
-    assert whole == pytest.approx(model.param_count() * 2 / GIB)
+    for stage, ranks in (("zero3", 8), ("zero2", 1)):
+        job = {**zero3, "deepspeed": stage}
+        copy = estimate_memory(JobSpec(**job, rlhf_type="dpo"), model).parameters_gib - \
+            estimate_memory(JobSpec(**job), model).parameters_gib
+        assert copy == pytest.approx(model.param_count() * 2 / ranks / GIB), stage
     # precomputed reference log-probs: no copy held at all
     precomputed = estimate_memory(JobSpec(**zero3, rlhf_type="dpo", precompute_ref_log_probs=True), model)
     assert precomputed.parameters_gib == pytest.approx(estimate_memory(JobSpec(**zero3), model).parameters_gib)

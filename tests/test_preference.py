@@ -5,6 +5,7 @@ learns the preference, resumes with the same losses and exports."""
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 
 import pytest
@@ -293,8 +294,11 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
                       learning_rate=1e-2, max_steps=6)
     orpo = write_run(tmp_path / "orpo", **{**common, "rlhf_type": "orpo", "beta": None}, train_type="lora",
                      learning_rate=1e-2, max_steps=6)
+    zero3_full = tmp_path / "zero3-full"  # the frozen reference partitioned by DeepSpeed as the policy
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo), dict(run_dir=orpo),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
+                                     deepspeed="zero3", nproc_per_node=2),
+                             planned(zero3_full, **common, train_type="full", learning_rate=1e-3, max_steps=2,
                                      deepspeed="zero3", nproc_per_node=2)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
     trained = {e["step"]: e for e in events(lora, 0, "train")}
@@ -321,6 +325,12 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     first_full = events(full, 0, "train")
     assert first_full[0]["rewards_margins"] == pytest.approx(0, abs=1e-4)
     assert first_full[-1]["rewards_margins"] > 0.01
+    # ZeRO-3's partitioned reference (half of it on each rank) trains FSDP2's first update
+    held, whole = map(int, re.search(r"reference partitioned by ZeRO-3: (\d+) of its (\d+) parameters on this rank",
+                                     proc.log).groups())
+    assert whole / 2 <= held < 0.6 * whole
+    for step, value in losses(zero3_full).items():
+        assert value == pytest.approx(losses(full)[step], rel=2e-4), step
 
     resumed = write_run(tmp_path / "resumed", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
     shutil.copytree(lora / "checkpoint-12", resumed / "checkpoint-12")

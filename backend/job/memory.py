@@ -336,13 +336,18 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
             notes.append(f"{spec.rlhf_type}: the reference log-probs precomputed before training (no reference "
                          "model held); each pair is two sequences")
         elif spec.train_type == "full":
+            # FSDP2 and ZeRO-3 shard it as the policy (ZeRO-3 with parameter offload: on the host); else whole
             plan = None if spec.deepspeed else fsdp_plan(spec)
-            sharded = plan is not None and not plan.replicate  # FSDP2 shards it as the policy; else whole
+            sharded = zero.stage == 3 if spec.deepspeed else plan is not None and not plan.replicate
+            on_host = bool(spec.deepspeed and sharded and zero.offload_param)
             reference = total * sizes.width / model_parallel / (sizes.shard if sharded else 1)
-            params += reference
-            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, "
-                         f"{'sharded as the policy' if sharded else 'whole on every rank'} ({reference / GIB:.1f} GiB); "
-                         "each pair is two sequences")
+            if on_host:
+                offloaded += reference
+            else:
+                params += reference
+            where = "sharded as the policy" + (", on the host" if on_host else "") if sharded else "whole on every rank"
+            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, {where} "
+                         f"({reference / GIB:.1f} GiB); each pair is two sequences")
         else:
             notes.append(f"{spec.rlhf_type}: the reference is the model with its adapters off (no copy); each pair is "
                          "two sequences")

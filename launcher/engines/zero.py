@@ -3,6 +3,7 @@ its AutoTP for tensor parallel (`tensor_parallel.autotp_size` in the config) and
 parallel (DeepSpeed's ALST for HF models)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from launcher.engines.base import (Engine, checkpoint_part, evaluating, make_opt
                                    save_pretrained)
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
+log = logging.getLogger(__name__)
 
 
 class DeepSpeedEngine(Engine):
@@ -41,6 +43,8 @@ class DeepSpeedEngine(Engine):
             config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
         scheduler = None if "scheduler" in config else (lambda opt: make_scheduler(opt, spec, total_steps))
         self.module = model
+        # What a frozen copy is initialised with (`frozen`): the engine's config without training state.
+        self._frozen_config = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
         self.sp = UlyssesSP(model, spec) if spec.sequence_parallel_size > 1 else None
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=None if optimizer else param_groups(model, spec.weight_decay),
@@ -58,6 +62,23 @@ class DeepSpeedEngine(Engine):
             self.engine.backward(loss)
         self.engine.step()
         return full_loss.detach()
+
+    def frozen(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Under ZeRO-3, partitioned over the data-parallel ranks as the policy is (DeepSpeed's
+        inference-only initialize, as TRL prepares a reference model): each rank keeps its part,
+        gathered layer by layer for the forward. Below ZeRO-3, whole on this rank."""
+        if self.stage < 3:
+            return module.to(device)
+        import deepspeed
+
+        config = dict(self._frozen_config)
+        config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+        engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+        engine.eval()
+        whole = sum(p.ds_numel for p in module.parameters())
+        held = sum(p.ds_tensor.numel() for p in module.parameters())
+        log.info("reference partitioned by ZeRO-3: %d of its %d parameters on this rank", held, whole)
+        return engine
 
     def evaluate(self, batch: dict) -> torch.Tensor:
         with evaluating(self.engine):
