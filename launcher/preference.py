@@ -152,13 +152,32 @@ class Reference:
     else a frozen copy of the base model as loaded (taken before the engine wraps the policy, so a
     resume compares against the base, not against the resumed weights), placed by the engine:
     sharded as the policy under FSDP2, whole on each rank under DDP's layout and DeepSpeed.
-    `copy=False` (the log-probs precomputed before any step or checkpoint): full fine-tuning's
-    reference is the policy itself, still the base."""
+    `frozen`: full fine-tuning's reference model where it is not the policy itself (which it is
+    while the log-probs are precomputed, before any step or checkpoint: `reference_for`)."""
 
-    def __init__(self, policy: torch.nn.Module, lora: bool, dtype: torch.dtype, copy_base: bool = True):
-        self.policy, self.lora = policy, lora
-        self.frozen = (copy.deepcopy(policy).requires_grad_(False).eval().to(dtype)
-                       if copy_base and not lora else None)
+    def __init__(self, policy: torch.nn.Module, lora: bool, frozen: torch.nn.Module | None = None):
+        self.policy, self.lora, self.frozen = policy, lora, frozen
+
+    @classmethod
+    def of(cls, policy: torch.nn.Module, spec, dtype: torch.dtype) -> "Reference":
+        """DPO's reference for `spec`: LoRA's adapters off; full fine-tuning's `ref_model` loaded in
+        `dtype` (its vocabulary checked against the policy's), else a copy of the base as loaded,
+        else (the log-probs precomputed) the policy itself."""
+        if spec.train_type == "lora":
+            return cls(policy, lora=True)
+        if spec.ref_model:
+            from launcher.model import ModelError, load_model
+
+            frozen = load_model(spec.model_copy(update={"model": spec.ref_model}), dtype)
+            if frozen.config.vocab_size != policy.config.vocab_size:
+                raise ModelError(f"ref_model: {spec.ref_model} has a vocabulary of {frozen.config.vocab_size} tokens, "
+                                 f"{spec.model} one of {policy.config.vocab_size}: DPO compares both models' log-probs "
+                                 "of the same tokens")
+        elif spec.precompute_ref_log_probs:
+            return cls(policy, lora=False)
+        else:
+            frozen = copy.deepcopy(policy).to(dtype)
+        return cls(policy, lora=False, frozen=frozen.requires_grad_(False).eval())
 
     def place(self, engine, device: torch.device) -> "Reference":
         """The frozen copy placed as `engine` places a model (FSDP2 shards it as the policy)."""
@@ -187,12 +206,13 @@ class Reference:
 
 def reference_file(entry: Path, spec) -> Path:
     """Where an entry of the tokenized cache keeps its pairs' reference log-probs under this job's
-    reference: the model as loaded (a local directory's files by name, size and time) and the
-    compute dtype."""
-    model = Path(spec.model).expanduser()
+    reference: its model as loaded (`ref_model`, else the model; a local directory's files by name,
+    size and time) and the compute dtype."""
+    source = spec.ref_model or spec.model
+    model = Path(source).expanduser()
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file()) \
         if model.is_dir() else []
-    key = json.dumps({"model": spec.model, "files": files, "dtype": spec.torch_dtype}, sort_keys=True)
+    key = json.dumps({"model": source, "files": files, "dtype": spec.torch_dtype}, sort_keys=True)
     return entry / f"reference-logps-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
 
 

@@ -189,8 +189,7 @@ class Trainer:
             install(model, self.preference)
         if spec.rlhf_type == "dpo":
             # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
-            self.reference = Reference(model, spec.train_type == "lora", DTYPES[spec.torch_dtype],
-                                       copy_base=not spec.precompute_ref_log_probs)
+            self.reference = Reference.of(model, spec, DTYPES[spec.torch_dtype])
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.reference:
             self.reference.place(self.engine, self.dist.device)

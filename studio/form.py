@@ -23,7 +23,8 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                               "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
     ("Preference training (DPO, CPO, SimPO, ORPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
-                                                      "cpo_alpha", "simpo_gamma", "precompute_ref_log_probs")),
+                                                      "cpo_alpha", "simpo_gamma", "ref_model",
+                                                      "precompute_ref_log_probs")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule",
@@ -77,7 +78,7 @@ TITLES = {
     "streaming": "Stream the data (no tokenizing first)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
     "rlhf_type": "Preference training", "beta": "Beta", "loss_type": "Preference loss", "label_smoothing": "Label smoothing",
     "rpo_alpha": "RPO alpha (DPO's NLL on chosen)", "cpo_alpha": "CPO alpha (NLL on chosen)", "simpo_gamma": "SimPO gamma",
-    "precompute_ref_log_probs": "Precompute reference log-probs",
+    "ref_model": "Reference model (full DPO)", "precompute_ref_log_probs": "Precompute reference log-probs",
     "system": "System prompt", "model_name": "Model name ({{NAME}})", "model_author": "Model author ({{AUTHOR}})",
 }
 # Lists of names, which may hold spaces ('Xiao Huang'): one per line, never split at spaces.

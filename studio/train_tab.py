@@ -36,7 +36,7 @@ WATCH_EDITS_JS = """() => {
 
 
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
-PREFERENCE_FIELDS = ("beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma",
+PREFERENCE_FIELDS = ("beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma", "ref_model",
                      "precompute_ref_log_probs")
 MAX_FIXES = 3  # EP, SP and CP exclude each other: at most one engine fix, a pipeline's micro-batches and its evaluation
 

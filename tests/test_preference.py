@@ -5,6 +5,7 @@ learns the preference, resumes with the same losses and exports."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 
@@ -14,7 +15,7 @@ from backend.job.records import DataError, Persona, Record, to_pair
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
 from launcher.data import IGNORE, Pair, encode
-from worker import ROOT, events, losses, planned, preference_pairs, run_workers, write_run
+from worker import ROOT, build_tiny_model, events, losses, planned, preference_pairs, run_workers, write_run
 
 PROMPT = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 2 + 2?"}]
 FORMATS = {
@@ -71,7 +72,7 @@ def test_a_pair_is_encoded_with_the_loss_on_its_answers_only(tokenizer):
     assert encode(record, tokenizer, prompt, persona) is None  # truncation leaves no answer: dropped
 
 
-def test_preference_jobs_refuse_what_they_do_not_run():
+def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     problems: dict[str, str] = {}
     for p in validate(JobSpec(
         model="m", dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")], rlhf_type="dpo", packing=True,
@@ -82,6 +83,22 @@ def test_preference_jobs_refuse_what_they_do_not_run():
     assert "sequence parallel is not combined with rlhf_type dpo" in problems["sequence_parallel_size"]
     # the demo's SFT records are no pairs: named by file:line before launch
     assert "not a preference pair" in problems["dataset[0]"]
+    # ref_model: full DPO only (as ms-swift); found; with the model's vocabulary
+    demo = ROOT / "assets" / "demo" / "model"
+    config = json.loads((demo / "config.json").read_text())
+    wider = tmp_path / "wider"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    dpo = dict(model=str(demo), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")], rlhf_type="dpo")
+    refused = {field: [p.message for p in validate(JobSpec(**dpo, **extra)) if p.field == "ref_model"]
+               for field, extra in (("lora", dict(ref_model=str(demo))),
+                                    ("missing", dict(train_type="full", ref_model=str(tmp_path / "nowhere"))),
+                                    ("wider", dict(train_type="full", ref_model=str(wider))),
+                                    ("same", dict(train_type="full", ref_model=str(demo))))}
+    assert "only dpo with train_type full takes a reference model" in refused["lora"][0]
+    assert refused["missing"] == [f"directory not found: {tmp_path / 'nowhere'}"]
+    assert f"vocabulary of {config['vocab_size'] + 64} tokens is not the model's {config['vocab_size']}" in refused["wider"][0]
+    assert refused["same"] == []
     # settings an algorithm does not use are warned, not silently dropped
     warned = {p.field: p.message for p in validate(JobSpec(
         model="m", dataset=["p.jsonl"], rlhf_type="orpo", loss_type="hinge", label_smoothing=0.1, cpo_alpha=0.5,
@@ -156,9 +173,9 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
     spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type="dpo", beta=0.3, train_type=train_type, **loss)
     preference = PreferenceLoss(spec)
     install(ours, preference)
-    ref = Reference(ours, train_type == "lora", torch.float32)
-    if reference is not None:
-        ref.frozen = copy.deepcopy(reference).requires_grad_(False).eval()  # the base, as loaded
+    # the base, as loaded (TRL's reference), where the policy has moved off it
+    ref = Reference(ours, train_type == "lora",
+                    None if reference is None else copy.deepcopy(reference).requires_grad_(False).eval())
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
               "labels": batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)}
     ours.train()
@@ -351,14 +368,22 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
 def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_kept(tmp_path, tiny_model):
     """precompute_ref_log_probs, full fine-tuning on two ranks: no frozen copy, the losses and eval
     losses of the run that holds one; the log-probs kept beside the tokenized data are read by a
-    resume, and a damaged file is computed again from the base (before the checkpoint is loaded)."""
+    resume, and a damaged file is computed again from the base (before the checkpoint is loaded).
+    A `ref_model` is loaded as the reference, live or for the pass, its log-probs kept apart."""
+    from launcher.preference import reference_file
+
     data = preference_pairs(tmp_path / "pairs.jsonl", 40)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48, train_type="full",
                   per_device_train_batch_size=4, logging_steps=1, save_steps=2, max_steps=4, learning_rate=1e-3,
                   torch_dtype="float32", warmup_ratio=0.0, split_dataset_ratio=0.2, eval_steps=2)
     live = write_run(tmp_path / "live", **common)
     pre = write_run(tmp_path / "pre", **common, precompute_ref_log_probs=True)
-    for proc in run_workers([dict(run_dir=live), dict(run_dir=pre)], 400):
+    # ref_model: another model with the same vocabulary, loaded as the reference, live or precomputed
+    other = str(build_tiny_model(tmp_path / "llama", "llama"))
+    live_other = write_run(tmp_path / "live-other", **common, ref_model=other)
+    pre_other = write_run(tmp_path / "pre-other", **common, ref_model=other, precompute_ref_log_probs=True)
+    for proc in run_workers([dict(run_dir=live_other), dict(run_dir=pre_other), dict(run_dir=live),
+                             dict(run_dir=pre)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
     precomputed = proc.log
     assert "reference log-probs of 32 pairs computed" in precomputed and "of 8 pairs computed" in precomputed
@@ -369,7 +394,13 @@ def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_k
     evals = {e["step"]: e["eval_loss"] for e in events(live, 0, "eval")}
     assert sorted(evals) == [2, 4] and all(e["eval_loss"] == pytest.approx(evals[e["step"]], rel=1e-5)
                                            for e in events(pre, 0, "eval"))
-    [kept] = (tmp_path / ".tokenized").glob("*/reference-logps-*.npy")
+    first = events(live_other, 0, "train")[0]
+    assert abs(first["rewards_margins"]) > 1e-3 and first["rewards_margins"] != events(live, 0, "train")[0]["rewards_margins"]
+    for step, value in losses(live_other).items():
+        assert losses(pre_other)[step] == pytest.approx(value, rel=1e-5), step
+    kept = next(p for p in (tmp_path / ".tokenized").glob("*/reference-logps-*.npy")
+                if p.name == reference_file(p.parent, JobSpec(**common)).name)
+    assert len(list((tmp_path / ".tokenized").glob("*/reference-logps-*.npy"))) == 2  # one per reference model
 
     resumed = write_run(tmp_path / "resumed", **common, precompute_ref_log_probs=True)
     shutil.copytree(pre / "checkpoint-2", resumed / "checkpoint-2")

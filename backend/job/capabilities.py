@@ -288,6 +288,10 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                      for field, why in (("loss_type", "it has no other"), ("label_smoothing", "no smoothing"),
                                         ("cpo_alpha", "the NLL's weight is 1"))
                      if getattr(spec, field) != JobSpec.model_fields[field].default]
+    if spec.ref_model and (spec.rlhf_type != "dpo" or spec.train_type != "full"):
+        problems.append(Problem("ref_model", "only dpo with train_type full takes a reference model (as in ms-swift): "
+                                             "LoRA's is the model with its adapters off, cpo, simpo and orpo have "
+                                             "none; leave it empty"))
     if spec.rlhf_type != "dpo" and spec.precompute_ref_log_probs:
         problems.append(Problem("precompute_ref_log_probs", f"ignored: rlhf_type {spec.rlhf_type} has no reference "
                                                             "model", "warning"))

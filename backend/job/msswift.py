@@ -33,7 +33,7 @@ from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 SCRIPTS = ("cli/sft.py", "cli/megatron/sft.py", "cli/rlhf.py", "cli/megatron/rlhf.py")
 RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma",
-               "precompute_ref_log_probs")
+               "ref_model", "precompute_ref_log_probs")
 RLHF_TYPES = ("dpo", "cpo", "simpo", "orpo")
 """Job fields only a `swift rlhf` command sets (`swift sft`'s own --loss_type is another thing)."""
 LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")

@@ -100,6 +100,7 @@ class JobSpec(BaseModel):
     rpo_alpha: float | None = Field(None, ge=0, description="dpo: adds rpo_alpha x the chosen answers' mean token NLL to the loss (RPO); empty: none.")
     cpo_alpha: float = Field(1.0, ge=0, description="cpo and simpo: the weight of the chosen answers' mean token NLL in the loss (ms-swift's default 1).")
     simpo_gamma: float = Field(1.0, description="simpo: the target reward margin (ms-swift's default 1).")
+    ref_model: str | None = Field(None, description="dpo with full fine-tuning: the reference model (local directory or hub id) with the model's vocabulary; empty: the model as loaded (ms-swift's default).")
     precompute_ref_log_probs: bool = Field(False, description="dpo: every pair's reference log-probs computed in one pass before training and kept beside the tokenized data, so training holds no reference model (no frozen copy for full fine-tuning) and runs no reference forward; resumes and later runs reuse them.")
 
     # Engine
@@ -409,7 +410,7 @@ def load_spec(path: str | Path) -> tuple[JobSpec | None, list[Problem]]:
 
 
 def anchored(spec: JobSpec, base: Path) -> JobSpec:
-    """The spec with its relative input paths (model, data, DeepSpeed JSON, checkpoint) read from
+    """The spec with its relative input paths (models, data, DeepSpeed JSON, checkpoint) read from
     `base`, the job file's directory, where they exist there, so a job file works from any directory.
     Any other value stays as written: a hub id, a path meant from the current directory (ms-swift's
     reading), and the outputs (output_dir, dataset_cache_dir), which go where the job is run."""
@@ -427,7 +428,7 @@ def anchored(spec: JobSpec, base: Path) -> JobSpec:
         return anchor(name) + entry[len(name):]
 
     return spec.model_copy(update=dict(
-        model=anchor(spec.model), deepspeed=anchor(spec.deepspeed),
+        model=anchor(spec.model), ref_model=anchor(spec.ref_model), deepspeed=anchor(spec.deepspeed),
         resume_from_checkpoint=anchor(spec.resume_from_checkpoint),
         dataset=[anchor_entry(e) for e in spec.dataset], val_dataset=[anchor_entry(e) for e in spec.val_dataset]))
 

@@ -144,6 +144,16 @@ def _model_rules(spec: JobSpec, model: ModelConfig, world: int) -> list[Problem]
                                            "lora_dropout to 0, or name attention targets only"))
     out += capabilities.ep_model_problems(spec, model.is_moe, model.num_experts, model.tie_word_embeddings,
                                           adapts_stacked_params(spec, model))
+    if spec.ref_model:
+        try:
+            reference = find_model_config(spec.ref_model)
+        except ModelConfigError as exc:
+            out.append(Problem("ref_model", str(exc)))
+        else:
+            if reference is not None and reference.vocab_size != model.vocab_size:
+                out.append(Problem("ref_model", f"its vocabulary of {reference.vocab_size} tokens is not the model's "
+                                                f"{model.vocab_size}: DPO compares both models' log-probs of the same "
+                                                "tokens; give a reference with the model's tokenizer"))
     return out
 
 
@@ -208,9 +218,11 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
         looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
         if looks_local and not os.path.lexists(path):  # a link that leads nowhere: records.sample_problems
             out.append(Problem(f"{field}[{i}]", f"file not found: {path}{_read_from(path)}"))
-    model = Path(spec.model).expanduser()
-    if (model.is_absolute() or spec.model.startswith(".")) and not model.exists():
-        out.append(Problem("model", f"directory not found: {model}{_read_from(model)}"))
+    for field in ("model", "ref_model"):
+        value = getattr(spec, field)
+        model = Path(value or "").expanduser()
+        if value and (model.is_absolute() or value.startswith(".")) and not model.exists():
+            out.append(Problem(field, f"directory not found: {model}{_read_from(model)}"))
     cache = Path(spec.dataset_cache_dir or "").expanduser()
     if spec.dataset_cache_dir and os.path.lexists(cache) and not cache.is_dir():
         out.append(Problem("dataset_cache_dir", f"{cache} is not a directory{_read_from(cache)}"))
