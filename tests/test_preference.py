@@ -369,7 +369,7 @@ def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_k
     """precompute_ref_log_probs, full fine-tuning on two ranks: no frozen copy, the losses and eval
     losses of the run that holds one; the log-probs kept beside the tokenized data are read by a
     resume, and a damaged file is computed again from the base (before the checkpoint is loaded).
-    A `ref_model` is loaded as the reference, live or for the pass, its log-probs kept apart."""
+    A `ref_model` is loaded as the reference; precomputed log-probs are kept per reference model."""
     from launcher.preference import reference_file
 
     data = preference_pairs(tmp_path / "pairs.jsonl", 40)
@@ -378,12 +378,10 @@ def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_k
                   torch_dtype="float32", warmup_ratio=0.0, split_dataset_ratio=0.2, eval_steps=2)
     live = write_run(tmp_path / "live", **common)
     pre = write_run(tmp_path / "pre", **common, precompute_ref_log_probs=True)
-    # ref_model: another model with the same vocabulary, loaded as the reference, live or precomputed
+    # ref_model: another model with the same vocabulary, loaded as the reference
     other = str(build_tiny_model(tmp_path / "llama", "llama"))
     live_other = write_run(tmp_path / "live-other", **common, ref_model=other)
-    pre_other = write_run(tmp_path / "pre-other", **common, ref_model=other, precompute_ref_log_probs=True)
-    for proc in run_workers([dict(run_dir=live_other), dict(run_dir=pre_other), dict(run_dir=live),
-                             dict(run_dir=pre)], 400):
+    for proc in run_workers([dict(run_dir=live_other), dict(run_dir=live), dict(run_dir=pre)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
     precomputed = proc.log
     assert "reference log-probs of 32 pairs computed" in precomputed and "of 8 pairs computed" in precomputed
@@ -394,22 +392,24 @@ def test_precomputed_reference_log_probs_train_as_the_frozen_copy_does_and_are_k
     evals = {e["step"]: e["eval_loss"] for e in events(live, 0, "eval")}
     assert sorted(evals) == [2, 4] and all(e["eval_loss"] == pytest.approx(evals[e["step"]], rel=1e-5)
                                            for e in events(pre, 0, "eval"))
-    first = events(live_other, 0, "train")[0]
-    assert abs(first["rewards_margins"]) > 1e-3 and first["rewards_margins"] != events(live, 0, "train")[0]["rewards_margins"]
-    for step, value in losses(live_other).items():
-        assert losses(pre_other)[step] == pytest.approx(value, rel=1e-5), step
-    kept = next(p for p in (tmp_path / ".tokenized").glob("*/reference-logps-*.npy")
-                if p.name == reference_file(p.parent, JobSpec(**common)).name)
-    assert len(list((tmp_path / ".tokenized").glob("*/reference-logps-*.npy"))) == 2  # one per reference model
+    first = events(live_other, 0, "train")[0]["rewards_margins"]
+    assert abs(first) > 1e-3 and sorted(losses(live_other)) == [1, 2, 3, 4]  # the base is not its reference
+    [kept] = (tmp_path / ".tokenized").glob("*/reference-logps-*.npy")
+    assert kept == reference_file(kept.parent, JobSpec(**common))
+    assert reference_file(kept.parent, JobSpec(**common, ref_model=other)) != kept  # kept per reference model
 
+    # Resumed twice at once: with the kept file, and with a copy of the cache whose file is cut short
+    # (as by a full disk under another tool)
+    copy = tmp_path / "cache-copy"
+    shutil.copytree(tmp_path / ".tokenized", copy)
+    cut = copy / kept.parent.name / kept.name
+    cut.write_bytes(cut.read_bytes()[:200])
     resumed = write_run(tmp_path / "resumed", **common, precompute_ref_log_probs=True)
-    shutil.copytree(pre / "checkpoint-2", resumed / "checkpoint-2")
-    damaged = write_run(tmp_path / "damaged", **common, precompute_ref_log_probs=True)
-    shutil.copytree(pre / "checkpoint-2", damaged / "checkpoint-2")
-    (proc,) = run_workers([dict(run_dir=resumed, resume="latest")], 400)
+    damaged = write_run(tmp_path / "damaged", **common, precompute_ref_log_probs=True, dataset_cache_dir=str(copy))
+    for run in (resumed, damaged):
+        shutil.copytree(pre / "checkpoint-2", run / "checkpoint-2")
+    proc, again = run_workers([dict(run_dir=resumed, resume="latest"), dict(run_dir=damaged, resume="latest")], 400)
     assert proc.returncode == 0 and "reference log-probs read from" in proc.log, proc.log[-4000:]
-    kept.write_bytes(kept.read_bytes()[:200])  # cut short, as by a full disk under another tool
-    (again,) = run_workers([dict(run_dir=damaged, resume="latest")], 400)
     assert again.returncode == 0 and "not this entry's reference log-probs" in again.log, again.log[-4000:]
     assert "reference log-probs of 32 pairs computed" in again.log
     for run in (resumed, damaged):
