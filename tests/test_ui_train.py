@@ -145,7 +145,7 @@ def test_train_form_live_checks_import_presets(studio, page):
     shot(page, "fix-applied")
 
     # Preference training: DPO is a swift rlhf line, and Ulysses SP (set just above) is refused for it by name.
-    page.get_by_text("Preference training (DPO, CPO, SimPO)").click()
+    page.get_by_text("Preference training (DPO, CPO, SimPO, ORPO)").click()
     expect(field(page, "beta")).to_be_hidden()  # DPO's settings show for a DPO job only
     field(page, "rlhf_type").locator("input").click()
     page.get_by_role("option", name="dpo", exact=True).click()
