@@ -447,3 +447,31 @@ def test_a_reference_table_that_is_not_ours_is_computed_again(tmp_path):
     path.mkdir()
     save_reference_table(path, good)
     assert path.is_dir() and not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.e2e
+def test_dpo_under_tensor_parallel_trains_as_one_rank(tmp_path, tiny_model):
+    """transformers' TP=2 on two ranks (the head's output gathered on both): DPO with LoRA (the
+    reference is the adapters off) and full DPO with precomputed reference log-probs train the
+    losses and rewards of one rank; full DPO with a live frozen copy under TP is refused by name."""
+    data = preference_pairs(tmp_path / "pairs.jsonl", 32)
+    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
+                  per_device_train_batch_size=4, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
+                  warmup_ratio=0.0, lora_dropout=0.0)
+    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2),
+            "full": dict(train_type="full", learning_rate=1e-3, precompute_ref_log_probs=True)}
+    runs = {(kind, tp): tmp_path / f"{kind}-tp{tp}" for kind in jobs for tp in (1, 2)}
+    for proc in run_workers([planned(run, **common, **jobs[kind], nproc_per_node=tp, tensor_model_parallel_size=tp)
+                             for (kind, tp), run in runs.items()], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    for kind in jobs:
+        one, tp = (events(runs[kind, n], 0, "train") for n in (1, 2))
+        assert [e["step"] for e in tp] == [1, 2, 3]
+        for a, b in zip(one, tp):
+            for field in ("loss", "rewards_margins", "logps_chosen"):
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
+        assert tp[-1]["rewards_margins"] != 0
+    refused = {p.field: p.message for p in validate(JobSpec(**common, train_type="full", nproc_per_node=2,
+                                                            tensor_model_parallel_size=2)) if p.severity == "error"}
+    assert "tensor parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
+        refused["tensor_model_parallel_size"]

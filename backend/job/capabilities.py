@@ -257,13 +257,22 @@ def unsupported(spec: JobSpec) -> list[Problem]:
 
 
 def _preference_problems(spec: JobSpec) -> list[Problem]:
-    """DPO runs where a rank holds whole sequences and whole logits: DDP, ZeRO and FSDP2."""
+    """Preference runs where a rank holds whole sequences and whole logits: DDP, ZeRO, FSDP2, and
+    transformers' TP (its head's output is gathered on every TP rank) where no frozen copy of the
+    TP-sharded model is needed."""
     if spec.rlhf_type is None:
         return []
-    problems = [Problem(field, f"{name} is not combined with rlhf_type {spec.rlhf_type} yet: each pair's "
-                               "log-probs are summed over whole sequences on one rank; use DDP, DeepSpeed ZeRO or FSDP2")
-                for field, name in (("tensor_model_parallel_size", "tensor parallel"),
-                                    ("pipeline_model_parallel_size", "pipeline parallel"),
+    problems = []
+    if spec.tensor_model_parallel_size > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
+            spec.ref_model or not spec.precompute_ref_log_probs):
+        problems.append(Problem("tensor_model_parallel_size", "tensor parallel with full-parameter DPO takes the "
+                                "reference from precompute_ref_log_probs (the model itself, before training), not a "
+                                "separate reference model: set precompute_ref_log_probs, leave ref_model empty, or "
+                                "train LoRA"))
+    problems += [Problem(field, f"{name} is not combined with rlhf_type {spec.rlhf_type} yet: each pair's "
+                               "log-probs are summed over whole sequences on one rank; use DDP, DeepSpeed ZeRO, FSDP2 "
+                               "or tensor parallel")
+                for field, name in (("pipeline_model_parallel_size", "pipeline parallel"),
                                     ("sequence_parallel_size", "sequence parallel"),
                                     ("context_parallel_size", "context parallel"),
                                     ("expert_model_parallel_size", "expert parallel"))
