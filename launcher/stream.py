@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from backend.job.records import DataError, Persona, Source, decode_streamed, parse_source, streamed_entries
-from launcher.data import Row, Sample, encode, micro_batch, pack_plan, packed_row, padded_row
+from launcher.data import Pair, Row, Sample, encode, micro_batch, pack_plan, packed_row, padded_row
 
 STATE = "data-rank{rank}.json"
 """A rank's position in the stream, in each checkpoint (JSON: a checkpoint runs no code it reads)."""
@@ -61,6 +61,7 @@ def _features():
     from datasets import Features, Sequence, Value
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
+                     "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
                      "error": Value("string")})
 
 
@@ -96,17 +97,23 @@ def _hub(source):
 
 def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona,
              mine: tuple[int, int] | None) -> dict[str, Any]:
+    """A record's tokens (a preference pair's chosen answer, and its rejected one in the `rejected_`
+    columns); all empty where it is another rank's or truncation left no answer."""
+    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "error": None}
     if mine is not None and index % mine[1] != mine[0]:
-        return {"input_ids": [], "labels": [], "error": None}  # another rank's: dropped by the split
+        return empty  # another rank's: dropped by the split
     if row["error"]:
-        return {"input_ids": [], "labels": [], "error": row["error"]}
+        return {**empty, "error": row["error"]}
     try:
         sample = encode(decode_streamed(row["where"], row["raw"]), tokenizer, max_length, persona)
     except DataError as exc:
-        return {"input_ids": [], "labels": [], "error": str(exc)}
+        return {**empty, "error": str(exc)}
     if sample is None:
-        return {"input_ids": [], "labels": [], "error": None}
-    return {"input_ids": sample.input_ids, "labels": sample.labels, "error": None}
+        return empty
+    if isinstance(sample, Pair):
+        return {**empty, "input_ids": sample.chosen.input_ids, "labels": sample.chosen.labels,
+                "rejected_input_ids": sample.rejected.input_ids, "rejected_labels": sample.rejected.labels}
+    return {**empty, "input_ids": sample.input_ids, "labels": sample.labels}
 
 
 class StreamBatches:
@@ -120,7 +127,7 @@ class StreamBatches:
         self.stream, self.dp_size = stream, dp_size
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.pad_id, self.packed, self.max_length, self.multiple = pad_id, packed, max_length, multiple
-        self.buffer: list[Sample] = []
+        self.buffer: list[Sample | Pair] = []
         self.records = self.dropped = 0
         self.error: str | None = None
         """A bad record's message, once the rank has met one."""
@@ -132,8 +139,9 @@ class StreamBatches:
 
     def position(self, step: int) -> dict:
         """Where the stream stood before step `step` (0-based) took its data: what a checkpoint
-        after `step` steps keeps."""
-        return self._positions[step]
+        after `step` steps keeps. The trainer fetches a step before it saves the one before, except
+        after the last step (max_steps): then nothing was taken since, and the stream stands there."""
+        return self._snapshot() if step == self._next_step else self._positions[step]
 
     def restore(self, state: Any, step: int, where: Path) -> None:
         """Continue from `position(step)` as a checkpoint kept it (in `where`)."""
@@ -142,7 +150,7 @@ class StreamBatches:
                 raise DataError(f"resume: {where} streamed its data over {state['dp_size']} data-parallel ranks and "
                                 f"this job has {self.dp_size}: a stream's position belongs to its rank; resume "
                                 "with the layout it was written with")
-            buffer = [Sample([int(t) for t in ids], [int(t) for t in labels]) for ids, labels in state["buffer"]]
+            buffer = [_sample(*entry) for entry in state["buffer"]]
             records, dropped, stream_state = int(state["records"]), int(state["dropped"]), state["stream"]
             if not isinstance(stream_state, dict):
                 raise TypeError("stream is not a mapping")
@@ -160,7 +168,7 @@ class StreamBatches:
 
     def _snapshot(self) -> dict:
         return {"dp_size": self.dp_size, "stream": self.stream.state_dict(), "records": self.records,
-                "dropped": self.dropped, "buffer": [[s.input_ids, s.labels] for s in self.buffer]}
+                "dropped": self.dropped, "buffer": [_entry(s) for s in self.buffer]}
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -172,15 +180,13 @@ class StreamBatches:
         self._positions = {step: self._snapshot(), **{s: p for s, p in self._positions.items() if s == step - 1}}
         self._next_step += 1
         try:
-            rows = self._packed_rows() if self.packed else self._padded_rows()
+            groups = self._packed_rows() if self.packed else self._padded_rows()
         except DataError as exc:
             self.error = str(exc)
             return None
-        if rows is None:
+        if groups is None:
             return None
-        return [micro_batch(rows[start:start + self.micro_batch], self.pad_id, self.packed, self.max_length,
-                            self.multiple)
-                for start in range(0, len(rows), self.micro_batch)]
+        return [micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple) for rows in groups]
 
     def _draw(self) -> Sample | None:
         if self._iterator is None:
@@ -190,20 +196,26 @@ class StreamBatches:
             if row["error"]:
                 raise DataError(row["error"])
             if row["input_ids"]:
-                return Sample(row["input_ids"], row["labels"])
+                return _sample(row["input_ids"], row["labels"], row["rejected_input_ids"], row["rejected_labels"])
             self.dropped += 1
         return None
 
-    def _padded_rows(self) -> list[Row] | None:
+    def _padded_rows(self) -> list[list[Row]] | None:
+        """The step's micro-batches' rows; a micro-batch of pairs is its chosen rows, then their
+        rejected rows (as `data.Batches` makes them)."""
         need = self.micro_batch * self.accumulation
         while len(self.buffer) < need and (sample := self._draw()) is not None:
             self.buffer.append(sample)
         if len(self.buffer) < need:
             return None
         taken, self.buffer = self.buffer[:need], self.buffer[need:]
-        return [padded_row(sample) for sample in taken]
+        groups = [taken[start:start + self.micro_batch] for start in range(0, need, self.micro_batch)]
+        if isinstance(taken[0], Pair):
+            return [[padded_row(p.chosen) for p in g] + [padded_row(p.rejected, counted=False) for p in g]
+                    for g in groups]
+        return [[padded_row(sample) for sample in g] for g in groups]
 
-    def _packed_rows(self) -> list[Row] | None:
+    def _packed_rows(self) -> list[list[Row]] | None:
         need = self.micro_batch * self.accumulation
         tokens = sum(len(s) for s in self.buffer)
         while tokens < 2 * need * self.max_length and (sample := self._draw()) is not None:
@@ -218,7 +230,21 @@ class StreamBatches:
         used = {int(i) for r in chosen for i in plan.row(r)}
         rows = [packed_row([self.buffer[i] for i in sorted(plan.row(r).tolist())]) for r in chosen]
         self.buffer = [s for i, s in enumerate(self.buffer) if i not in used]
-        return rows
+        return [rows[start:start + self.micro_batch] for start in range(0, need, self.micro_batch)]
+
+
+def _sample(ids, labels, rejected_ids=(), rejected_labels=()) -> Sample | Pair:
+    """A streamed or kept sample: a pair where it has a rejected answer. Every token an integer
+    (a position file is read back through this)."""
+    sample = Sample([int(t) for t in ids], [int(t) for t in labels])
+    return Pair(sample, Sample([int(t) for t in rejected_ids], [int(t) for t in rejected_labels])) if rejected_ids \
+        else sample
+
+
+def _entry(sample: Sample | Pair) -> list:
+    if isinstance(sample, Pair):
+        return [sample.chosen.input_ids, sample.chosen.labels, sample.rejected.input_ids, sample.rejected.labels]
+    return [sample.input_ids, sample.labels]
 
 
 def save_position(batches: StreamBatches, step: int, directory: Path, rank: int) -> None:

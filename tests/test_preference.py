@@ -299,8 +299,9 @@ def test_orpo_equals_trls_orpo_trainer_as_ms_swift_runs_it(tmp_path, tiny_model,
 def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
     """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP and on ZeRO-3, and full
     fine-tuning on FSDP2 (a frozen copy, sharded as the policy) and on ZeRO-3 (partitioned), SimPO and ORPO
-    (on ZeRO-2; none): the reward accuracy rises above 0.9, ZeRO-3 trains DDP's and FSDP2's losses, a
-    resume trains the same losses, the result exports."""
+    (on ZeRO-2; none), LoRA DPO on streamed pairs: the reward accuracy rises above 0.9, ZeRO-3 trains
+    DDP's and FSDP2's losses, a resume (and a streamed run's resume) trains the same losses, the result
+    exports."""
     data = preference_pairs(tmp_path / "pairs.jsonl", 64)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
                   per_device_train_batch_size=4, gradient_accumulation_steps=1, logging_steps=1, save_steps=12,
@@ -312,7 +313,9 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
                       learning_rate=1e-2, max_steps=6)
     orpo = tmp_path / "orpo"  # on ZeRO-2, as ms-swift's ORPO example runs
     zero3_full = tmp_path / "zero3-full"  # the frozen reference partitioned by DeepSpeed as the policy
-    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo),
+    streamed = write_run(tmp_path / "streamed", **{**common, "save_steps": 2}, train_type="lora", learning_rate=1e-2,
+                         max_steps=4, streaming=True)
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo), dict(run_dir=streamed),
                              planned(orpo, **{**common, "rlhf_type": "orpo", "beta": None}, train_type="lora",
                                      learning_rate=1e-2, max_steps=6, deepspeed="zero2", nproc_per_node=2),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
@@ -353,8 +356,16 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
 
     resumed = write_run(tmp_path / "resumed", **common, train_type="lora", learning_rate=1e-2, max_steps=24)
     shutil.copytree(lora / "checkpoint-12", resumed / "checkpoint-12")
-    (proc,) = run_workers([dict(run_dir=resumed, resume="latest")], 400)
-    assert proc.returncode == 0, proc.log[-4000:]
+    # the streamed pairs resume at their position: steps 3-4 on the same pairs, with the same losses
+    streamed_again = write_run(tmp_path / "streamed-again", **{**common, "save_steps": 2}, train_type="lora",
+                               learning_rate=1e-2, max_steps=4, streaming=True)
+    shutil.copytree(streamed / "checkpoint-2", streamed_again / "checkpoint-2")
+    for proc in run_workers([dict(run_dir=resumed, resume="latest"), dict(run_dir=streamed_again, resume="latest")], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    assert sorted(losses(streamed)) == [1, 2, 3, 4] and sorted(losses(streamed_again)) == [3, 4]
+    for step, value in losses(streamed_again).items():
+        assert value == pytest.approx(losses(streamed)[step], rel=2e-4), step
+    assert events(streamed, 0, "train")[0]["rewards_margins"] == pytest.approx(0, abs=0.05)
     again = losses(resumed)
     assert sorted(again) == list(range(13, 25))
     for step, value in again.items():

@@ -15,7 +15,7 @@ from backend.job.validate import validate
 from launcher import stream as streaming
 from launcher.data import Persona, encode
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
-from worker import ROOT, events, losses, run_worker, write_run
+from worker import ROOT, events, losses, preference_pairs, run_worker, write_run
 
 DEMO = str(ROOT / "assets" / "demo" / "train.jsonl")
 
@@ -94,6 +94,41 @@ def test_a_restored_position_continues_with_the_next_records(tmp_path, tokenizer
     # the next step after a restore must be the restored one
     with pytest.raises(RuntimeError, match="expected 6"):
         again.step(7)
+    # the last step's checkpoint (max_steps: nothing fetched after it) keeps the stream as it stands
+    (tmp_path / "6").mkdir()
+    save_position(straight, 6, tmp_path / "6", rank=1)
+    last = batches()
+    load_position(last, 6, tmp_path / "6", rank=1)
+    assert drawn(last, range(6, 7)) == drawn(straight, range(6, 7))
+
+
+def test_preference_pairs_stream_as_the_cache_makes_their_micro_batches(tmp_path, tokenizer):
+    """A DPO job's pairs streamed: each micro-batch is its pairs' chosen rows then their rejected
+    rows, tokenized as the cache's encoder does; a position kept with pairs waiting in its buffer
+    continues with the same rows."""
+    from launcher.data import Batches, one_per_row
+
+    spec = job([preference_pairs(tmp_path / "p.jsonl", 60)], rlhf_type="dpo")
+    persona = Persona.of(spec)
+    pairs = [encode(r, tokenizer, 64, persona) for r in read_records(parse_source(str(tmp_path / "p.jsonl")), 1, 2, 0,
+                                                                     spec.max_record_bytes)]
+    stream = StreamBatches(open_stream(spec, tokenizer, 1, 2), 2, 3, 2, tokenizer.pad_token_id, False, 64)
+    cache = Batches(lambda members: [pairs[i] for i in members], one_per_row(len(pairs)), 3, 2, 1, 0,
+                    tokenizer.pad_token_id, False, 64)
+    for step in range(3):
+        got = stream.step(step)
+        for micro, (batch, tokens, samples) in enumerate(got):
+            expected = cache.batch_of(list(range((2 * step + micro) * 3, (2 * step + micro + 1) * 3)))
+            assert {k: v.tolist() for k, v in batch.items()} == {k: v.tolist() for k, v in expected[0].items()}
+            assert (tokens, samples) == expected[1:] and batch["input_ids"].shape[0] == 6
+    stream.buffer.append(pairs[0])  # a pair waiting when step 3 takes its data (and keeps its position)
+    got = stream.step(3)
+    assert got[0][0]["input_ids"][0].tolist()[:len(pairs[0].chosen)] == pairs[0].chosen.input_ids
+    save_position(stream, 3, tmp_path, rank=1)
+    again = StreamBatches(open_stream(spec, tokenizer, 1, 2), 2, 3, 2, tokenizer.pad_token_id, False, 64)
+    load_position(again, 3, tmp_path, rank=1)
+    assert [{k: v.tolist() for k, v in b.items()} for b, _, _ in again.step(3)] == \
+        [{k: v.tolist() for k, v in b.items()} for b, _, _ in got]
 
 
 def test_bad_data_and_damaged_positions_are_named(tmp_path, tokenizer):

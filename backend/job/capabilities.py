@@ -279,9 +279,9 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                 if getattr(spec, field) > 1]
     if spec.packing:
         problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} pads its pairs: turn packing off"))
-    if spec.streaming:
-        problems.append(Problem("streaming", f"rlhf_type {spec.rlhf_type} reads its pairs through the tokenized "
-                                             "cache, not streamed yet: turn streaming off"))
+    if spec.streaming and spec.precompute_ref_log_probs and spec.rlhf_type == "dpo":
+        problems.append(Problem("precompute_ref_log_probs", "a streamed dataset is read as training goes, so its "
+                                                            "pairs cannot be gone through before: turn one of them off"))
     if spec.use_liger_kernel:
         problems.append(Problem("use_liger_kernel", "Liger's fused cross-entropy gives the mean loss only, and DPO "
                                                     "needs each sequence's log-probs: turn it off"))
