@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -151,9 +152,9 @@ class Reference:
     """The reference model's log-probs of a micro-batch: the policy with its adapters off (LoRA),
     else a frozen copy of the base model as loaded (taken before the engine wraps the policy, so a
     resume compares against the base, not against the resumed weights), placed by the engine:
-    sharded as the policy under FSDP2, whole on each rank under DDP's layout and DeepSpeed.
+    sharded as the policy under FSDP2 and ZeRO-3, whole on each rank under DDP's layout and ZeRO-0/1/2.
     `frozen`: full fine-tuning's reference model where it is not the policy itself (which it is
-    while the log-probs are precomputed, before any step or checkpoint: `reference_for`)."""
+    while the log-probs are precomputed, before any step or checkpoint: `Reference.of`)."""
 
     def __init__(self, policy: torch.nn.Module, lora: bool, frozen: torch.nn.Module | None = None):
         self.policy, self.lora, self.frozen = policy, lora, frozen
@@ -161,20 +162,20 @@ class Reference:
     @classmethod
     def of(cls, policy: torch.nn.Module, spec, dtype: torch.dtype) -> "Reference":
         """DPO's reference for `spec`: LoRA's adapters off; full fine-tuning's `ref_model` loaded in
-        `dtype` (its vocabulary checked against the policy's), else a copy of the base as loaded,
-        else (the log-probs precomputed) the policy itself."""
+        `dtype` (its vocabulary checked against the policy's), else a copy of the base as loaded."""
         if spec.train_type == "lora":
             return cls(policy, lora=True)
         if spec.ref_model:
             from launcher.model import ModelError, load_model
 
-            frozen = load_model(spec.model_copy(update={"model": spec.ref_model}), dtype)
+            try:
+                frozen = load_model(spec.model_copy(update={"model": spec.ref_model}), dtype)
+            except ModelError as exc:  # it names `model`, the field it was loaded through
+                raise ModelError(f"ref_model: {str(exc).removeprefix('model: ')}") from None
             if frozen.config.vocab_size != policy.config.vocab_size:
                 raise ModelError(f"ref_model: {spec.ref_model} has a vocabulary of {frozen.config.vocab_size} tokens, "
                                  f"{spec.model} one of {policy.config.vocab_size}: DPO compares both models' log-probs "
                                  "of the same tokens")
-        elif spec.precompute_ref_log_probs:
-            return cls(policy, lora=False)
         else:
             frozen = copy.deepcopy(policy).to(dtype)
         return cls(policy, lora=False, frozen=frozen.requires_grad_(False).eval())
@@ -243,7 +244,7 @@ def load_reference_table(path: Path, pairs: int) -> np.ndarray:
 def save_reference_table(path: Path, table: np.ndarray) -> None:
     """Written whole or not at all (a temporary file renamed over it); a failure (a full disk) is
     logged: training goes on with the values in memory, a later run computes them again."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(8)}")  # another node's writer has its own
     try:
         with open(tmp, "wb") as f:
             np.save(f, table, allow_pickle=False)

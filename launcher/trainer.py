@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import gc
 import math
 import os
 import random
@@ -28,7 +29,7 @@ from launcher.dist import Dist
 from launcher.engines import build_engine
 from launcher.events import EventWriter, Window, eta_seconds, format_duration, split_nonfinite, memory_gib
 from launcher.engines.tp import distributed_config
-from launcher.model import DTYPES, flops_per_token, peak_flops, prepare
+from launcher.model import DTYPES, ModelError, flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
 from launcher.preference import (PreferenceLoss, Reference, install, load_reference_table, precompute,
                                  reference_file, save_reference_table)
@@ -189,7 +190,9 @@ class Trainer:
             install(model, self.preference)
         if spec.rlhf_type == "dpo":
             # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
-            self.reference = Reference.of(model, spec, DTYPES[spec.torch_dtype])
+            # Precomputed: the policy itself (still the base), or ref_model loaded for the pass only when it runs.
+            self.reference = (Reference(model, spec.train_type == "lora") if spec.precompute_ref_log_probs
+                              else Reference.of(model, spec, DTYPES[spec.torch_dtype]))
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.reference:
             self.reference.place(self.engine, self.dist.device)
@@ -287,18 +290,32 @@ class Trainer:
         """DPO's reference log-probs of every training and validation pair, computed in one pass
         where the tokenized cache does not hold them for this model yet, then handed to the loss
         with each micro-batch (`precompute_ref_log_probs`)."""
-        d = self.dist
+        d, spec, reference = self.dist, self.spec, self.reference
         for batches, tokenized, mine in self._pair_sources:
-            path = reference_file(tokenized.entry, self.spec)
+            # Rank 0 names the file for all (the model files' times differ between nodes' own copies);
+            # a model directory it cannot read stops every rank, none waits in the collective below.
+            named = None
+            if d.is_main:
+                try:
+                    named = (str(reference_file(tokenized.entry, spec)), None)
+                except OSError as exc:
+                    named = (None, f"{'ref_model' if spec.ref_model else 'model'}: cannot read its files to key the "
+                                   f"precomputed reference log-probs ({exc})")
+            path, error = d.all_gather_object(named)[0]
+            if error:
+                raise ModelError(error)
+            path = Path(path)
             table = load_reference_table(path, tokenized.table.num_rows)
             (missing,), _ = d.all_reduce([float(not np.isfinite(table[mine]).all())], "max")
             if missing:
                 started = time.perf_counter()
+                if spec.ref_model and reference is self.reference:  # loaded only now that it is needed
+                    reference = Reference.of(model, spec, DTYPES[spec.torch_dtype]).place(self.engine, d.device)
                 (count,), _ = d.all_reduce([math.ceil(len(batches.plan) / batches.micro_batch)], "max")
                 was_training = model.training
                 model.eval()
                 with DataHeartbeat(self.events):
-                    computed = precompute(batches, int(count), self.reference, d.device, self.engine.forward_context())
+                    computed = precompute(batches, int(count), reference, d.device, self.engine.forward_context())
                 model.train(was_training)
                 gathered = d.all_gather_object((mine, computed))
                 for ids, values in gathered:
@@ -311,6 +328,11 @@ class Trainer:
             elif d.is_main:
                 log.info("reference log-probs read from %s", path)
             batches.reference = lambda members, table=table, mine=mine: table[mine[members]]
+        if reference is not self.reference:  # the loaded ref_model: freed before training takes the memory
+            del reference
+            gc.collect()
+            if d.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _shard(self, tokenized, among=None) -> tuple:
         """(the data, this rank's rows of it, their row plan, how many of its records were dropped)."""

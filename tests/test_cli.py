@@ -146,6 +146,13 @@ def test_a_job_files_inputs_are_read_from_its_directory(tmp_path, monkeypatch, c
     assert spec.dataset == [f"{jobs}/data/a.jsonl#1", "here.jsonl", "swift/self-cognition#5"]
     assert (spec.val_dataset, spec.deepspeed) == ([f"{jobs}/data/a.jsonl"], f"{jobs}/ds.json")
     assert (spec.model, spec.output_dir) == ("Qwen/Qwen2.5-0.5B", "out")
+    # keywords stay keywords, whatever the job's directory holds
+    (jobs / "zero2").mkdir()
+    (jobs / "latest").mkdir()
+    (jobs / "kw.yaml").write_text(yaml.safe_dump({"model": "m", "dataset": ["d"], "deepspeed": "zero2",
+                                                  "resume_from_checkpoint": "latest"}))
+    spec, _ = load_spec(jobs / "kw.yaml")
+    assert (spec.deepspeed, spec.resume_from_checkpoint) == ("zero2", "latest")
 
 
 def test_console_script_in_a_real_process(files):

@@ -80,7 +80,9 @@ def test_files_for_the_run_directory(tmp_path, monkeypatch):
     data.parent.mkdir()
     data.write_text("{}\n")
     monkeypatch.chdir(tmp_path)
-    spec = job(dataset=["data/train.jsonl#100", "swift/self-cognition"], output_dir="out", deepspeed="zero3")
+    (tmp_path / "ref").mkdir()
+    spec = job(dataset=["data/train.jsonl#100", "swift/self-cognition"], output_dir="out", deepspeed="zero3",
+               ref_model="ref")
     result = plan(spec, local_cluster(GpuInfo(("A100",) * 2, 80.0)), RUN_ID, tmp_path / "out" / RUN_ID,
                   model_config=find_model_config(spec.model))
     assert set(result.files) == {"job.yaml", "ds_config.json", "plan.json"}
@@ -90,7 +92,7 @@ def test_files_for_the_run_directory(tmp_path, monkeypatch):
     back, problems = load_spec(written / "job.yaml")
     assert problems == []
     assert back.dataset == [f"{data}#100", "swift/self-cognition"]  # local file absolute, hub id untouched
-    assert back.output_dir == str(tmp_path / "out")
+    assert back.output_dir == str(tmp_path / "out") and back.ref_model == str(tmp_path / "ref")
     ds = json.loads(result.files["ds_config.json"])
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] and ds["train_batch_size"] == 2
     # HF's hidden-size rule (3584^2 = 12.8M) gives less than DeepSpeed's defaults here: those win.

@@ -261,9 +261,14 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     transformers' TP (its head's output is gathered on every TP rank) where no frozen copy of the
     TP-sharded model is needed."""
     if spec.rlhf_type is None:
-        return []
+        return [Problem(field, "ignored: only preference training (rlhf_type dpo) has a reference model", "warning")
+                for field in ("ref_model", "precompute_ref_log_probs") if getattr(spec, field)]
     problems = []
-    if spec.tensor_model_parallel_size > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
+    if spec.tensor_model_parallel_size > 1 and spec.deepspeed:
+        problems.append(Problem("tensor_model_parallel_size", f"DeepSpeed's AutoTP is not combined with rlhf_type "
+                                f"{spec.rlhf_type}: its head's output is not shown to be whole on every rank; use "
+                                "transformers' tensor parallel (no deepspeed) or DeepSpeed ZeRO without TP"))
+    elif spec.tensor_model_parallel_size > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
             spec.ref_model or not spec.precompute_ref_log_probs):
         problems.append(Problem("tensor_model_parallel_size", "tensor parallel with full-parameter DPO takes the "
                                 "reference from precompute_ref_log_probs (the model itself, before training), not a "
@@ -285,7 +290,7 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     if spec.use_liger_kernel:
         problems.append(Problem("use_liger_kernel", "Liger's fused cross-entropy gives the mean loss only, and DPO "
                                                     "needs each sequence's log-probs: turn it off"))
-    if spec.rlhf_type != "dpo" and spec.loss_type == "robust":
+    if spec.rlhf_type not in ("dpo", "orpo") and spec.loss_type == "robust":
         problems.append(Problem("loss_type", f"robust is DPO's (it needs the reference); rlhf_type {spec.rlhf_type} "
                                              "takes sigmoid, hinge or ipo"))
     if spec.rlhf_type == "simpo" and spec.loss_type != "sigmoid":
@@ -305,9 +310,9 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
         problems.append(Problem("precompute_ref_log_probs", f"ignored: rlhf_type {spec.rlhf_type} has no reference "
                                                             "model", "warning"))
     if spec.rlhf_type != "dpo" and spec.rpo_alpha is not None:
-        problems.append(Problem("rpo_alpha", f"ignored with rlhf_type {spec.rlhf_type}: cpo_alpha weighs its NLL term",
-                                "warning"))
-    if spec.loss_type == "robust" and spec.label_smoothing == 0:
+        weight = "its NLL term has weight 1" if spec.rlhf_type == "orpo" else "cpo_alpha weighs its NLL term"
+        problems.append(Problem("rpo_alpha", f"ignored with rlhf_type {spec.rlhf_type}: {weight}", "warning"))
+    if spec.loss_type == "robust" and spec.label_smoothing == 0 and spec.rlhf_type != "orpo":
         problems.append(Problem("label_smoothing", "loss_type robust divides by 1 - 2 x label_smoothing and is plain "
                                                    "DPO at 0: give the share of mislabelled pairs", "warning"))
     return problems

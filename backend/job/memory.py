@@ -332,7 +332,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
         if spec.rlhf_type != "dpo":
             notes.append(f"{spec.rlhf_type}: no reference model; each pair is two sequences")
-        elif spec.precompute_ref_log_probs:
+        elif spec.precompute_ref_log_probs and not spec.ref_model:  # a ref_model is held for the pass
             notes.append(f"{spec.rlhf_type}: the reference log-probs precomputed before training (no reference "
                          "model held); each pair is two sequences")
         elif spec.train_type == "full":

@@ -122,6 +122,7 @@ def resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
     """A copy of the spec whose local paths are absolute, so the worker finds them from any directory."""
     updates: dict[str, Any] = {
         "model": _absolute(spec.model, base_dir),
+        "ref_model": spec.ref_model and _absolute(spec.ref_model, base_dir),
         "dataset": [_absolute(d, base_dir) for d in spec.dataset],
         "val_dataset": [_absolute(d, base_dir) for d in spec.val_dataset],
         "output_dir": str((base_dir / Path(spec.output_dir).expanduser()).resolve()),

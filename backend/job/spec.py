@@ -427,9 +427,11 @@ def anchored(spec: JobSpec, base: Path) -> JobSpec:
             return entry  # the validator names it
         return anchor(name) + entry[len(name):]
 
+    resume = spec.resume_from_checkpoint
     return spec.model_copy(update=dict(
-        model=anchor(spec.model), ref_model=anchor(spec.ref_model), deepspeed=anchor(spec.deepspeed),
-        resume_from_checkpoint=anchor(spec.resume_from_checkpoint),
+        model=anchor(spec.model), ref_model=anchor(spec.ref_model),
+        deepspeed=spec.deepspeed if spec.deepspeed_preset else anchor(spec.deepspeed),
+        resume_from_checkpoint=resume if resume == "latest" or (resume or "").isdigit() else anchor(resume),
         dataset=[anchor_entry(e) for e in spec.dataset], val_dataset=[anchor_entry(e) for e in spec.val_dataset]))
 
 

@@ -144,7 +144,7 @@ def _model_rules(spec: JobSpec, model: ModelConfig, world: int) -> list[Problem]
                                            "lora_dropout to 0, or name attention targets only"))
     out += capabilities.ep_model_problems(spec, model.is_moe, model.num_experts, model.tie_word_embeddings,
                                           adapts_stacked_params(spec, model))
-    if spec.ref_model:
+    if spec.ref_model and spec.rlhf_type == "dpo":
         try:
             reference = find_model_config(spec.ref_model)
         except ModelConfigError as exc:
