@@ -224,7 +224,8 @@ def test_full_flow(studio):
         # 7. Resume continues from the latest complete checkpoint, not from step 0, to the end.
         expect(page.locator("#monitor-resume")).to_have_text("▶ Resume from checkpoint")
         page.locator("#monitor-resume").click()
-        expect(page.locator("#monitor-action")).to_contain_text(f"from the checkpoint of step {complete[-1]}")
+        expect(page.locator("#monitor-action")).to_contain_text(f"from the checkpoint of step {complete[-1]}",
+                                                                timeout=30000)  # a loaded machine queues it
         expect(page.locator("#monitor-status")).to_contain_text(
             f"Resumed from the checkpoint of step {complete[-1]}", timeout=RUN_TIMEOUT_MS)
         wait_step(page, max(stopped_at, complete[-1]) + 2, timeout_s=RUN_TIMEOUT_MS / 1000, studio=studio)
