@@ -116,6 +116,13 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
         warned["precompute_ref_log_probs"]
 
 
+# The batch the TRL comparisons train on: four conversational pairs, rejected answers of two lengths.
+TRL_PAIRS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
+              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
+             for i in range(4)]
+
+
 def assert_same_as_trl(got, preference, ours, expected, metrics: dict, policy) -> None:
     """Our loss, the window's reward metrics and every trainable parameter's gradient equal TRL's."""
     import torch
@@ -155,13 +162,9 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
         policy, reference, lora = base, None, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     else:
         reference, policy, lora = base, copy.deepcopy(base), None
-    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
-              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
-              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
-             for i in range(4)]
     loss_types = [loss["loss_type"]] + (["sft"] if loss.get("rpo_alpha") else [])
     trl = DPOTrainer(model=policy, ref_model=reference, peft_config=lora, processing_class=tokenizer,
-                     train_dataset=Dataset.from_list(pairs),
+                     train_dataset=Dataset.from_list(TRL_PAIRS),
                      args=DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.3, report_to=[],
                                     use_cpu=True, bf16=False, max_length=64, loss_type=loss_types,
                                     loss_weights=[1.0, loss["rpo_alpha"]] if loss.get("rpo_alpha") else None,
@@ -216,11 +219,7 @@ def test_cpo_and_simpo_equal_trls_cpo_trainer(tmp_path, tiny_model, rlhf_type, l
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     torch.manual_seed(1)
     spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type=rlhf_type, **loss)
-    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
-              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
-              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
-             for i in range(4)]
-    trl = CPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(pairs),
+    trl = CPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(TRL_PAIRS),
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
                      args=CPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                                     bf16=False, max_length=64, gradient_checkpointing=False,
@@ -268,11 +267,7 @@ def test_orpo_equals_trls_orpo_trainer_as_ms_swift_runs_it(tmp_path, tiny_model,
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     torch.manual_seed(1)
     spec = JobSpec(model="m", dataset=["p.jsonl"], rlhf_type="orpo", beta=beta)
-    pairs = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
-              "chosen": [{"role": "assistant", "content": f"{i} + {i} = {2 * i}"}],
-              "rejected": [{"role": "assistant", "content": f"{i} + {i} = {2 * i + 1}, I think" * (1 + i % 2)}]}
-             for i in range(4)]
-    trl = ORPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(pairs),
+    trl = ORPOTrainer(model=base, processing_class=tokenizer, train_dataset=Dataset.from_list(TRL_PAIRS),
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
                       args=ORPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                                       bf16=False, max_length=64, gradient_checkpointing=False, beta=spec.preference_beta))
