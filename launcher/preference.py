@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from launcher.data import IGNORE
 
@@ -37,12 +38,19 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     """Each row's summed log-prob of its labelled tokens (the answer) and how many there are."""
     labels = labels[:, 1:]
     mask = labels != IGNORE
-    logits = logits[:, :-1].float()
-    # log_softmax at the labels, row by row: the whole (rows x tokens x vocabulary) of
-    # log-probabilities is never held at once (only the logits are)
-    picked = torch.stack([torch.gather(row, -1, torch.where(m, lab, 0).unsqueeze(-1)).squeeze(-1) - row.logsumexp(-1)
-                          for row, lab, m in zip(logits, labels, mask)])
-    return (picked * mask).sum(-1), mask.sum(-1)
+    # log_softmax at the labels, row by row in float32: the whole (rows x tokens x vocabulary) of
+    # log-probabilities is never held at once. With gradients each row is recomputed in backward,
+    # so autograd keeps only the logits, not a float32 copy of them (for a micro-batch of 16
+    # 1024-token rows and a 152K vocabulary that copy was 10 GiB).
+    rows = [_row_logps(row, torch.where(m, lab, 0)) if not row.requires_grad else
+            torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False)
+            for row, lab, m in zip(logits[:, :-1], labels, mask)]
+    return (torch.stack(rows) * mask).sum(-1), mask.sum(-1)
+
+
+def _row_logps(row: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    row = row.float()
+    return torch.gather(row, -1, labels.unsqueeze(-1)).squeeze(-1) - row.logsumexp(-1)
 
 
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,

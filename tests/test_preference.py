@@ -72,6 +72,30 @@ def test_a_pair_is_encoded_with_the_loss_on_its_answers_only(tokenizer):
     assert encode(record, tokenizer, prompt, persona) is None  # truncation leaves no answer: dropped
 
 
+def test_sequence_log_probs_keep_no_float32_copy_of_the_logits():
+    """Autograd keeps the (bfloat16) logits only; the gradient is log_softmax's."""
+    import torch
+
+    from launcher.preference import sequence_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 33, 500, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 500, (4, 33))
+    labels[:, :10] = IGNORE
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logps, tokens = sequence_logps(logits, labels)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= 32 * 500]
+    logps.sum().backward()
+    plain = logits.detach().float().requires_grad_()
+    shifted = labels[:, 1:]
+    picked = plain[:, :-1].log_softmax(-1).gather(-1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    expected = (picked * (shifted != IGNORE)).sum(-1)
+    expected.sum().backward()
+    assert torch.allclose(logps, expected, rtol=1e-5) and tokens.tolist() == [23] * 4
+    assert torch.allclose(logits.grad.float(), plain.grad, atol=1e-2)
+
+
 def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     problems: dict[str, str] = {}
     for p in validate(JobSpec(

@@ -1,0 +1,210 @@
+"""DPO on the worker against TRL's DPOTrainer (bench/trl_dpo.py) in the same call: the Qwen2.5-1.5B
+shape with random weights, 1024-token pairs (prompt + answer, chosen and rejected each filled to
+max_length), issue 32's targets.
+
+    python bench/dpo.py --out dpo.jsonl                      # GPU: every part
+    python bench/dpo.py --parts lora --steps 10 --warm 3     # one part
+    python bench/dpo.py --smoke                              # CPU, a tiny model: the pipeline end to end
+
+Parts:
+  lora   LoRA r16 (all linear): TRL with and without its Liger DPO loss (bf16 base), ours as it is and
+         with torch_compile; the target compares the fastest of each side, and their peak memory.
+  full   full fine-tuning under DeepSpeed ZeRO-3 on one GPU: TRL (its reference a second model
+         prepared by DeepSpeed) with and without Liger, ours (the frozen copy partitioned as the policy).
+  ranks  ours, full DPO on ZeRO-3 and on FSDP2: the losses of 2 ranks sharing the GPU (each its own
+         NCCL host, as bench/layout_memory.py runs them) against 1 rank with the same global batch. Every
+         record is the same pair here: each data-parallel rank reads its own shard in its own shuffled
+         order, so distinct pairs would make different steps, not the same ones split.
+
+Tokens/s count the prompt and answer tokens of both rows of each pair (both sides fill max_length,
+so the count is the same for both; TRL's line reports its own count per pair to show it)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import ROOT, _first_error, build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
+
+TRL = Path(__file__).resolve().parent / "trl_dpo.py"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def words(rng: random.Random, chars: int) -> str:
+    out, size = [], 0
+    while size < chars:
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8)))
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)
+
+
+def write_pairs(path: Path, n: int, seq: int, same: bool = False) -> None:
+    """TRL's conversational pair format (prompt / chosen / rejected message lists), which the worker
+    reads too: a ~seq/4-character prompt and answers long enough that every row is cut at max_length
+    (the demo tokenizer gives about one token per character). `same`: every record the same pair."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            if same:
+                rng.seed(0)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": words(rng, seq // 4)}],
+                                "chosen": [{"role": "assistant", "content": words(rng, seq * 2)}],
+                                "rejected": [{"role": "assistant", "content": words(rng, seq * 2)}]}) + "\n")
+
+
+def our_job(model: Path, pairs: Path, seq: int, bsz: int, steps: int, lora: bool, dtype: str, **fields) -> dict:
+    """The DPO job as TRL's run: beta 0.1, sigmoid loss, lr 1e-5, every step logged, no checkpoints,
+    no activation recomputation, LoRA r16 alpha 32 on all linear layers."""
+    return {**dict(model=str(model), dataset=[str(pairs)], rlhf_type="dpo", beta=0.1, train_type="lora" if lora else "full",
+                   max_length=seq, per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no",
+                   learning_rate=1e-5, torch_dtype=dtype, gradient_checkpointing=False, use_liger_kernel=False,
+                   lora_rank=16, lora_alpha=32, lora_dropout=0.0), **fields}
+
+
+class Bench:
+    def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool):
+        self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
+        self.dtype = "float32" if smoke else "bfloat16"
+        self.shape = "smoke" if smoke else "qwen2.5-1.5b"
+        self.seq = 64 if smoke else 1024
+        self.model = build_model_dir(self.shape, work / "model", self.dtype)
+        self.wrapper = work / "rank-on-gpu0.sh"
+        self.wrapper.write_text(f"#!/bin/sh\nexport NCCL_HOSTID=rank$RANK CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=0\n"
+                                f"exec {sys.executable} -m launcher.train \"$@\"\n")
+        self.wrapper.chmod(self.wrapper.stat().st_mode | stat.S_IEXEC)
+
+    def emit(self, row: dict) -> dict:
+        line = json.dumps(row)
+        print(line, flush=True)
+        self.out.write(line + "\n")
+        self.out.flush()
+        return row
+
+    def pairs(self, n: int, same: bool = False) -> Path:
+        path = self.work / f"pairs-{n}{'-same' if same else ''}.jsonl"
+        if not path.exists():
+            write_pairs(path, n, self.seq, same)
+        return path
+
+    def trl(self, bsz: int, lora: bool, liger: bool = False, zero3: bool = False) -> dict:
+        argv = torchrun_argv(1, str(TRL), str(self.model), str(self.pairs(bsz * (self.steps + 1))), "--seq", str(self.seq),
+                             "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
+                             *["--lora"] * lora, *["--liger"] * liger, *["--zero3"] * zero3)
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(self.work)})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        row = json.loads(lines[-1]) if lines else dict(source="trl", lora=lora, liger=liger, zero3=zero3,
+                                                       error=_first_error(proc.stdout + proc.stderr))
+        return self.emit({**row, "wall_s": round(time.monotonic() - started)})
+
+    def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, **fields) -> dict:
+        run_dir = self.work / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir()
+        pairs = self.pairs(bsz * nproc * (self.steps + 1), same)
+        spec = our_job(self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
+        (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+        argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        if nproc > 1 and not self.smoke:  # ranks share GPU 0, each its own NCCL host
+            module = argv.index("-m", argv.index("--max_restarts"))
+            argv = argv[:module] + ["--no-python", str(self.wrapper)] + argv[module + 2:]
+            env.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+        started = time.monotonic()
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        row = dict(source="swift-studio", name=name, lora=lora, nproc=nproc, seq=self.seq, bsz=bsz, **fields,
+                   wall_s=round(time.monotonic() - started))
+        events_file = run_dir / "events" / "rank-0.jsonl"
+        events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
+        train = [e for e in events if e["type"] == "train"]
+        timed = [e for e in train if e["step"] > self.warm]
+        if proc.returncode or len(timed) < 2:
+            return self.emit({**row, "error": _first_error(proc.stdout + proc.stderr)})
+        step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+        tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)  # non-padding, every rank's
+        return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
+                          "tokens_per_pair": tokens / (bsz * nproc),
+                          "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2),
+                          "estimated_gib": None if self.smoke else estimated_gib(run_dir, self.shape, nproc),
+                          "losses": [round(e["loss"], 5) for e in train],
+                          "rewards_accuracies": train[-1].get("rewards_accuracies")})
+
+    def versus(self, name: str, ours: list[dict], theirs: list[dict], goal: float) -> None:
+        """The fastest run of each side, their ratio, and the peak memory of both."""
+        ok = [r for r in ours if "error" not in r], [r for r in theirs if "error" not in r]
+        if not all(ok):
+            self.emit({"target": name, "ratio": None, "goal": goal, "met": None, "why": "a side has no run"})
+            return
+        best_ours, best_trl = (max(rows, key=lambda r: r["tokens_per_s"]) for rows in ok)
+        ratio = round(best_ours["tokens_per_s"] / best_trl["tokens_per_s"], 3)
+        self.emit({"target": name, "ratio": ratio, "goal": goal, "met": ratio >= goal and (
+                   self.smoke or best_ours["peak_mem_gib"] <= best_trl["peak_mem_gib"]),
+                   "ours": best_ours.get("name"), "trl": {k: best_trl[k] for k in ("liger", "zero3", "gc")},
+                   "peak_gib": best_ours.get("peak_mem_gib"), "trl_peak_gib": best_trl.get("peak_mem_gib"),
+                   "estimated_gib": best_ours.get("estimated_gib")})
+
+    def lora(self, bsz: int) -> None:
+        theirs = [self.trl(bsz, lora=True, liger=liger) for liger in ([False] if self.smoke else [True, False])]
+        ours = [self.ours("lora", bsz, True)] + ([] if self.smoke else [self.ours("lora-compile", bsz, True,
+                                                                                  torch_compile=True)])
+        self.versus(f"DPO LoRA r16 {self.shape} {self.seq}-token pairs x{bsz}: ours vs TRL DPOTrainer (best)", ours,
+                    theirs, 1.25)
+
+    def full(self, bsz: int) -> None:
+        theirs = [] if self.smoke else [self.trl(bsz, lora=False, liger=liger, zero3=True) for liger in (True, False)]
+        ours = [self.ours("full-zero3", bsz, False, deepspeed="zero3")]
+        self.versus(f"DPO full ZeRO-3 {self.shape} {self.seq}-token pairs x{bsz}: ours vs TRL DPOTrainer+DeepSpeed "
+                    "ZeRO-3 (best)", ours, theirs, 1.10)
+
+    def ranks(self, bsz: int) -> None:
+        for engine in ({"deepspeed": "zero3"}, {"fsdp": "full_shard"}):
+            label = next(iter(engine.values()))
+            one = self.ours(f"ranks-{label}-1", bsz, False, same=True, **engine)
+            two = self.ours(f"ranks-{label}-2", bsz // 2, False, nproc=2, same=True, **engine)
+            if "error" in one or "error" in two:
+                self.emit({"target": f"{label}: 2 ranks' losses vs 1 rank's", "met": False})
+                continue
+            worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(one["losses"], two["losses"]))
+            self.emit({"target": f"full DPO {label}: losses of 2 ranks x {bsz // 2} pairs vs 1 rank x {bsz}",
+                       "max_rel_diff": round(worst, 6), "one": one["losses"], "two": two["losses"]})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="lora,full,ranks")
+    parser.add_argument("--bsz", type=int, default=8, help="pairs per micro-batch (lora, full)")
+    parser.add_argument("--ranks-bsz", type=int, default=4, help="pairs per step of the ranks part")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", type=Path, default=Path(os.devnull))
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="dpo-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
+    try:
+        with open(args.out, "w") as out:
+            bench = Bench(work, steps, warm, out, args.smoke)
+            for part in args.parts.split(","):
+                getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

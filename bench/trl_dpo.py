@@ -1,0 +1,93 @@
+"""The stock baseline of bench/dpo.py: TRL's DPOTrainer on a model directory and a pairs file, one
+configuration per process, under torchrun (DeepSpeed's ZeRO-3 needs its process group). Prints one
+JSON line from rank 0: step time, tokens/s (prompt + answer tokens of chosen and rejected rows,
+padding not counted), peak allocated memory, the losses by step.
+
+    torchrun --nproc_per_node 1 bench/trl_dpo.py MODEL_DIR PAIRS.jsonl --seq 1024 --bsz 8 --lora --liger
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from transformers import TrainerCallback
+
+
+class Timer(TrainerCallback):
+    """Wall time of the steps after `warm` (each step's end synchronised with the device)."""
+
+    def __init__(self, warm: int):
+        self.warm, self.started, self.ended, self.timed = warm, None, None, 0
+
+    def on_step_end(self, args, state, control, **_):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if state.global_step == self.warm:
+            self.started = now
+        elif state.global_step > self.warm:
+            self.timed += 1
+            self.ended = now
+
+
+ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "bf16": {"enabled": "auto"},
+         "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                               "stage3_gather_16bit_weights_on_model_save": False}}
+
+
+def main() -> None:
+    from datasets import load_dataset
+    from trl import DPOConfig, DPOTrainer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("pairs")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--bsz", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", type=int, default=3)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--liger", action="store_true")
+    parser.add_argument("--zero3", action="store_true")
+    parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    config = DPOConfig(output_dir=os.environ.get("TMPDIR", "/tmp") + "/trl-dpo", per_device_train_batch_size=args.bsz,
+                       max_steps=args.steps, learning_rate=1e-5, beta=0.1, max_length=args.seq, bf16=gpu,
+                       logging_steps=1, save_strategy="no", report_to=[], gradient_checkpointing=args.gc,
+                       use_liger_kernel=args.liger, optim="adamw_torch_fused" if gpu else "adamw_torch",
+                       dataloader_num_workers=2, disable_tqdm=True, deepspeed=ZERO3 if args.zero3 else None,
+                       model_init_kwargs={"dtype": dtype})
+    peft = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    timer = Timer(args.warm)
+    # A path: TRL loads the policy, and for full fine-tuning the reference from the same path.
+    trainer = DPOTrainer(model=args.model, args=config, train_dataset=load_dataset("json", data_files=args.pairs)["train"],
+                         peft_config=peft, callbacks=[timer])
+    rows = trainer.train_dataset
+    per_pair = [min(len(p) + len(c), args.seq) + min(len(p) + len(r), args.seq)
+                for p, c, r in zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])]
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    step_s = (timer.ended - timer.started) / timer.timed
+    tokens_per_step = sum(per_pair) / len(per_pair) * args.bsz * int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(dict(source="trl", lora=args.lora, liger=args.liger, zero3=args.zero3, gc=args.gc, seq=args.seq,
+                              bsz=args.bsz, tokens_per_pair=sum(per_pair) / len(per_pair), step_s=round(step_s, 4),
+                              tokens_per_s=round(tokens_per_step / step_s),
+                              peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
+                              losses=[round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h])),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
