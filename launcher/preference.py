@@ -34,9 +34,11 @@ METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_acc
 beta x the log-prob ratio to the reference, summed over each answer's tokens)."""
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-prob of its labelled tokens (the answer) and how many there are."""
-    labels = labels[:, 1:]
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-prob of its labelled tokens (the answer) and how many there are.
+    `shifted`: labels[i] is what logits[i] predicts (a Ulysses slice's labels, shifted over the whole row)."""
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
     mask = labels != IGNORE
     # log_softmax at the labels, row by row in float32: the whole (rows x tokens x vocabulary) of
     # log-probabilities is never held at once. With gradients each row is recomputed in backward,
@@ -44,8 +46,26 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     # 1024-token rows and a 152K vocabulary that copy was 10 GiB).
     rows = [_row_logps(row, torch.where(m, lab, 0)) if not row.requires_grad else
             torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False)
-            for row, lab, m in zip(logits[:, :-1], labels, mask)]
+            for row, lab, m in zip(logits, labels, mask)]
     return (torch.stack(rows) * mask).sum(-1), mask.sum(-1)
+
+
+def group_logps(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of whole rows from a Ulysses group's slices: each rank's sums added over the
+    group (through autograd: each slice's tokens get the whole row's gradient)."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+
+    logps, tokens = sequence_logps(logits, shift_labels, shifted=True)
+    dist.all_reduce(tokens, group=group)
+    return (dist_fn.all_reduce(logps, group=group) if logps.requires_grad else _summed(logps, group)), tokens
+
+
+def _summed(values: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(values, group=group)
+    return values
 
 
 def _row_logps(row: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -109,10 +129,15 @@ class PreferenceLoss:
         self.spec = spec
         self.reference: torch.Tensor | None = None
         self.totals: torch.Tensor | None = None
+        self.sp = None  # the engine's Ulysses group (UlyssesSP): each rank holds a slice of every row
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **_) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None = None,
+                 **_) -> torch.Tensor:
         spec = self.spec
-        logps, tokens = sequence_logps(logits, labels)
+        if self.sp is None:
+            logps, tokens = sequence_logps(logits, labels)
+        else:
+            logps, tokens = group_logps(logits, shift_labels, self.sp.group)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         # Rows that only fill a micro-batch to its size (evaluation's last one) carry no labels.
@@ -133,6 +158,9 @@ class PreferenceLoss:
             losses = reference_free_losses(chosen, rejected, spec)
             weight = 1.0 if spec.rlhf_type == "orpo" else spec.cpo_alpha or None
         loss = losses[real].mean() + (weight * nll if weight is not None else 0)
+        if self.sp is not None:
+            # Every rank of the group holds the whole loss; the engine adds up the ranks' shares.
+            loss = loss / self.sp.size
         if not torch.is_grad_enabled():  # an evaluation: its loss is reported on its own
             return loss
         with torch.no_grad():
@@ -195,10 +223,13 @@ class Reference:
         return self
 
     @torch.no_grad()
-    def logps(self, batch: dict, context=None) -> torch.Tensor:
+    def logps(self, batch: dict, context=None, sp=None) -> torch.Tensor:
         """`context`: the engine's forward context (`Engine.forward_context`), so the reference
-        computes as the policy's forward does."""
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        computes as the policy's forward does; `sp`: the engine's Ulysses group (`Engine.sp`),
+        whose attention takes this rank's slice of each row."""
+        if sp is not None:
+            batch, _ = sp.shard(batch)
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
         with context or nullcontext():
             if self.frozen is not None:
                 logits = self.frozen(**inputs, use_cache=False).logits
@@ -207,7 +238,9 @@ class Reference:
                     logits = self.policy(**inputs, use_cache=False).logits
             else:
                 logits = self.policy(**inputs, use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])[0]
+        if sp is None:
+            return sequence_logps(logits, batch["labels"])[0]
+        return group_logps(logits, batch["shift_labels"], sp.group)[0]
 
 
 # ---- precomputed reference log-probs (precompute_ref_log_probs) ------------------------------------
@@ -265,14 +298,14 @@ def save_reference_table(path: Path, table: np.ndarray) -> None:
 
 
 @torch.no_grad()
-def precompute(batches, count: int, reference: Reference, device: torch.device, context=None) -> np.ndarray:
+def precompute(batches, count: int, reference: Reference, device: torch.device, context=None, sp=None) -> np.ndarray:
     """This rank's pairs' reference log-probs in the order of its plan, (pairs, 2): chosen, rejected.
     `count` micro-batches, the most any rank has: the engines' forwards are collective (ZeRO-3 and
     FSDP2 gather the weights), so every rank runs as many, its last ones filled."""
     pairs, size, out = len(batches.plan), batches.micro_batch, []
     for k, (batch, _, _) in enumerate(batches.in_order(count)):
         real = max(0, min(size, pairs - k * size))
-        logps = reference.logps({key: value.to(device) for key, value in batch.items()}, context).float().cpu()
+        logps = reference.logps({key: value.to(device) for key, value in batch.items()}, context, sp).float().cpu()
         half = logps.shape[0] // 2  # chosen rows then rejected rows, each half filled to the micro-batch
         out.append(torch.stack([logps[:real], logps[half:half + real]], dim=1))
     return torch.cat(out).numpy() if out else np.zeros((0, 2), np.float32)

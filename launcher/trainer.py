@@ -194,6 +194,8 @@ class Trainer:
             self.reference = (Reference(model, spec.train_type == "lora") if spec.precompute_ref_log_probs
                               else Reference.of(model, spec, DTYPES[spec.torch_dtype]))
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
+        if self.preference:
+            self.preference.sp = self.engine.sp
         if self.reference:
             self.reference.place(self.engine, self.dist.device)
         if self.reference and spec.precompute_ref_log_probs:
@@ -315,7 +317,8 @@ class Trainer:
                 was_training = model.training
                 model.eval()
                 with DataHeartbeat(self.events):
-                    computed = precompute(batches, int(count), reference, d.device, self.engine.forward_context())
+                    computed = precompute(batches, int(count), reference, d.device, self.engine.forward_context(),
+                                          self.engine.sp)
                 model.train(was_training)
                 gathered = d.all_gather_object((mine, computed))
                 for ids, values in gathered:
@@ -608,7 +611,7 @@ class Trainer:
             batch = dict(batch)
             self.preference.reference = batch.pop("reference_logps")
         elif self.reference is not None:
-            self.preference.reference = self.reference.logps(batch, self.engine.forward_context())
+            self.preference.reference = self.reference.logps(batch, self.engine.forward_context(), self.engine.sp)
         return batch
 
     def _forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:

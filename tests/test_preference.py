@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from backend.job.capabilities import unsupported
 from backend.job.records import DataError, Persona, Record, to_pair
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
@@ -100,11 +101,13 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     problems: dict[str, str] = {}
     for p in validate(JobSpec(
         model="m", dataset=[str(ROOT / "assets" / "demo" / "train.jsonl")], rlhf_type="dpo", packing=True,
-            use_liger_kernel=True, sequence_parallel_size=2, nproc_per_node=2)):
+            use_liger_kernel=True, context_parallel_size=2, nproc_per_node=2)):
         problems[p.field] = problems.get(p.field, "") + p.message + "\n"
     assert "turn packing off" in problems["packing"]
     assert "needs each sequence's log-probs" in problems["use_liger_kernel"]
-    assert "sequence parallel is not combined with rlhf_type dpo" in problems["sequence_parallel_size"]
+    cp = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo", fsdp="full_shard",
+                                                          context_parallel_size=2))}
+    assert "context parallel is not combined with rlhf_type dpo" in cp["context_parallel_size"]
     # the demo's SFT records are no pairs: named by file:line before launch
     assert "not a preference pair" in problems["dataset[0]"]
     # ref_model: full DPO only (as ms-swift); found; with the model's vocabulary
@@ -127,6 +130,12 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     autotp = {p.field: p.message for p in validate(JobSpec(**dpo, deepspeed="zero2", nproc_per_node=2,
                                                            tensor_model_parallel_size=2)) if p.severity == "error"}
     assert "DeepSpeed's AutoTP is not combined with rlhf_type dpo" in autotp["tensor_model_parallel_size"]
+    # expert parallel: as tensor parallel, no frozen copy of the EP-sharded model (LoRA, or precomputed)
+    ep = lambda **kw: {p.field: p.message for p in unsupported(JobSpec(**dpo, fsdp="full_shard",  # noqa: E731
+                                                                          expert_model_parallel_size=2, **kw))}
+    assert ep() == {} and ep(train_type="full", precompute_ref_log_probs=True) == {}
+    assert "expert parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
+        ep(train_type="full")["expert_model_parallel_size"]
     # a supervised job names the preference-only fields it ignores
     sft = {p.field: p.message for p in validate(JobSpec(**{**dpo, "rlhf_type": None}, train_type="full",
                                                         ref_model=str(demo), precompute_ref_log_probs=True))}
@@ -518,3 +527,55 @@ def test_dpo_under_tensor_parallel_trains_as_one_rank(tmp_path, tiny_model):
                                                             tensor_model_parallel_size=2)) if p.severity == "error"}
     assert "tensor parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
         refused["tensor_model_parallel_size"]
+
+
+@pytest.mark.e2e
+def test_dpo_under_expert_parallel_trains_as_fsdp2(tmp_path):
+    """transformers' EP=2 over FSDP2 on a tiny Qwen3-MoE (each rank routes its own pairs' tokens):
+    DPO with LoRA on the attention and full DPO with precomputed reference log-probs train the
+    losses and rewards of FSDP2 alone on the same two ranks."""
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+    data = preference_pairs(tmp_path / "pairs.jsonl", 32)
+    common = dict(model=str(moe), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48, fsdp="full_shard",
+                  per_device_train_batch_size=2, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
+                  warmup_ratio=0.0, lora_dropout=0.0, nproc_per_node=2)
+    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            "full": dict(train_type="full", learning_rate=1e-3, precompute_ref_log_probs=True)}
+    runs = {(kind, ep): tmp_path / f"{kind}-ep{ep}" for kind in jobs for ep in (1, 2)}
+    for proc in run_workers([planned(run, **common, **jobs[kind], expert_model_parallel_size=ep)
+                             for (kind, ep), run in runs.items()], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    for kind in jobs:
+        plain, ep = (events(runs[kind, n], 0, "train") for n in (1, 2))
+        assert [e["step"] for e in ep] == [1, 2, 3]
+        for a, b in zip(plain, ep):
+            for field in ("loss", "rewards_margins", "logps_chosen"):
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
+        assert ep[-1]["rewards_margins"] != 0
+
+
+@pytest.mark.e2e
+def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_model):
+    """DeepSpeed's Ulysses SP=2 on two ranks (each holds half of every row; the log-prob sums added
+    over the group): DPO with LoRA on ZeRO-2 and full DPO on ZeRO-3 (its frozen copy partitioned and
+    run through the same slices) train the losses, rewards and eval losses of one rank."""
+    data = preference_pairs(tmp_path / "pairs.jsonl", 40)
+    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
+                  per_device_train_batch_size=4, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
+                  warmup_ratio=0.0, lora_dropout=0.0, split_dataset_ratio=0.2, eval_steps=3)
+    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2, deepspeed="zero2"),
+            "full": dict(train_type="full", learning_rate=1e-3, deepspeed="zero3")}
+    runs = {(kind, sp): tmp_path / f"{kind}-sp{sp}" for kind in jobs for sp in (1, 2)}
+    for proc in run_workers([planned(run, **common, **jobs[kind], nproc_per_node=sp, sequence_parallel_size=sp)
+                             for (kind, sp), run in runs.items()], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    for kind in jobs:
+        one, sp = (events(runs[kind, n], 0, "train") for n in (1, 2))
+        assert [e["step"] for e in sp] == [1, 2, 3]
+        for a, b in zip(one, sp):
+            for field in ("loss", "rewards_margins", "logps_chosen", "logps_rejected"):
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
+        assert sp[-1]["rewards_margins"] != 0
+        (eval_one,), (eval_sp,) = (events(runs[kind, n], 0, "eval") for n in (1, 2))
+        assert eval_sp["eval_loss"] == pytest.approx(eval_one["eval_loss"], rel=1e-4)

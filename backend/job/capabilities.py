@@ -257,9 +257,10 @@ def unsupported(spec: JobSpec) -> list[Problem]:
 
 
 def _preference_problems(spec: JobSpec) -> list[Problem]:
-    """Preference runs where a rank holds whole sequences and whole logits: DDP, ZeRO, FSDP2, and
-    transformers' TP (its head's output is gathered on every TP rank) where no frozen copy of the
-    TP-sharded model is needed."""
+    """Preference runs where a rank holds whole sequences and whole logits: DDP, ZeRO, FSDP2,
+    transformers' TP (its head's output is gathered on every TP rank) and EP (each rank routes its own
+    sequences' tokens to the experts and back) where no frozen copy of the TP- or EP-sharded model is
+    needed, and DeepSpeed's Ulysses SP (each row's log-prob sums added over the SP group)."""
     if spec.rlhf_type is None:
         return [Problem(field, "ignored: only preference training (rlhf_type dpo) has a reference model", "warning")
                 for field in ("ref_model", "precompute_ref_log_probs") if getattr(spec, field)]
@@ -268,19 +269,19 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
         problems.append(Problem("tensor_model_parallel_size", f"DeepSpeed's AutoTP is not combined with rlhf_type "
                                 f"{spec.rlhf_type}: its head's output is not shown to be whole on every rank; use "
                                 "transformers' tensor parallel (no deepspeed) or DeepSpeed ZeRO without TP"))
-    elif spec.tensor_model_parallel_size > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
-            spec.ref_model or not spec.precompute_ref_log_probs):
-        problems.append(Problem("tensor_model_parallel_size", "tensor parallel with full-parameter DPO takes the "
-                                "reference from precompute_ref_log_probs (the model itself, before training), not a "
-                                "separate reference model: set precompute_ref_log_probs, leave ref_model empty, or "
-                                "train LoRA"))
+    else:
+        problems += [Problem(field, f"{name} with full-parameter DPO takes the reference from "
+                             "precompute_ref_log_probs (the model itself, before training), not a separate reference "
+                             "model: set precompute_ref_log_probs, leave ref_model empty, or train LoRA")
+                     for field, name in (("tensor_model_parallel_size", "tensor parallel"),
+                                         ("expert_model_parallel_size", "expert parallel"))
+                     if getattr(spec, field) > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
+                         spec.ref_model or not spec.precompute_ref_log_probs)]
     problems += [Problem(field, f"{name} is not combined with rlhf_type {spec.rlhf_type} yet: each pair's "
-                               "log-probs are summed over whole sequences on one rank; use DDP, DeepSpeed ZeRO, FSDP2 "
-                               "or tensor parallel")
+                               "log-probs are summed over whole sequences on one rank or one Ulysses group; use DDP, "
+                               "DeepSpeed ZeRO (with sequence_parallel_size), FSDP2, tensor or expert parallel")
                 for field, name in (("pipeline_model_parallel_size", "pipeline parallel"),
-                                    ("sequence_parallel_size", "sequence parallel"),
-                                    ("context_parallel_size", "context parallel"),
-                                    ("expert_model_parallel_size", "expert parallel"))
+                                    ("context_parallel_size", "context parallel"))
                 if getattr(spec, field) > 1]
     if spec.packing:
         problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} pads its pairs: turn packing off"))

@@ -17,6 +17,9 @@ class Engine:
     """
 
     name = "engine"
+    #: the Ulysses sequence-parallel group's sharding (launcher.engines.zero.UlyssesSP) where the
+    #: engine runs one: another forward of the model (preference training's reference) goes through it too
+    sp = None
     #: whether a checkpoint can be loaded with a different world size
     reshards = True
     #: how the optimizer state is keyed in its checkpoint: "nested" (torch's, per parameter group)

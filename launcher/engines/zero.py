@@ -73,7 +73,8 @@ class DeepSpeedEngine(Engine):
 
         config = dict(self._frozen_config)
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
-        engine, _, _, _ = deepspeed.initialize(model=module, config=config)
+        # With Ulysses the data-parallel ranks are world / SP: the batch sizes of the config say so.
+        engine, _, _, _ = deepspeed.initialize(model=module, config=config, mpu=self.sp and self.sp.mpu)
         engine.eval()
         whole = sum(p.ds_numel for p in module.parameters())
         held = sum(p.ds_tensor.numel() for p in module.parameters())
@@ -131,10 +132,11 @@ class UlyssesSP:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the worker's process group
+        # The wrapper reshapes by a fixed number of rows: a preference micro-batch holds each pair twice.
+        rows = spec.per_device_train_batch_size * (2 if spec.rlhf_type else 1)
         self.mpu = UlyssesSPAttentionHF.register_with_transformers(
             model, core_attn_implementation=model.config._attn_implementation,
-            sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=spec.per_device_train_batch_size,
-            seq_length_is_variable=True)
+            sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=rows, seq_length_is_variable=True)
         self.group = self.mpu.get_sequence_parallel_group()
         self.size, self.rank = self.mpu.get_sequence_parallel_world_size(), self.mpu.get_sequence_parallel_rank()
 
