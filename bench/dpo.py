@@ -11,7 +11,10 @@ Parts:
          with torch_compile; the target compares the fastest of each side, and their peak memory.
   full   full fine-tuning under DeepSpeed ZeRO-3 on one GPU: TRL (its reference a second model
          prepared by DeepSpeed) with and without Liger, ours (the frozen copy partitioned as the policy).
-  ranks  ours, full DPO on ZeRO-3 and on FSDP2: the losses of 2 ranks sharing the GPU (each its own
+  again  the fastest configuration of each side of lora and full once more, ours first (against drift).
+  precompute  full ZeRO-3 with precompute_ref_log_probs on both sides (no reference forward per step).
+  ranks  ours, full DPO on ZeRO-3 and on FSDP2 (learning rate 5e-8: every record is one pair, which a
+         larger one fits in a step): the losses of 2 ranks sharing the GPU (each its own
          NCCL host, as bench/layout_memory.py runs them) against 1 rank with the same global batch. Every
          record is the same pair here: each data-parallel rank reads its own shard in its own shuffled
          order, so distinct pairs would make different steps, not the same ones split.
@@ -35,7 +38,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import ROOT, _first_error, build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
+from throughput import ROOT, build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
 
 TRL = Path(__file__).resolve().parent / "trl_dpo.py"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -73,6 +76,13 @@ def our_job(model: Path, pairs: Path, seq: int, bsz: int, steps: int, lora: bool
                    lora_rank=16, lora_alpha=32, lora_dropout=0.0), **fields}
 
 
+def last_error(output: str) -> str:
+    """The end of a failed run's output, where Python prints the exception (torchrun's summary after it)."""
+    lines = [line for line in output.splitlines() if "Warning" not in line]
+    ends = [i for i, line in enumerate(lines) if "Error" in line and not line.lstrip().startswith("File")]
+    return "\n".join(lines[max(0, ends[-1] - 3):ends[-1] + 3] if ends else lines[-20:])[-2000:]
+
+
 class Bench:
     def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool):
         self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
@@ -98,15 +108,16 @@ class Bench:
             write_pairs(path, n, self.seq, same)
         return path
 
-    def trl(self, bsz: int, lora: bool, liger: bool = False, zero3: bool = False) -> dict:
+    def trl(self, bsz: int, lora: bool, liger: bool = False, zero3: bool = False, precompute: bool = False) -> dict:
         argv = torchrun_argv(1, str(TRL), str(self.model), str(self.pairs(bsz * (self.steps + 1))), "--seq", str(self.seq),
                              "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
-                             *["--lora"] * lora, *["--liger"] * liger, *["--zero3"] * zero3)
+                             *["--lora"] * lora, *["--liger"] * liger, *["--zero3"] * zero3,
+                             *["--precompute"] * precompute)
         started = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(self.work)})
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         row = json.loads(lines[-1]) if lines else dict(source="trl", lora=lora, liger=liger, zero3=zero3,
-                                                       error=_first_error(proc.stdout + proc.stderr))
+                                                       precompute=precompute, error=last_error(proc.stderr))
         return self.emit({**row, "wall_s": round(time.monotonic() - started)})
 
     def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, **fields) -> dict:
@@ -131,7 +142,7 @@ class Bench:
         train = [e for e in events if e["type"] == "train"]
         timed = [e for e in train if e["step"] > self.warm]
         if proc.returncode or len(timed) < 2:
-            return self.emit({**row, "error": _first_error(proc.stdout + proc.stderr)})
+            return self.emit({**row, "error": last_error(proc.stdout + proc.stderr)})
         step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
         tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)  # non-padding, every rank's
         return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
@@ -151,7 +162,7 @@ class Bench:
         ratio = round(best_ours["tokens_per_s"] / best_trl["tokens_per_s"], 3)
         self.emit({"target": name, "ratio": ratio, "goal": goal, "met": ratio >= goal and (
                    self.smoke or best_ours["peak_mem_gib"] <= best_trl["peak_mem_gib"]),
-                   "ours": best_ours.get("name"), "trl": {k: best_trl[k] for k in ("liger", "zero3", "gc")},
+                   "ours": best_ours.get("name"), "trl": {k: best_trl.get(k) for k in ("liger", "zero3", "gc", "precompute")},
                    "peak_gib": best_ours.get("peak_mem_gib"), "trl_peak_gib": best_trl.get("peak_mem_gib"),
                    "estimated_gib": best_ours.get("estimated_gib")})
 
@@ -168,11 +179,24 @@ class Bench:
         self.versus(f"DPO full ZeRO-3 {self.shape} {self.seq}-token pairs x{bsz}: ours vs TRL DPOTrainer+DeepSpeed "
                     "ZeRO-3 (best)", ours, theirs, 1.10)
 
+    def again(self, bsz: int) -> None:
+        ours = [self.ours("lora-compile-2", bsz, True, torch_compile=True)]
+        self.versus(f"DPO LoRA, again (ours first): {self.shape} {self.seq}-token pairs x{bsz}", ours,
+                    [self.trl(bsz, lora=True)], 1.25)
+        ours = [self.ours("full-zero3-2", bsz, False, deepspeed="zero3")]
+        self.versus(f"DPO full ZeRO-3, again (ours first): {self.shape} {self.seq}-token pairs x{bsz}", ours,
+                    [self.trl(bsz, lora=False, zero3=True)], 1.10)
+
+    def precompute(self, bsz: int) -> None:
+        ours = [self.ours("full-zero3-precompute", bsz, False, deepspeed="zero3", precompute_ref_log_probs=True)]
+        self.versus(f"DPO full ZeRO-3 with precompute_ref_log_probs on both: {self.shape} {self.seq}-token pairs "
+                    f"x{bsz}", ours, [self.trl(bsz, lora=False, zero3=True, precompute=True)], 1.10)
+
     def ranks(self, bsz: int) -> None:
         for engine in ({"deepspeed": "zero3"}, {"fsdp": "full_shard"}):
             label = next(iter(engine.values()))
-            one = self.ours(f"ranks-{label}-1", bsz, False, same=True, **engine)
-            two = self.ours(f"ranks-{label}-2", bsz // 2, False, nproc=2, same=True, **engine)
+            one = self.ours(f"ranks-{label}-1", bsz, False, same=True, learning_rate=5e-8, **engine)
+            two = self.ours(f"ranks-{label}-2", bsz // 2, False, nproc=2, same=True, learning_rate=5e-8, **engine)
             if "error" in one or "error" in two:
                 self.emit({"target": f"{label}: 2 ranks' losses vs 1 rank's", "met": False})
                 continue
@@ -181,9 +205,12 @@ class Bench:
                        "max_rel_diff": round(worst, 6), "one": one["losses"], "two": two["losses"]})
 
 
+PARTS = ("lora", "full", "again", "precompute", "ranks")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="lora,full,ranks")
+    parser.add_argument("--parts", default="lora,full,ranks", help="of " + ", ".join(PARTS))
     parser.add_argument("--bsz", type=int, default=8, help="pairs per micro-batch (lora, full)")
     parser.add_argument("--ranks-bsz", type=int, default=4, help="pairs per step of the ranks part")
     parser.add_argument("--steps", type=int, default=10)
@@ -199,6 +226,8 @@ def main() -> int:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke)
             for part in args.parts.split(","):
+                if part not in PARTS:
+                    parser.error(f"--parts: unknown {part} (choose from {', '.join(PARTS)})")
                 getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
     finally:
         if args.workdir is None:
