@@ -56,12 +56,13 @@ def main() -> None:
     parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
     parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--compile", action="store_true", help="the Trainer's torch_compile")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
     config = DPOConfig(output_dir=os.environ.get("TMPDIR", "/tmp") + "/trl-dpo", per_device_train_batch_size=args.bsz,
                        max_steps=args.steps, learning_rate=args.lr, beta=0.1,
-                       precompute_ref_log_probs=args.precompute, max_length=args.seq, bf16=gpu,
+                       precompute_ref_log_probs=args.precompute, torch_compile=args.compile, max_length=args.seq, bf16=gpu,
                        logging_steps=1, save_strategy="no", report_to=[], gradient_checkpointing=args.gc,
                        use_liger_kernel=args.liger, optim="adamw_torch_fused" if gpu else "adamw_torch",
                        dataloader_num_workers=2, disable_tqdm=True, deepspeed=ZERO3 if args.zero3 else None,
@@ -85,7 +86,7 @@ def main() -> None:
     tokens_per_step = sum(per_pair) / len(per_pair) * args.bsz * int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(dict(source="trl", lora=args.lora, liger=args.liger, zero3=args.zero3, gc=args.gc,
-                              precompute=args.precompute, seq=args.seq,
+                              precompute=args.precompute, compile=args.compile, seq=args.seq,
                               bsz=args.bsz, tokens_per_pair=sum(per_pair) / len(per_pair), step_s=round(step_s, 4),
                               tokens_per_s=round(tokens_per_step / step_s),
                               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,

@@ -45,7 +45,8 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
     # so autograd keeps only the logits, not a float32 copy of them (for a micro-batch of 16
     # 1024-token rows and a 152K vocabulary that copy was 10 GiB).
     rows = [_row_logps(row, torch.where(m, lab, 0)) if not row.requires_grad else
-            torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False)
+            torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False,
+                                              preserve_rng_state=False)
             for row, lab, m in zip(logits, labels, mask)]
     return (torch.stack(rows) * mask).sum(-1), mask.sum(-1)
 

@@ -126,6 +126,9 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     assert refused["missing"] == [f"directory not found: {tmp_path / 'nowhere'}"]
     assert f"vocabulary of {config['vocab_size'] + 64} tokens is not the model's {config['vocab_size']}" in refused["wider"][0]
     assert refused["same"] == []
+    sp_ref = {p.field: p.message for p in unsupported(JobSpec(**dpo, train_type="full", ref_model=str(demo),
+                                                              deepspeed="zero3", sequence_parallel_size=2))}
+    assert "not with sequence_parallel_size > 1: Ulysses is set up for the model's attention" in sp_ref["ref_model"]
     # DeepSpeed's AutoTP is not transformers' TP: refused for preference training
     autotp = {p.field: p.message for p in validate(JobSpec(**dpo, deepspeed="zero2", nproc_per_node=2,
                                                            tensor_model_parallel_size=2)) if p.severity == "error"}

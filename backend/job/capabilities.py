@@ -303,6 +303,11 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                      for field, why in (("loss_type", "it has no other"), ("label_smoothing", "no smoothing"),
                                         ("cpo_alpha", "the NLL's weight is 1"))
                      if getattr(spec, field) != JobSpec.model_fields[field].default]
+    if spec.ref_model and spec.sequence_parallel_size > 1:
+        problems.append(Problem("ref_model", "not with sequence_parallel_size > 1: Ulysses is set up for the model's "
+                                             "attention (its heads and implementation), which another reference model "
+                                             "need not share; leave it empty (the reference is then the model as "
+                                             "loaded) or turn sequence parallel off"))
     if spec.ref_model and (spec.rlhf_type != "dpo" or spec.train_type != "full"):
         problems.append(Problem("ref_model", "only dpo with train_type full takes a reference model (as in ms-swift): "
                                              "LoRA's is the model with its adapters off, cpo, simpo and orpo have "
