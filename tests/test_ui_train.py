@@ -144,19 +144,19 @@ def test_train_form_live_checks_import_presets(studio, page):
     page.get_by_role("tab", name="Commands").click()
     shot(page, "fix-applied")
 
-    # Preference training: DPO is a swift rlhf line, and Ulysses SP (set just above) is refused for it by name.
+    # Preference training: DPO is a swift rlhf line; Ulysses SP (set just above) composes with it.
     page.get_by_text("Preference training (DPO, CPO, SimPO, ORPO)").click()
     expect(field(page, "beta")).to_be_hidden()  # DPO's settings show for a DPO job only
     field(page, "rlhf_type").locator("input").click()
     page.get_by_role("option", name="dpo", exact=True).click()
-    expect(sp).to_have_class(re.compile("field-error"), timeout=15000)
-    expect(sp).to_contain_text("sequence parallel is not combined with rlhf_type dpo")
+    # the demo's records are no pairs, named by file:line (the form has been checked as a DPO job)
+    expect(field(page, "dataset")).to_contain_text("not a preference pair", timeout=15000)
+    expect(sp).not_to_have_class(re.compile("field-error"))
     expect(field(page, "beta")).to_contain_text("empty: ms-swift's default for the algorithm")
-    shot(page, "dpo-refused")
+    shot(page, "dpo-with-sp")
     sp.locator("input").fill("1")
     expect(sp).not_to_have_class(re.compile("field-error"), timeout=15000)
-    # the demo's records are no pairs, named by file:line; a file of pairs is taken
-    expect(field(page, "dataset")).to_contain_text("not a preference pair")
+    # a file of pairs is taken
     field(page, "dataset").locator("textarea").fill(preference_pairs(studio.root / "pairs.jsonl", 8))
     expect(field(page, "dataset")).not_to_have_class(re.compile("field-error"), timeout=15000)
     expect(page.locator("#train-commands")).to_contain_text("swift rlhf", timeout=15000)
