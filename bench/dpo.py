@@ -29,7 +29,6 @@ import json
 import os
 import random
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
 from throughput import ROOT, build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
 
 TRL = Path(__file__).resolve().parent / "trl_dpo.py"
@@ -92,10 +92,7 @@ class Bench:
         self.seq = 64 if smoke else 1024
         self.model = build_model_dir(self.shape, work / "model", self.dtype)
         self.done: list[dict] = []
-        self.wrapper = work / "rank-on-gpu0.sh"
-        self.wrapper.write_text(f"#!/bin/sh\nexport NCCL_HOSTID=rank$RANK CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=0\n"
-                                f"exec {sys.executable} -m launcher.train \"$@\"\n")
-        self.wrapper.chmod(self.wrapper.stat().st_mode | stat.S_IEXEC)
+        self.wrapper = gpu0_wrapper(work)
 
     def emit(self, row: dict) -> dict:
         self.done.append(row)
@@ -132,12 +129,11 @@ class Bench:
         pairs = self.pairs(bsz * nproc * (self.steps + 1), same)
         spec = our_job(self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
         (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
-        argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        if nproc > 1 and not self.smoke:  # ranks share GPU 0, each its own NCCL host
-            module = argv.index("-m", argv.index("--max_restarts"))
-            argv = argv[:module] + ["--no-python", str(self.wrapper)] + argv[module + 2:]
-            env.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+        if self.smoke:  # gloo ranks on the CPU
+            argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        else:  # ranks beyond the GPUs share GPU 0, each its own NCCL host
+            argv, env = shared_gpu_argv(nproc, run_dir, self.wrapper)
         started = time.monotonic()
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
         row = dict(source="swift-studio", name=name, lora=lora, nproc=nproc, seq=self.seq, bsz=bsz, **fields,
@@ -237,6 +233,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.devnull))
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
@@ -244,8 +243,6 @@ def main() -> int:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke)
             for part in args.parts.split(","):
-                if part not in PARTS:
-                    parser.error(f"--parts: unknown {part} (choose from {', '.join(PARTS)})")
                 getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
     finally:
         if args.workdir is None:

@@ -30,6 +30,15 @@ LAYOUTS = {
 }
 
 
+def gpu0_wrapper(work: Path) -> Path:
+    """A script torchrun starts instead of the worker: the rank on GPU 0, as its own NCCL host."""
+    wrapper = work / "rank-on-gpu0.sh"
+    wrapper.write_text(f"#!/bin/sh\nexport NCCL_HOSTID=rank$RANK CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=0\n"
+                       f"exec {sys.executable} -m launcher.train \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return wrapper
+
+
 def shared_gpu_argv(nproc: int, run_dir: Path, wrapper: Path) -> tuple[list[str], dict]:
     import torch
 
@@ -50,10 +59,7 @@ def main() -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="layout-memory-"))
-    wrapper = work / "rank-on-gpu0.sh"
-    wrapper.write_text(f"#!/bin/sh\nexport NCCL_HOSTID=rank$RANK CUDA_VISIBLE_DEVICES=0 LOCAL_RANK=0\n"
-                       f"exec {sys.executable} -m launcher.train \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper = gpu0_wrapper(work)
     model = build_model_dir(args.shape, work / "model", "bfloat16")
     for name in args.layouts.split(","):
         nproc, fields = LAYOUTS[name]

@@ -504,28 +504,39 @@ def test_a_reference_table_that_is_not_ours_is_computed_again(tmp_path):
     assert path.is_dir() and not list(tmp_path.glob(".tmp-*"))
 
 
+# The layout tests' jobs: three steps of DPO on a tiny model, every step logged.
+LAYOUT_JOB = dict(rlhf_type="dpo", beta=0.5, max_length=48, logging_steps=1, save_steps=100, max_steps=3,
+                  torch_dtype="float32", warmup_ratio=0.0, lora_dropout=0.0)
+LAYOUT_KINDS = {"lora": dict(train_type="lora", learning_rate=1e-2), "full": dict(train_type="full", learning_rate=1e-3)}
+
+
+def assert_layout_trains_alike(tmp_path, common: dict, jobs: dict, layout, fields=("loss", "rewards_margins",
+                                                                                   "logps_chosen")) -> dict:
+    """Each of `jobs` (kind -> spec fields) trained twice side by side, with `layout(1)`'s fields and
+    with `layout(2)`'s: the second trains steps 1-3 with the first's `fields`, and its margins move.
+    Returns the run directories by (kind, 1 or 2)."""
+    runs = {(kind, n): tmp_path / f"{kind}-{n}" for kind in jobs for n in (1, 2)}
+    for proc in run_workers([planned(run, **common, **jobs[kind], **layout(n)) for (kind, n), run in runs.items()], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    for kind in jobs:
+        base, other = (events(runs[kind, n], 0, "train") for n in (1, 2))
+        assert [e["step"] for e in other] == [1, 2, 3]
+        for a, b in zip(base, other):
+            for field in fields:
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
+        assert other[-1]["rewards_margins"] != 0
+    return runs
+
+
 @pytest.mark.e2e
 def test_dpo_under_tensor_parallel_trains_as_one_rank(tmp_path, tiny_model):
     """transformers' TP=2 on two ranks (the head's output gathered on both): DPO with LoRA (the
     reference is the adapters off) and full DPO with precomputed reference log-probs train the
     losses and rewards of one rank; full DPO with a live frozen copy under TP is refused by name."""
-    data = preference_pairs(tmp_path / "pairs.jsonl", 32)
-    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
-                  per_device_train_batch_size=4, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
-                  warmup_ratio=0.0, lora_dropout=0.0)
-    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2),
-            "full": dict(train_type="full", learning_rate=1e-3, precompute_ref_log_probs=True)}
-    runs = {(kind, tp): tmp_path / f"{kind}-tp{tp}" for kind in jobs for tp in (1, 2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], nproc_per_node=tp, tensor_model_parallel_size=tp)
-                             for (kind, tp), run in runs.items()], 400):
-        assert proc.returncode == 0, proc.log[-4000:]
-    for kind in jobs:
-        one, tp = (events(runs[kind, n], 0, "train") for n in (1, 2))
-        assert [e["step"] for e in tp] == [1, 2, 3]
-        for a, b in zip(one, tp):
-            for field in ("loss", "rewards_margins", "logps_chosen"):
-                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
-        assert tp[-1]["rewards_margins"] != 0
+    common = dict(LAYOUT_JOB, model=str(tiny_model), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
+                  per_device_train_batch_size=4)
+    jobs = {"lora": LAYOUT_KINDS["lora"], "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)}
+    assert_layout_trains_alike(tmp_path, common, jobs, lambda n: dict(nproc_per_node=n, tensor_model_parallel_size=n))
     refused = {p.field: p.message for p in validate(JobSpec(**common, train_type="full", nproc_per_node=2,
                                                             tensor_model_parallel_size=2)) if p.severity == "error"}
     assert "tensor parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
@@ -539,23 +550,11 @@ def test_dpo_under_expert_parallel_trains_as_fsdp2(tmp_path):
     losses and rewards of FSDP2 alone on the same two ranks."""
     moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
-    data = preference_pairs(tmp_path / "pairs.jsonl", 32)
-    common = dict(model=str(moe), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48, fsdp="full_shard",
-                  per_device_train_batch_size=2, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
-                  warmup_ratio=0.0, lora_dropout=0.0, nproc_per_node=2)
-    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-            "full": dict(train_type="full", learning_rate=1e-3, precompute_ref_log_probs=True)}
-    runs = {(kind, ep): tmp_path / f"{kind}-ep{ep}" for kind in jobs for ep in (1, 2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], expert_model_parallel_size=ep)
-                             for (kind, ep), run in runs.items()], 400):
-        assert proc.returncode == 0, proc.log[-4000:]
-    for kind in jobs:
-        plain, ep = (events(runs[kind, n], 0, "train") for n in (1, 2))
-        assert [e["step"] for e in ep] == [1, 2, 3]
-        for a, b in zip(plain, ep):
-            for field in ("loss", "rewards_margins", "logps_chosen"):
-                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
-        assert ep[-1]["rewards_margins"] != 0
+    common = dict(LAYOUT_JOB, model=str(moe), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
+                  fsdp="full_shard", per_device_train_batch_size=2, nproc_per_node=2)
+    jobs = {"lora": dict(LAYOUT_KINDS["lora"], target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)}
+    assert_layout_trains_alike(tmp_path, common, jobs, lambda n: dict(expert_model_parallel_size=n))
 
 
 @pytest.mark.e2e
@@ -563,22 +562,12 @@ def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_m
     """DeepSpeed's Ulysses SP=2 on two ranks (each holds half of every row; the log-prob sums added
     over the group): DPO with LoRA on ZeRO-2 and full DPO on ZeRO-3 (its frozen copy partitioned and
     run through the same slices) train the losses, rewards and eval losses of one rank."""
-    data = preference_pairs(tmp_path / "pairs.jsonl", 40)
-    common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
-                  per_device_train_batch_size=4, logging_steps=1, save_steps=100, max_steps=3, torch_dtype="float32",
-                  warmup_ratio=0.0, lora_dropout=0.0, split_dataset_ratio=0.2, eval_steps=3)
-    jobs = {"lora": dict(train_type="lora", learning_rate=1e-2, deepspeed="zero2"),
-            "full": dict(train_type="full", learning_rate=1e-3, deepspeed="zero3")}
-    runs = {(kind, sp): tmp_path / f"{kind}-sp{sp}" for kind in jobs for sp in (1, 2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], nproc_per_node=sp, sequence_parallel_size=sp)
-                             for (kind, sp), run in runs.items()], 400):
-        assert proc.returncode == 0, proc.log[-4000:]
+    common = dict(LAYOUT_JOB, model=str(tiny_model), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 40)],
+                  per_device_train_batch_size=4, split_dataset_ratio=0.2, eval_steps=3)
+    jobs = {"lora": dict(LAYOUT_KINDS["lora"], deepspeed="zero2"), "full": dict(LAYOUT_KINDS["full"], deepspeed="zero3")}
+    runs = assert_layout_trains_alike(tmp_path, common, jobs,
+                                      lambda n: dict(nproc_per_node=n, sequence_parallel_size=n),
+                                      ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
     for kind in jobs:
-        one, sp = (events(runs[kind, n], 0, "train") for n in (1, 2))
-        assert [e["step"] for e in sp] == [1, 2, 3]
-        for a, b in zip(one, sp):
-            for field in ("loss", "rewards_margins", "logps_chosen", "logps_rejected"):
-                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
-        assert sp[-1]["rewards_margins"] != 0
         (eval_one,), (eval_sp,) = (events(runs[kind, n], 0, "eval") for n in (1, 2))
         assert eval_sp["eval_loss"] == pytest.approx(eval_one["eval_loss"], rel=1e-4)
