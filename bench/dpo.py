@@ -124,8 +124,7 @@ class Bench:
 
     def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, **fields) -> dict:
         run_dir = self.work / name
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir()
+        run_dir.mkdir()  # each run's name is used once in a work directory that started empty
         pairs = self.pairs(bsz * nproc * (self.steps + 1), same)
         spec = our_job(self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
         (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -236,6 +235,9 @@ def main() -> int:
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
+        # Its runs, pairs and model are written by name: nothing there may be overwritten or read as ours.
+        parser.error(f"--workdir: {args.workdir} is not empty; give a new or empty directory")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
