@@ -122,13 +122,14 @@ def per_token(spec) -> bool:
 
 
 class PreferenceLoss:
-    """The policy's loss function during preference training. `reference` holds the micro-batch's
-    reference log-probs (chosen rows, then rejected) when the model is called; `totals` adds up
-    what the logging window's pairs did."""
+    """The policy's loss function during preference training. `expect` queues each micro-batch's
+    reference log-probs (chosen rows, then rejected) before its loss is computed, oldest first (a
+    pipeline's schedule computes the losses of a step's micro-batches after all were handed in);
+    `totals` adds up what the logging window's pairs did."""
 
     def __init__(self, spec):
         self.spec = spec
-        self.reference: torch.Tensor | None = None
+        self.references: list[torch.Tensor] = []
         self.totals: torch.Tensor | None = None
         self.sp = None  # the engine's Ulysses group (UlyssesSP): each rank holds a slice of every row
 
@@ -146,10 +147,9 @@ class PreferenceLoss:
         # The chosen answers' mean token NLL: DPO's rpo_alpha term (TRL's "sft" loss), CPO's, SimPO's and ORPO's own.
         nll = -chosen[real].sum() / chosen_tokens[real].sum()
         if spec.rlhf_type == "dpo":
-            if self.reference is None:
+            if not self.references:
                 raise RuntimeError("the preference loss was called without the micro-batch's reference log-probs")
-            ref_chosen, ref_rejected = self.reference.to(logps.device).chunk(2)
-            self.reference = None
+            ref_chosen, ref_rejected = self.references.pop(0).to(logps.device).chunk(2)
             losses = preference_losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, spec)
             weight = spec.rpo_alpha
         else:
@@ -173,6 +173,10 @@ class PreferenceLoss:
                                 chosen[real].sum(), rejected[real].sum()]).double()
             self.totals = sums if self.totals is None else self.totals + sums
         return loss
+
+    def expect(self, reference_logps: torch.Tensor) -> None:
+        """The reference log-probs of the next micro-batch whose loss is computed."""
+        self.references.append(reference_logps)
 
     def take(self) -> list[float]:
         """The window's sums (pairs, then METRICS), cleared: all-reduced, then `means`."""
@@ -223,6 +227,10 @@ class Reference:
             self.frozen = engine.frozen(self.frozen, device)
         return self
 
+    def adapters_off(self):
+        """The context in which the policy computes as the reference (LoRA: its adapters off)."""
+        return self.policy.disable_adapter() if self.lora else nullcontext()
+
     @torch.no_grad()
     def logps(self, batch: dict, context=None, sp=None) -> torch.Tensor:
         """`context`: the engine's forward context (`Engine.forward_context`), so the reference
@@ -231,14 +239,8 @@ class Reference:
         if sp is not None:
             batch, _ = sp.shard(batch)
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-        with context or nullcontext():
-            if self.frozen is not None:
-                logits = self.frozen(**inputs, use_cache=False).logits
-            elif self.lora:
-                with self.policy.disable_adapter():
-                    logits = self.policy(**inputs, use_cache=False).logits
-            else:
-                logits = self.policy(**inputs, use_cache=False).logits
+        with context or nullcontext(), self.adapters_off():
+            logits = (self.policy if self.frozen is None else self.frozen)(**inputs, use_cache=False).logits
         if sp is None:
             return sequence_logps(logits, batch["labels"])[0]
         return group_logps(logits, batch["shift_labels"], sp.group)[0]
@@ -299,16 +301,22 @@ def save_reference_table(path: Path, table: np.ndarray) -> None:
 
 
 @torch.no_grad()
-def precompute(batches, count: int, reference: Reference, device: torch.device, context=None, sp=None) -> np.ndarray:
+def precompute(batches, count: int, logps_of, together: int, device: torch.device) -> np.ndarray:
     """This rank's pairs' reference log-probs in the order of its plan, (pairs, 2): chosen, rejected.
-    `count` micro-batches, the most any rank has: the engines' forwards are collective (ZeRO-3 and
-    FSDP2 gather the weights), so every rank runs as many, its last ones filled."""
+    `logps_of(micro_batches)`: theirs as the engine computes the reference (`Engine.reference_logps`),
+    `together` micro-batches at a time. `count` micro-batches, the most any rank has, rounded up to a
+    multiple of `together`: the engines' forwards are collective (ZeRO-3 and FSDP2 gather the weights,
+    a pipeline's stages hand activations on), so every rank runs as many, its last ones filled."""
     pairs, size, out = len(batches.plan), batches.micro_batch, []
-    for k, (batch, _, _) in enumerate(batches.in_order(count)):
-        real = max(0, min(size, pairs - k * size))
-        logps = reference.logps({key: value.to(device) for key, value in batch.items()}, context, sp).float().cpu()
-        half = logps.shape[0] // 2  # chosen rows then rejected rows, each half filled to the micro-batch
-        out.append(torch.stack([logps[:real], logps[half:half + real]], dim=1))
+    count = -(-count // together) * together
+    micro = iter(batches.in_order(count))
+    for first in range(0, count, together):
+        group = [{key: value.to(device) for key, value in next(micro)[0].items()} for _ in range(together)]
+        for k, logps in enumerate(logps_of(group), first):
+            logps = logps.float().cpu()
+            real = max(0, min(size, pairs - k * size))
+            half = logps.shape[0] // 2  # chosen rows then rejected rows, each half filled to the micro-batch
+            out.append(torch.stack([logps[:real], logps[half:half + real]], dim=1))
     return torch.cat(out).numpy() if out else np.zeros((0, 2), np.float32)
 
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -317,8 +318,8 @@ class Trainer:
                 was_training = model.training
                 model.eval()
                 with DataHeartbeat(self.events):
-                    computed = precompute(batches, int(count), reference, d.device, self.engine.forward_context(),
-                                          self.engine.sp)
+                    computed = precompute(batches, int(count), partial(self.engine.reference_logps, reference),
+                                          self.engine.micro_batches_per_forward, d.device)
                 model.train(was_training)
                 gathered = d.all_gather_object((mine, computed))
                 for ids, values in gathered:
@@ -475,7 +476,8 @@ class Trainer:
         while self.step < plan.max_steps:
             started = time.perf_counter()
             micro, step_data_wait = upcoming, data_wait
-            losses = [self._forward_backward(batch, sync=i == len(micro) - 1) for i, (batch, _, _) in enumerate(micro)]
+            batches = self._with_references([batch for batch, _, _ in micro])
+            losses = [self._forward_backward(batch, sync=i == len(batches) - 1) for i, batch in enumerate(batches)]
             grad_norm = self.engine.step()
             pending.append((torch.stack(losses).float().mean(), grad_norm))
             self.step += 1
@@ -559,7 +561,7 @@ class Trainer:
         for done, (batch, _, _) in enumerate(val.batches.in_order(val.count), 1):
             count = (int((batch["labels"][:, 1:] != data.IGNORE).any(-1).sum()) // 2 if self.preference
                      else int((batch["labels"][:, 1:] != data.IGNORE).sum()))  # pairs, or tokens
-            loss = self.engine.evaluate(self._with_reference({k: v.to(d.device) for k, v in batch.items()}))
+            loss = self.engine.evaluate(self._with_references([{k: v.to(d.device) for k, v in batch.items()}])[0])
             loss_sum, predicted = loss_sum + float(loss) * count, predicted + count
             if d.is_main and time.perf_counter() - beat > EVAL_HEARTBEAT_S:  # the hang watch sees it working
                 self.events.emit("eval_progress", step=self.step, batches=done, of=val.count)
@@ -605,17 +607,24 @@ class Trainer:
             if tuned:
                 self.dist.set_collective_timeout(self.collective_timeout_s)
 
-    def _with_reference(self, batch: dict) -> dict:
-        """Preference training: the micro-batch's reference log-probs, handed to the loss."""
-        if "reference_logps" in batch:
-            batch = dict(batch)
-            self.preference.reference = batch.pop("reference_logps")
+    def _with_references(self, batches: list[dict]) -> list[dict]:
+        """Preference training: the micro-batches' reference log-probs (precomputed, or computed now
+        as the engine computes a forward) queued for their losses, where this rank computes them."""
+        if self.preference is None:
+            return batches
+        if "reference_logps" in batches[0]:
+            batches = [dict(batch) for batch in batches]
+            references = [batch.pop("reference_logps") for batch in batches]
         elif self.reference is not None:
-            self.preference.reference = self.reference.logps(batch, self.engine.forward_context(), self.engine.sp)
-        return batch
+            references = self.engine.reference_logps(self.reference, batches)
+        else:  # an algorithm without a reference
+            return batches
+        if self.engine.computes_loss:
+            for reference in references:
+                self.preference.expect(reference)
+        return batches
 
     def _forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
-        batch = self._with_reference(batch)
         if not self.routers.active:
             return self.engine.forward_backward(batch, sync)
         self.routers.start(batch)

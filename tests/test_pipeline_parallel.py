@@ -194,6 +194,41 @@ except RuntimeError as exc:
 
 
 @pytest.mark.e2e
+def test_a_schedule_calls_its_loss_once_more_at_its_first_step(tmp_path):
+    """Pins the engine behaviour behind launcher/engines/pp.py's `_first_call_inferred` and its
+    reference schedule (torch 2.13): a training schedule's first step infers the stages' shapes by a
+    forward and backward of uninitialised activations, calling the loss once more than it has
+    micro-batches; later steps call it once per micro-batch; a forward-only schedule over stage
+    objects of its own, between them, calls its loss once per micro-batch and makes the training
+    schedule infer nothing again. When the first count is 2, the stand-in for the first call must go."""
+    outcomes, log = probe_ranks(tmp_path, 2, '''
+import torch, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+module = torch.nn.Linear(8, 8)
+calls = {"train": 0, "eval": 0}
+def counted(kind):
+    def loss(out, target):
+        calls[kind] += 1
+        return (out - target).pow(2).mean(-1) if kind == "eval" else (out - target).pow(2).mean()
+    return loss
+stage = lambda: PipelineStage(module, rank, 2, torch.device("cpu"))
+train, evaluate = Schedule1F1B(stage(), 2, loss_fn=counted("train")), Schedule1F1B(stage(), 2, loss_fn=counted("eval"))
+x = torch.randn(4, 8)
+counts = []
+for run in (train.step, evaluate.eval, train.step, evaluate.eval, train.step):
+    before = dict(calls)
+    with torch.no_grad() if run == evaluate.eval else torch.enable_grad():
+        run(*((x,) if rank == 0 else ()), target=x if rank == 1 else None)
+    counts.append(sum(calls.values()) - sum(before.values()))
+report(" ".join(map(str, counts)))
+''')
+    assert outcomes == ["0 0 0 0 0", "3 2 2 2 2"], (outcomes, log[-3000:])
+
+
+@pytest.mark.e2e
 def test_a_pipeline_checkpoint_resumes_onto_another_split_and_only_into_a_pipeline(tmp_path, four_layers):
     """PP=2's checkpoint resumed on PP=4 (a layer per stage) trains on with the same losses (DCP
     reads each stage's keys wherever they were written); a job without PP refuses it by name."""

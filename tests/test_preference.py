@@ -226,7 +226,7 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
               "labels": batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)}
     ours.train()
-    preference.reference = ref.logps(inputs)
+    preference.expect(ref.logps(inputs))
     got = ours(**inputs).loss
     got.backward()
     assert_same_as_trl(got, preference, ours, expected, metrics, policy)
@@ -514,10 +514,15 @@ def assert_layout_trains_alike(tmp_path, common: dict, jobs: dict, layout, field
                                                                                    "logps_chosen")) -> dict:
     """Each of `jobs` (kind -> spec fields) trained twice side by side, with `layout(1)`'s fields and
     with `layout(2)`'s: the second trains steps 1-3 with the first's `fields`, and its margins move.
-    Returns the run directories by (kind, 1 or 2)."""
+    Each run tokenizes into a cache of its own, so each precomputes its reference log-probs in its
+    layout. Returns the run directories by (kind, 1 or 2)."""
     runs = {(kind, n): tmp_path / f"{kind}-{n}" for kind in jobs for n in (1, 2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], **layout(n)) for (kind, n), run in runs.items()], 400):
+    for proc in run_workers([planned(run, **common, **jobs[kind], **layout(n), dataset_cache_dir=str(run) + "-cache")
+                             for (kind, n), run in runs.items()], 400):
         assert proc.returncode == 0, proc.log[-4000:]
+    for (kind, n), run in runs.items():
+        if jobs[kind].get("precompute_ref_log_probs"):
+            assert re.search(r"reference log-probs of \d+ pairs computed", (run / "logs" / "local.log").read_text())
     for kind in jobs:
         base, other = (events(runs[kind, n], 0, "train") for n in (1, 2))
         assert [e["step"] for e in other] == [1, 2, 3]
@@ -571,3 +576,30 @@ def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_m
     for kind in jobs:
         (eval_one,), (eval_sp,) = (events(runs[kind, n], 0, "eval") for n in (1, 2))
         assert eval_sp["eval_loss"] == pytest.approx(eval_one["eval_loss"], rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_dpo_under_pipeline_parallel_trains_as_one_rank(tmp_path):
+    """PP=2 on two ranks (a micro-batch's chosen and rejected rows go down the pipeline together; the
+    loss is the last stage's): DPO with LoRA, whose reference (the adapters off) is a forward-only
+    pass of the same schedule each step, on torch's 1F1B, and full DPO with its reference log-probs
+    precomputed by that pass before training, on the interleaved schedule, train the losses and
+    rewards of one rank; full DPO with a frozen copy under PP is refused by name."""
+    llama = build_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=4)
+    common = dict(LAYOUT_JOB, model=str(llama), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
+                  per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    pipeline = lambda n, **more: dict(nproc_per_node=n, pipeline_model_parallel_size=n,  # noqa: E731
+                                      **(more if n > 1 else {}))
+    (tmp_path / "1f1b").mkdir()
+    assert_layout_trains_alike(tmp_path / "1f1b", common, {"lora": LAYOUT_KINDS["lora"]}, pipeline,
+                               ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
+    (tmp_path / "interleaved").mkdir()
+    assert_layout_trains_alike(tmp_path / "interleaved", common,
+                               {"full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)},
+                               lambda n: pipeline(n, virtual_pipeline_model_parallel_size=2,
+                                                  pipeline_schedule="interleaved_1f1b"),
+                               ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
+    refused = {p.field: p.message for p in validate(JobSpec(**common, **pipeline(2), train_type="full"))
+               if p.severity == "error"}
+    assert "pipeline parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
+        refused["pipeline_model_parallel_size"]

@@ -259,8 +259,10 @@ def unsupported(spec: JobSpec) -> list[Problem]:
 def _preference_problems(spec: JobSpec) -> list[Problem]:
     """Preference runs where a rank holds whole sequences and whole logits: DDP, ZeRO, FSDP2,
     transformers' TP (its head's output is gathered on every TP rank) and EP (each rank routes its own
-    sequences' tokens to the experts and back) where no frozen copy of the TP- or EP-sharded model is
-    needed, and DeepSpeed's Ulysses SP (each row's log-prob sums added over the SP group)."""
+    sequences' tokens to the experts and back), pipeline parallel (a micro-batch's chosen and rejected
+    rows go down the pipeline together, so the loss is the last stage's; the reference is a
+    forward-only pass of the same schedule), where no frozen copy of the TP- or EP-sharded or split
+    model is needed, and DeepSpeed's Ulysses SP (each row's log-prob sums added over the SP group)."""
     if spec.rlhf_type is None:
         return [Problem(field, "ignored: only preference training (rlhf_type dpo) has a reference model", "warning")
                 for field in ("ref_model", "precompute_ref_log_probs") if getattr(spec, field)]
@@ -274,15 +276,15 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                              "precompute_ref_log_probs (the model itself, before training), not a separate reference "
                              "model: set precompute_ref_log_probs, leave ref_model empty, or train LoRA")
                      for field, name in (("tensor_model_parallel_size", "tensor parallel"),
-                                         ("expert_model_parallel_size", "expert parallel"))
+                                         ("expert_model_parallel_size", "expert parallel"),
+                                         ("pipeline_model_parallel_size", "pipeline parallel"))
                      if getattr(spec, field) > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
                          spec.ref_model or not spec.precompute_ref_log_probs)]
-    problems += [Problem(field, f"{name} is not combined with rlhf_type {spec.rlhf_type} yet: each pair's "
-                               "log-probs are summed over whole sequences on one rank or one Ulysses group; use DDP, "
-                               "DeepSpeed ZeRO (with sequence_parallel_size), FSDP2, tensor or expert parallel")
-                for field, name in (("pipeline_model_parallel_size", "pipeline parallel"),
-                                    ("context_parallel_size", "context parallel"))
-                if getattr(spec, field) > 1]
+    if spec.context_parallel_size > 1:
+        problems.append(Problem("context_parallel_size", f"context parallel is not combined with rlhf_type "
+                                f"{spec.rlhf_type} yet: each pair's log-probs are summed over whole sequences on one "
+                                "rank, one Ulysses group or a pipeline's last stage; use DDP, DeepSpeed ZeRO (with "
+                                "sequence_parallel_size), FSDP2, tensor, expert or pipeline parallel"))
     if spec.packing:
         problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} pads its pairs: turn packing off"))
     if spec.streaming and spec.precompute_ref_log_probs and spec.rlhf_type == "dpo":

@@ -25,6 +25,10 @@ class Engine:
     #: how the optimizer state is keyed in its checkpoint: "nested" (torch's, per parameter group)
     #: or "flat" (per parameter, where ranks hold different parameters); the two do not load each other
     optimizer_state = "nested"
+    #: whether this rank computes the loss (a pipeline's last stage does, its other stages do not)
+    computes_loss = True
+    #: how many micro-batches `reference_logps` takes at once (a pipeline's schedule: a step's)
+    micro_batches_per_forward = 1
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         raise NotImplementedError
@@ -38,6 +42,11 @@ class Engine:
         """The context the engine's forward runs in (DDP's autocast), for another forward of the
         same model to compute as it does (preference training's reference)."""
         return nullcontext()
+
+    def reference_logps(self, reference, batches: list[dict]) -> list[torch.Tensor]:
+        """Each micro-batch's reference log-probs (preference training's `Reference`), computed as
+        this engine runs a forward: in its forward context and its Ulysses group."""
+        return [reference.logps(batch, self.forward_context(), self.sp) for batch in batches]
 
     def evaluate(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean token loss, as `forward_backward` returns it, without gradients and

@@ -112,12 +112,10 @@ class PPEngine(TorchOptimizerEngine):
         pipeline = [PipelineStage(stage, s, n_stages, dist.device, group=self.pp_group)
                     for stage, s in zip(stages, self.stage_ids)]
         self.clock = StageClock(pipeline, dist.device)
-        self.accumulation = spec.gradient_accumulation_steps
-        loss_fn = _loss(base)
-        if spec.pipeline_schedule == "interleaved_1f1b":
-            self.schedule = ScheduleInterleaved1F1B(pipeline, self.accumulation, loss_fn=loss_fn)
-        else:
-            self.schedule = Schedule1F1B(pipeline[0], self.accumulation, loss_fn=loss_fn)
+        self.accumulation = self.micro_batches_per_forward = spec.gradient_accumulation_steps
+        self.computes_loss = self.is_last
+        self.schedule = self._schedule(pipeline, _first_call_inferred(_loss(base)))
+        self._stages, self._reference_schedule = stages, None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(model, spec, dist.device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
@@ -126,6 +124,11 @@ class PPEngine(TorchOptimizerEngine):
         self.norm_group = self.pp_group
         self._buffer: list[dict] = []
         self._losses: list[torch.Tensor] = []
+
+    def _schedule(self, pipeline: list[PipelineStage], loss_fn):
+        if self.spec.pipeline_schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(pipeline, self.accumulation, loss_fn=loss_fn)
+        return Schedule1F1B(pipeline[0], self.accumulation, loss_fn=loss_fn)
 
     def _replicate(self, stages: list[nn.Module], mesh, spec) -> list[nn.Module]:
         """Each stage over the DP pipelines on FSDP2: sharded with `fsdp`, else DDP's layout (LoRA
@@ -158,20 +161,48 @@ class PPEngine(TorchOptimizerEngine):
         self._losses.append(loss)
         if not sync:
             return loss
-        whole = {k: torch.cat([b[k] for b in self._buffer]).to(self.dist.device) for k in self._buffer[0]}
-        kwargs = {k: whole[k] for k in ("position_ids", "attention_mask") if k in whole}
-        args = (whole["input_ids"],) if self.pp_rank == 0 else ()
-        losses: list[torch.Tensor] = []
-        with autocast(self.dist.device, self.spec.torch_dtype) if self.autocast else nullcontext():
-            self.schedule.step(*args, target=whole["labels"] if self.is_last else None, losses=losses, **kwargs)
-        values = (torch.stack([x.detach().float() for x in losses]) if self.is_last
-                  else torch.zeros(len(self._buffer), device=self.dist.device))
-        # Every rank reports its pipeline's loss: the trainer averages the losses of all ranks.
-        tdist.broadcast(values, group=self.pp_group, group_src=self.spec.pipeline_model_parallel_size - 1)
+        values = self._run(self.schedule.step, self._buffer, ())
         for out, value in zip(self._losses, values):
             out.copy_(value)
         self._buffer, self._losses = [], []
         return loss
+
+    @torch.no_grad()
+    def reference_logps(self, reference, batches: list[dict]) -> list[torch.Tensor]:
+        """A step's micro-batches' reference log-probs by one forward-only pass down the pipeline
+        (the policy with its adapters off, or, precomputing before training, as it is), each row's
+        sum computed on the last stage and sent to the pipeline's other ranks. The pass has its own
+        stage objects and schedule over the same modules: switching one schedule between eval and
+        training makes torch infer every stage's shapes again, by a forward and backward each time."""
+        if reference.frozen is not None:
+            raise ConfigError(f"{PP}: a pipeline does not hold a frozen reference model: train LoRA or set "
+                              "precompute_ref_log_probs (and no ref_model)")
+        if self._reference_schedule is None:
+            from launcher.preference import sequence_logps
+
+            n_stages = self.spec.pipeline_model_parallel_size * self.spec.virtual_pipeline_model_parallel_size
+            pipeline = [PipelineStage(stage, s, n_stages, self.dist.device, group=self.pp_group)
+                        for stage, s in zip(self._stages, self.stage_ids)]
+            self._reference_schedule = self._schedule(pipeline, lambda logits, labels: sequence_logps(logits, labels)[0])
+        with reference.adapters_off():
+            return list(self._run(self._reference_schedule.eval, batches, (batches[0]["input_ids"].shape[0],)))
+
+    def _run(self, run, batches: list[dict], shape: tuple) -> torch.Tensor:
+        """`run` (the schedule's step or eval) over `batches`, one per schedule micro-batch; what the
+        last stage computed of each (a loss, or `shape` values), on every rank of the pipeline."""
+        whole = {k: torch.cat([b[k] for b in batches]).to(self.dist.device) for k in batches[0]}
+        kwargs = {k: whole[k] for k in ("position_ids", "attention_mask") if k in whole}
+        args = (whole["input_ids"],) if self.pp_rank == 0 else ()
+        outputs: list[torch.Tensor] = []
+        with autocast(self.dist.device, self.spec.torch_dtype) if self.autocast else nullcontext():
+            # The last stage keeps no logits for the caller: only what the loss function makes of them.
+            run(*args, target=whole["labels"] if self.is_last else None, losses=outputs, return_outputs=False,
+                **kwargs)
+        values = (torch.stack([x.detach().float() for x in outputs]) if self.is_last
+                  else torch.zeros((len(batches), *shape), device=self.dist.device))
+        # Every rank reports its pipeline's loss: the trainer averages the losses of all ranks.
+        tdist.broadcast(values, group=self.pp_group, group_src=self.spec.pipeline_model_parallel_size - 1)
+        return values
 
     def save(self, path: Path, is_main: bool) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=STATE_OPTIONS)
@@ -261,6 +292,23 @@ def _loss(base):
         return base.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return loss
+
+
+def _first_call_inferred(loss):
+    """`loss` for a training schedule, whose first call (torch 2.13's shape inference at the
+    schedule's first step, on uninitialised activations: tests/test_pipeline_parallel.py pins it)
+    gets a stand-in of the logits' shape: it is no micro-batch's, and preference training's loss
+    would count it and take a micro-batch's reference log-probs."""
+    inferred = False
+
+    def first_call_inferred(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nonlocal inferred
+        if not inferred:
+            inferred = True
+            return logits.float().sum() * 0
+        return loss(logits, labels)
+
+    return first_call_inferred
 
 
 def _save_adapters(model, out: Path, state: dict[str, torch.Tensor]) -> None:
