@@ -579,27 +579,27 @@ def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_m
 
 
 @pytest.mark.e2e
-def test_dpo_under_pipeline_parallel_trains_as_one_rank(tmp_path):
-    """PP=2 on two ranks (a micro-batch's chosen and rejected rows go down the pipeline together; the
-    loss is the last stage's): DPO with LoRA, whose reference (the adapters off) is a forward-only
-    pass of the same schedule each step, on torch's 1F1B, and full DPO with its reference log-probs
-    precomputed by that pass before training, on the interleaved schedule, train the losses and
-    rewards of one rank; full DPO with a frozen copy under PP is refused by name."""
+def test_dpo_under_pipeline_parallel_trains_as_without(tmp_path):
+    """A micro-batch's chosen and rejected rows go down the pipeline together; the loss is the last
+    stage's. DPO with LoRA, whose reference (the adapters off) is a forward-only pass of the same
+    schedule each step: PP=2 on torch's 1F1B trains the losses, rewards and log-probs of one rank.
+    Full DPO with its reference log-probs precomputed by that pass before training: two pipelines of
+    PP=2 x 2 virtual stages (interleaved), each stage on FSDP2 over them, train those of FSDP2 on two
+    ranks. Full DPO with a frozen copy under PP is refused by name."""
     llama = build_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=4)
     common = dict(LAYOUT_JOB, model=str(llama), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
                   per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    pipeline = lambda n, **more: dict(nproc_per_node=n, pipeline_model_parallel_size=n,  # noqa: E731
-                                      **(more if n > 1 else {}))
+    fields = ("loss", "rewards_margins", "logps_chosen", "logps_rejected")
     (tmp_path / "1f1b").mkdir()
-    assert_layout_trains_alike(tmp_path / "1f1b", common, {"lora": LAYOUT_KINDS["lora"]}, pipeline,
-                               ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
+    assert_layout_trains_alike(tmp_path / "1f1b", common, {"lora": LAYOUT_KINDS["lora"]},
+                               lambda n: dict(nproc_per_node=n, pipeline_model_parallel_size=n), fields)
     (tmp_path / "interleaved").mkdir()
+    interleaved = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                       pipeline_schedule="interleaved_1f1b")
     assert_layout_trains_alike(tmp_path / "interleaved", common,
-                               {"full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)},
-                               lambda n: pipeline(n, virtual_pipeline_model_parallel_size=2,
-                                                  pipeline_schedule="interleaved_1f1b"),
-                               ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
-    refused = {p.field: p.message for p in validate(JobSpec(**common, **pipeline(2), train_type="full"))
-               if p.severity == "error"}
+                               {"full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True, fsdp="full_shard")},
+                               lambda n: dict(nproc_per_node=2 * n, **(interleaved if n > 1 else {})), fields)
+    refused = {p.field: p.message for p in validate(JobSpec(**common, nproc_per_node=2, pipeline_model_parallel_size=2,
+                                                            train_type="full")) if p.severity == "error"}
     assert "pipeline parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
         refused["pipeline_model_parallel_size"]
