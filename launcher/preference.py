@@ -251,14 +251,32 @@ class Reference:
 
 def reference_file(entry: Path, spec) -> Path:
     """Where an entry of the tokenized cache keeps its pairs' reference log-probs under this job's
-    reference: its model as loaded (`ref_model`, else the model; a local directory's files by name,
-    size and time) and the compute dtype."""
+    reference: its model as loaded (`ref_model`, else the model: a local directory's files by name,
+    size and time; a hub id's cached snapshot, the revision `from_pretrained` read, likewise) and
+    the compute dtype."""
     source = spec.ref_model or spec.model
-    model = Path(source).expanduser()
+    model = _model_files_dir(source)
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file()) \
         if model.is_dir() else []
-    key = json.dumps({"model": source, "files": files, "dtype": spec.torch_dtype}, sort_keys=True)
+    key = json.dumps({"model": source, "snapshot": model.name if model.is_dir() else None, "files": files,
+                      "dtype": spec.torch_dtype}, sort_keys=True)
     return entry / f"reference-logps-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+
+
+def _model_files_dir(source: str) -> Path:
+    """The directory `source` was loaded from: itself, or a hub id's snapshot in the Hugging Face
+    cache that `from_pretrained` resolved (refs/main; the commit is its name), so a new revision of
+    the model is another key, not the old revision's log-probs."""
+    model = Path(source).expanduser()
+    if model.is_dir():
+        return model
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+    except Exception:  # not a hub id (huggingface_hub validates it): the name alone keys it
+        return model
+    return Path(cached).parent if isinstance(cached, str) else model
 
 
 def load_reference_table(path: Path, pairs: int) -> np.ndarray:
@@ -298,6 +316,19 @@ def save_reference_table(path: Path, table: np.ndarray) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         log.warning("%s: cannot keep the reference log-probs (%s); a later run computes them again", path, exc)
+
+
+def nonfinite_pairs(gathered: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+    """The rows of the tokenized data whose computed reference log-probs (chosen or rejected) are
+    not finite, from every rank's (rows, values)."""
+    return sorted({int(row) for rows, values in gathered for row in rows[~np.isfinite(values).all(-1)]})
+
+
+def nonfinite_message(rows: list[int], pairs: int, entry: Path, spec) -> str:
+    shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+    return (f"precompute_ref_log_probs: the reference model's log-probs of {len(rows)} of {pairs} pairs are not "
+            f"finite (rows {shown} of the tokenized data in {entry}): it overflows on them in {spec.torch_dtype}; "
+            "train in bfloat16 or float32, or leave those pairs out")
 
 
 @torch.no_grad()

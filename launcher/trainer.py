@@ -32,8 +32,8 @@ from launcher.events import EventWriter, Window, eta_seconds, format_duration, s
 from launcher.engines.tp import distributed_config
 from launcher.model import DTYPES, ModelError, flops_per_token, peak_flops, prepare
 from launcher.moe import RouterMeter
-from launcher.preference import (PreferenceLoss, Reference, install, load_reference_table, precompute,
-                                 reference_file, save_reference_table)
+from launcher.preference import (PreferenceLoss, Reference, install, load_reference_table, nonfinite_message,
+                                 nonfinite_pairs, precompute, reference_file, save_reference_table)
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
 from launcher.tokenized import DataHeartbeat, Tokenized, dataset_cache_dir, open_tokenized
 
@@ -322,6 +322,9 @@ class Trainer:
                                           self.engine.micro_batches_per_forward, d.device)
                 model.train(was_training)
                 gathered = d.all_gather_object((mine, computed))
+                # Kept, they would be computed again by every run, and train NaN losses in this one.
+                if bad := nonfinite_pairs(gathered):
+                    raise ModelError(nonfinite_message(bad, len(table), tokenized.entry, spec))
                 for ids, values in gathered:
                     table[ids] = values
                 if d.is_main:

@@ -8,6 +8,7 @@ import copy
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -124,7 +125,10 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
                                     ("same", dict(train_type="full", ref_model=str(demo))))}
     assert "only dpo with train_type full takes a reference model" in refused["lora"][0]
     assert refused["missing"] == [f"directory not found: {tmp_path / 'nowhere'}"]
-    assert f"vocabulary of {config['vocab_size'] + 64} tokens is not the model's {config['vocab_size']}" in refused["wider"][0]
+    no_weights, vocabulary = refused["wider"]  # a config alone: the weights are missing too
+    assert no_weights == f"{wider}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+    assert vocabulary.startswith(f"its vocabulary of {config['vocab_size'] + 64} tokens is not the model's "
+                                 f"{config['vocab_size']}: ")
     assert refused["same"] == []
     sp_ref = {p.field: p.message for p in unsupported(JobSpec(**dpo, train_type="full", ref_model=str(demo),
                                                               deepspeed="zero3", sequence_parallel_size=2))}
@@ -502,6 +506,49 @@ def test_a_reference_table_that_is_not_ours_is_computed_again(tmp_path):
     path.mkdir()
     save_reference_table(path, good)
     assert path.is_dir() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_reference_log_probs_that_are_not_finite_are_named_not_kept():
+    """Precomputed reference log-probs that overflowed (NaN or inf on any rank) stop the run with
+    the rows and the dtype named, instead of NaN losses and a file computed again by every run."""
+    import numpy as np
+
+    from launcher.preference import nonfinite_message, nonfinite_pairs
+
+    rank0 = (np.array([0, 2, 4]), np.array([[-3.0, -4.0], [np.nan, -1.0], [-2.0, -2.5]], dtype=np.float32))
+    rank1 = (np.array([1, 3, 5]), np.array([[-1.0, -np.inf], [-1.0, -2.0], [-5.0, -6.0]], dtype=np.float32))
+    assert nonfinite_pairs([rank0, rank1]) == [1, 2]
+    assert nonfinite_pairs([(rank0[0], np.zeros((3, 2), np.float32))]) == []
+    message = nonfinite_message(list(range(7)), 40, Path("/cache/entry"), JobSpec(model="m", dataset=["d"],
+                                                                                   torch_dtype="float16"))
+    assert "log-probs of 7 of 40 pairs are not finite (rows 0, 1, 2, 3, 4, ... of the tokenized data in " \
+           "/cache/entry): it overflows on them in float16" in message
+
+
+def test_a_hub_models_reference_log_probs_are_kept_per_revision(tmp_path, monkeypatch):
+    """A hub id's precomputed reference log-probs are keyed by the cached snapshot from_pretrained
+    read: a new revision of the model (refs/main moved) is another file, not the old one's values;
+    a name that is no hub id is keyed by itself."""
+    import huggingface_hub.constants
+
+    from launcher.preference import reference_file
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    repo = hub / "models--org--tiny"
+    spec = JobSpec(model="org/tiny", dataset=["d"], rlhf_type="dpo", train_type="full", precompute_ref_log_probs=True)
+
+    def revision(commit: str) -> Path:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        return reference_file(tmp_path, spec)
+
+    first = revision("a" * 40)
+    assert reference_file(tmp_path, spec) == first  # the same revision: the same file
+    assert revision("b" * 40) != first
+    assert reference_file(tmp_path, spec.model_copy(update={"model": "not a hub id!"})).name.startswith("reference-logps-")
 
 
 # The layout tests' jobs: three steps of DPO on a tiny model, every step logged.

@@ -111,9 +111,9 @@ def ssh_nodes(sshd_nodes):
     return list(sshd_nodes.nodes())
 
 
-def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None, model="m", nnodes=None):
+def run(sshd_nodes, nodes, tmp_path, setups=None, bandwidth=False, spec_env=None, model="m", nnodes=None, **fields):
     spec = JobSpec(model=str(model), dataset=["d"], nnodes=nnodes or len(nodes), output_dir=str(tmp_path / "out"),
-                   env=spec_env or {})
+                   env=spec_env or {}, **fields)
     setups = setups or sshd_nodes.setups()
 
     async def go():
@@ -167,6 +167,12 @@ def test_bad_nodes_are_named(sshd_nodes, tmp_path):
     assert report.get(good.host, "model").reason.startswith(f"{model / 'model.safetensors'}: ")
     report = run(sshd_nodes, [good, second], tmp_path, model=tmp_path / "nowhere")
     assert report.get(second.host, "model").reason == f"{tmp_path / 'nowhere'}: no such directory on this node"
+    # Full DPO's reference model is loaded on every node too: its weights are read there (no tokenizer needed).
+    report = run(sshd_nodes, [good, second], tmp_path, model=REPO / "assets" / "demo" / "model", rlhf_type="dpo",
+                 train_type="full", ref_model=str(model))
+    assert {(r.node, r.check) for r in report.errors()} == {(good.host, "ref_model"), (second.host, "ref_model")}
+    assert report.get(good.host, "ref_model").reason.startswith(f"{model / 'model.safetensors'}: ")
+    assert report.get(good.host, "model").reason.startswith("weights and tokenizer whole in ")
 
     report = run(sshd_nodes, [good, closed], tmp_path)
     [cell] = [r for r in report.errors() if r.check == "ssh"]

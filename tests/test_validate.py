@@ -379,6 +379,15 @@ def test_broken_model_directories_are_named_by_file(tmp_path):
     assert model_problems(no_weights) == [
         f"{no_weights}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"]
 
+    # Full DPO's reference model: its weights are checked by file as the model's; no tokenizer is read from it.
+    def ref_model_problems(ref: Path) -> list[str]:
+        spec = job(model=str(DEMO_MODEL), dataset=[str(DEMO_MODEL.parent / "train.jsonl")], nproc_per_node=1,
+                   rlhf_type="dpo", train_type="full", ref_model=str(ref))
+        return [p.message for p in errors(validate(spec, local_cluster(GpuInfo()))) if p.field == "ref_model"]
+
+    assert ref_model_problems(weights.parent) == [f"{weights}: not a safetensors file (its header is not JSON)"]
+    assert ref_model_problems(no_tokenizer) == []
+
 
 def test_a_sharded_models_index_is_followed_and_kept_inside_the_directory(tmp_path):
     model = Path(shutil.copytree(DEMO_MODEL, tmp_path / "sharded"))

@@ -24,6 +24,7 @@ from typing import Literal
 from backend.cluster import launch, remote, ssh
 from backend.cluster.nodes import Pool, address_of
 from backend.job import modelfiles
+from backend.job.modelfiles import model_dirs
 from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec, absolute_dir
 
@@ -38,7 +39,7 @@ REACH_TIMEOUT_S = 8.0
 BANDWIDTH_TIMEOUT_S = 180.0
 PACKAGES = ("torch", "deepspeed", "transformers", "peft")
 CHECKS = ("ssh", "clock", "python", *PACKAGES, "cuda", "nccl", "gpus", "disk", "interface",
-          "shared_dir", "model", "port", "bandwidth")
+          "shared_dir", "model", "ref_model", "port", "bandwidth")
 TOKEN_DIR = ".swift-studio-preflight"
 
 
@@ -163,10 +164,9 @@ try:
 except OSError:
     out["disk_free_gib"] = None
 out["interfaces"] = [n for _, n in socket.if_nameindex()]
-if p.get("model_dir"):
-    m = p["model_dir"]
-    out["model_dir"] = m
-    out["model_problems"] = model_dir_problems(m) if os.path.isdir(m) else [m + ": no such directory on this node"]
+out["model_problems"] = {
+    field: model_dir_problems(m, field == "model") if os.path.isdir(m) else [m + ": no such directory on this node"]
+    for field, m in (p.get("model_dirs") or {}).items()}
 if p.get("pick_port"):
     s = socket.socket(); s.bind(("", 0)); out["picked_port"] = s.getsockname()[1]; s.close()
 print(json.dumps(out))
@@ -305,19 +305,19 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, ifname: str 
         if not d.get("token_written"):
             rows.append(CheckResult(host, "shared_dir", "error", f"cannot write the output directory: {d.get('token_error')}",
                                     "create the output directory with write permission on every node"))
-        if "model_problems" in d:
-            bad = d["model_problems"]
-            rows.append(CheckResult(host, "model", "error" if bad else "ok",
-                                    "; ".join(bad) if bad else f"weights and tokenizer whole in {d['model_dir']}",
-                                    "copy the model directory whole to this node, or onto storage every node shares"
+        for check, bad in d.get("model_problems", {}).items():
+            whole = "weights and tokenizer" if check == "model" else "weights"
+            rows.append(CheckResult(host, check, "error" if bad else "ok",
+                                    "; ".join(bad) if bad else f"{whole} whole in {model_dirs(spec)[check]}",
+                                    f"copy the {check} directory whole to this node, or onto storage every node shares"
                                     if bad else ""))
     return rows
 
 
-def model_dir(spec: JobSpec | None) -> str | None:
-    """The model directory each node must hold: an absolute path (a hub id or a relative path is
-    not one the nodes can be asked about)."""
-    return spec.model if spec is not None and os.path.isabs(spec.model) else None
+def node_model_dirs(spec: JobSpec | None) -> dict[str, str]:
+    """The model directories each node must hold, by field: the absolute paths (a hub id or a
+    relative path is not one the nodes can be asked about)."""
+    return {field: path for field, path in model_dirs(spec).items() if os.path.isabs(path)} if spec else {}
 
 
 def clock_skew(node_time: float, sent: float, received: float) -> float:
@@ -361,7 +361,7 @@ def _gpus(host: str, d: dict, gpu_node: bool, needed: int | None) -> CheckResult
 def allocation_params(output_dir: str, token: str, spec: JobSpec | None) -> dict:
     """PROBE_PY's parameters for a node of a Slurm allocation (no port: the script picks it)."""
     return {"packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": token,
-            "pick_port": False, "model_dir": model_dir(spec)}
+            "pick_port": False, "model_dirs": node_model_dirs(spec)}
 
 
 def evaluate_allocation(found: Mapping[str, dict | None], spec: JobSpec, gpus_per_node: int) -> list[CheckResult]:
@@ -424,7 +424,7 @@ async def run_preflight(pool: Pool, cluster: Cluster, spec: JobSpec | None = Non
     probes = await asyncio.gather(*(
         _round1(pool, n, setups.get(n.host), {
             "packages": list(PACKAGES), "output_dir": output_dir, "token_dir": TOKEN_DIR, "token": tokens[i],
-            "pick_port": i == 0, "model_dir": model_dir(spec)})
+            "pick_port": i == 0, "model_dirs": node_model_dirs(spec)})
         for i, n in enumerate(nodes)))
     report = PreflightReport()
     report.results += evaluate_round1(probes, spec, (spec.env.get("NCCL_SOCKET_IFNAME") or None) if spec else None)

@@ -75,8 +75,19 @@ def weight_files(model_dir: str) -> tuple[list[str], str | None]:
                 "pytorch_model.bin)")
 
 
-def model_dir_problems(model_dir: str) -> list[str]:
-    """Every problem of a local model directory that would fail the load, each naming its file."""
+def model_dirs(spec) -> dict[str, str]:
+    """The model paths a job (a JobSpec) loads, by field: `model`, and DPO's `ref_model` (whose
+    tokenizer is not read: `model_dir_problems(..., tokenizer=field == "model")`). Hub ids among
+    them are no directories; callers keep the ones they can look at."""
+    fields = {"model": spec.model}
+    if spec.rlhf_type == "dpo" and spec.ref_model:
+        fields["ref_model"] = spec.ref_model
+    return {field: os.path.expanduser(value) for field, value in fields.items()}
+
+
+def model_dir_problems(model_dir: str, tokenizer: bool = True) -> list[str]:
+    """Every problem of a local model directory that would fail the load, each naming its file.
+    `tokenizer`: whether one is loaded from it (not for preference training's `ref_model`)."""
     files, problem = weight_files(model_dir)
     problems = [problem] if problem else []
     for path in files:
@@ -84,6 +95,8 @@ def model_dir_problems(model_dir: str) -> list[str]:
             problems.append(f"{path}: missing (the weights' index names it)")
         else:
             problems.append(safetensors_problem(path))
+    if not tokenizer:
+        return [p for p in problems if p]
     names = os.listdir(model_dir)
     tokenizer = [n for n in names if n in TOKENIZER_FILES or n.endswith(".tiktoken")]
     if not tokenizer:

@@ -26,7 +26,7 @@ from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.job.modelfiles import model_dir_problems
+from backend.job.modelfiles import model_dir_problems, model_dirs
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
@@ -241,22 +241,26 @@ def _read_from(path: Path) -> str:
 
 
 def _model_file_rules(spec: JobSpec) -> list[Problem]:
-    """Weights and tokenizer of a model directory this machine can read (the nodes' shared storage
-    is usually mounted here too; pre-flight checks every node's copy)."""
-    path = Path(spec.model).expanduser()
-    if not path.is_dir():
-        return []
-    try:
-        signature = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)))
-    except OSError as exc:
-        return [Problem("model", f"{path}: cannot read ({exc.strerror})")]
-    return [Problem("model", message) for message in _model_dir_problems(str(path), signature)]
+    """Weights (and the tokenizer) of the model directories this machine can read (the nodes'
+    shared storage is usually mounted here too; pre-flight checks every node's copy)."""
+    out = []
+    for field, path in model_dirs(spec).items():
+        path = Path(path)
+        if not path.is_dir():
+            continue
+        try:
+            signature = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)))
+        except OSError as exc:
+            out.append(Problem(field, f"{path}: cannot read ({exc.strerror})"))
+            continue
+        out += [Problem(field, message) for message in _model_dir_problems(str(path), field == "model", signature)]
+    return out
 
 
 @functools.lru_cache(maxsize=16)
-def _model_dir_problems(path: str, signature: tuple) -> tuple[str, ...]:
+def _model_dir_problems(path: str, tokenizer: bool, signature: tuple) -> tuple[str, ...]:
     """Cached per directory version: the studio assesses the form on every edit."""
-    return tuple(model_dir_problems(path))
+    return tuple(model_dir_problems(path, tokenizer))
 
 
 def _dataset_rules(spec: JobSpec) -> list[Problem]:
