@@ -127,3 +127,23 @@ def test_sp2_by_dp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_model):
     dp = trained(tmp_path / "dp", 2, **spec_fields)
     both = trained(tmp_path / "sp-dp", 4, **spec_fields, sequence_parallel_size=2)
     assert_same_training(both, dp, steps=range(1, 9))
+
+
+@pytest.mark.e2e
+def test_sp2_counts_a_moe_routers_balancing_loss_once(tmp_path):
+    """transformers adds router_aux_loss_coef x the routers' balancing loss of the tokens a forward
+    saw: under SP each rank sees a slice, and the group's shares must hold it once (the mean of the
+    slices'), not SP times. A balancing loss is a product of means over the tokens it sees, so the
+    slices' mean is near the whole rows' (rel 1e-3 here, at a weight that makes it 2% of the loss)."""
+    from worker import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+    spec_fields = job(moe, deepspeed="zero2", train_type="lora", max_steps=4, router_aux_loss_coef=0.1,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    plain, sp = trained_together(tmp_path, ("plain", 1, spec_fields), ("sp", 2, {**spec_fields, "sequence_parallel_size": 2}))
+    a, b = ({e["step"]: e for e in events(run, 0, "train")} for run in (sp, plain))
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step]["moe_aux_loss"] * 0.1 > 0.01 * b[step]["loss"]  # the term weighs in
+        assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-3), (step, a[step]["loss"], b[step]["loss"])

@@ -139,6 +139,11 @@ class UlyssesSP:
             sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=rows, seq_length_is_variable=True)
         self.group = self.mpu.get_sequence_parallel_group()
         self.size, self.rank = self.mpu.get_sequence_parallel_world_size(), self.mpu.get_sequence_parallel_rank()
+        # What transformers adds to a MoE model's loss: this weight x the routers' balancing loss of
+        # the tokens the forward saw (launcher/model.py sets both where the job asks for the term).
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.router_aux_weight = (getattr(base, "router_aux_loss_coef", 0.0)
+                                  if getattr(base.config, "output_router_logits", False) else 0.0)
 
     def shard(self, batch: dict) -> tuple[dict, torch.Tensor]:
         """This rank's slice of a micro-batch, with labels shifted over the whole sequence first (the
@@ -161,7 +166,12 @@ class UlyssesSP:
 
         local, predicted = self.shard(batch)
         # transformers' causal-LM loss with pre-shifted labels: sum over this slice / the group's tokens
-        share = engine(**local, num_items_in_batch=predicted.clamp(min=1)).loss
+        out = engine(**local, num_items_in_batch=predicted.clamp(min=1))
+        share = out.loss
+        if self.router_aux_weight and getattr(out, "aux_loss", None) is not None:
+            # Each rank's loss holds its slice's whole balancing term: the group's sum would count it
+            # SP times. A share keeps 1/SP of it, so the group holds the mean of its slices' terms.
+            share = share - self.router_aux_weight * out.aux_loss * (1 - 1 / self.size)
         full = share.detach().clone()
         dist.all_reduce(full, group=self.group)
         return share, full
