@@ -245,9 +245,9 @@ class Batches:
 
     def __init__(self, fetch: Callable[[np.ndarray], list[Sample]], plan: RowPlan, micro_batch: int,
                  accumulation: int, steps_per_epoch: int, seed: int, pad_id: int, packed: bool, max_length: int,
-                 multiple: int = 1):
+                 multiple: int = 1, pairs: bool = False):
         self.fetch, self.plan, self.micro_batch, self.accumulation = fetch, plan, micro_batch, accumulation
-        self.multiple = multiple
+        self.multiple, self.pairs = multiple, pairs  # pairs: preference pairs, two rows each
         self.steps_per_epoch, self.seed, self.pad_id, self.packed = steps_per_epoch, seed, pad_id, packed
         self.max_length = max_length
         self._epoch: int | None = None
@@ -270,7 +270,9 @@ class Batches:
         members = [self.plan.row(i) for i in indices]
         samples = self.fetch(np.concatenate(members)) if members else []
         filler = [Row([self.pad_id], [IGNORE], [0], 0) for _ in range(fill)]
-        if samples and isinstance(samples[0], Pair):
+        # A micro-batch of filler alone (a rank with fewer micro-batches than the forwards all ranks
+        # run) is pair-shaped too: an engine set up for one micro-batch shape refuses another.
+        if self.pairs:
             return ([padded_row(p.chosen) for p in samples] + filler
                     + [padded_row(p.rejected, counted=False) for p in samples] + filler)
         if not self.packed:

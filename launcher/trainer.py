@@ -352,7 +352,7 @@ class Trainer:
         spec = self.spec
         batches = data.Batches(lambda members: tokenized.samples(mine[members]), rows, micro_batch,
                                spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
-                               spec.packing, spec.max_length, seq_multiple(spec))
+                               spec.packing, spec.max_length, seq_multiple(spec), pairs=spec.rlhf_type is not None)
         self._pair_sources.append((batches, tokenized, mine))
         return batches
 

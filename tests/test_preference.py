@@ -508,6 +508,32 @@ def test_a_reference_table_that_is_not_ours_is_computed_again(tmp_path):
     assert path.is_dir() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_precompute_runs_whole_forwards_and_keeps_the_real_pairs_in_order():
+    """A pipeline computes a step's micro-batches in one forward: precompute hands them over that
+    many at a time, the last group filled past the rank's pairs, and keeps each real pair's chosen
+    and rejected log-probs in the plan's order."""
+    import numpy as np
+    import torch
+
+    from launcher.data import Batches, Sample, one_per_row
+    from launcher.preference import precompute
+
+    pairs = [Pair(Sample([1, 10 + i, 3], [IGNORE, 10 + i, 3]), Sample([1, 20 + i, 4], [IGNORE, 20 + i, 4]))
+             for i in range(5)]
+    # every row max_length wide, as under PP (a pipeline's shapes are fixed)
+    batches = Batches(lambda members: [pairs[m] for m in members], one_per_row(5), 2, 1, 1, 0, 0, False, 8, 8, pairs=True)
+    groups = []
+
+    def logps_of(group: list[dict]) -> list[torch.Tensor]:
+        groups.append(len(group))
+        assert all(batch["input_ids"].shape == (4, 8) for batch in group)
+        return [batch["input_ids"].max(-1).values.float() for batch in group]  # a row's value: its largest token
+
+    table = precompute(batches, 3, logps_of, 2, torch.device("cpu"))  # 3 micro-batches of 2 pairs, 2 per forward
+    assert groups == [2, 2]
+    assert table.tolist() == [[10 + i, 20 + i] for i in range(5)] and table.dtype == np.float32
+
+
 def test_reference_log_probs_that_are_not_finite_are_named_not_kept():
     """Precomputed reference log-probs that overflowed (NaN or inf on any rank) stop the run with
     the rows and the dtype named, instead of NaN losses and a file computed again by every run."""

@@ -114,7 +114,7 @@ def test_preference_pairs_stream_as_the_cache_makes_their_micro_batches(tmp_path
                                                                      spec.max_record_bytes)]
     stream = StreamBatches(open_stream(spec, tokenizer, 1, 2), 2, 3, 2, tokenizer.pad_token_id, False, 64)
     cache = Batches(lambda members: [pairs[i] for i in members], one_per_row(len(pairs)), 3, 2, 1, 0,
-                    tokenizer.pad_token_id, False, 64)
+                    tokenizer.pad_token_id, False, 64, pairs=True)
     for step in range(3):
         got = stream.step(step)
         for micro, (batch, tokens, samples) in enumerate(got):
