@@ -123,6 +123,14 @@ def test_every_file_type_and_rank_shards(tmp_path, tokenizer):
     ('{"prompt": "a", "completion": "b"}', "unknown record format with fields ['completion', 'prompt']"),
     ('[1, 2]', "expected an object with fields"),
     ('{"text": ""}', "'text' must be a non-empty string"),
+    # ms-swift's multimodal records (LLaMA-Factory's too): their text alone would train the tags as text
+    ('{"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A cat"}], '
+     '"images": ["cat.png"]}', "a multimodal record ('images'): vision-language fine-tuning is not supported yet"),
+    ('{"conversations": [{"from": "human", "value": "<video>Go on"}, {"from": "gpt", "value": "ok"}], '
+     '"videos": ["a.mp4"]}', "a multimodal record ('videos')"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": '
+     '{"url": "x"}}]}, {"role": "assistant", "content": "A cat"}]}',
+     "message 1's content is a list of parts (image_url, text): give its text as a string"),
 ])
 def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, message):
     good = {"query": "q", "response": "r"}

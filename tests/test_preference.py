@@ -54,6 +54,8 @@ def test_every_pair_format_reads_as_the_same_prompt_and_answers(name):
     ({"chosen": PROMPT + [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]},
      "differ only in their last answer"),
     ({"prompt": "q", "chosen": 4, "rejected": "5"}, "'chosen' must be text, a message or a list"),
+    ({"messages": PROMPT + [{"role": "assistant", "content": "4"}], "rejected_response": "5", "images": ["a.png"]},
+     r"a multimodal record \('images'\)"),
 ])
 def test_a_record_that_is_no_pair_is_named(record, message):
     with pytest.raises(DataError, match=f"p.jsonl:3: .*{message}"):

@@ -357,6 +357,7 @@ def _content(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
     data = record.data
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
+    _text_only(record)
     if "messages" in data or "conversations" in data:
         return _chat(record, data.get("messages", data.get("conversations"))), None
     system = data.get("system")
@@ -378,6 +379,20 @@ def _content(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
                     "renames a dataset's own, e.g. {\"question\": \"query\", \"answer\": \"response\"})")
 
 
+MEDIA_FIELDS = ("images", "videos", "audios")
+"""ms-swift's and LLaMA-Factory's media beside a record's text (`<image>` tags in it mark where)."""
+
+
+def _text_only(record: Record) -> None:
+    """A record with media is refused by name: its text alone would train the `<image>` tags as
+    plain text, silently."""
+    for field in MEDIA_FIELDS:
+        if record.data.get(field):
+            raise DataError(f"{record.where}: a multimodal record ('{field}'): vision-language fine-tuning is not "
+                            "supported yet, and its text alone would train its <image>/<video> tags as plain text; "
+                            "give text-only records")
+
+
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -390,6 +405,10 @@ def _chat(record: Record, messages: Any) -> list[dict[str, str]]:
             raise DataError(f"{record.where}: message {i + 1} must be an object with 'role' and 'content'")
         role = m.get("role", _SHAREGPT_ROLES.get(m.get("from", ""), None))
         content = m.get("content", m.get("value"))
+        if isinstance(content, list):  # OpenAI's content parts: text, image_url, input_audio, ...
+            kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)})
+            raise DataError(f"{record.where}: message {i + 1}'s content is a list of parts ({', '.join(kinds)}): "
+                            "give its text as a string (multimodal content is not supported yet)")
         if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
             raise DataError(f"{record.where}: message {i + 1} needs a 'role' (system/user/assistant/tool) "
                             f"and a string 'content'")
@@ -410,6 +429,7 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     data, where = record.data, record.where
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
+    _text_only(record)
     if "rejected_response" in data:
         conversation = _chat(record, data.get("messages", data.get("conversations")))
         if conversation[-1]["role"] != "assistant":
