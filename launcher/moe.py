@@ -14,6 +14,23 @@ from dataclasses import dataclass
 import torch
 
 
+def balancing_weight(model) -> float:
+    """The weight transformers gives the routers' balancing loss inside `model`'s loss (0: not added;
+    launcher/model.py sets it where the job asks for the term)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "router_aux_loss_coef", 0.0) if getattr(base.config, "output_router_logits", False) else 0.0
+
+
+def group_share(out, weight: float, group_size: int) -> torch.Tensor:
+    """`out.loss` of one rank of a group that holds a slice of every sequence (Ulysses SP, ring CP),
+    whose shares are added up: transformers put the whole balancing term of the slice's tokens into
+    each rank's loss, which the sum would count group_size times; a share keeps 1/group_size of it,
+    so the group holds the mean of its slices' terms once."""
+    if weight and getattr(out, "aux_loss", None) is not None:
+        return out.loss - weight * out.aux_loss * (1 - 1 / group_size)
+    return out.loss
+
+
 @dataclass(frozen=True)
 class ExpertLoad:
     """One window's routing, summed over the ranks (each token counted once)."""

@@ -252,31 +252,31 @@ class Reference:
 def reference_file(entry: Path, spec) -> Path:
     """Where an entry of the tokenized cache keeps its pairs' reference log-probs under this job's
     reference: its model as loaded (`ref_model`, else the model: a local directory's files by name,
-    size and time; a hub id's cached snapshot, the revision `from_pretrained` read, likewise) and
-    the compute dtype."""
+    size and time; a hub id's revision and the files of its snapshot) and the compute dtype."""
     source = spec.ref_model or spec.model
-    model = _model_files_dir(source)
+    model, revision = _loaded_from(source)
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file()) \
         if model.is_dir() else []
-    key = json.dumps({"model": source, "snapshot": model.name if model.is_dir() else None, "files": files,
-                      "dtype": spec.torch_dtype}, sort_keys=True)
-    return entry / f"reference-logps-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"
+    key = {"model": source, "files": files, "dtype": spec.torch_dtype, **({"revision": revision} if revision else {})}
+    return entry / f"reference-logps-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.npy"
 
 
-def _model_files_dir(source: str) -> Path:
-    """The directory `source` was loaded from: itself, or a hub id's snapshot in the Hugging Face
-    cache that `from_pretrained` resolved (refs/main; the commit is its name), so a new revision of
-    the model is another key, not the old revision's log-probs."""
+def _loaded_from(source: str) -> tuple[Path, str | None]:
+    """The directory `source` is loaded from, and a hub id's revision: a local directory itself; a
+    hub id's snapshot in the Hugging Face cache that `from_pretrained` resolves (refs/main; its
+    config fetched first where a `ref_model` is not loaded yet), so a new revision of the model is
+    another file, not the old revision's log-probs. A name that resolves to neither keys by itself."""
     model = Path(source).expanduser()
     if model.is_dir():
-        return model
+        return model, None
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
         cached = try_to_load_from_cache(source, "config.json")
-    except Exception:  # not a hub id (huggingface_hub validates it): the name alone keys it
-        return model
-    return Path(cached).parent if isinstance(cached, str) else model
+        config = Path(cached if isinstance(cached, str) else hf_hub_download(source, "config.json"))
+    except Exception:  # not a hub id (huggingface_hub validates it), offline, or not there
+        return model, None
+    return config.parent, config.parent.name
 
 
 def load_reference_table(path: Path, pairs: int) -> np.ndarray:
@@ -326,9 +326,11 @@ def nonfinite_pairs(gathered: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
 
 def nonfinite_message(rows: list[int], pairs: int, entry: Path, spec) -> str:
     shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+    why = ("it overflows on them in float16; train in bfloat16 or float32, or leave those pairs out"
+           if spec.torch_dtype == "float16" else
+           f"in {spec.torch_dtype}; its weights may hold NaN or inf: check {spec.ref_model or spec.model}")
     return (f"precompute_ref_log_probs: the reference model's log-probs of {len(rows)} of {pairs} pairs are not "
-            f"finite (rows {shown} of the tokenized data in {entry}): it overflows on them in {spec.torch_dtype}; "
-            "train in bfloat16 or float32, or leave those pairs out")
+            f"finite (rows {shown} of the tokenized data in {entry}): {why}")
 
 
 @torch.no_grad()

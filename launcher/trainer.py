@@ -202,6 +202,7 @@ class Trainer:
         if self.reference and spec.precompute_ref_log_probs:
             self._precompute_reference(model)  # before a checkpoint is loaded: the policy is still the base
             self.reference = None
+            self.engine.reference_done()
         self.routers = RouterMeter(model)
         # Different dropout masks per rank from here on (the weights were initialised identically),
         # but one per TP group: its ranks compute on the same activations and must agree. (SP and CP
@@ -481,6 +482,9 @@ class Trainer:
             micro, step_data_wait = upcoming, data_wait
             batches = self._with_references([batch for batch, _, _ in micro])
             losses = [self._forward_backward(batch, sync=i == len(batches) - 1) for i, batch in enumerate(batches)]
+            if self.preference and self.preference.references:  # each loss takes its micro-batch's, in order
+                raise RuntimeError(f"{len(self.preference.references)} micro-batches' reference log-probs were left "
+                                   f"by the losses of step {self.step + 1}: the engine computed fewer losses")
             grad_norm = self.engine.step()
             pending.append((torch.stack(losses).float().mean(), grad_norm))
             self.step += 1

@@ -37,9 +37,9 @@ def test_pipeline_rules_name_their_fields():
     assert errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, fsdp="full_shard offload") == ["fsdp"]
     refused = errors(pipeline_model_parallel_size=2, gradient_accumulation_steps=2, deepspeed="zero1",
                      tensor_model_parallel_size=2, context_parallel_size=2, sequence_parallel_size=2,
-                     expert_model_parallel_size=2, torch_dtype="float16")
+                     expert_model_parallel_size=2, torch_dtype="float16", router_aux_loss_coef=0.01)
     assert refused == ["deepspeed", "tensor_model_parallel_size", "sequence_parallel_size", "context_parallel_size",
-                       "expert_model_parallel_size", "torch_dtype"]
+                       "expert_model_parallel_size", "router_aux_loss_coef", "torch_dtype"]
     assert "pipeline_model_parallel_size" not in [p.field for p in unsupported(
         spec(pipeline_model_parallel_size=2, gradient_accumulation_steps=2))]
 
@@ -195,37 +195,51 @@ except RuntimeError as exc:
 
 @pytest.mark.e2e
 def test_a_schedule_calls_its_loss_once_more_at_its_first_step(tmp_path):
-    """Pins the engine behaviour behind launcher/engines/pp.py's `_first_call_inferred` and its
+    """Pins the engine behaviour behind launcher/engines/pp.py's `_without_shape_inference` and its
     reference schedule (torch 2.13): a training schedule's first step infers the stages' shapes by a
     forward and backward of uninitialised activations, calling the loss once more than it has
-    micro-batches; later steps call it once per micro-batch; a forward-only schedule over stage
-    objects of its own, between them, calls its loss once per micro-batch and makes the training
-    schedule infer nothing again. When the first count is 2, the stand-in for the first call must go."""
+    micro-batches, from `_backward_metadata_inference`; the others come from `_compute_loss`. A
+    forward-only schedule without a loss, over stage objects of its own, between steps, makes the
+    training schedule infer nothing again, and keeps its outputs until told to clear them (the
+    reference pass empties the last stage's as its loss reads them, and torch reads no more of them)."""
     outcomes, log = probe_ranks(tmp_path, 2, '''
+import sys
 import torch, torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 module = torch.nn.Linear(8, 8)
-calls = {"train": 0, "eval": 0}
-def counted(kind):
-    def loss(out, target):
-        calls[kind] += 1
-        return (out - target).pow(2).mean(-1) if kind == "eval" else (out - target).pow(2).mean()
-    return loss
-stage = lambda: PipelineStage(module, rank, 2, torch.device("cpu"))
-train, evaluate = Schedule1F1B(stage(), 2, loss_fn=counted("train")), Schedule1F1B(stage(), 2, loss_fn=counted("eval"))
+callers = []
+def loss(out, target):
+    callers.append(sys._getframe(1).f_code.co_name)
+    return (out - target).pow(2).mean()
+train = Schedule1F1B(PipelineStage(module, rank, 2, torch.device("cpu")), 2, loss_fn=loss)
+forward_only = PipelineStage(module, rank, 2, torch.device("cpu"))
+def row_sums(out, target):
+    sums = out.sum(-1)
+    out.untyped_storage().resize_(0)
+    return sums
+evaluate = Schedule1F1B(forward_only, 2, loss_fn=row_sums)
 x = torch.randn(4, 8)
-counts = []
+steps, kept = [], []
 for run in (train.step, evaluate.eval, train.step, evaluate.eval, train.step):
-    before = dict(calls)
+    callers.clear()
+    sums = []
     with torch.no_grad() if run == evaluate.eval else torch.enable_grad():
-        run(*((x,) if rank == 0 else ()), target=x if rank == 1 else None)
-    counts.append(sum(calls.values()) - sum(before.values()))
-report(" ".join(map(str, counts)))
+        run(*((x,) if rank == 0 else ()), target=x if rank == 1 else None, losses=sums, return_outputs=False)
+    steps.append(",".join(callers) or "-")
+    if run == evaluate.eval:
+        outputs = [cached[0][0] for cached in forward_only.fwd_cache.values()]
+        kept.append(f"{len(outputs)}:{sum(o.untyped_storage().nbytes() for o in outputs)}")
+        forward_only.clear_runtime_states()
+        kept.append(str(len(forward_only.fwd_cache)))
+        assert rank == 0 or [s.shape for s in sums] == [(2,), (2,)]
+report(" ".join(steps) + " kept " + " ".join(kept))
 ''')
-    assert outcomes == ["0 0 0 0 0", "3 2 2 2 2"], (outcomes, log[-3000:])
+    real = "_compute_loss,_compute_loss"
+    assert outcomes == ["- - - - - kept 2:128 0 2:128 0",  # the first stage's: 2 x (2 rows x 8 floats)
+                        f"_backward_metadata_inference,{real} - {real} - {real} kept 2:0 0 2:0 0"], (outcomes, log[-3000:])
 
 
 @pytest.mark.e2e

@@ -550,7 +550,9 @@ def test_reference_log_probs_that_are_not_finite_are_named_not_kept():
     message = nonfinite_message(list(range(7)), 40, Path("/cache/entry"), JobSpec(model="m", dataset=["d"],
                                                                                    torch_dtype="float16"))
     assert "log-probs of 7 of 40 pairs are not finite (rows 0, 1, 2, 3, 4, ... of the tokenized data in " \
-           "/cache/entry): it overflows on them in float16" in message
+           "/cache/entry): it overflows on them in float16; train in bfloat16 or float32" in message
+    bf16 = nonfinite_message([3], 40, Path("/e"), JobSpec(model="m", dataset=["d"], torch_dtype="bfloat16"))
+    assert bf16.endswith("(rows 3 of the tokenized data in /e): in bfloat16; its weights may hold NaN or inf: check m")
 
 
 def test_a_hub_models_reference_log_probs_are_kept_per_revision(tmp_path, monkeypatch):
@@ -577,6 +579,23 @@ def test_a_hub_models_reference_log_probs_are_kept_per_revision(tmp_path, monkey
     assert reference_file(tmp_path, spec) == first  # the same revision: the same file
     assert revision("b" * 40) != first
     assert reference_file(tmp_path, spec.model_copy(update={"model": "not a hub id!"})).name.startswith("reference-logps-")
+    # a ref_model not cached yet: its config is fetched first, so the file is keyed by the revision it will load
+    fetched = []
+
+    def download(repo_id: str, filename: str) -> str:
+        fetched.append((repo_id, filename))
+        repo = hub / "models--org--other"  # as huggingface_hub leaves it: the snapshot and refs/main
+        (repo / "snapshots" / ("c" * 40)).mkdir(parents=True)
+        (repo / "snapshots" / ("c" * 40) / filename).write_text("{}")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("c" * 40)
+        return str(repo / "snapshots" / ("c" * 40) / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    cold = spec.model_copy(update={"ref_model": "org/other"})
+    keyed = reference_file(tmp_path, cold)
+    assert fetched == [("org/other", "config.json")]
+    assert reference_file(tmp_path, cold) == keyed and fetched == [("org/other", "config.json")]  # now cached
 
 
 # The layout tests' jobs: three steps of DPO on a tiny model, every step logged.
@@ -656,24 +675,34 @@ def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_m
 @pytest.mark.e2e
 def test_dpo_under_pipeline_parallel_trains_as_without(tmp_path):
     """A micro-batch's chosen and rejected rows go down the pipeline together; the loss is the last
-    stage's. DPO with LoRA, whose reference (the adapters off) is a forward-only pass of the same
-    schedule each step: PP=2 on torch's 1F1B trains the losses, rewards and log-probs of one rank.
-    Full DPO with its reference log-probs precomputed by that pass before training: two pipelines of
-    PP=2 x 2 virtual stages (interleaved), each stage on FSDP2 over them, train those of FSDP2 on two
-    ranks. Full DPO with a frozen copy under PP is refused by name."""
+    stage's. Two pipelines of PP=2 (each stage on FSDP2 over them) against two data-parallel ranks:
+    DPO with LoRA, whose reference (the adapters off) is a forward-only pass of the step's
+    micro-batches down the pipeline, on torch's 1F1B, and full DPO (FSDP2) with its reference
+    log-probs precomputed by that pass before training, on 2 virtual stages a rank (interleaved),
+    train the same losses, rewards and log-probs. Full DPO with a frozen copy under PP is refused
+    by name."""
     llama = build_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=4)
     common = dict(LAYOUT_JOB, model=str(llama), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
                   per_device_train_batch_size=2, gradient_accumulation_steps=2)
     fields = ("loss", "rewards_margins", "logps_chosen", "logps_rejected")
-    (tmp_path / "1f1b").mkdir()
-    assert_layout_trains_alike(tmp_path / "1f1b", common, {"lora": LAYOUT_KINDS["lora"]},
-                               lambda n: dict(nproc_per_node=n, pipeline_model_parallel_size=n), fields)
-    (tmp_path / "interleaved").mkdir()
-    interleaved = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                       pipeline_schedule="interleaved_1f1b")
-    assert_layout_trains_alike(tmp_path / "interleaved", common,
-                               {"full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True, fsdp="full_shard")},
-                               lambda n: dict(nproc_per_node=2 * n, **(interleaved if n > 1 else {})), fields)
+    interleaved = dict(virtual_pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    jobs = {"lora": LAYOUT_KINDS["lora"],
+            "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True, fsdp="full_shard")}
+    runs = {(kind, n): tmp_path / f"{kind}-{n}" for kind in jobs for n in (1, 2)}
+    layout = {1: dict(nproc_per_node=2), 2: dict(nproc_per_node=4, pipeline_model_parallel_size=2)}
+    for proc in run_workers([planned(run, **common, **jobs[kind], **layout[n], **(interleaved if (kind, n) == ("full", 2)
+                                                                                  else {}),
+                                     dataset_cache_dir=str(run) + "-cache")
+                             for (kind, n), run in runs.items()], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    assert re.search(r"reference log-probs of 32 pairs computed", (runs["full", 2] / "logs" / "local.log").read_text())
+    for kind in jobs:
+        base, pp = (events(runs[kind, n], 0, "train") for n in (1, 2))
+        assert [e["step"] for e in pp] == [1, 2, 3]
+        for a, b in zip(base, pp):
+            for field in fields:
+                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
+        assert pp[-1]["rewards_margins"] != 0
     refused = {p.field: p.message for p in validate(JobSpec(**common, nproc_per_node=2, pipeline_model_parallel_size=2,
                                                             train_type="full")) if p.severity == "error"}
     assert "pipeline parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \

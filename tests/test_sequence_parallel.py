@@ -129,6 +129,27 @@ def test_sp2_by_dp2_on_four_ranks_matches_data_parallel(tmp_path, tiny_model):
     assert_same_training(both, dp, steps=range(1, 9))
 
 
+def test_a_slice_groups_share_holds_the_balancing_term_once():
+    """Ulysses SP and ring CP (GPU only) both take each rank's loss through `group_share`: the
+    group's shares add up to the slices' mean balancing term, counted once, at the model's weight
+    (none where transformers does not add the term)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from launcher.moe import balancing_weight, group_share
+
+    out = SimpleNamespace(loss=torch.tensor(3.1), aux_loss=torch.tensor(2.0))  # 0.1 x 2.0 of it the term
+    assert float(group_share(out, 0.1, 2)) == pytest.approx(3.0)
+    assert float(group_share(out, 0.1, 4)) == pytest.approx(2.95)
+    assert float(group_share(out, 0.0, 2)) == pytest.approx(3.1)
+    assert float(group_share(SimpleNamespace(loss=torch.tensor(3.1), aux_loss=None), 0.1, 2)) == pytest.approx(3.1)
+    moe = SimpleNamespace(router_aux_loss_coef=0.1, config=SimpleNamespace(output_router_logits=True))
+    assert balancing_weight(moe) == 0.1
+    assert balancing_weight(SimpleNamespace(router_aux_loss_coef=0.1, config=SimpleNamespace())) == 0.0
+    assert balancing_weight(SimpleNamespace(config=SimpleNamespace(output_router_logits=True))) == 0.0
+
+
 @pytest.mark.e2e
 def test_sp2_counts_a_moe_routers_balancing_loss_once(tmp_path):
     """transformers adds router_aux_loss_coef x the routers' balancing loss of the tokens a forward

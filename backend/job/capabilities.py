@@ -418,6 +418,9 @@ def pp_problems(spec: JobSpec) -> list[Problem]:
         value = getattr(spec, field)
         if value if isinstance(value, (bool, str)) or value is None else value > 1:
             out.append(Problem(field, f"not with {PP} > 1 ({why}); remove it"))
+    if spec.router_aux_loss_coef > 0:
+        out.append(Problem("router_aux_loss_coef", f"not with {PP} > 1: the last stage computes the loss from the "
+                                                   "logits alone, without the routers' balancing term; set it to 0"))
     if spec.torch_dtype == "float16":
         out.append(Problem("torch_dtype", f"float16 with {PP} > 1 needs a grad scaler across stages; use bfloat16"))
     if spec.evaluates:

@@ -76,11 +76,11 @@ def weight_files(model_dir: str) -> tuple[list[str], str | None]:
 
 
 def model_dirs(spec) -> dict[str, str]:
-    """The model paths a job (a JobSpec) loads, by field: `model`, and DPO's `ref_model` (whose
+    """The model paths a job (a JobSpec) loads, by field: `model`, and full DPO's `ref_model` (whose
     tokenizer is not read: `model_dir_problems(..., tokenizer=field == "model")`). Hub ids among
     them are no directories; callers keep the ones they can look at."""
     fields = {"model": spec.model}
-    if spec.rlhf_type == "dpo" and spec.ref_model:
+    if spec.rlhf_type == "dpo" and spec.train_type == "full" and spec.ref_model:
         fields["ref_model"] = spec.ref_model
     return {field: os.path.expanduser(value) for field, value in fields.items()}
 

@@ -48,6 +48,9 @@ class Engine:
         this engine runs a forward: in its forward context and its Ulysses group."""
         return [reference.logps(batch, self.forward_context(), self.sp) for batch in batches]
 
+    def reference_done(self) -> None:
+        """No more `reference_logps` this run (the precomputed ones are kept): what served them can go."""
+
     def evaluate(self, batch: dict) -> torch.Tensor:
         """The micro-batch's mean token loss, as `forward_backward` returns it, without gradients and
         with dropout off. Collective where the forward is (every rank calls it as often)."""

@@ -10,6 +10,7 @@ import torch
 from backend.job.capabilities import CP, ring_kernel_problems, ring_model_problems
 from backend.job.modelcfg import sequence_mixing
 from launcher.config import ConfigError
+from launcher.moe import balancing_weight, group_share
 
 
 class RingCP:
@@ -54,8 +55,8 @@ def ring_forward_backward(model, batch: dict, mesh, scale: float | None) -> torc
     buffers = [ids, labels, positions]
     # Sharded in place; backward runs inside too, its attention is the ring's as well.
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
-        share = model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels,
-                      num_items_in_batch=predicted).loss
+        share = group_share(model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels,
+                                  num_items_in_batch=predicted), balancing_weight(model), mesh.size())
         if scale is not None:
             (share * mesh.size() * scale).backward()
     full = share.detach().clone()

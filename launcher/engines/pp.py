@@ -12,6 +12,7 @@ way: FSDP2 on each of its decoder layers and on the stage (sharded with `fsdp`, 
 on FSDP2), which torch's schedules know how to accumulate and reduce once per step."""
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -70,6 +71,10 @@ class _Stage(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+STAGE_INPUTS = ("position_ids", "attention_mask")
+"""The keyword inputs every stage takes (`_Stage.forward`)."""
+
+
 class PPEngine(TorchOptimizerEngine):
     name = "pp"
     #: DCP keeps each stage's HF keys with their global shapes: every rank reads its own stages'
@@ -114,8 +119,8 @@ class PPEngine(TorchOptimizerEngine):
         self.clock = StageClock(pipeline, dist.device)
         self.accumulation = self.micro_batches_per_forward = spec.gradient_accumulation_steps
         self.computes_loss = self.is_last
-        self.schedule = self._schedule(pipeline, _first_call_inferred(_loss(base)))
-        self._stages, self._reference_schedule = stages, None
+        self.schedule = self._schedule(pipeline, _without_shape_inference(_loss(base)))
+        self._stages, self._reference_schedule, self._reference_stages = stages, None, None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(model, spec, dist.device)
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
@@ -125,7 +130,7 @@ class PPEngine(TorchOptimizerEngine):
         self._buffer: list[dict] = []
         self._losses: list[torch.Tensor] = []
 
-    def _schedule(self, pipeline: list[PipelineStage], loss_fn):
+    def _schedule(self, pipeline: list[PipelineStage], loss_fn=None):
         if self.spec.pipeline_schedule == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(pipeline, self.accumulation, loss_fn=loss_fn)
         return Schedule1F1B(pipeline[0], self.accumulation, loss_fn=loss_fn)
@@ -161,7 +166,15 @@ class PPEngine(TorchOptimizerEngine):
         self._losses.append(loss)
         if not sync:
             return loss
-        values = self._run(self.schedule.step, self._buffer, ())
+        args, kwargs, labels = self._inputs(self._buffer, STAGE_INPUTS)
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            # The last stage keeps no logits for the caller: only what the loss function makes of them.
+            self.schedule.step(*args, target=labels if self.is_last else None, losses=losses, return_outputs=False,
+                               **kwargs)
+        # Every rank reports its pipeline's loss: the trainer averages the losses of all ranks.
+        values = self._from_last_stage(torch.stack([x.detach().float() for x in losses]) if self.is_last else None,
+                                       (len(self._buffer),))
         for out, value in zip(self._losses, values):
             out.copy_(value)
         self._buffer, self._losses = [], []
@@ -173,7 +186,11 @@ class PPEngine(TorchOptimizerEngine):
         (the policy with its adapters off, or, precomputing before training, as it is), each row's
         sum computed on the last stage and sent to the pipeline's other ranks. The pass has its own
         stage objects and schedule over the same modules: switching one schedule between eval and
-        training makes torch infer every stage's shapes again, by a forward and backward each time."""
+        training makes torch infer every stage's shapes again, by a forward and backward each time.
+        torch keeps each micro-batch's stage outputs for a backward that an eval never runs: the
+        last stage's logits are freed as soon as their sums are taken (their storage emptied;
+        tests/test_pipeline_parallel.py pins that torch reads no more of them), the rest when the
+        pass ends."""
         if reference.frozen is not None:
             raise ConfigError(f"{PP}: a pipeline does not hold a frozen reference model: train LoRA or set "
                               "precompute_ref_log_probs (and no ref_model)")
@@ -183,24 +200,41 @@ class PPEngine(TorchOptimizerEngine):
             n_stages = self.spec.pipeline_model_parallel_size * self.spec.virtual_pipeline_model_parallel_size
             pipeline = [PipelineStage(stage, s, n_stages, self.dist.device, group=self.pp_group)
                         for stage, s in zip(self._stages, self.stage_ids)]
-            self._reference_schedule = self._schedule(pipeline, lambda logits, labels: sequence_logps(logits, labels)[0])
-        with reference.adapters_off():
-            return list(self._run(self._reference_schedule.eval, batches, (batches[0]["input_ids"].shape[0],)))
+            self.clock.watch(pipeline)
+            def row_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                sums = sequence_logps(logits, labels)[0]
+                # torch keeps this output (the stage's cache entry) but reads no more of its data
+                logits.untyped_storage().resize_(0)
+                return sums
 
-    def _run(self, run, batches: list[dict], shape: tuple) -> torch.Tensor:
-        """`run` (the schedule's step or eval) over `batches`, one per schedule micro-batch; what the
-        last stage computed of each (a loss, or `shape` values), on every rank of the pipeline."""
+            self._reference_schedule, self._reference_stages = self._schedule(pipeline, row_sums), pipeline
+        args, kwargs, labels = self._inputs(batches, STAGE_INPUTS)
+        sums: list[torch.Tensor] = []
+        with reference.adapters_off(), self._autocast():
+            self._reference_schedule.eval(*args, target=labels if self.is_last else None, losses=sums,
+                                          return_outputs=False, **kwargs)
+        for stage in self._reference_stages:  # each micro-batch's outputs, kept for a backward that never comes
+            stage.clear_runtime_states()
+        rows = labels.shape[0] // len(batches)
+        return list(self._from_last_stage(torch.stack(sums).float() if self.is_last else None, (len(batches), rows)))
+
+    def reference_done(self) -> None:
+        self._reference_schedule = self._reference_stages = None  # their buffers, for a pass that is over
+
+    def _inputs(self, batches: list[dict], names: tuple[str, ...]) -> tuple[tuple, dict, torch.Tensor]:
+        """The schedule's arguments for `batches`, one per schedule micro-batch: the first stage's
+        input ids, every stage's keyword inputs `names`, and the labels."""
         whole = {k: torch.cat([b[k] for b in batches]).to(self.dist.device) for k in batches[0]}
-        kwargs = {k: whole[k] for k in ("position_ids", "attention_mask") if k in whole}
         args = (whole["input_ids"],) if self.pp_rank == 0 else ()
-        outputs: list[torch.Tensor] = []
-        with autocast(self.dist.device, self.spec.torch_dtype) if self.autocast else nullcontext():
-            # The last stage keeps no logits for the caller: only what the loss function makes of them.
-            run(*args, target=whole["labels"] if self.is_last else None, losses=outputs, return_outputs=False,
-                **kwargs)
-        values = (torch.stack([x.detach().float() for x in outputs]) if self.is_last
-                  else torch.zeros((len(batches), *shape), device=self.dist.device))
-        # Every rank reports its pipeline's loss: the trainer averages the losses of all ranks.
+        return args, {k: whole[k] for k in names if k in whole}, whole["labels"]
+
+    def _autocast(self):
+        return autocast(self.dist.device, self.spec.torch_dtype) if self.autocast else nullcontext()
+
+    def _from_last_stage(self, values: torch.Tensor | None, shape: tuple) -> torch.Tensor:
+        """The last stage's `values` on every rank of its pipeline (None elsewhere: received)."""
+        if values is None:
+            values = torch.zeros(shape, device=self.dist.device)
         tdist.broadcast(values, group=self.pp_group, group_src=self.spec.pipeline_model_parallel_size - 1)
         return values
 
@@ -247,6 +281,9 @@ class StageClock:
         self.cuda = device.type == "cuda"
         self.pending: list = []
         self.host_s = 0.0
+        self.watch(stages)
+
+    def watch(self, stages: list[PipelineStage]) -> None:
         for stage in stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
@@ -294,21 +331,19 @@ def _loss(base):
     return loss
 
 
-def _first_call_inferred(loss):
-    """`loss` for a training schedule, whose first call (torch 2.13's shape inference at the
-    schedule's first step, on uninitialised activations: tests/test_pipeline_parallel.py pins it)
-    gets a stand-in of the logits' shape: it is no micro-batch's, and preference training's loss
-    would count it and take a micro-batch's reference log-probs."""
-    inferred = False
+def _without_shape_inference(loss):
+    """`loss` for a training schedule, whose first step infers the stages' shapes by a forward and
+    backward of uninitialised activations, calling the loss from `_backward_metadata_inference`
+    (torch 2.13; tests/test_pipeline_parallel.py pins it): that call gets a stand-in of the logits'
+    shape. It is no micro-batch's: preference training's loss would count it and take a
+    micro-batch's reference log-probs."""
 
-    def first_call_inferred(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        nonlocal inferred
-        if not inferred:
-            inferred = True
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if sys._getframe(1).f_code.co_name == "_backward_metadata_inference":
             return logits.float().sum() * 0
         return loss(logits, labels)
 
-    return first_call_inferred
+    return loss_fn
 
 
 def _save_adapters(model, out: Path, state: dict[str, torch.Tensor]) -> None:

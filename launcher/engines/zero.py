@@ -12,6 +12,7 @@ from backend.job.capabilities import autotp
 from launcher import checkpoint
 from launcher.engines.base import (Engine, checkpoint_part, evaluating, make_optimizer, make_scheduler, param_groups,
                                    save_pretrained)
+from launcher.moe import balancing_weight, group_share
 
 TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own files
 log = logging.getLogger(__name__)
@@ -139,11 +140,7 @@ class UlyssesSP:
             sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=rows, seq_length_is_variable=True)
         self.group = self.mpu.get_sequence_parallel_group()
         self.size, self.rank = self.mpu.get_sequence_parallel_world_size(), self.mpu.get_sequence_parallel_rank()
-        # What transformers adds to a MoE model's loss: this weight x the routers' balancing loss of
-        # the tokens the forward saw (launcher/model.py sets both where the job asks for the term).
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.router_aux_weight = (getattr(base, "router_aux_loss_coef", 0.0)
-                                  if getattr(base.config, "output_router_logits", False) else 0.0)
+        self.balancing_weight = balancing_weight(model)
 
     def shard(self, batch: dict) -> tuple[dict, torch.Tensor]:
         """This rank's slice of a micro-batch, with labels shifted over the whole sequence first (the
@@ -166,12 +163,7 @@ class UlyssesSP:
 
         local, predicted = self.shard(batch)
         # transformers' causal-LM loss with pre-shifted labels: sum over this slice / the group's tokens
-        out = engine(**local, num_items_in_batch=predicted.clamp(min=1))
-        share = out.loss
-        if self.router_aux_weight and getattr(out, "aux_loss", None) is not None:
-            # Each rank's loss holds its slice's whole balancing term: the group's sum would count it
-            # SP times. A share keeps 1/SP of it, so the group holds the mean of its slices' terms.
-            share = share - self.router_aux_weight * out.aux_loss * (1 - 1 / self.size)
+        share = group_share(engine(**local, num_items_in_batch=predicted.clamp(min=1)), self.balancing_weight, self.size)
         full = share.detach().clone()
         dist.all_reduce(full, group=self.group)
         return share, full
