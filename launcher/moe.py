@@ -18,7 +18,8 @@ def balancing_weight(model) -> float:
     """The weight transformers gives the routers' balancing loss inside `model`'s loss (0: not added;
     launcher/model.py sets it where the job asks for the term)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "router_aux_loss_coef", 0.0) if getattr(base.config, "output_router_logits", False) else 0.0
+    adds = getattr(getattr(base, "config", None), "output_router_logits", False)
+    return getattr(base, "router_aux_loss_coef", 0.0) if adds else 0.0
 
 
 def group_share(out, weight: float, group_size: int) -> torch.Tensor:

@@ -148,6 +148,7 @@ def test_a_slice_groups_share_holds_the_balancing_term_once():
     assert balancing_weight(moe) == 0.1
     assert balancing_weight(SimpleNamespace(router_aux_loss_coef=0.1, config=SimpleNamespace())) == 0.0
     assert balancing_weight(SimpleNamespace(config=SimpleNamespace(output_router_logits=True))) == 0.0
+    assert balancing_weight(torch.nn.Linear(2, 2)) == 0.0  # a module that is no transformers model
 
 
 @pytest.mark.e2e
