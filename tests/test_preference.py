@@ -606,12 +606,12 @@ LAYOUT_KINDS = {"lora": dict(train_type="lora", learning_rate=1e-2), "full": dic
 
 def assert_layout_trains_alike(tmp_path, common: dict, jobs: dict, layout, fields=("loss", "rewards_margins",
                                                                                    "logps_chosen")) -> dict:
-    """Each of `jobs` (kind -> spec fields) trained twice side by side, with `layout(1)`'s fields and
-    with `layout(2)`'s: the second trains steps 1-3 with the first's `fields`, and its margins move.
+    """Each of `jobs` (kind -> spec fields) trained twice side by side, with `layout(1, kind)`'s fields
+    and with `layout(2, kind)`'s: the second trains steps 1-3 with the first's `fields`, and its margins move.
     Each run tokenizes into a cache of its own, so each precomputes its reference log-probs in its
     layout. Returns the run directories by (kind, 1 or 2)."""
     runs = {(kind, n): tmp_path / f"{kind}-{n}" for kind in jobs for n in (1, 2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], **layout(n), dataset_cache_dir=str(run) + "-cache")
+    for proc in run_workers([planned(run, **common, **jobs[kind], **layout(n, kind), dataset_cache_dir=str(run) + "-cache")
                              for (kind, n), run in runs.items()], 400):
         assert proc.returncode == 0, proc.log[-4000:]
     for (kind, n), run in runs.items():
@@ -635,7 +635,7 @@ def test_dpo_under_tensor_parallel_trains_as_one_rank(tmp_path, tiny_model):
     common = dict(LAYOUT_JOB, model=str(tiny_model), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
                   per_device_train_batch_size=4)
     jobs = {"lora": LAYOUT_KINDS["lora"], "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)}
-    assert_layout_trains_alike(tmp_path, common, jobs, lambda n: dict(nproc_per_node=n, tensor_model_parallel_size=n))
+    assert_layout_trains_alike(tmp_path, common, jobs, lambda n, _: dict(nproc_per_node=n, tensor_model_parallel_size=n))
     refused = {p.field: p.message for p in validate(JobSpec(**common, train_type="full", nproc_per_node=2,
                                                             tensor_model_parallel_size=2)) if p.severity == "error"}
     assert "tensor parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
@@ -653,7 +653,7 @@ def test_dpo_under_expert_parallel_trains_as_fsdp2(tmp_path):
                   fsdp="full_shard", per_device_train_batch_size=2, nproc_per_node=2)
     jobs = {"lora": dict(LAYOUT_KINDS["lora"], target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
             "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)}
-    assert_layout_trains_alike(tmp_path, common, jobs, lambda n: dict(expert_model_parallel_size=n))
+    assert_layout_trains_alike(tmp_path, common, jobs, lambda n, _: dict(expert_model_parallel_size=n))
 
 
 @pytest.mark.e2e
@@ -665,7 +665,7 @@ def test_dpo_under_ulysses_sequence_parallel_trains_as_one_rank(tmp_path, tiny_m
                   per_device_train_batch_size=4, split_dataset_ratio=0.2, eval_steps=3)
     jobs = {"lora": dict(LAYOUT_KINDS["lora"], deepspeed="zero2"), "full": dict(LAYOUT_KINDS["full"], deepspeed="zero3")}
     runs = assert_layout_trains_alike(tmp_path, common, jobs,
-                                      lambda n: dict(nproc_per_node=n, sequence_parallel_size=n),
+                                      lambda n, _: dict(nproc_per_node=n, sequence_parallel_size=n),
                                       ("loss", "rewards_margins", "logps_chosen", "logps_rejected"))
     for kind in jobs:
         (eval_one,), (eval_sp,) = (events(runs[kind, n], 0, "eval") for n in (1, 2))
@@ -688,21 +688,10 @@ def test_dpo_under_pipeline_parallel_trains_as_without(tmp_path):
     interleaved = dict(virtual_pipeline_model_parallel_size=2, pipeline_schedule="interleaved_1f1b")
     jobs = {"lora": LAYOUT_KINDS["lora"],
             "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True, fsdp="full_shard")}
-    runs = {(kind, n): tmp_path / f"{kind}-{n}" for kind in jobs for n in (1, 2)}
     layout = {1: dict(nproc_per_node=2), 2: dict(nproc_per_node=4, pipeline_model_parallel_size=2)}
-    for proc in run_workers([planned(run, **common, **jobs[kind], **layout[n], **(interleaved if (kind, n) == ("full", 2)
-                                                                                  else {}),
-                                     dataset_cache_dir=str(run) + "-cache")
-                             for (kind, n), run in runs.items()], 400):
-        assert proc.returncode == 0, proc.log[-4000:]
+    runs = assert_layout_trains_alike(tmp_path, common, jobs, lambda n, kind: {
+        **layout[n], **(interleaved if (kind, n) == ("full", 2) else {})}, fields)
     assert re.search(r"reference log-probs of 32 pairs computed", (runs["full", 2] / "logs" / "local.log").read_text())
-    for kind in jobs:
-        base, pp = (events(runs[kind, n], 0, "train") for n in (1, 2))
-        assert [e["step"] for e in pp] == [1, 2, 3]
-        for a, b in zip(base, pp):
-            for field in fields:
-                assert b[field] == pytest.approx(a[field], rel=1e-4, abs=1e-5), (kind, a["step"], field)
-        assert pp[-1]["rewards_margins"] != 0
     refused = {p.field: p.message for p in validate(JobSpec(**common, nproc_per_node=2, pipeline_model_parallel_size=2,
                                                             train_type="full")) if p.severity == "error"}
     assert "pipeline parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
