@@ -19,6 +19,9 @@ Parts:
          NCCL host, as bench/layout_memory.py runs them) against 1 rank with the same global batch. Every
          record is the same pair here: each data-parallel rank reads its own shard in its own shuffled
          order, so distinct pairs would make different steps, not the same ones split.
+  pipeline  ours, LoRA DPO and full DPO (precomputed reference) under PP=2 on 2 ranks sharing the GPU
+         against 1 rank, two micro-batches a step, by step.
+  padding_free  ours, LoRA DPO on pairs of many lengths: padded against padding_free (sdpa, flex_attention).
 
 Tokens/s count the prompt and answer tokens of both rows of each pair (both sides fill max_length,
 so the count is the same for both; TRL's line reports its own count per pair to show it)."""
@@ -54,18 +57,21 @@ def words(rng: random.Random, chars: int) -> str:
     return " ".join(out)
 
 
-def write_pairs(path: Path, n: int, seq: int, same: bool = False) -> None:
+def write_pairs(path: Path, n: int, seq: int, same: bool = False, spread: bool = False) -> None:
     """TRL's conversational pair format (prompt / chosen / rejected message lists), which the worker
     reads too: a ~seq/4-character prompt and answers long enough that every row is cut at max_length
-    (the demo tokenizer gives about one token per character). `same`: every record the same pair."""
+    (the demo tokenizer gives about one token per character). `same`: every record the same pair.
+    `spread`: prompts of seq/16 to seq/4 characters and answers of seq/16 to seq/2, drawn evenly."""
     rng = random.Random(0)
+    prompt = (lambda: rng.randint(seq // 16, seq // 4)) if spread else (lambda: seq // 4)
+    answer = (lambda: rng.randint(seq // 16, seq // 2)) if spread else (lambda: seq * 2)
     with open(path, "w") as f:
         for _ in range(n):
             if same:
                 rng.seed(0)
-            f.write(json.dumps({"prompt": [{"role": "user", "content": words(rng, seq // 4)}],
-                                "chosen": [{"role": "assistant", "content": words(rng, seq * 2)}],
-                                "rejected": [{"role": "assistant", "content": words(rng, seq * 2)}]}) + "\n")
+            f.write(json.dumps({"prompt": [{"role": "user", "content": words(rng, prompt())}],
+                                "chosen": [{"role": "assistant", "content": words(rng, answer())}],
+                                "rejected": [{"role": "assistant", "content": words(rng, answer())}]}) + "\n")
 
 
 def our_job(model: Path, pairs: Path, seq: int, bsz: int, steps: int, lora: bool, dtype: str, **fields) -> dict:
@@ -102,10 +108,10 @@ class Bench:
         self.out.flush()
         return row
 
-    def pairs(self, n: int, same: bool = False) -> Path:
-        path = self.work / f"pairs-{n}{'-same' if same else ''}.jsonl"
+    def pairs(self, n: int, same: bool = False, spread: bool = False) -> Path:
+        path = self.work / f"pairs-{n}{'-same' if same else ''}{'-spread' if spread else ''}.jsonl"
         if not path.exists():
-            write_pairs(path, n, self.seq, same)
+            write_pairs(path, n, self.seq, same, spread)
         return path
 
     def trl(self, bsz: int, lora: bool, liger: bool = False, zero3: bool = False, precompute: bool = False,
@@ -122,11 +128,14 @@ class Bench:
                                                        error=last_error(proc.stderr))
         return self.emit({**row, "wall_s": round(time.monotonic() - started)})
 
-    def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, **fields) -> dict:
+    def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, pairs_n: int | None = None,
+             model: Path | None = None, spread: bool = False, **fields) -> dict:
+        """`pairs_n`: the size of the pairs file (by default enough for every rank's steps); `model`:
+        another model directory than the shape's; `spread`: pairs of many lengths (`write_pairs`)."""
         run_dir = self.work / name
         run_dir.mkdir()  # each run's name is used once in a work directory that started empty
-        pairs = self.pairs(bsz * nproc * (self.steps + 1), same)
-        spec = our_job(self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
+        pairs = self.pairs(pairs_n or bsz * nproc * (self.steps + 1), same, spread)
+        spec = our_job(model or self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
         (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
         if self.smoke:  # gloo ranks on the CPU
             argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
@@ -209,23 +218,61 @@ class Bench:
             if "error" in one or "error" in two:
                 self.emit({"target": f"{label}: 2 ranks' losses vs 1 rank's", "met": False})
                 continue
-            worst = {key: max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(one[key], two[key]))
-                     for key in ("losses", "margins", "logps_chosen")}
-            # A pair fitted in a step (loss near 0) would make later steps agree whatever the gradients were.
-            saturated = min(one["losses"]) < 1e-3
-            self.emit({"target": f"full DPO {label}: 2 ranks x {bsz // 2} pairs vs 1 rank x {bsz}, by step",
-                       "max_rel_diff": {k: float(f"{v:.3g}") for k, v in worst.items()}, "saturated": saturated,
-                       "one": one["losses"], "two": two["losses"]})
+            self.alike(f"full DPO {label}: 2 ranks x {bsz // 2} pairs vs 1 rank x {bsz}, by step", one, two)
+
+    def pipeline(self, bsz: int) -> None:
+        """DPO under pipeline parallel on NCCL: PP=2 (two ranks sharing the GPU, one stage each) against
+        one rank, the same pairs in the same order (a pipeline reads the data as one rank does), two
+        micro-batches a step. LoRA takes its reference from the pipeline with the adapters off every
+        step; full fine-tuning from the pass of precompute_ref_log_probs. The shape's model with its
+        output layer untied from the embedding."""
+        pairs_n = (self.steps + 1) * bsz
+        # A pipeline refuses an output layer tied to the embedding (they live on different stages).
+        untied = build_model_dir(self.shape, self.work / "model-untied", self.dtype, tie_word_embeddings=False)
+        for lora, fields in ((True, {}), (False, {"precompute_ref_log_probs": True})):
+            kind = "lora" if lora else "full-precompute"
+            common = dict(gradient_accumulation_steps=2, pairs_n=pairs_n, model=untied, **fields)
+            one = self.ours(f"pp-{kind}-1", bsz // 2, lora, **common)
+            two = self.ours(f"pp-{kind}-2", bsz // 2, lora, nproc=2, pipeline_model_parallel_size=2, **common)
+            if "error" in one or "error" in two:
+                self.emit({"target": f"DPO {kind} PP=2 vs 1 rank", "met": False})
+                continue
+            self.alike(f"DPO {kind}: PP=2 (2 ranks) vs 1 rank, 2 micro-batches x {bsz // 2} pairs, by step", one, two)
+
+    def padding_free(self, bsz: int) -> None:
+        """Pairs of many lengths (`write_pairs(spread=True)`), LoRA DPO: padded micro-batches against
+        padding_free ones, with sdpa (a dense mask over the flattened row) and flex_attention (the
+        blocks between samples skipped); the tokens/s count real tokens only, so padding costs."""
+        runs = [self.ours("spread-padded", bsz, True, spread=True),
+                self.ours("spread-padding-free-sdpa", bsz, True, spread=True, padding_free=True),
+                self.ours("spread-padding-free-flex", bsz, True, spread=True, padding_free=True,
+                          attn_impl="flex_attention")]
+        base = runs[0]
+        for row in runs[1:]:
+            ratio = (round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+                     if "error" not in row and "error" not in base else None)
+            same = ("error" not in row and "error" not in base and
+                    max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(base["losses"], row["losses"])))
+            self.emit({"target": f"{row['name']} vs padded, LoRA DPO on spread pairs x{bsz}", "ratio": ratio,
+                       "max_rel_loss_diff": same if same is False else float(f"{same:.3g}")})
+
+    def alike(self, target: str, one: dict, two: dict) -> None:
+        worst = {key: max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(one[key], two[key]))
+                 for key in ("losses", "margins", "logps_chosen")}
+        # A pair fitted in a step (loss near 0) would make later steps agree whatever the gradients were.
+        saturated = min(one["losses"]) < 1e-3
+        self.emit({"target": target, "max_rel_diff": {k: float(f"{v:.3g}") for k, v in worst.items()},
+                   "saturated": saturated, "one": one["losses"], "two": two["losses"]})
 
 
-PARTS = ("lora", "full", "again", "compiled", "precompute", "ranks")
+PARTS = ("lora", "full", "again", "compiled", "precompute", "ranks", "pipeline", "padding_free")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="lora,full,ranks", help="of " + ", ".join(PARTS))
     parser.add_argument("--bsz", type=int, default=8, help="pairs per micro-batch (lora, full)")
-    parser.add_argument("--ranks-bsz", type=int, default=4, help="pairs per step of the ranks part")
+    parser.add_argument("--ranks-bsz", type=int, default=4, help="pairs per step of the ranks and pipeline parts")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
@@ -245,7 +292,7 @@ def main() -> int:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke)
             for part in args.parts.split(","):
-                getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
+                getattr(bench, part)(args.ranks_bsz if part in ("ranks", "pipeline") else (2 if args.smoke else args.bsz))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

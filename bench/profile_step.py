@@ -4,6 +4,8 @@ steps after warm-up. Under `torchrun --nproc_per_node N` every rank trains and r
 
     python bench/profile_step.py --shape llama3.2-1b --seq 4096 --bsz 4 --set torch_compile=true \\
         [--set fsdp=full_shard] [--rows 30] [--trace trace.json]
+    python bench/profile_step.py --shape qwen2.5-1.5b --seq 1024 --bsz 8 --pairs --set deepspeed=zero3
+                                                # a DPO step on bench/dpo.py's pairs and job
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="job field, value parsed as YAML (repeatable)")
+    parser.add_argument("--pairs", action="store_true", help="a DPO job on bench/dpo.py's pairs (full fine-tuning "
+                        "unless --set train_type=lora)")
     parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace here")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="swift-profile-"))
@@ -55,8 +60,17 @@ def profile_in(work: Path, args) -> int:
     model_dir = build_model_dir(args.shape, work / "model", "bfloat16")
     steps = args.warm + args.active
     samples = args.bsz * int(os.environ.get("WORLD_SIZE", 1)) * (steps + 1)  # the sampler splits them over the ranks
-    run_dir = write_run(work / "run", model_dir, args.shape, args.seq, args.bsz, steps, samples,
-                        **{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)})
+    fields = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    if args.pairs:
+        from bench.dpo import our_job, write_pairs
+
+        run_dir = work / "run"
+        run_dir.mkdir()
+        write_pairs(run_dir / "pairs.jsonl", samples, args.seq)
+        spec = our_job(model_dir, run_dir / "pairs.jsonl", args.seq, args.bsz, steps, False, "bfloat16", **fields)
+        (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+    else:
+        run_dir = write_run(work / "run", model_dir, args.shape, args.seq, args.bsz, steps, samples, **fields)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
     trainer = Trainer(run_dir, load_job(run_dir), dist.init(600), None)
@@ -65,9 +79,12 @@ def profile_in(work: Path, args) -> int:
                  schedule=schedule(wait=0, warmup=args.warm, active=args.active, repeat=1)) as prof:
         engine_step = trainer.engine.step
 
+        step_ends: list[float] = []
+
         def step_and_mark():
             norm = engine_step()
             prof.step()
+            step_ends.append(time.perf_counter())
             return norm
 
         trainer.engine.step = step_and_mark
@@ -75,7 +92,9 @@ def profile_in(work: Path, args) -> int:
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     if trainer.dist.rank == 0:  # under torchrun, rank 0 speaks for all
         print(json.dumps({"shape": args.shape, "seq": args.seq, "bsz": args.bsz, "set": args.set,
-                          "world_size": trainer.dist.world_size}))
+                          "world_size": trainer.dist.world_size, "pairs": args.pairs,
+                          # profiled steps, so slower than unprofiled; against the table's device total
+                          "active_step_s": round((step_ends[-1] - step_ends[-1 - args.active]) / args.active, 4)}))
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90), flush=True)
     if args.trace and trainer.dist.rank == 0:
         prof.export_chrome_trace(str(args.trace))

@@ -66,12 +66,13 @@ PLAN = [("qwen2.5-1.5b", 2048, 8, False, False), ("qwen2.5-1.5b", 2048, 8, False
 SMOKE_PLAN = [("smoke", 64, 2, False, False), ("smoke", 64, 2, True, False)]
 
 
-def build_model_dir(shape: str, out: Path, dtype: str) -> Path:
-    """Random weights from the config plus a tokenizer (the demo's; the data is pre-tokenized)."""
+def build_model_dir(shape: str, out: Path, dtype: str, **overrides) -> Path:
+    """Random weights from the config (`overrides` change its fields) plus a tokenizer (the demo's;
+    the data is pre-tokenized)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.for_model(**SHAPES[shape])
+    config = AutoConfig.for_model(**{**SHAPES[shape], **overrides})
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

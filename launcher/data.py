@@ -232,10 +232,26 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     return batch
 
 
-def micro_batch(rows: list[Row], pad_id: int, packed: bool, max_length: int, multiple: int = 1) -> tuple[dict, int, int]:
-    """(batch, tokens, samples) of the rows: packed rows padded to max_length, padded ones to the longest."""
-    batch = collate(rows, pad_id, packed, max_length if packed else None, multiple)
-    return batch, sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
+def flattened(rows: list[Row]) -> Row:
+    """The rows end to end as one (padding_free), in their order: positions restart with every row,
+    and every row's first label is ignored (it would be predicted from the row before)."""
+    row = Row([], [], [], 0)
+    for r in rows:
+        row.input_ids += r.input_ids
+        row.labels += [IGNORE] + r.labels[1:]
+        row.position_ids += r.position_ids
+        row.n_samples += r.n_samples
+    return row
+
+
+def micro_batch(rows: list[Row], pad_id: int, packed: bool, max_length: int, multiple: int = 1,
+                flat: bool = False) -> tuple[dict, int, int]:
+    """(batch, tokens, samples) of the rows: packed rows padded to max_length, padded ones to the
+    longest; `flat` (padding_free): all of them one row without padding (but to `multiple`)."""
+    tokens, samples = sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
+    if flat:
+        return collate([flattened(rows)], pad_id, True, None, multiple), tokens, samples
+    return collate(rows, pad_id, packed, max_length if packed else None, multiple), tokens, samples
 
 
 class Batches:
@@ -245,9 +261,10 @@ class Batches:
 
     def __init__(self, fetch: Callable[[np.ndarray], list[Sample]], plan: RowPlan, micro_batch: int,
                  accumulation: int, steps_per_epoch: int, seed: int, pad_id: int, packed: bool, max_length: int,
-                 multiple: int = 1, pairs: bool = False):
+                 multiple: int = 1, pairs: bool = False, flat: bool = False):
         self.fetch, self.plan, self.micro_batch, self.accumulation = fetch, plan, micro_batch, accumulation
         self.multiple, self.pairs = multiple, pairs  # pairs: preference pairs, two rows each
+        self.flat = flat  # padding_free: a micro-batch's rows end to end in one
         self.steps_per_epoch, self.seed, self.pad_id, self.packed = steps_per_epoch, seed, pad_id, packed
         self.max_length = max_length
         self._epoch: int | None = None
@@ -286,13 +303,14 @@ class Batches:
         size, as DeepSpeed's Ulysses is, refuse another; such rows add no loss and no count)."""
         filled = self.micro_batch - len(indices) if fill else 0
         batch, tokens, samples = micro_batch(self.rows(indices, filled), self.pad_id, self.packed, self.max_length,
-                                             self.multiple)
+                                             self.multiple, self.flat)
         if self.reference is not None:  # chosen rows, then rejected rows, each half filled alike
             import torch
 
             members = np.concatenate([self.plan.row(i) for i in indices]) if indices else np.zeros(0, np.int64)
             logps = np.asarray(self.reference(members), dtype=np.float32).reshape(-1, 2)
-            pad = np.zeros(filled, np.float32)
+            # A flattened row's filler has no labels, so no answer of its own to hold a place for.
+            pad = np.zeros(0 if self.flat else filled, np.float32)
             batch["reference_logps"] = torch.from_numpy(np.concatenate([logps[:, 0], pad, logps[:, 1], pad]))
         return batch, tokens, samples
 

@@ -34,9 +34,12 @@ METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_acc
 beta x the log-prob ratio to the reference, summed over each answer's tokens)."""
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
+                   flat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed log-prob of its labelled tokens (the answer) and how many there are.
-    `shifted`: labels[i] is what logits[i] predicts (a Ulysses slice's labels, shifted over the whole row)."""
+    `shifted`: labels[i] is what logits[i] predicts (a Ulysses slice's labels, shifted over the whole row).
+    `flat` (padding_free): the rows hold answers end to end, each a run of labelled tokens between
+    unlabelled ones (its prompt, or the first token of the next sample); each run's sums, in order."""
     if not shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
     mask = labels != IGNORE
@@ -48,7 +51,14 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
             torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False,
                                               preserve_rng_state=False)
             for row, lab, m in zip(logits, labels, mask)]
-    return (torch.stack(rows) * mask).sum(-1), mask.sum(-1)
+    token_logps = torch.stack(rows) * mask
+    if not flat:
+        return token_logps.sum(-1), mask.sum(-1)
+    starts = mask & ~F.pad(mask[:, :-1], (1, 0), value=False)
+    runs = (starts.flatten().cumsum(0) - 1).view_as(mask)[mask]
+    count = int(starts.sum())  # waits for the device, as flash-attention's varlen lengths do
+    return (token_logps.new_zeros(count).index_add(0, runs, token_logps[mask]),
+            torch.bincount(runs, minlength=count))
 
 
 def group_logps(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +147,7 @@ class PreferenceLoss:
                  **_) -> torch.Tensor:
         spec = self.spec
         if self.sp is None:
-            logps, tokens = sequence_logps(logits, labels)
+            logps, tokens = sequence_logps(logits, labels, flat=spec.padding_free)
         else:
             logps, tokens = group_logps(logits, shift_labels, self.sp.group)
         chosen, rejected = logps.chunk(2)
@@ -197,15 +207,16 @@ class Reference:
     `frozen`: full fine-tuning's reference model where it is not the policy itself (which it is
     while the log-probs are precomputed, before any step or checkpoint: `Reference.of`)."""
 
-    def __init__(self, policy: torch.nn.Module, lora: bool, frozen: torch.nn.Module | None = None):
+    def __init__(self, policy: torch.nn.Module, lora: bool, frozen: torch.nn.Module | None = None, flat: bool = False):
         self.policy, self.lora, self.frozen = policy, lora, frozen
+        self.flat = flat  # padding_free micro-batches: one row of answers end to end
 
     @classmethod
     def of(cls, policy: torch.nn.Module, spec, dtype: torch.dtype) -> "Reference":
         """DPO's reference for `spec`: LoRA's adapters off; full fine-tuning's `ref_model` loaded in
         `dtype` (its vocabulary checked against the policy's), else a copy of the base as loaded."""
         if spec.train_type == "lora":
-            return cls(policy, lora=True)
+            return cls(policy, lora=True, flat=spec.padding_free)
         if spec.ref_model:
             from launcher.model import ModelError, load_model
 
@@ -219,7 +230,7 @@ class Reference:
                                  "of the same tokens")
         else:
             frozen = copy.deepcopy(policy).to(dtype)
-        return cls(policy, lora=False, frozen=frozen.requires_grad_(False).eval())
+        return cls(policy, lora=False, frozen=frozen.requires_grad_(False).eval(), flat=spec.padding_free)
 
     def place(self, engine, device: torch.device) -> "Reference":
         """The frozen copy placed as `engine` places a model (FSDP2 shards it as the policy)."""
@@ -242,7 +253,7 @@ class Reference:
         with context or nullcontext(), self.adapters_off():
             logits = (self.policy if self.frozen is None else self.frozen)(**inputs, use_cache=False).logits
         if sp is None:
-            return sequence_logps(logits, batch["labels"])[0]
+            return sequence_logps(logits, batch["labels"], flat=self.flat)[0]
         return group_logps(logits, batch["shift_labels"], sp.group)[0]
 
 

@@ -123,8 +123,8 @@ class StreamBatches:
     them are trained, and the rest wait for the next step."""
 
     def __init__(self, stream, dp_size: int, micro_batch: int, accumulation: int, pad_id: int, packed: bool,
-                 max_length: int, multiple: int = 1):
-        self.stream, self.dp_size = stream, dp_size
+                 max_length: int, multiple: int = 1, flat: bool = False):
+        self.stream, self.dp_size, self.flat = stream, dp_size, flat
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.pad_id, self.packed, self.max_length, self.multiple = pad_id, packed, max_length, multiple
         self.buffer: list[Sample | Pair] = []
@@ -186,7 +186,7 @@ class StreamBatches:
             return None
         if groups is None:
             return None
-        return [micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple) for rows in groups]
+        return [micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple, self.flat) for rows in groups]
 
     def _draw(self) -> Sample | None:
         if self._iterator is None:

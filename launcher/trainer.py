@@ -192,7 +192,8 @@ class Trainer:
         if spec.rlhf_type == "dpo":
             # The frozen copy is taken from the base as loaded, before the engine wraps and moves it.
             # Precomputed: the policy itself (still the base), or ref_model loaded for the pass only when it runs.
-            self.reference = (Reference(model, spec.train_type == "lora") if spec.precompute_ref_log_probs
+            self.reference = (Reference(model, spec.train_type == "lora", flat=spec.padding_free)
+                              if spec.precompute_ref_log_probs
                               else Reference.of(model, spec, DTYPES[spec.torch_dtype]))
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.preference:
@@ -287,7 +288,8 @@ class Trainer:
         if d.is_main:
             log.info("data: streamed over %d data-parallel ranks, %d steps (max_steps)", d.dp_size, spec.max_steps)
         batches = StreamBatches(stream, d.dp_size, spec.per_device_train_batch_size, spec.gradient_accumulation_steps,
-                                self.tokenizer.pad_token_id, spec.packing, spec.max_length, seq_multiple(spec))
+                                self.tokenizer.pad_token_id, spec.packing, spec.max_length, seq_multiple(spec),
+                                spec.padding_free)
         return batches, Plan(spec.max_steps, spec.max_steps), self._validation(val)
 
     def _precompute_reference(self, model: torch.nn.Module) -> None:
@@ -353,7 +355,8 @@ class Trainer:
         spec = self.spec
         batches = data.Batches(lambda members: tokenized.samples(mine[members]), rows, micro_batch,
                                spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
-                               spec.packing, spec.max_length, seq_multiple(spec), pairs=spec.rlhf_type is not None)
+                               spec.packing, spec.max_length, seq_multiple(spec), pairs=spec.rlhf_type is not None,
+                               flat=spec.padding_free)
         self._pair_sources.append((batches, tokenized, mine))
         return batches
 

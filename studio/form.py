@@ -18,7 +18,7 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 # Group title, open by default, fields. Every JobSpec field appears exactly once (tested); a
 # field added to the spec later and not placed here lands in "Advanced" (see below).
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("Model and data", True, ("model", "dataset", "max_length", "packing", "torch_dtype", "system", "model_name",
+    ("Model and data", True, ("model", "dataset", "max_length", "packing", "padding_free", "torch_dtype", "system", "model_name",
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
                               "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),

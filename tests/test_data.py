@@ -175,6 +175,34 @@ def test_batches_of_a_step_do_not_depend_on_the_steps_asked_before():
 
 
 @pytest.mark.e2e
+def test_padding_free_micro_batches_train_as_padded_ones(tokenizer, tiny_model):
+    """padding_free: a micro-batch's samples end to end in one row (positions restarting, no mask)
+    give the padded micro-batch's loss and gradients: no sample attends to or predicts from another."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from launcher.data import micro_batch, padded_row
+
+    records = read_records(parse_source(str(ROOT / "assets" / "demo" / "train.jsonl") + "#6"), 0, 1, 0, LIMIT)
+    rows = [padded_row(encode(r, tokenizer, 64)) for r in records]
+    padded, tokens, samples = micro_batch(rows, tokenizer.pad_token_id, False, 64)
+    flat, flat_tokens, flat_samples = micro_batch(rows, tokenizer.pad_token_id, False, 64, flat=True)
+    assert flat["input_ids"].shape == (1, tokens) and "attention_mask" not in flat
+    assert (flat_tokens, flat_samples) == (tokens, samples) == (sum(len(r.input_ids) for r in rows), 6)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    # as the worker loads it: transformers reads packed positions only where no cache is kept
+    model.config.use_cache = False
+    grads = []
+    for batch in (padded, flat):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(grads[1][1], grads[0][1]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
 def test_bad_record_in_other_rank_shard_stops_all_ranks_before_training(tmp_path, tiny_model):
     rows = [json.dumps({"query": f"q{i}", "response": f"r{i}"}) for i in range(40)]
     rows[13] = '{"query": "q13", "response": '  # line 14, record 13 → rank 1's shard

@@ -107,6 +107,14 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
             use_liger_kernel=True, context_parallel_size=2, nproc_per_node=2)):
         problems[p.field] = problems.get(p.field, "") + p.message + "\n"
     assert "turn packing off" in problems["packing"]
+    flat: dict[tuple[str, str], str] = {}
+    for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo", padding_free=True, packing=True,
+                                 pipeline_model_parallel_size=2)):
+        flat[p.field, p.severity] = flat.get((p.field, p.severity), "") + p.message + "\n"
+    assert "packing already puts samples end to end" in flat["padding_free", "error"]
+    assert "not with pipeline_model_parallel_size > 1: a pipeline's stages hand on activations of one fixed shape" in \
+        flat["padding_free", "error"]
+    assert "quadratic in the micro-batch's tokens" in flat["padding_free", "warning"]
     assert "needs each sequence's log-probs" in problems["use_liger_kernel"]
     cp = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo", fsdp="full_shard",
                                                           context_parallel_size=2))}
@@ -182,9 +190,12 @@ def assert_same_as_trl(got, preference, ours, expected, metrics: dict, policy) -
         torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+# padding_free: the pairs' rows end to end in one (ipo: the per-token mean needs each answer's own token count)
 CASES = [("lora", dict(loss_type="sigmoid")), ("lora", dict(loss_type="sigmoid", rpo_alpha=0.5)),
          ("lora", dict(loss_type="hinge")), ("lora", dict(loss_type="ipo")),
-         ("lora", dict(loss_type="robust", label_smoothing=0.2)), ("full", dict(loss_type="sigmoid"))]
+         ("lora", dict(loss_type="robust", label_smoothing=0.2)), ("full", dict(loss_type="sigmoid")),
+         ("lora", dict(loss_type="sigmoid", padding_free=True)), ("lora", dict(loss_type="ipo", padding_free=True)),
+         ("full", dict(loss_type="sigmoid", padding_free=True))]
 
 
 @pytest.mark.parametrize("train_type,loss", CASES, ids=[f"{t}-{'-'.join(map(str, c.values()))}" for t, c in CASES])
@@ -195,6 +206,7 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    from launcher.data import Sample, micro_batch, padded_row
     from launcher.preference import PreferenceLoss, Reference, install
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -228,9 +240,15 @@ def test_loss_rewards_and_gradients_equal_trls(tmp_path, tiny_model, train_type,
     install(ours, preference)
     # the base, as loaded (TRL's reference), where the policy has moved off it
     ref = Reference(ours, train_type == "lora",
-                    None if reference is None else copy.deepcopy(reference).requires_grad_(False).eval())
+                    None if reference is None else copy.deepcopy(reference).requires_grad_(False).eval(),
+                    flat=spec.padding_free)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
               "labels": batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)}
+    if spec.padding_free:  # TRL's padded rows (chosen, then rejected) end to end, as the worker's micro-batch
+        rows = [padded_row(Sample(ids[kept].tolist(), labels[kept].tolist())) for ids, labels, kept in
+                zip(inputs["input_ids"], inputs["labels"], batch["attention_mask"].bool())]
+        inputs = micro_batch(rows, tokenizer.pad_token_id, False, 64, flat=True)[0]
+        assert inputs["input_ids"].shape == (1, batch["attention_mask"].sum()) and "attention_mask" not in inputs
     ours.train()
     preference.expect(ref.logps(inputs))
     got = ours(**inputs).loss
@@ -360,7 +378,10 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     zero3_full = tmp_path / "zero3-full"  # the frozen reference partitioned by DeepSpeed as the policy
     streamed = write_run(tmp_path / "streamed", **{**common, "save_steps": 2}, train_type="lora", learning_rate=1e-2,
                          max_steps=4, streaming=True)
+    flat = write_run(tmp_path / "flat", **common, train_type="lora", learning_rate=1e-2, max_steps=2, padding_free=True,
+                     fsdp="full_shard")
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo), dict(run_dir=streamed),
+                             dict(run_dir=flat),
                              planned(orpo, **{**common, "rlhf_type": "orpo", "beta": None}, train_type="lora",
                                      learning_rate=1e-2, max_steps=6, deepspeed="zero2", nproc_per_node=2),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
@@ -378,6 +399,10 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     assert sorted(losses(zero3)) == [1, 2]
     for step, value in losses(zero3).items():
         assert value == pytest.approx(trained[step]["loss"], rel=2e-4), step
+    # padding_free (each micro-batch's pairs in one row, on FSDP2) trains the padded rows' losses and margins
+    for event in events(flat, 0, "train"):
+        for field in ("loss", "rewards_margins", "logps_chosen"):
+            assert event[field] == pytest.approx(trained[event["step"]][field], rel=2e-4, abs=1e-6), field
     # SimPO (no reference; ms-swift's beta 2.0): the length-normalised margin grows, the loss falls
     simpo_steps = events(simpo, 0, "train")
     assert [e["step"] for e in simpo_steps] == list(range(1, 7))
@@ -534,6 +559,39 @@ def test_precompute_runs_whole_forwards_and_keeps_the_real_pairs_in_order():
     table = precompute(batches, 3, logps_of, 2, torch.device("cpu"))  # 3 micro-batches of 2 pairs, 2 per forward
     assert groups == [2, 2]
     assert table.tolist() == [[10 + i, 20 + i] for i in range(5)] and table.dtype == np.float32
+
+
+def test_padding_free_pairs_are_one_row_of_answers_in_order():
+    """padding_free: a micro-batch of pairs is one row, chosen answers then rejected ones (each half's
+    filler between), positions restarting per sample; each run of labelled tokens is one answer, so
+    the log-probs come out per answer in that order, and a filled micro-batch's precomputed
+    reference log-probs hold no place for the filler."""
+    import numpy as np
+    import torch
+
+    from launcher.data import Batches, Sample, one_per_row
+    from launcher.preference import sequence_logps
+
+    # prompts of 2 and 3 tokens, answers of 1-3 (labels on the answer only, as data.encode makes them)
+    pairs = [Pair(Sample([1] * (2 + i % 2) + [10 + i] * (1 + i % 3), [IGNORE] * (2 + i % 2) + [10 + i] * (1 + i % 3)),
+                  Sample([1] * (2 + i % 2) + [20 + i] * 2, [IGNORE] * (2 + i % 2) + [20 + i] * 2)) for i in range(3)]
+    batches = Batches(lambda members: [pairs[m] for m in members], one_per_row(3), 4, 1, 1, 0, 0, False, 8, pairs=True,
+                      flat=True)
+    batches.reference = lambda members: np.array([[-m, -10 - m] for m in members], np.float32)
+    batch, tokens, samples = batches.batch_of([0, 1, 2], fill=True)
+    chosen = [t for p in pairs for t in p.chosen.input_ids]
+    rejected = [t for p in pairs for t in p.rejected.input_ids]
+    assert batch["input_ids"].tolist() == [chosen + [0] + rejected + [0]] and "attention_mask" not in batch
+    assert batch["position_ids"].tolist() == [[i for p in pairs for i in range(len(p.chosen))] + [0]
+                                              + [i for p in pairs for i in range(len(p.rejected))] + [0]]
+    assert samples == 3 and tokens == len(chosen) + len(rejected) + 2
+    assert batch["reference_logps"].tolist() == [0, -1, -2, -10, -11, -12]
+    # uniform logits over a vocabulary of 32: every answer token's log-prob is -log 32
+    logps, counts = sequence_logps(torch.zeros(1, batch["input_ids"].shape[1], 32), batch["labels"], flat=True)
+    lengths = [len([t for t in p.chosen.labels if t != IGNORE]) for p in pairs] + \
+        [len([t for t in p.rejected.labels if t != IGNORE]) for p in pairs]
+    assert counts.tolist() == lengths
+    torch.testing.assert_close(logps, -torch.tensor(lengths, dtype=torch.float32) * np.log(32))
 
 
 def test_reference_log_probs_that_are_not_finite_are_named_not_kept():

@@ -85,7 +85,8 @@ def test_train_form_live_checks_import_presets(studio, page):
         "I am Swifty, an assistant trained by swift-studio.<|im_end|>")
     expect(page.locator("#data-preview")).to_contain_text("self_cognition.jsonl: 500 records; of the first 500: 0 "
                                                           "longer than max_length 64")
-    expect(page.locator("#data-preview-lengths .js-plotly-plot")).to_be_visible()
+    # Gradio fetches plotly.js the first time a plot shows: seconds on a loaded 2-core runner.
+    expect(page.locator("#data-preview-lengths .js-plotly-plot")).to_be_visible(timeout=60000)
     shot(page, "data-preview")
 
     # Import an ms-swift command: the form fills, the unknown flag is reported.

@@ -238,6 +238,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     problems += _cp_problems(spec)
     problems += _long_sequence_problems(spec)
     problems += _preference_problems(spec)
+    problems += _padding_free_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -254,6 +255,39 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
     return problems
+
+
+def _padding_free_problems(spec: JobSpec) -> list[Problem]:
+    """padding_free (a micro-batch's samples end to end in one row): what needs rows of one shape,
+    or sees a row as one sequence, refused by name; what is not tested with it, too."""
+    if not spec.padding_free:
+        return []
+    out = []
+    if spec.packing:
+        out.append(Problem("padding_free", "packing already puts samples end to end in rows of max_length: turn one off"))
+    for dim, why in ((PP, "a pipeline's stages hand on activations of one fixed shape, and a flattened row's "
+                          "length changes every micro-batch"),
+                     (SP, "each answer's log-probs are summed over its run of the flattened row, which Ulysses "
+                          "splits over its group" if spec.rlhf_type else ""),
+                     (CP, "ring attention knows only the causal mask, so the samples of a row would attend to "
+                          "each other"),
+                     (TP, "not tested together yet"), (EP, "not tested together yet")):
+        if getattr(spec, dim) > 1 and why:
+            out.append(Problem("padding_free", f"not with {dim} > 1: {why}; turn padding_free off"))
+    if spec.sequence_parallel_size > 1 and not spec.rlhf_type and spec.attn_impl not in FLASH_IMPLS:
+        # as packing: Ulysses drops the mask, and only flash-attention reads the samples' bounds from the positions
+        out.append(Problem("padding_free", f"padding_free with {SP} > 1 needs attn_impl flash_attention_2 or 3 "
+                                           "(Ulysses drops the mask; sdpa and flex_attention would attend across the "
+                                           "samples of a row); turn padding_free off or use flash-attention"))
+    if spec.torch_compile:
+        out.append(Problem("padding_free", "not with torch_compile (a new row length every micro-batch; not tested "
+                                           "together); turn one off"))
+    if spec.attn_impl not in (*FLASH_IMPLS, "flex_attention") and spec.sequence_parallel_size <= 1:
+        out.append(Problem("padding_free", f"with attn_impl {spec.attn_impl or 'auto'} attention over a flattened "
+                                           "row is masked over the whole row, quadratic in the micro-batch's tokens; "
+                                           "flash_attention_2 or 3 and flex_attention skip what lies between samples",
+                           severity="warning"))
+    return out
 
 
 def _preference_problems(spec: JobSpec) -> list[Problem]:
@@ -286,7 +320,8 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                                 "rank, one Ulysses group or a pipeline's last stage; use DDP, DeepSpeed ZeRO (with "
                                 "sequence_parallel_size), FSDP2, tensor, expert or pipeline parallel"))
     if spec.packing:
-        problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} pads its pairs: turn packing off"))
+        problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} keeps each micro-batch's pairs together: "
+                                           "turn packing off (padding_free puts them end to end without padding)"))
     if spec.streaming and spec.precompute_ref_log_probs and spec.rlhf_type == "dpo":
         problems.append(Problem("precompute_ref_log_probs", "a streamed dataset is read as training goes, so its "
                                                             "pairs cannot be gone through before: turn one of them off"))

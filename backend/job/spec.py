@@ -125,6 +125,7 @@ class JobSpec(BaseModel):
     per_device_train_batch_size: int = Field(1, ge=1, description="Micro-batch per GPU.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     packing: bool = Field(False, description="Pack several samples per sequence (attention kept within each sample).")
+    padding_free: bool = Field(False, description="Each micro-batch's samples (a preference job's chosen, then rejected answers) end to end in one row, with no padding; position ids restart at each sample, so none attends to another (ms-swift's padding_free). With flash_attention_2/3 each sample's attention is its own (flex_attention skips the blocks between samples); with sdpa or eager a mask over the whole row is built (quadratic in the micro-batch's tokens).")
     system: str | None = Field(None, description="Default system prompt, given to every conversation that has none of its own and to the chat (ms-swift's --system).")
     model_name: list[str] = Field(default_factory=list, max_length=2, description="The model's name, filled in where the data says {{NAME}} (ms-swift's self-cognition data); two names = the one for Chinese text, then the one for other text.")
     model_author: list[str] = Field(default_factory=list, max_length=2, description="The model's author, filled in where the data says {{AUTHOR}}; two = Chinese, then other text.")

@@ -133,8 +133,9 @@ class UlyssesSP:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the worker's process group
-        # The wrapper reshapes by a fixed number of rows: a preference micro-batch holds each pair twice.
-        rows = spec.per_device_train_batch_size * (2 if spec.rlhf_type else 1)
+        # The wrapper reshapes by a fixed number of rows: a preference micro-batch holds each pair twice,
+        # a padding_free one is a single row.
+        rows = 1 if spec.padding_free else spec.per_device_train_batch_size * (2 if spec.rlhf_type else 1)
         self.mpu = UlyssesSPAttentionHF.register_with_transformers(
             model, core_attn_implementation=model.config._attn_implementation,
             sequence_parallel_size=spec.sequence_parallel_size, micro_batch_size=rows, seq_length_is_variable=True)
