@@ -148,6 +148,9 @@ class PreferenceLoss:
         spec = self.spec
         if self.sp is None:
             logps, tokens = sequence_logps(logits, labels, flat=spec.padding_free)
+            if len(logps) % 2:  # padding_free: a row's answers are told apart by their runs of labels alone
+                raise RuntimeError(f"padding_free: {len(logps)} answers in a micro-batch of pairs; each pair's answer "
+                                   "should be one run of labelled tokens")
         else:
             logps, tokens = group_logps(logits, shift_labels, self.sp.group)
         chosen, rejected = logps.chunk(2)
