@@ -87,6 +87,9 @@ def apply_liger(model, compiled: bool = False) -> None:
 
 
 def add_lora(model, spec):
+    """LoRA adapters: new ones (lora_rank, target_modules) or the saved one `adapters` names, trainable."""
+    if spec.adapters:
+        return load_adapter(model, spec.adapters[0], "adapters", trainable=True)
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
@@ -98,6 +101,17 @@ def add_lora(model, spec):
         raise ModelError(f"target_modules: {exc}") from None
     init_lora(model, spec.seed)
     return model
+
+
+def load_adapter(model, path: str, field: str, trainable: bool):
+    """A saved LoRA adapter on `model` (peft's PeftModel); a load failure names `field`."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=trainable)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:  # missing files, another base's shapes
+        raise ModelError(f"{field}: cannot load the LoRA adapter {path} onto {model.config.name_or_path} "
+                         f"({type(exc).__name__}: {str(exc)[:500]})") from None
 
 
 def init_lora(model, seed: int) -> None:

@@ -216,8 +216,15 @@ class Reference:
 
     @classmethod
     def of(cls, policy: torch.nn.Module, spec, dtype: torch.dtype) -> "Reference":
-        """DPO's reference for `spec`: LoRA's adapters off; full fine-tuning's `ref_model` loaded in
-        `dtype` (its vocabulary checked against the policy's), else a copy of the base as loaded."""
+        """DPO's reference for `spec`: LoRA's adapters off, or the model as loaded with `ref_adapters`
+        merged in; full fine-tuning's `ref_model` loaded in `dtype` (its vocabulary checked against
+        the policy's), else a copy of the base as loaded."""
+        if spec.ref_adapters:
+            from launcher.model import load_adapter, load_model
+
+            merged = load_adapter(load_model(spec, dtype), spec.ref_adapters[0], "ref_adapters", trainable=False)
+            return cls(policy, lora=False, frozen=merged.merge_and_unload().requires_grad_(False).eval(),
+                       flat=spec.padding_free)
         if spec.train_type == "lora":
             return cls(policy, lora=True, flat=spec.padding_free)
         if spec.ref_model:
@@ -266,13 +273,20 @@ class Reference:
 def reference_file(entry: Path, spec) -> Path:
     """Where an entry of the tokenized cache keeps its pairs' reference log-probs under this job's
     reference: its model as loaded (`ref_model`, else the model: a local directory's files by name,
-    size and time; a hub id's revision and the files of its snapshot) and the compute dtype."""
+    size and time; a hub id's revision and the files of its snapshot), `ref_adapters`' files and the
+    compute dtype."""
     source = spec.ref_model or spec.model
     model, revision = _loaded_from(source)
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.iterdir() if p.is_file()) \
-        if model.is_dir() else []
-    key = {"model": source, "files": files, "dtype": spec.torch_dtype, **({"revision": revision} if revision else {})}
+    key = {"model": source, "files": _files(model), "dtype": spec.torch_dtype,
+           **({"revision": revision} if revision else {}),
+           **({"ref_adapters": [(a, _files(Path(a).expanduser())) for a in spec.ref_adapters]}
+              if spec.ref_adapters else {})}
     return entry / f"reference-logps-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.npy"
+
+
+def _files(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir() if p.is_file()) \
+        if directory.is_dir() else []
 
 
 def _loaded_from(source: str) -> tuple[Path, str | None]:

@@ -315,7 +315,7 @@ class Trainer:
             (missing,), _ = d.all_reduce([float(not np.isfinite(table[mine]).all())], "max")
             if missing:
                 started = time.perf_counter()
-                if spec.ref_model and reference is self.reference:  # loaded only now that it is needed
+                if (spec.ref_model or spec.ref_adapters) and reference is self.reference:  # loaded now it is needed
                     reference = Reference.of(model, spec, DTYPES[spec.torch_dtype]).place(self.engine, d.device)
                 (count,), _ = d.all_reduce([math.ceil(len(batches.plan) / batches.micro_batch)], "max")
                 was_training = model.training
@@ -338,7 +338,7 @@ class Trainer:
             elif d.is_main:
                 log.info("reference log-probs read from %s", path)
             batches.reference = lambda members, table=table, mine=mine: table[mine[members]]
-        if reference is not self.reference:  # the loaded ref_model: freed before training takes the memory
+        if reference is not self.reference:  # the loaded reference model: freed before training takes the memory
             del reference
             gc.collect()
             if d.device.type == "cuda":

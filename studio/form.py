@@ -21,10 +21,11 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "padding_free", "torch_dtype", "system", "model_name",
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
                               "dataset_num_proc", "dataset_cache_dir")),
-    ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules")),
+    ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules",
+                                   "adapters")),
     ("Preference training (DPO, CPO, SimPO, ORPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
                                                       "cpo_alpha", "simpo_gamma", "ref_model",
-                                                      "precompute_ref_log_probs")),
+                                                      "ref_adapters", "precompute_ref_log_probs")),
     ("Engine and parallelism", True, (
         "deepspeed", "fsdp", "nnodes", "nproc_per_node", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_schedule",

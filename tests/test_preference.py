@@ -115,6 +115,14 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     assert "not with pipeline_model_parallel_size > 1: a pipeline's stages hand on activations of one fixed shape" in \
         flat["padding_free", "error"]
     assert "quadratic in the micro-batch's tokens" in flat["padding_free", "warning"]
+    # adapters: LoRA's; ref_adapters: LoRA DPO's, through the precomputed pass
+    adapters = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo",
+                                                                train_type="full", adapters=["a"], ref_adapters=["a"]))}
+    assert "trained on with train_type lora" in adapters["adapters"] and "only dpo with train_type lora" in \
+        adapters["ref_adapters"]
+    unprecomputed = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo",
+                                                                     ref_adapters=["a"]))}
+    assert "turn precompute_ref_log_probs on" in unprecomputed["ref_adapters"]
     assert "needs each sequence's log-probs" in problems["use_liger_kernel"]
     cp = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo", fsdp="full_shard",
                                                           context_parallel_size=2))}
@@ -445,6 +453,37 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
 
     out = export(lora, None, tmp_path / "exported")
     assert (tmp_path / "exported" / "config.json").is_file() and out["out"]
+
+
+@pytest.mark.e2e
+def test_dpo_from_an_sft_adapter_measures_against_it(tmp_path, tiny_model):
+    """ms-swift's `--adapters sft --ref_adapters sft`: DPO trains an SFT run's adapter further (its own
+    rank, not lora_rank), against the model with that adapter merged in (its log-probs precomputed),
+    so at the first step the policy is its reference: no reward. With `adapters` alone the reference
+    is the model with the adapters off, and the SFT adapter already moves the rewards."""
+    sft = write_run(tmp_path / "sft", model=str(tiny_model), dataset=[str(ROOT / "assets" / "demo" / "train.jsonl") + "#64"],
+                    train_type="lora", lora_rank=8, max_length=48, per_device_train_batch_size=4, learning_rate=2e-2,
+                    max_steps=4, save_steps=4, logging_steps=1, torch_dtype="float32", lora_dropout=0.0)
+    for proc in run_workers([dict(run_dir=sft)], 300):
+        assert proc.returncode == 0, proc.log[-4000:]
+    adapter = str(sft / "checkpoint-4" / "model")
+    common = dict(model=str(tiny_model), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 16)], rlhf_type="dpo",
+                  beta=0.5, max_length=48, per_device_train_batch_size=4, logging_steps=1, torch_dtype="float32",
+                  train_type="lora", lora_rank=4, learning_rate=1e-2, max_steps=1, precompute_ref_log_probs=True,
+                  adapters=[adapter], dataset_cache_dir=str(tmp_path / "cache"))
+    against_sft = write_run(tmp_path / "against-sft", **common, ref_adapters=[adapter])
+    against_base = write_run(tmp_path / "against-base", **common)
+    for proc in run_workers([dict(run_dir=against_sft), dict(run_dir=against_base)], 300):
+        assert proc.returncode == 0, proc.log[-4000:]
+    first, = events(against_sft, 0, "train")
+    assert first["rewards_chosen"] == pytest.approx(0, abs=1e-4) and first["rewards_margins"] == pytest.approx(0, abs=1e-4)
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-4)
+    moved, = events(against_base, 0, "train")
+    assert abs(moved["rewards_chosen"]) > 1e-2
+    # the adapter trained on is the SFT run's (rank 8), and the reference tables are two, one per reference
+    config = json.loads((against_sft / "checkpoint-1" / "model" / "adapter_config.json").read_text())
+    assert config["r"] == 8
+    assert len(list((tmp_path / "cache").rglob("reference-logps-*.npy"))) == 2
 
 
 @pytest.mark.e2e

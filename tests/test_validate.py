@@ -389,6 +389,37 @@ def test_broken_model_directories_are_named_by_file(tmp_path):
     assert ref_model_problems(no_tokenizer) == []
 
 
+def test_adapter_directories_are_checked_as_adapters_by_file(tmp_path):
+    """`adapters` / `ref_adapters` name LoRA adapters: a directory without adapter_config.json (a
+    model, or a run directory instead of its checkpoint-N/model), another peft method, truncated
+    weights, or nothing at all are named before launch, by field and file."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes((DEMO_MODEL / "model.safetensors").read_bytes()[:4096])
+
+    def problems(**fields) -> dict[str, list[str]]:
+        spec = job(model=str(DEMO_MODEL), dataset=[str(DEMO_MODEL.parent / "train.jsonl")], nproc_per_node=1, **fields)
+        out: dict[str, list[str]] = {}
+        for p in errors(validate(spec, local_cluster(GpuInfo()))):
+            out.setdefault(p.field, []).append(p.message)
+        return out
+
+    truncated = problems(adapters=[str(adapter)])["adapters[0]"]
+    assert len(truncated) == 1 and truncated[0].startswith(f"{weights}: ")
+    assert problems(adapters=[str(DEMO_MODEL)])["adapters[0]"] == [
+        f"{DEMO_MODEL}: no adapter_config.json (not a LoRA adapter; a run's checkpoint-N/model or a LoRA export holds "
+        "one)", f"{DEMO_MODEL}: no adapter weights (adapter_model.safetensors)"]
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    weights.unlink()
+    assert problems(rlhf_type="dpo", precompute_ref_log_probs=True, ref_adapters=[str(adapter)]).get("ref_adapters[0]") == [
+        f"{adapter / 'adapter_config.json'}: peft_type 'IA3', not a LoRA adapter",
+        f"{adapter}: no adapter weights (adapter_model.safetensors)"]
+    assert problems(adapters=[str(tmp_path / "nowhere")])["adapters[0]"] == [
+        f"directory not found: {tmp_path / 'nowhere'}"]
+
+
 def test_a_sharded_models_index_is_followed_and_kept_inside_the_directory(tmp_path):
     model = Path(shutil.copytree(DEMO_MODEL, tmp_path / "sharded"))
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")

@@ -24,7 +24,7 @@ from typing import Literal
 from backend.cluster import launch, remote, ssh
 from backend.cluster.nodes import Pool, address_of
 from backend.job import modelfiles
-from backend.job.modelfiles import model_dirs
+from backend.job.modelfiles import is_adapter, model_dirs
 from backend.job.cluster import Cluster, Node
 from backend.job.spec import JobSpec, absolute_dir
 
@@ -165,7 +165,7 @@ except OSError:
     out["disk_free_gib"] = None
 out["interfaces"] = [n for _, n in socket.if_nameindex()]
 out["model_problems"] = {
-    field: model_dir_problems(m, field == "model") if os.path.isdir(m) else [m + ": no such directory on this node"]
+    field: dir_problems(field, m) if os.path.isdir(m) else [m + ": no such directory on this node"]
     for field, m in (p.get("model_dirs") or {}).items()}
 if p.get("pick_port"):
     s = socket.socket(); s.bind(("", 0)); out["picked_port"] = s.getsockname()[1]; s.close()
@@ -306,7 +306,8 @@ def evaluate_round1(probes: list[_NodeProbe], spec: JobSpec | None, ifname: str 
             rows.append(CheckResult(host, "shared_dir", "error", f"cannot write the output directory: {d.get('token_error')}",
                                     "create the output directory with write permission on every node"))
         for check, bad in d.get("model_problems", {}).items():
-            whole = "weights and tokenizer" if check == "model" else "weights"
+            whole = ("adapter config and weights" if is_adapter(check) else
+                     "weights and tokenizer" if check == "model" else "weights")
             rows.append(CheckResult(host, check, "error" if bad else "ok",
                                     "; ".join(bad) if bad else f"{whole} whole in {model_dirs(spec)[check]}",
                                     f"copy the {check} directory whole to this node, or onto storage every node shares"

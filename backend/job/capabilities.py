@@ -239,6 +239,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     problems += _long_sequence_problems(spec)
     problems += _preference_problems(spec)
     problems += _padding_free_problems(spec)
+    problems += _adapter_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
     if spec.fsdp:
@@ -255,6 +256,33 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     if spec.attn_impl and spec.attn_impl not in ATTN_IMPLS:
         problems.append(Problem("attn_impl", f"must be one of {', '.join(ATTN_IMPLS)}"))
     return problems
+
+
+def _adapter_problems(spec: JobSpec) -> list[Problem]:
+    """`adapters` (LoRA trained on from a saved adapter) and `ref_adapters` (LoRA DPO's reference:
+    the model with an adapter merged in, for the precomputed log-probs' pass): where they apply."""
+    out = []
+    if spec.adapters and spec.train_type != "lora":
+        out.append(Problem("adapters", "a LoRA adapter is trained on with train_type lora; leave it empty for full "
+                                       "fine-tuning (or merge it into the model first: the Export tab)"))
+    for dim in (TP, EP):
+        if spec.adapters and getattr(spec, dim) > 1:
+            out.append(Problem("adapters", f"not with {dim} > 1 (a saved adapter is not laid out as the shards' "
+                                           "adapters yet); leave it empty or turn it off"))
+    if not spec.ref_adapters:
+        return out
+    if spec.rlhf_type != "dpo" or spec.train_type != "lora":
+        out.append(Problem("ref_adapters", "only dpo with train_type lora takes reference adapters (as in ms-swift): "
+                                           "leave it empty"))
+    elif not spec.precompute_ref_log_probs:
+        out.append(Problem("ref_adapters", "the reference with its adapter merged in runs in the pass of "
+                                           "precompute_ref_log_probs (no second set of adapters is held while "
+                                           "training): turn precompute_ref_log_probs on"))
+    for dim in (TP, EP, PP, SP):
+        if getattr(spec, dim) > 1:
+            out.append(Problem("ref_adapters", f"not with {dim} > 1 (a separate reference model is not run on its "
+                                               "shards, stages or sequence groups; not tested): leave it empty"))
+    return out
 
 
 def _padding_free_problems(spec: JobSpec) -> list[Problem]:

@@ -332,10 +332,10 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         spec = spec.model_copy(update={"per_device_train_batch_size": 2 * spec.per_device_train_batch_size})
         if spec.rlhf_type != "dpo":
             notes.append(f"{spec.rlhf_type}: no reference model; each pair is two sequences")
-        elif spec.precompute_ref_log_probs and not spec.ref_model:  # a ref_model is held for the pass
+        elif spec.precompute_ref_log_probs and not (spec.ref_model or spec.ref_adapters):  # else held for the pass
             notes.append(f"{spec.rlhf_type}: the reference log-probs precomputed before training (no reference "
                          "model held); each pair is two sequences")
-        elif spec.train_type == "full":
+        elif spec.train_type == "full" or spec.ref_adapters:
             # FSDP2 and ZeRO-3 shard it as the policy (ZeRO-3 with parameter offload: on the host); else whole
             plan = None if spec.deepspeed else fsdp_plan(spec)
             sharded = zero.stage == 3 if spec.deepspeed else plan is not None and not plan.replicate
@@ -346,8 +346,10 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
             else:
                 params += reference
             where = "sharded as the policy" + (", on the host" if on_host else "") if sharded else "whole on every rank"
-            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model, {where} "
-                         f"({reference / GIB:.1f} GiB); each pair is two sequences")
+            what = "with ref_adapters merged in, held for the pass that precomputes its log-probs" \
+                if spec.ref_adapters else ""
+            notes.append(f"{spec.rlhf_type}: the reference is a frozen copy of the model{', ' + what if what else ''}, "
+                         f"{where} ({reference / GIB:.1f} GiB); each pair is two sequences")
         else:
             notes.append(f"{spec.rlhf_type}: the reference is the model with its adapters off (no copy); each pair is "
                          "two sequences")

@@ -76,13 +76,51 @@ def weight_files(model_dir: str) -> tuple[list[str], str | None]:
 
 
 def model_dirs(spec) -> dict[str, str]:
-    """The model paths a job (a JobSpec) loads, by field: `model`, and full DPO's `ref_model` (whose
-    tokenizer is not read: `model_dir_problems(..., tokenizer=field == "model")`). Hub ids among
-    them are no directories; callers keep the ones they can look at."""
+    """The model and adapter paths a job (a JobSpec) loads, by field: `model`, full DPO's `ref_model`
+    (whose tokenizer is not read), LoRA's `adapters[0]` and LoRA DPO's `ref_adapters[0]`
+    (`dir_problems` checks each as what it is). Hub ids among them are no directories; callers keep
+    the ones they can look at."""
     fields = {"model": spec.model}
     if spec.rlhf_type == "dpo" and spec.train_type == "full" and spec.ref_model:
         fields["ref_model"] = spec.ref_model
+    if spec.train_type == "lora":
+        fields.update({f"adapters[{i}]": path for i, path in enumerate(spec.adapters)})
+        if spec.rlhf_type == "dpo":
+            fields.update({f"ref_adapters[{i}]": path for i, path in enumerate(spec.ref_adapters)})
     return {field: os.path.expanduser(value) for field, value in fields.items()}
+
+
+def is_adapter(field: str) -> bool:
+    return field.split("[")[0] in ("adapters", "ref_adapters")
+
+
+def dir_problems(field: str, path: str) -> list[str]:
+    """Every problem of `field`'s local directory (`model_dirs`) that would fail its load."""
+    return adapter_dir_problems(path) if is_adapter(field) else model_dir_problems(path, tokenizer=field == "model")
+
+
+def adapter_dir_problems(adapter_dir: str) -> list[str]:
+    """A LoRA adapter directory (peft's layout): its adapter_config.json and whole weights."""
+    config = os.path.join(adapter_dir, "adapter_config.json")
+    problems = []
+    try:
+        with open(config, encoding="utf-8") as f:
+            kind = json.load(f).get("peft_type")
+        if kind != "LORA":
+            problems.append(f"{config}: peft_type {kind!r}, not a LoRA adapter")
+    except FileNotFoundError:
+        problems.append(f"{adapter_dir}: no adapter_config.json (not a LoRA adapter; a run's checkpoint-N/model or "
+                        "a LoRA export holds one)")
+    except OSError as exc:
+        problems.append(f"{config}: cannot read ({exc.strerror})")
+    except (ValueError, AttributeError):
+        problems.append(f"{config}: not a JSON table of peft settings")
+    weights = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if os.path.exists(weights):
+        problems.append(safetensors_problem(weights))
+    elif not os.path.exists(os.path.join(adapter_dir, "adapter_model.bin")):
+        problems.append(f"{adapter_dir}: no adapter weights (adapter_model.safetensors)")
+    return [p for p in problems if p]
 
 
 def model_dir_problems(model_dir: str, tokenizer: bool = True) -> list[str]:

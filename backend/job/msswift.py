@@ -33,10 +33,10 @@ from backend.job.spec import FIELDS, JobSpec, Problem, canonical_key, parse_spec
 
 SCRIPTS = ("cli/sft.py", "cli/megatron/sft.py", "cli/rlhf.py", "cli/megatron/rlhf.py")
 RLHF_FIELDS = ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha", "cpo_alpha", "simpo_gamma",
-               "ref_model", "precompute_ref_log_probs")
+               "ref_model", "ref_adapters", "precompute_ref_log_probs")
 RLHF_TYPES = ("dpo", "cpo", "simpo", "orpo")
 """Job fields only a `swift rlhf` command sets (`swift sft`'s own --loss_type is another thing)."""
-LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author")
+LIST_FIELDS = ("dataset", "target_modules", "report_to", "model_name", "model_author", "adapters", "ref_adapters")
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 EXPR = re.compile(r"\$\(\s*expr\s+([^()]*)\)")

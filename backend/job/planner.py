@@ -123,6 +123,8 @@ def resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
     updates: dict[str, Any] = {
         "model": _absolute(spec.model, base_dir),
         "ref_model": spec.ref_model and _absolute(spec.ref_model, base_dir),
+        "adapters": [_absolute(a, base_dir) for a in spec.adapters],
+        "ref_adapters": [_absolute(a, base_dir) for a in spec.ref_adapters],
         "dataset": [_absolute(d, base_dir) for d in spec.dataset],
         "val_dataset": [_absolute(d, base_dir) for d in spec.val_dataset],
         "output_dir": str((base_dir / Path(spec.output_dir).expanduser()).resolve()),

@@ -101,6 +101,7 @@ class JobSpec(BaseModel):
     cpo_alpha: float = Field(1.0, ge=0, description="cpo and simpo: the weight of the chosen answers' mean token NLL in the loss (ms-swift's default 1).")
     simpo_gamma: float = Field(1.0, description="simpo: the target reward margin (ms-swift's default 1).")
     ref_model: str | None = Field(None, description="dpo with full fine-tuning: the reference model (local directory or hub id) with the model's vocabulary; empty: the model as loaded (ms-swift's default).")
+    ref_adapters: list[str] = Field(default_factory=list, max_length=1, description="dpo with LoRA: the reference is the model with this LoRA adapter merged in (a run's checkpoint-N/model or a LoRA export), not with its adapters off; with adapters naming the same SFT adapter, DPO measures against the SFT model. Needs precompute_ref_log_probs.")
     precompute_ref_log_probs: bool = Field(False, description="dpo: every pair's reference log-probs computed in one pass before training and kept beside the tokenized data, so training holds no reference model (no frozen copy for full fine-tuning) and runs no reference forward; resumes and later runs reuse them.")
 
     # Engine
@@ -177,6 +178,7 @@ class JobSpec(BaseModel):
     lora_rank: int = Field(8, ge=1, description="LoRA rank r.")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    adapters: list[str] = Field(default_factory=list, max_length=1, description="LoRA: train this saved adapter further (a directory with adapter_config.json: a run's checkpoint-N/model or a LoRA export); its rank, alpha and target modules are the adapter's, not lora_rank's and target_modules'.")
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="Modules that get adapters; 'all-linear' = every linear layer but the head.")
 
     # Checkpoints and logging
@@ -430,7 +432,8 @@ def anchored(spec: JobSpec, base: Path) -> JobSpec:
 
     resume = spec.resume_from_checkpoint
     return spec.model_copy(update=dict(
-        model=anchor(spec.model), ref_model=anchor(spec.ref_model),
+        model=anchor(spec.model), ref_model=anchor(spec.ref_model), adapters=[anchor(a) for a in spec.adapters],
+        ref_adapters=[anchor(a) for a in spec.ref_adapters],
         deepspeed=spec.deepspeed if spec.deepspeed_preset else anchor(spec.deepspeed),
         resume_from_checkpoint=resume if resume == "latest" or (resume or "").isdigit() else anchor(resume),
         dataset=[anchor_entry(e) for e in spec.dataset], val_dataset=[anchor_entry(e) for e in spec.val_dataset]))

@@ -26,7 +26,7 @@ from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.job.modelfiles import model_dir_problems, model_dirs
+from backend.job.modelfiles import dir_problems, model_dirs
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
@@ -218,8 +218,9 @@ def _local_path_rules(spec: JobSpec) -> list[Problem]:
         looks_local = path.is_absolute() or source.name.startswith(".") or source.is_local
         if looks_local and not os.path.lexists(path):  # a link that leads nowhere: records.sample_problems
             out.append(Problem(f"{field}[{i}]", f"file not found: {path}{_read_from(path)}"))
-    for field in ("model", "ref_model"):
-        value = getattr(spec, field)
+    named = [("model", spec.model), ("ref_model", spec.ref_model)] + [
+        (f"{field}[{i}]", value) for field in ("adapters", "ref_adapters") for i, value in enumerate(getattr(spec, field))]
+    for field, value in named:
         model = Path(value or "").expanduser()
         if value and (model.is_absolute() or value.startswith(".")) and not model.exists():
             out.append(Problem(field, f"directory not found: {model}{_read_from(model)}"))
@@ -253,14 +254,14 @@ def _model_file_rules(spec: JobSpec) -> list[Problem]:
         except OSError as exc:
             out.append(Problem(field, f"{path}: cannot read ({exc.strerror})"))
             continue
-        out += [Problem(field, message) for message in _model_dir_problems(str(path), field == "model", signature)]
+        out += [Problem(field, message) for message in _dir_problems(field, str(path), signature)]
     return out
 
 
 @functools.lru_cache(maxsize=16)
-def _model_dir_problems(path: str, tokenizer: bool, signature: tuple) -> tuple[str, ...]:
+def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
     """Cached per directory version: the studio assesses the form on every edit."""
-    return tuple(model_dir_problems(path, tokenizer))
+    return tuple(dir_problems(field, path))
 
 
 def _dataset_rules(spec: JobSpec) -> list[Problem]:
