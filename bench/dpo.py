@@ -7,10 +7,12 @@ max_length), issue 32's targets.
     python bench/dpo.py --smoke                              # CPU, a tiny model: the pipeline end to end
 
 Parts:
-  lora   LoRA r16 (all linear): TRL with and without its Liger DPO loss (bf16 base), ours as it is and
-         with torch_compile; the target compares the fastest of each side, and their peak memory.
+  lora   LoRA r16 (all linear): TRL with and without its Liger DPO loss (bf16 base), ours as it is, with
+         Liger's kernels and with torch_compile; the target compares the fastest of each side, and their
+         peak memory.
   full   full fine-tuning under DeepSpeed ZeRO-3 on one GPU: TRL (its reference a second model
-         prepared by DeepSpeed) with and without Liger, ours (the frozen copy partitioned as the policy).
+         prepared by DeepSpeed) with and without Liger, ours (the frozen copy partitioned as the policy)
+         as it is and with Liger's kernels.
   compiled  TRL LoRA with the Trainer's torch_compile against ours compiled (of this call's runs).
   again  the fastest configuration of each side of lora and full once more, ours first (against drift).
   precompute  full ZeRO-3 with precompute_ref_log_probs on both sides (no reference forward per step).
@@ -178,14 +180,16 @@ class Bench:
 
     def lora(self, bsz: int) -> None:
         theirs = [self.trl(bsz, lora=True, liger=liger) for liger in ([False] if self.smoke else [True, False])]
-        ours = [self.ours("lora", bsz, True)] + ([] if self.smoke else [self.ours("lora-compile", bsz, True,
-                                                                                  torch_compile=True)])
+        ours = [self.ours("lora", bsz, True)] + ([] if self.smoke else [
+            self.ours("lora-liger", bsz, True, use_liger_kernel=True),
+            self.ours("lora-compile", bsz, True, torch_compile=True)])
         self.versus(f"DPO LoRA r16 {self.shape} {self.seq}-token pairs x{bsz}: ours vs TRL DPOTrainer (best)", ours,
                     theirs, 1.25)
 
     def full(self, bsz: int) -> None:
         theirs = [] if self.smoke else [self.trl(bsz, lora=False, liger=liger, zero3=True) for liger in (True, False)]
-        ours = [self.ours("full-zero3", bsz, False, deepspeed="zero3")]
+        ours = [self.ours("full-zero3", bsz, False, deepspeed="zero3")] + ([] if self.smoke else [
+            self.ours("full-zero3-liger", bsz, False, deepspeed="zero3", use_liger_kernel=True)])
         self.versus(f"DPO full ZeRO-3 {self.shape} {self.seq}-token pairs x{bsz}: ours vs TRL DPOTrainer+DeepSpeed "
                     "ZeRO-3 (best)", ours, theirs, 1.10)
 

@@ -62,7 +62,7 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     except (OSError, ValueError) as exc:
         raise ModelError(f"model: cannot load '{spec.model}' ({exc})") from None
     if spec.use_liger_kernel:
-        apply_liger(model, compiled=spec.torch_compile)
+        apply_liger(model, compiled=spec.torch_compile, fused_loss=spec.rlhf_type is None)
     model.config.use_cache = False
     if spec.router_aux_loss_coef > 0:
         if not hasattr(model, "router_aux_loss_coef"):
@@ -75,15 +75,21 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     return model
 
 
-def apply_liger(model, compiled: bool = False) -> None:
+def apply_liger(model, compiled: bool = False, fused_loss: bool = True) -> None:
     """Liger's kernels; under torch.compile only its fused linear cross-entropy: inductor fuses the
-    norms, rotary and SwiGLU itself, and Liger's versions of those break graph capture."""
+    norms, rotary and SwiGLU itself, and Liger's versions of those break graph capture. Without
+    `fused_loss` (preference training, whose loss needs every answer's log-probs from the logits)
+    its norms, rotary and SwiGLU only, the model's forward left to compute the logits."""
     if importlib.util.find_spec("liger_kernel") is None:
         raise ModelError("use_liger_kernel: liger-kernel is not installed on this node (pip install liger-kernel)")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    only_loss = dict(rope=False, rms_norm=False, swiglu=False, layer_norm=False, geglu=False) if compiled else {}
-    _apply_liger_kernel_to_instance(model=model, **only_loss)
+    kernels = dict(rope=False, rms_norm=False, swiglu=False, layer_norm=False, geglu=False) if compiled else {}
+    if not fused_loss:
+        if compiled:
+            return
+        kernels.update(fused_linear_cross_entropy=False, cross_entropy=False)
+    _apply_liger_kernel_to_instance(model=model, **kernels)
 
 
 def add_lora(model, spec):

@@ -123,7 +123,9 @@ def test_preference_jobs_refuse_what_they_do_not_run(tmp_path):
     unprecomputed = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo",
                                                                      ref_adapters=["a"]))}
     assert "turn precompute_ref_log_probs on" in unprecomputed["ref_adapters"]
-    assert "needs each sequence's log-probs" in problems["use_liger_kernel"]
+    # Liger is refused with CP only; under DPO its kernels run, not its fused loss (test_liger_under_dpo_...)
+    assert problems["use_liger_kernel"].startswith("not with context_parallel_size > 1") and \
+        problems["use_liger_kernel"].count("\n") == 1
     cp = {p.field: p.message for p in unsupported(JobSpec(model="m", dataset=["d"], rlhf_type="dpo", fsdp="full_shard",
                                                           context_parallel_size=2))}
     assert "context parallel is not combined with rlhf_type dpo" in cp["context_parallel_size"]
@@ -598,6 +600,31 @@ def test_precompute_runs_whole_forwards_and_keeps_the_real_pairs_in_order():
     table = precompute(batches, 3, logps_of, 2, torch.device("cpu"))  # 3 micro-batches of 2 pairs, 2 per forward
     assert groups == [2, 2]
     assert table.tolist() == [[10 + i, 20 + i] for i in range(5)] and table.dtype == np.float32
+
+
+def test_liger_under_dpo_patches_the_kernels_and_keeps_the_logits(monkeypatch):
+    """use_liger_kernel with preference training: Liger's norms, rotary and SwiGLU, never its fused
+    cross-entropy (which would compute the mean loss without the logits the DPO loss reads); under
+    torch_compile, where only that loss would be applied, nothing (and validate says so)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from launcher.model import apply_liger
+
+    calls = []
+    liger, transformers_part = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.transformers")
+    liger.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    transformers_part._apply_liger_kernel_to_instance = lambda model, **kwargs: calls.append(kwargs)
+    monkeypatch.setitem(sys.modules, "liger_kernel", liger)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", transformers_part)
+    apply_liger(object(), fused_loss=False)
+    apply_liger(object(), compiled=True, fused_loss=False)
+    apply_liger(object())
+    assert calls == [dict(fused_linear_cross_entropy=False, cross_entropy=False), {}]
+    warned = [p for p in validate(JobSpec(model="m", dataset=["p.jsonl"], rlhf_type="dpo", use_liger_kernel=True,
+                                          torch_compile=True)) if p.field == "use_liger_kernel"]
+    assert [p.severity for p in warned] == ["warning"] and "ignored: under torch_compile" in warned[0].message
 
 
 def test_padding_free_pairs_are_one_row_of_answers_in_order():

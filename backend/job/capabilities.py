@@ -353,9 +353,10 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     if spec.streaming and spec.precompute_ref_log_probs and spec.rlhf_type == "dpo":
         problems.append(Problem("precompute_ref_log_probs", "a streamed dataset is read as training goes, so its "
                                                             "pairs cannot be gone through before: turn one of them off"))
-    if spec.use_liger_kernel:
-        problems.append(Problem("use_liger_kernel", "Liger's fused cross-entropy gives the mean loss only, and DPO "
-                                                    "needs each sequence's log-probs: turn it off"))
+    if spec.use_liger_kernel and spec.torch_compile:
+        problems.append(Problem("use_liger_kernel", f"ignored: under torch_compile Liger gives only its fused "
+                                                    f"cross-entropy, and rlhf_type {spec.rlhf_type} takes each answer's "
+                                                    "log-probs from the logits", "warning"))
     if spec.rlhf_type not in ("dpo", "orpo") and spec.loss_type == "robust":
         problems.append(Problem("loss_type", f"robust is DPO's (it needs the reference); rlhf_type {spec.rlhf_type} "
                                              "takes sigmoid, hinge or ipo"))
