@@ -88,6 +88,7 @@ def profile_in(work: Path, args) -> int:
             return norm
 
         trainer.engine.step = step_and_mark
+        step_ends.append(time.perf_counter())  # the first profiled step's start when there is no warm-up
         trainer.train()
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     if trainer.dist.rank == 0:  # under torchrun, rank 0 speaks for all

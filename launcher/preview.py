@@ -76,7 +76,7 @@ def preview(spec, tokenizer) -> dict:
     if len(kept):
         row_fill = float(kept.mean() / spec.max_length)
         packed_fill = float(kept.sum() / (len(pack_plan(kept, spec.max_length)) * spec.max_length))
-    return {"max_length": spec.max_length, "packing": spec.packing, "datasets": datasets,
+    return {"max_length": spec.max_length, "packing": spec.packing, "padding_free": spec.padding_free, "datasets": datasets,
             "packed_fill": packed_fill, "row_fill": row_fill}
 
 

@@ -305,8 +305,8 @@ class Trainer:
                 try:
                     named = (str(reference_file(tokenized.entry, spec)), None)
                 except OSError as exc:
-                    named = (None, f"{'ref_model' if spec.ref_model else 'model'}: cannot read its files to key the "
-                                   f"precomputed reference log-probs ({exc})")
+                    field = "ref_model" if spec.ref_model else "ref_adapters" if spec.ref_adapters else "model"
+                    named = (None, f"{field}: cannot read its files to key the precomputed reference log-probs ({exc})")
             path, error = d.all_gather_object(named)[0]
             if error:
                 raise ModelError(error)
@@ -568,9 +568,9 @@ class Trainer:
         spec, d, val = self.spec, self.dist, self.validation
         started = beat = time.perf_counter()
         loss_sum, predicted = 0.0, 0
-        for done, (batch, _, _) in enumerate(val.batches.in_order(val.count), 1):
-            count = (int((batch["labels"][:, 1:] != data.IGNORE).any(-1).sum()) // 2 if self.preference
-                     else int((batch["labels"][:, 1:] != data.IGNORE).sum()))  # pairs, or tokens
+        for done, (batch, _, pairs) in enumerate(val.batches.in_order(val.count), 1):
+            # the real pairs (a padding_free micro-batch is one row of them), or the predicted tokens
+            count = pairs if self.preference else int((batch["labels"][:, 1:] != data.IGNORE).sum())
             loss = self.engine.evaluate(self._with_references([{k: v.to(d.device) for k, v in batch.items()}])[0])
             loss_sum, predicted = loss_sum + float(loss) * count, predicted + count
             if d.is_main and time.perf_counter() - beat > EVAL_HEARTBEAT_S:  # the hang watch sees it working

@@ -36,6 +36,8 @@ def preview_html(result: dict) -> str:
         parts.append(f'<div class="preview-dataset"><b>{name}</b>: {html.escape(summary)}{"".join(samples)}</div>')
     fill = (f'Rows of max_length {max_length}: one sample per row fills {_pct(result["row_fill"])} of them; packing '
             f'would fill {_pct(result["packed_fill"])} (packing is {"on" if result["packing"] else "off"}).')
+    if result.get("padding_free"):
+        fill += " padding_free: each micro-batch's samples are one row without padding."
     legend = '<mark class="loss">highlighted</mark>: the tokens that carry loss.'
     return f'<div class="data-preview"><p>{legend} {html.escape(fill)}</p>{"".join(parts)}</div>'
 

@@ -285,3 +285,17 @@ def test_dpo_counts_its_two_sequences_per_pair_and_a_full_reference_copy():
     precomputed = estimate_memory(JobSpec(**zero3, rlhf_type="dpo", precompute_ref_log_probs=True), model)
     assert precomputed.parameters_gib == pytest.approx(estimate_memory(JobSpec(**zero3), model).parameters_gib)
     assert any("precomputed before training" in n for n in precomputed.notes)
+
+
+def test_padding_free_counts_the_mask_sdpa_builds_over_the_flattened_row():
+    """padding_free with sdpa or eager: transformers builds one boolean mask over the whole row of a
+    micro-batch (a preference micro-batch's chosen and rejected answers: twice the pairs' tokens);
+    flash-attention and flex_attention build none that size."""
+    model = find_model_config("Qwen/Qwen2.5-7B-Instruct")
+    job = dict(model="Qwen/Qwen2.5-7B-Instruct", dataset=["d"], rlhf_type="dpo", max_length=4096,
+               per_device_train_batch_size=8)
+    padded = estimate_memory(JobSpec(**job), model).activations_gib
+    flat = estimate_memory(JobSpec(**job, padding_free=True), model).activations_gib
+    assert flat - padded == pytest.approx((2 * 8 * 4096) ** 2 / GIB)
+    flash = estimate_memory(JobSpec(**job, padding_free=True, attn_impl="flash_attention_2"), model).activations_gib
+    assert flash == pytest.approx(estimate_memory(JobSpec(**job, attn_impl="flash_attention_2"), model).activations_gib)

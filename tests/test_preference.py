@@ -389,9 +389,11 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     streamed = write_run(tmp_path / "streamed", **{**common, "save_steps": 2}, train_type="lora", learning_rate=1e-2,
                          max_steps=4, streaming=True)
     flat = write_run(tmp_path / "flat", **common, train_type="lora", learning_rate=1e-2, max_steps=2, padding_free=True,
-                     fsdp="full_shard")
+                     fsdp="full_shard", split_dataset_ratio=0.25, eval_steps=2)
+    flat_padded = write_run(tmp_path / "flat-padded", **common, train_type="lora", learning_rate=1e-2, max_steps=2,
+                            fsdp="full_shard", split_dataset_ratio=0.25, eval_steps=2)
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=full), dict(run_dir=simpo), dict(run_dir=streamed),
-                             dict(run_dir=flat),
+                             dict(run_dir=flat), dict(run_dir=flat_padded),
                              planned(orpo, **{**common, "rlhf_type": "orpo", "beta": None}, train_type="lora",
                                      learning_rate=1e-2, max_steps=6, deepspeed="zero2", nproc_per_node=2),
                              planned(zero3, **common, train_type="lora", learning_rate=1e-2, max_steps=2,
@@ -409,10 +411,15 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     assert sorted(losses(zero3)) == [1, 2]
     for step, value in losses(zero3).items():
         assert value == pytest.approx(trained[step]["loss"], rel=2e-4), step
-    # padding_free (each micro-batch's pairs in one row, on FSDP2) trains the padded rows' losses and margins
+    # padding_free (each micro-batch's pairs in one row, on FSDP2) trains and evaluates as the padded rows do
+    padded = {e["step"]: e for e in events(flat_padded, 0, "train")}
+    assert sorted(padded) == [1, 2]
     for event in events(flat, 0, "train"):
         for field in ("loss", "rewards_margins", "logps_chosen"):
-            assert event[field] == pytest.approx(trained[event["step"]][field], rel=2e-4, abs=1e-6), field
+            assert event[field] == pytest.approx(padded[event["step"]][field], rel=2e-4, abs=1e-6), field
+    (flat_eval,), (padded_eval,) = events(flat, 0, "eval"), events(flat_padded, 0, "eval")
+    assert flat_eval["tokens"] == padded_eval["tokens"] > 0  # the pairs evaluated
+    assert flat_eval["eval_loss"] == pytest.approx(padded_eval["eval_loss"], rel=2e-4)
     # SimPO (no reference; ms-swift's beta 2.0): the length-normalised margin grows, the loss falls
     simpo_steps = events(simpo, 0, "train")
     assert [e["step"] for e in simpo_steps] == list(range(1, 7))

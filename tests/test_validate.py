@@ -13,7 +13,7 @@ import pytest
 from backend.job.cluster import GpuInfo, local_cluster, parse_hostfile_text
 from backend.job.modelcfg import find_model_config
 from backend.job.spec import JobSpec, Problem
-from backend.job.validate import errors, validate
+from backend.job.validate import assess, errors, validate
 
 GPU_NODES = "n0 slots=8\nn1 slots=8\n"
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo" / "model"
@@ -418,6 +418,13 @@ def test_adapter_directories_are_checked_as_adapters_by_file(tmp_path):
         f"{adapter}: no adapter weights (adapter_model.safetensors)"]
     assert problems(adapters=[str(tmp_path / "nowhere")])["adapters[0]"] == [
         f"directory not found: {tmp_path / 'nowhere'}"]
+    # the memory estimate counts the saved adapter's rank and targets, not lora_rank's and target_modules'
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}))
+    trained = [assess(job(model=str(DEMO_MODEL), dataset=["d.jsonl"], nproc_per_node=1, adapters=a),
+                      local_cluster(GpuInfo())).memory.trainable_params for a in ([], [str(adapter)])]
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    q_out = config["num_attention_heads"] * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    assert trained[1] == config["num_hidden_layers"] * 64 * (config["hidden_size"] + q_out) != trained[0]
 
 
 def test_a_sharded_models_index_is_followed_and_kept_inside_the_directory(tmp_path):

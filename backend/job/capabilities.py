@@ -238,7 +238,7 @@ def unsupported(spec: JobSpec) -> list[Problem]:
     problems += _cp_problems(spec)
     problems += _long_sequence_problems(spec)
     problems += _preference_problems(spec)
-    problems += _padding_free_problems(spec)
+    problems += padding_free_problems(spec)
     problems += _adapter_problems(spec)
     if spec.deepspeed and spec.fsdp:
         problems.append(Problem("fsdp", "choose either DeepSpeed or FSDP, not both"))
@@ -285,7 +285,7 @@ def _adapter_problems(spec: JobSpec) -> list[Problem]:
     return out
 
 
-def _padding_free_problems(spec: JobSpec) -> list[Problem]:
+def padding_free_problems(spec: JobSpec) -> list[Problem]:
     """padding_free (a micro-batch's samples end to end in one row): what needs rows of one shape,
     or sees a row as one sequence, refused by name; what is not tested with it, too."""
     if not spec.padding_free:
@@ -311,10 +311,11 @@ def _padding_free_problems(spec: JobSpec) -> list[Problem]:
         out.append(Problem("padding_free", "not with torch_compile (a new row length every micro-batch; not tested "
                                            "together); turn one off"))
     if spec.attn_impl not in (*FLASH_IMPLS, "flex_attention") and spec.sequence_parallel_size <= 1:
-        out.append(Problem("padding_free", f"with attn_impl {spec.attn_impl or 'auto'} attention over a flattened "
-                                           "row is masked over the whole row, quadratic in the micro-batch's tokens; "
-                                           "flash_attention_2 or 3 and flex_attention skip what lies between samples",
-                           severity="warning"))
+        impl = ("auto (sdpa where flash-attn is not installed)" if spec.attn_impl in (None, "", "auto")
+                else spec.attn_impl)
+        out.append(Problem("padding_free", f"with attn_impl {impl} attention over a flattened row is masked over the "
+                                           "whole row, quadratic in the micro-batch's tokens; flash_attention_2 or 3 "
+                                           "and flex_attention skip what lies between samples", severity="warning"))
     return out
 
 

@@ -368,6 +368,12 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     if model.vision_tower:
         notes.append("the language model only: its vision tower is not counted")
     activations, activations_on_host = _activation_bytes(spec, model, layout)
+    if spec.padding_free and spec.attn_impl not in ("flash_attention_2", "flash_attention_3", "flex_attention"):
+        # transformers builds one boolean mask over the whole flattened row for sdpa and eager
+        row = spec.per_device_train_batch_size * spec.max_length  # (pairs: already doubled above)
+        activations += row * row
+        notes.append(f"padding_free with attn_impl {spec.attn_impl or 'auto'}: a {row:,} x {row:,} attention mask of "
+                     f"the flattened row ({row * row / GIB:.2f} GiB; none with flash-attention or flex_attention)")
     if activations_on_host:
         notes.append(f"activation offload: {activations_on_host / GIB:.1f} GiB of checkpointed layer inputs per GPU "
                      "in pinned host memory")

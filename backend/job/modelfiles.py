@@ -99,6 +99,22 @@ def dir_problems(field: str, path: str) -> list[str]:
     return adapter_dir_problems(path) if is_adapter(field) else model_dir_problems(path, tokenizer=field == "model")
 
 
+def with_adapter_settings(spec):
+    """`spec` (a JobSpec) with the LoRA rank and targets of the saved adapter `adapters` names, where
+    its adapter_config.json is readable here: they, not lora_rank and target_modules, are what trains."""
+    if spec.train_type != "lora" or not spec.adapters:
+        return spec
+    try:
+        with open(os.path.join(os.path.expanduser(spec.adapters[0]), "adapter_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        rank, targets = int(config["r"]), config["target_modules"]
+        targets = [targets] if isinstance(targets, str) else [str(t) for t in targets]
+    except (OSError, ValueError, KeyError, TypeError):
+        return spec  # adapter_dir_problems names what is wrong with it
+    return spec.model_copy(update={"lora_rank": rank, "target_modules": targets,
+                                   "lora_alpha": config.get("lora_alpha", spec.lora_alpha)})
+
+
 def adapter_dir_problems(adapter_dir: str) -> list[str]:
     """A LoRA adapter directory (peft's layout): its adapter_config.json and whole weights."""
     config = os.path.join(adapter_dir, "adapter_config.json")

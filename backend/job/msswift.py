@@ -344,6 +344,12 @@ def _choose_engines(result: ImportResult, moe: bool) -> None:
                 result.spec[name] = value
         result.notes.append(f"{fix.text()}: chosen for you, {fix.why}")
     spec = capabilities.apply_fixes(spec, fixes)
+    clashes = [p for p in capabilities.padding_free_problems(spec) if p.severity == "error"]
+    if clashes:  # ms-swift runs these padded; padding_free only changes the speed
+        result.spec.pop("padding_free")
+        result.notes.append(f"--padding_free dropped ({clashes[0].message.removesuffix('; turn padding_free off')}): "
+                            "it changes only the speed, not what is trained")
+        spec = spec.model_copy(update={"padding_free": False})
     if spec.train_type != "lora" or spec.lora_dropout == 0:
         return
     model = find_model_config(spec.model)

@@ -27,6 +27,7 @@ from backend.job.dsconfig import ZeroSettings, build_ds_config
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, estimate_memory
 from backend.job.modelcfg import ModelConfig
+from backend.job.modelfiles import with_adapter_settings
 from backend.job.spec import JobSpec
 from backend.job.validate import Assessment
 
@@ -196,7 +197,8 @@ def plan(spec: JobSpec, cluster: Cluster, run_id: str, run_dir: str | Path, mast
     else:
         device = "cuda" if used.backend == "nccl" else "cpu"
         zero = ZeroSettings.of(ds_config) if ds_config else None
-        memory = estimate_memory(worker_spec, model_config, layout, device, zero) if model_config else None
+        memory = (estimate_memory(with_adapter_settings(worker_spec), model_config, layout, device, zero)
+                  if model_config else None)
     result = Plan(run_id=run_id, run_dir=str(run_dir), layout=layout, master_addr=master_addr, master_port=master_port,
                   backend=used.backend, nodes=tuple(node_plans), spec=worker_spec, ds_config=ds_config, memory=memory)
     files = {"job.yaml": worker_spec.to_yaml(), "plan.json": json.dumps(result.to_dict(), indent=2) + "\n"}

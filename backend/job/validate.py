@@ -26,7 +26,7 @@ from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
 from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
-from backend.job.modelfiles import dir_problems, model_dirs
+from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
 LONG_SEQUENCE = 4096  # above this, activations without checkpointing dominate memory
@@ -351,13 +351,14 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
                               "or the hub cache).")
     memory = None
     if model is not None:
-        problems += _model_rules(spec, model, layout.world)
+        trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains
+        problems += _model_rules(trained, model, layout.world)
         if ds_error:
             memory_note = f"not estimated: {ds_error}"
         else:
             # The planner's rule: a job with a CPU node runs gloo, its ranks without CUDA.
             device = "cuda" if set(cluster.devices(spec.nnodes).values()) == {"cuda"} else "cpu"
-            memory = estimate_memory(spec, model, layout, device, ZeroSettings.of(ds_config) if ds_config else None)
+            memory = estimate_memory(trained, model, layout, device, ZeroSettings.of(ds_config) if ds_config else None)
             problems += _memory_rules(spec, cluster, layout, memory, problems)
     # What the worker refuses (FSDP words, parallel degrees it lacks). A field that already has an
     # error here keeps just that one line, so the user is not told twice about one value.
