@@ -157,10 +157,11 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
 
 def _from_export(path: Path, dtype: torch.dtype):
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+
+    from launcher.vision import auto_class
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        return auto_class(str(path)).from_pretrained(path, dtype=dtype, use_safetensors=True)
     except (OSError, ValueError, SafetensorError) as exc:
         files = ", ".join(sorted(p.name for p in path.glob("*.safetensors"))) or "no *.safetensors"
         raise ChatError(f"{path}: the exported model cannot be loaded ({files}: {exc})") from None

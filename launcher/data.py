@@ -10,13 +10,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
 
 from backend.job.records import (DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records,
-                                 to_messages, to_pair)
+                                 record_images, to_messages, to_pair)
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -35,6 +35,8 @@ DEFAULT_CHAT_TEMPLATE = (
 class Sample:
     input_ids: list[int]
     labels: list[int]
+    images: list[str] = field(default_factory=list)
+    """A vision-language sample's image files, in the order of their placeholder runs in input_ids."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -50,15 +52,23 @@ class Pair:
         return len(self.chosen) + len(self.rejected)
 
 
-def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona()) -> Sample | Pair | None:
+def encode(record: Record, tokenizer, max_length: int, persona: Persona = Persona(),
+           images=None) -> Sample | Pair | None:
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
-    None when truncation left no token to learn from. A preference job's records are `Pair`s."""
+    None when truncation left no token to learn from (or cut into an image's tokens). A preference
+    job's records are `Pair`s. `images` (`launcher.vision.Images`): a vision-language model's, for
+    the records' `images`."""
     record = persona.renamed(record)
     if persona.pairs:
         return _pair(record, tokenizer, max_length, persona)
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
     messages, text = to_messages(record, persona)
+    paths = record_images(record) if persona.images and record.data.get("images") else []
+    if paths:
+        from launcher.vision import with_image_parts
+
+        messages = with_image_parts(messages)
     if messages is None:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         if tokenizer.eos_token_id is not None:
@@ -79,8 +89,27 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
                             "cannot locate the response tokens")
         labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt):]
         ids = full
+    if paths:
+        ids, labels = _expanded(record.where, ids, labels, paths, images)
+        if len(ids) > max_length and images.token_id in ids[max_length:]:
+            return None  # an image cut off: its pixels would not match its tokens
     ids, labels = ids[:max_length], labels[:max_length]
-    return Sample(ids, labels) if any(label != IGNORE for label in labels[1:]) else None
+    return Sample(ids, labels, paths) if any(label != IGNORE for label in labels[1:]) else None
+
+
+def _expanded(where: str, ids: list[int], labels: list[int], paths: list[str], images) -> tuple[list[int], list[int]]:
+    """Each image's placeholder token repeated once per visual token of the image (unlabelled)."""
+    at = [i for i, token in enumerate(ids) if token == images.token_id]
+    if len(at) != len(paths):
+        raise DataError(f"{where}: the chat template renders {len(at)} image placeholder(s) for {len(paths)} "
+                        "image(s); check its <image> tags and that the model's template takes image parts")
+    out_ids, out_labels, start = [], [], 0
+    for i, path in zip(at, paths):
+        count = images.tokens(where, path)
+        out_ids += ids[start:i] + [images.token_id] * count
+        out_labels += labels[start:i] + [IGNORE] * count
+        start = i + 1
+    return out_ids + ids[start:], out_labels + labels[start:]
 
 
 def _pair(record: Record, tokenizer, max_length: int, persona: Persona) -> Pair | None:
@@ -127,6 +156,7 @@ class Row:
     labels: list[int]
     position_ids: list[int]
     n_samples: int
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -193,12 +223,13 @@ def packed_row(samples: list[Sample]) -> Row:
         row.labels += [IGNORE] + sample.labels[1:]
         row.position_ids += list(range(len(sample)))
         row.n_samples += 1
+        row.images += sample.images
     return row
 
 
 def padded_row(sample: Sample, counted: bool = True) -> Row:
     """`counted`: the row is a sample of its own (a pair's rejected row is not)."""
-    return Row(sample.input_ids, sample.labels, list(range(len(sample))), int(counted))
+    return Row(sample.input_ids, sample.labels, list(range(len(sample))), int(counted), sample.images)
 
 
 def pack(samples: list[Sample], max_length: int) -> list[Row]:
@@ -211,10 +242,13 @@ def unpacked(samples: list[Sample]) -> list[Row]:
     return [padded_row(s) for s in samples]
 
 
-def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1) -> dict:
+def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1,
+            media=None) -> dict:
     """Tensors for one micro-batch. Packed rows get no attention mask (the position ids carry the
     sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
-    of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly)."""
+    of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly).
+    `media` (`launcher.vision.Images`): the rows' images as the model's pixel inputs, and no
+    position ids (a vision-language model places its image tokens itself)."""
     import torch
 
     width = pad_to or max(len(r.input_ids) for r in rows)
@@ -229,6 +263,11 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     batch = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "position_ids": torch.tensor(pos)}
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
+    if media is not None:
+        del batch["position_ids"]
+        images = [(path, count) for r in rows for path, count in zip(r.images, media.runs(r.input_ids))]
+        if images:
+            batch.update(media.pixels(images))
     return batch
 
 
@@ -241,17 +280,19 @@ def flattened(rows: list[Row]) -> Row:
         row.labels += [IGNORE] + r.labels[1:]
         row.position_ids += r.position_ids
         row.n_samples += r.n_samples
+        row.images += r.images
     return row
 
 
 def micro_batch(rows: list[Row], pad_id: int, packed: bool, max_length: int, multiple: int = 1,
-                flat: bool = False) -> tuple[dict, int, int]:
+                flat: bool = False, media=None) -> tuple[dict, int, int]:
     """(batch, tokens, samples) of the rows: packed rows padded to max_length, padded ones to the
-    longest; `flat` (padding_free): all of them one row without padding (but to `multiple`)."""
+    longest; `flat` (padding_free): all of them one row without padding (but to `multiple`);
+    `media`: `collate`'s."""
     tokens, samples = sum(len(r.input_ids) for r in rows), sum(r.n_samples for r in rows)
     if flat:
-        return collate([flattened(rows)], pad_id, True, None, multiple), tokens, samples
-    return collate(rows, pad_id, packed, max_length if packed else None, multiple), tokens, samples
+        return collate([flattened(rows)], pad_id, True, None, multiple, media), tokens, samples
+    return collate(rows, pad_id, packed, max_length if packed else None, multiple, media), tokens, samples
 
 
 class Batches:
@@ -269,6 +310,8 @@ class Batches:
         self.max_length = max_length
         self._epoch: int | None = None
         self._epoch_order: list[int] = []
+        self.media = None
+        """A vision-language model's `launcher.vision.Images`: the micro-batches' pixel inputs."""
         self.reference: Callable[[np.ndarray], np.ndarray] | None = None
         """Preference pairs with precomputed reference log-probs: the plan's sample indices → their
         (chosen, rejected) log-probs, handed along as the micro-batch's `reference_logps`."""
@@ -303,7 +346,7 @@ class Batches:
         size, as DeepSpeed's Ulysses is, refuse another; such rows add no loss and no count)."""
         filled = self.micro_batch - len(indices) if fill else 0
         batch, tokens, samples = micro_batch(self.rows(indices, filled), self.pad_id, self.packed, self.max_length,
-                                             self.multiple, self.flat)
+                                             self.multiple, self.flat, self.media)
         if self.reference is not None:  # chosen rows, then rejected rows, each half filled alike
             import torch
 

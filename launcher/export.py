@@ -61,10 +61,10 @@ def is_lora(ckpt: Path) -> bool:
 
 def base_model(base: str, dtype: torch.dtype = torch.float32):
     """The job's `model` as it was before training, on the CPU."""
-    from transformers import AutoModelForCausalLM
+    from launcher.vision import auto_class
 
     try:
-        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        return auto_class(base).from_pretrained(base, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise ExportError(f"base model '{base}' cannot be loaded ({exc})") from None
 
@@ -154,7 +154,7 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
     if isinstance(base_dtype, str):
         base_dtype = getattr(torch, base_dtype)
     try:
-        write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt))
+        write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt, spec.model))
     except (OSError, SafetensorError) as exc:  # a full disk, a quota
         raise ExportError(f"{out}: writing the export failed ({exc})") from None
     prompt = sample_prompt(spec)
@@ -163,9 +163,12 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
             "sample": sample, "lora_merged": is_lora(ckpt)}
 
 
-def _save(model, tokenizer, new: Path, ckpt: Path) -> None:
+def _save(model, tokenizer, new: Path, ckpt: Path, base: str) -> None:
+    from launcher.vision import save_image_processor
+
     model.save_pretrained(new, safe_serialization=True)
     tokenizer.save_pretrained(new)
+    save_image_processor(base, new)
     (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt), "files": _files(new)}) + "\n")
 
 

@@ -11,6 +11,7 @@ from backend.job.errors import UserError
 from backend.job.modelfiles import model_dir_problems
 from launcher.data import DEFAULT_CHAT_TEMPLATE
 from launcher.longseq import enable_checkpointing, tile_mlps
+from launcher.vision import auto_class, is_vision, language_linears, vision_parts
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -49,8 +50,6 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     """The causal LM in `master_dtype` (the engines keep fp32 master weights and run the compute
     dtype through autocast / their mixed-precision policy); with a transformers DistributedConfig,
     loaded straight into its TP (and FSDP2) shards."""
-    from transformers import AutoModelForCausalLM
-
     requested = spec.attn_impl
     if spec.context_parallel_size > 1 and requested in (None, "", "auto"):
         requested = "sdpa"  # torch's ring attention replaces SDPA only
@@ -58,12 +57,14 @@ def load_model(spec, master_dtype: torch.dtype = torch.float32, distributed_conf
     if distributed_config is not None:
         kwargs["distributed_config"] = distributed_config
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec.model, **kwargs)
+        model = auto_class(spec.model).from_pretrained(spec.model, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model: cannot load '{spec.model}' ({exc})") from None
     if spec.use_liger_kernel:
         apply_liger(model, compiled=spec.torch_compile, fused_loss=spec.rlhf_type is None)
     model.config.use_cache = False
+    if getattr(model.config, "text_config", None) is not None:  # a vision-language model's language model reads its own
+        model.config.text_config.use_cache = False
     if spec.router_aux_loss_coef > 0:
         if not hasattr(model, "router_aux_loss_coef"):
             raise ModelError(f"router_aux_loss_coef: {spec.model} has no router load-balancing loss (not a "
@@ -93,12 +94,16 @@ def apply_liger(model, compiled: bool = False, fused_loss: bool = True) -> None:
 
 
 def add_lora(model, spec):
-    """LoRA adapters: new ones (lora_rank, target_modules) or the saved one `adapters` names, trainable."""
+    """LoRA adapters: new ones (lora_rank, target_modules) or the saved one `adapters` names, trainable.
+    A vision-language model's 'all-linear' is its language model's linear layers (the vision tower
+    and aligner stay as they are: freeze_vit, freeze_aligner)."""
     if spec.adapters:
         return load_adapter(model, spec.adapters[0], "adapters", trainable=True)
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
+    if targets == "all-linear" and is_vision(model.config):
+        targets = language_linears(model)
     config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:
@@ -162,6 +167,18 @@ def master_dtype(spec) -> torch.dtype:
     return torch.float32
 
 
+def freeze_parts(model, spec) -> None:
+    """A vision-language model's vision tower, aligner and language model kept fixed as
+    freeze_vit, freeze_aligner and freeze_llm say (full fine-tuning; LoRA trains its adapters only)."""
+    if not is_vision(model.config):
+        return
+    vit, aligner, llm = vision_parts(model)
+    for frozen, modules in ((spec.freeze_vit, vit), (spec.freeze_aligner, aligner), (spec.freeze_llm, llm)):
+        if frozen:
+            for module in modules:
+                module.requires_grad_(False)
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's repeated blocks, found by the class names transformers marks as not splittable."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -182,6 +199,8 @@ def prepare(spec, distributed_config=None):
         enable_checkpointing(model, offload=spec.activation_cpu_offload)
     if spec.train_type == "lora":
         model = add_lora(model, spec)
+    else:
+        freeze_parts(model, spec)
     if spec.tiled_mlp:
         tile_mlps(decoder_layers(model), model.config.hidden_size)
     # from_pretrained returns eval mode: dropout (LoRA's too) would be off, and Liger's fused

@@ -37,15 +37,15 @@ from backend.job.paths import not_a_regular_file
 from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
 from launcher.data import Pair, Sample, encode
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when what an entry holds changes: older entries are then not read."""
 MARKER = "swift-studio-tokenized.json"
 TOKENS = "tokens.arrow"
-COLUMNS = ["input_ids", "labels", "length", "source", "position", "rejected_input_ids", "rejected_labels"]
+COLUMNS = ["input_ids", "labels", "length", "source", "position", "rejected_input_ids", "rejected_labels", "images"]
 COLUMN_TYPES = ["list<item: int32>", "list<item: int32>", "int32", "int32", "int64", "list<item: int32>",
-                "list<item: int32>"]
+                "list<item: int32>", "list<item: string>"]
 """A preference pair's chosen answer is in input_ids/labels, its rejected one in rejected_*
-(empty for other records); length counts both."""
+(empty for other records); length counts both. `images`: a vision-language sample's image files."""
 BUILDING = ".swift-studio-building"
 VERSION_BYTES = 1 << 20
 """Bytes at each end of a local file hashed into its version, beside its size and modification time."""
@@ -101,7 +101,8 @@ class Tokenized:
     seconds: float
 
     def __post_init__(self) -> None:
-        self._batches = self.table.select(["input_ids", "labels", "rejected_input_ids", "rejected_labels"]).to_batches()
+        self._batches = self.table.select(["input_ids", "labels", "rejected_input_ids", "rejected_labels",
+                                           "images"]).to_batches()
         self._offsets = np.cumsum([0] + [len(b) for b in self._batches])
 
     def shard(self, rank: int, world: int, among: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -133,15 +134,16 @@ class Tokenized:
         out = []
         for row in np.asarray(rows, dtype=np.int64).tolist():
             at = int(np.searchsorted(self._offsets, row, side="right")) - 1
-            ids, labels, rejected_ids, rejected_labels = (
+            ids, labels, rejected_ids, rejected_labels, images = (
                 column[0].as_py() for column in self._batches[at].slice(row - int(self._offsets[at]), 1).columns)
-            sample = Sample(ids, labels)
+            sample = Sample(ids, labels, images)
             out.append(Pair(sample, Sample(rejected_ids, rejected_labels)) if rejected_ids else sample)
         return out
 
 
-def cache_key(spec, tokenizer) -> tuple[str, dict[str, Any]]:
-    """The entry's name and what it was made from (kept in its MARKER)."""
+def cache_key(spec, tokenizer, images=None) -> tuple[str, dict[str, Any]]:
+    """The entry's name and what it was made from (kept in its MARKER). `images`: a vision-language
+    model's `launcher.vision.Images` (its image processor sets each image's token count)."""
     sources = [parse_source(entry) for entry in spec.dataset]
     inputs = {
         "format": FORMAT,
@@ -150,6 +152,7 @@ def cache_key(spec, tokenizer) -> tuple[str, dict[str, Any]]:
         "max_length": spec.max_length,
         "max_record_bytes": spec.max_record_bytes,
         "persona": [spec.system, spec.model_name, spec.model_author, spec.columns, spec.rlhf_type is not None],
+        "images": images.digest() if images is not None else None,
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
     return key, inputs
@@ -191,12 +194,12 @@ def tokenizer_digest(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def open_tokenized(spec, tokenizer, cache_dir: Path) -> Tokenized:
+def open_tokenized(spec, tokenizer, cache_dir: Path, images=None) -> Tokenized:
     """The job's tokenized data: read from the cache, or tokenized into it by this process (while
     holding the entry's lock, so no other process does the same work). Raises DataError for a bad
     record (file:line) and CacheError naming the cache directory."""
     started = time.monotonic()
-    key, inputs = cache_key(spec, tokenizer)
+    key, inputs = cache_key(spec, tokenizer, images)
     entry = cache_dir / key
     built = False
     if not (entry / MARKER).is_file():
@@ -205,7 +208,7 @@ def open_tokenized(spec, tokenizer, cache_dir: Path) -> Tokenized:
             if failed.is_file():
                 raise DataError(_read_failure(failed))
             if not (entry / MARKER).is_file():
-                _build(spec, tokenizer, cache_dir, key, inputs)
+                _build(spec, tokenizer, cache_dir, key, inputs, images)
                 built = True
     return Tokenized(_open(entry, inputs), entry, built, time.monotonic() - started)
 
@@ -257,7 +260,7 @@ def _locked(cache_dir: Path, key: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any]) -> None:
+def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any], images=None) -> None:
     import datasets
 
     for stale in cache_dir.glob(f".tmp-{key}-*"):  # a killed builder's: no builder of this key runs now
@@ -275,7 +278,8 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any]) -
             fingerprint=key, gen_kwargs={
                 "parts": list(range(parts)), "n_parts": parts, "entries": tuple(spec.dataset),
                 "tokenizer": tokenizer, "max_length": spec.max_length, "seed": spec.seed,
-                "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec)})
+                "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec, images is not None),
+                "images": images})
         error = _first_error(built)
         if error is not None:
             write_json_atomic(cache_dir / f"{key}.failed.json", {"error": error, "inputs": inputs})
@@ -296,7 +300,7 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any]) -
 
 
 def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer, max_length: int, seed: int,
-             max_record_bytes: int, persona: Persona) -> Iterator[dict[str, Any]]:
+             max_record_bytes: int, persona: Persona, images=None) -> Iterator[dict[str, Any]]:
     """Rows of the records of `parts` (each the records whose position % n_parts is the part). A
     bad record ends its part with a row that holds the error: an exception raised here would reach
     the builder's caller without its message when it crossed from a worker process."""
@@ -306,15 +310,16 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
             for source, entry in enumerate(entries):
                 position = -1
                 for position, record in positioned_records(parse_source(entry), part, n_parts, seed, max_record_bytes):
-                    sample = encode(record, tokenizer, max_length, persona)
+                    sample = encode(record, tokenizer, max_length, persona, images)
                     chosen, rejected = (sample.chosen, sample.rejected) if isinstance(sample, Pair) else (sample, None)
                     ids, labels = (chosen.input_ids, chosen.labels) if chosen is not None else ([], [])
                     yield {"input_ids": ids, "labels": labels, "length": len(sample) if sample else 0, "source": source,
                            "position": position, "rejected_input_ids": rejected.input_ids if rejected else [],
-                           "rejected_labels": rejected.labels if rejected else [], "error": None}
+                           "rejected_labels": rejected.labels if rejected else [],
+                           "images": chosen.images if chosen is not None else [], "error": None}
         except DataError as exc:
             yield {"input_ids": [], "labels": [], "length": 0, "source": source, "position": position + 1,
-                   "rejected_input_ids": [], "rejected_labels": [], "error": str(exc)}
+                   "rejected_input_ids": [], "rejected_labels": [], "images": [], "error": str(exc)}
 
 
 def _write_tokens(table, path: Path) -> None:
@@ -332,7 +337,7 @@ def _features():
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "length": Value("int32"), "source": Value("int32"), "position": Value("int64"),
                      "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
-                     "error": Value("string")})
+                     "images": Sequence(Value("string")), "error": Value("string")})
 
 
 def _first_error(built) -> str | None:

@@ -36,6 +36,7 @@ from launcher.preference import (PreferenceLoss, Reference, install, load_refere
                                  nonfinite_pairs, precompute, reference_file, save_reference_table)
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
 from launcher.tokenized import DataHeartbeat, Tokenized, dataset_cache_dir, open_tokenized
+from launcher.vision import Images, is_vision
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
@@ -179,10 +180,14 @@ class Trainer:
         tp = transformers_plan(spec, self.dist.world_size)
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
+        # A vision-language model's image side: its images' token counts when tokenizing, pixels per micro-batch.
+        self.images = Images(spec.model, self.model_config, spec.max_pixels) if is_vision(self.model_config) else None
+        # the language model's (a vision-language model's FLOPs and buckets are counted on it: its tower is small)
+        language = getattr(self.model_config, "text_config", None) or self.model_config
         self._pair_sources: list[tuple[data.Batches, Tokenized, np.ndarray]] = []  # made by _batches
         self.batches, self.plan, self.validation = self._load_data()
         self.eval_losses: dict[int, float] = {}  # step -> eval loss, this attempt's and the resumed checkpoints'
-        ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(self.model_config, "hidden_size", None),
+        ds_config = (load_ds_config(self.run_dir, spec, self.dist.dp_size, getattr(language, "hidden_size", None),
                                     self.plan.max_steps)
                      if spec.deepspeed else None)
         self.preference = self.reference = None
@@ -213,8 +218,8 @@ class Trainer:
         self.resumed_from = None
         if ckpt is not None:
             self._load(ckpt)
-        self.flops_per_token = (flops_per_token(self.model_config, spec.max_length)
-                                if spec.train_type == "full" and self.model_config else None)
+        self.flops_per_token = (flops_per_token(language, spec.max_length)
+                                if spec.train_type == "full" and language else None)
         self.peak_flops = peak_flops()
 
     def _load_data(self) -> tuple["data.Batches | StreamBatches", Plan, "Validation | None"]:
@@ -225,14 +230,14 @@ class Trainer:
         try:
             with DataHeartbeat(self.events):
                 cache = dataset_cache_dir(spec, self.run_dir)
-                tokenized = open_tokenized(spec, self.tokenizer, cache)
+                tokenized = open_tokenized(spec, self.tokenizer, cache, self.images)
                 split = (tokenized.held_out(spec.split_dataset_ratio, spec.seed)
                          if spec.evaluates and not spec.val_dataset else None)
                 train = self._shard(tokenized, None if split is None else ~split)
                 val = None
                 if spec.val_dataset and spec.evaluates:
                     val = self._shard(open_tokenized(spec.model_copy(update={"dataset": spec.val_dataset}),
-                                                     self.tokenizer, cache))
+                                                     self.tokenizer, cache, self.images))
                 elif split is not None:
                     val = self._shard(tokenized, split)
             shards = (train, val)
@@ -357,6 +362,7 @@ class Trainer:
                                spec.gradient_accumulation_steps, steps_per_epoch, spec.seed, self.tokenizer.pad_token_id,
                                spec.packing, spec.max_length, seq_multiple(spec), pairs=spec.rlhf_type is not None,
                                flat=spec.padding_free)
+        batches.media = self.images
         self._pair_sources.append((batches, tokenized, mine))
         return batches
 

@@ -125,7 +125,7 @@ def test_every_file_type_and_rank_shards(tmp_path, tokenizer):
     ('{"text": ""}', "'text' must be a non-empty string"),
     # ms-swift's multimodal records (LLaMA-Factory's too): their text alone would train the tags as text
     ('{"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A cat"}], '
-     '"images": ["cat.png"]}', "a multimodal record ('images'): vision-language fine-tuning is not supported yet"),
+     '"images": ["cat.png"]}', "a multimodal record ('images'): the model is not a vision-language model"),
     ('{"conversations": [{"from": "human", "value": "<video>Go on"}, {"from": "gpt", "value": "ok"}], '
      '"videos": ["a.mp4"]}', "a multimodal record ('videos')"),
     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": '

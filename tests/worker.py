@@ -39,6 +39,65 @@ def build_tiny_model(out: Path, family: str = "qwen2", **shape) -> Path:
     return out
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's chat template, less its default system prompt: image parts become the vision tokens
+VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+               "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+               "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
+               "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_tiny_vl_model(out: Path) -> Path:
+    """A tiny Qwen2.5-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random, seeded) with the
+    demo tokenizer plus Qwen's vision tokens and a chat template that renders image parts, and
+    Qwen2-VL's image processor (its PIL backend: no torchvision here) limited to 16 patches of 28 px."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_TEMPLATE
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**TINY, vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1], in_chans=3),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
+
+
+def colour_images(directory: Path, count: int) -> str:
+    """A VL data file in ms-swift's format: `count` records, each a PNG of a coloured shape (sizes
+    vary) with "<image>What colour is it?" and the colour's name as the answer; the images beside
+    the file, named relative to it."""
+    from PIL import Image, ImageDraw
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(count):
+        name, rgb = list(COLOURS.items())[i % len(COLOURS)]
+        image = Image.new("RGB", (56 + 28 * (i % 3), 56 + 14 * (i % 2)), (245, 245, 245))
+        ImageDraw.Draw(image).rectangle((8, 8, 48, 40), fill=rgb)
+        image.save(directory / f"{i}.png")
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>What colour is it?"},
+                                              {"role": "assistant", "content": name}], "images": [f"{i}.png"]}))
+    (directory / "colours.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory / "colours.jsonl")
+
+
 def unloadable_model(src: Path, out: Path) -> Path:
     """A copy of the model `src` whose weights are whole but do not fit its config (the embedding
     a column wider): validation and pre-flight pass it, the worker fails loading it."""

@@ -116,6 +116,8 @@ class ModelConfig:
     v_head_dim: int = 0
     vision_tower: bool = False
     """A multimodal config: the counts here are its language model's (the tower is not counted)."""
+    multimodal_type: str = ""
+    """A multimodal config's own model_type (model_type is its language model's)."""
     max_position_embeddings: int = 0
     """The longest context the model was trained for; 0 when the config does not say."""
     rope_scaling: str = ""
@@ -261,6 +263,7 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
     """Read the shape out of a config.json mapping (language-model part for multimodal configs)."""
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json is not a JSON object")
+    outer_type = str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else ""
     cfg = _with_defaults(cfg)
     model_type = str(cfg.get("model_type", ""))
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
@@ -312,6 +315,7 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", default=0) if kv_lora else 0,
         v_head_dim=_int(cfg, "v_head_dim") if kv_lora else 0,
         vision_tower=isinstance(cfg.get("vision_config"), dict),
+        multimodal_type=outer_type,
         max_position_embeddings=_int(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", default=0),
         rope_scaling=_rope_scaling(cfg),
         **dict(zip(("sliding_window", "attention_chunk", "other_mixers"), sequence_mixing(cfg))),

@@ -64,6 +64,8 @@ def parse_source(entry: str) -> Source:
 class Record:
     where: str  # "file:line" or "hub-id[index]", for messages
     data: Any
+    base: str = ""
+    """The directory of the file it came from, where its relative image paths lead ("" for a hub record)."""
 
 
 def read_records(source: Source, rank: int, world: int, seed: int, max_record_bytes: int) -> Iterator[Record]:
@@ -85,7 +87,7 @@ def positioned_records(source: Source, rank: int, world: int, seed: int,
     for index, (where, raw) in enumerate(entries):
         position = position_of(index)
         if position is not None and position % world == rank:
-            yield position, Record(where, decode(where, raw))
+            yield position, Record(where, decode(where, raw), str(Path(source.name).parent))
 
 
 def _entries(source: Source, max_record_bytes: int) -> tuple["Entries", "Decode"]:
@@ -295,11 +297,13 @@ class Persona:
     columns: tuple[tuple[str, str], ...] = ()
     pairs: bool = False
     """Every record is a preference pair (`rlhf_type`): a prompt with a chosen and a rejected answer."""
+    images: bool = False
+    """The model reads images (a vision-language model): a record's `images` go where its `<image>` tags are."""
 
     @classmethod
-    def of(cls, spec) -> "Persona":
+    def of(cls, spec, images: bool = False) -> "Persona":
         return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()),
-                   spec.rlhf_type is not None)
+                   spec.rlhf_type is not None, images)
 
     def renamed(self, record: Record) -> Record:
         """The record with the job's `columns` renamed, as every reader of it sees it (the worker,
@@ -315,7 +319,7 @@ class Persona:
                 raise DataError(f"{record.where}: columns makes both {came_from[new]!r} and {key!r} the column "
                                 f"{new!r}; rename only one of them")
             data[new], came_from[new] = value, key
-        return Record(record.where, data)
+        return Record(record.where, data, record.base)
 
     def fill(self, where: str, text: str) -> str:
         """`text` with {{NAME}} and {{AUTHOR}} filled in: the first name for Chinese text and the
@@ -347,17 +351,27 @@ _CJK = re.compile("[\u3400-\u9fff\uf900-\ufaff]")
 def to_messages(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str, str]] | None, str | None]:
     """(chat messages, None) for chat-like records or (None, text) for plain text records, with
     the job's `persona` filled in. `record` is as `persona.renamed` gives it."""
-    messages, text = _content(record)
+    messages, text = _content(record, persona.images)
     if messages is None:
         return None, persona.fill(record.where, text)
     return persona.apply(record.where, messages), None
 
 
-def _content(record: Record) -> tuple[list[dict[str, str]] | None, str | None]:
+def _content(record: Record, images: bool = False) -> tuple[list[dict[str, str]] | None, str | None]:
     data = record.data
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record)
+    _text_only(record, images)
+    if images and data.get("images"):
+        messages, _ = _content(Record(record.where, {k: v for k, v in data.items() if k != "images"}, record.base))
+        if messages is None:
+            raise DataError(f"{record.where}: images need a conversation ('messages') whose <image> tags say where "
+                            "they go")
+        tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
+        if tags != len(record_images(record)):
+            raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its messages and {len(data['images'])} "
+                            f"image(s): each image needs a {IMAGE_TAG} tag where it goes")
+        return messages, None
     if "messages" in data or "conversations" in data:
         return _chat(record, data.get("messages", data.get("conversations"))), None
     system = data.get("system")
@@ -383,14 +397,30 @@ MEDIA_FIELDS = ("images", "videos", "audios")
 """ms-swift's and LLaMA-Factory's media beside a record's text (`<image>` tags in it mark where)."""
 
 
-def _text_only(record: Record) -> None:
-    """A record with media is refused by name: its text alone would train the `<image>` tags as
-    plain text, silently."""
+IMAGE_TAG = "<image>"
+
+
+def _text_only(record: Record, images: bool = False) -> None:
+    """A record with media the model does not read is refused by name: its text alone would train
+    the `<image>` tags as plain text, silently. `images`: the model reads images (not yet videos
+    or audio)."""
     for field in MEDIA_FIELDS:
-        if record.data.get(field):
-            raise DataError(f"{record.where}: a multimodal record ('{field}'): vision-language fine-tuning is not "
-                            "supported yet, and its text alone would train its <image>/<video> tags as plain text; "
-                            "give text-only records")
+        if not record.data.get(field) or (field == "images" and images):
+            continue
+        why = (f"{field} are not supported yet (images are)" if images else
+               "the model is not a vision-language model")
+        raise DataError(f"{record.where}: a multimodal record ('{field}'): {why}, and its text alone would train "
+                        "its <image>/<video> tags as plain text; give text-only records or a vision-language model")
+
+
+def record_images(record: Record) -> list[str]:
+    """The record's `images`, each a path read from its file's directory when relative (ms-swift's
+    and LLaMA-Factory's lists of paths)."""
+    images = record.data.get("images")
+    if not isinstance(images, list) or not all(isinstance(i, str) and i.strip() for i in images):
+        raise DataError(f"{record.where}: 'images' must be a list of image file paths")
+    return [os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i)
+            for i in images]
 
 
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -521,6 +551,27 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
         pretokenized(record)
     else:
         to_messages(record, persona)
+        if persona.images and isinstance(record.data, dict) and record.data.get("images"):
+            for path in record_images(record):
+                verify_image(record.where, path)
+
+
+def verify_image(where: str, path: str) -> None:
+    """Raise a DataError naming the record and the file if `path` is not a whole image PIL reads
+    (missing, not an image, truncated, or past PIL's decompression-bomb limit)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {path} not found (a relative path is read from the data file's "
+                        "directory)") from None
+    except Image.DecompressionBombError as exc:
+        raise DataError(f"{where}: image {path} is larger than PIL's decompression-bomb limit ({exc})") from None
+    except Exception as exc:  # PIL raises several types for a damaged file
+        raise DataError(f"{where}: image {path} is not a whole image PIL can read ({type(exc).__name__}: "
+                        f"{exc})") from None
 
 
 # ---- a bounded check of a local file before launch -------------------------------------------
@@ -617,7 +668,7 @@ def _jsonl_sample(path: Path, size: int, limit: int) -> Iterator[Record]:
             if raw is None:
                 raise _too_long(where, limit)
             if raw.strip():
-                yield Record(where, _decoded_line(where, raw))
+                yield Record(where, _decoded_line(where, raw), str(path.parent))
         read = f.tell()
         if read >= size:
             return
@@ -632,7 +683,7 @@ def _jsonl_sample(path: Path, size: int, limit: int) -> Iterator[Record]:
             if raw is None:
                 raise _too_long(where, limit)
             if raw.strip():
-                yield Record(where, _decoded_line(where, raw))
+                yield Record(where, _decoded_line(where, raw), str(path.parent))
 
 
 def _line_at(path: Path, offset: int) -> int:
@@ -655,7 +706,7 @@ def _json_sample(path: Path, size: int) -> Iterator[Record]:
     if len(entries) > SAMPLE_HEAD:
         chosen += sorted(random.Random(size).sample(range(SAMPLE_HEAD, len(entries)),
                                                     min(SAMPLE_RANDOM, len(entries) - SAMPLE_HEAD)))
-    return (Record(*entries[i]) for i in chosen)
+    return (Record(*entries[i], str(path.parent)) for i in chosen)
 
 
 def _csv_sample(path: Path, size: int) -> Iterator[Record]:
@@ -664,7 +715,7 @@ def _csv_sample(path: Path, size: int) -> Iterator[Record]:
         for count, (where, row) in enumerate(_csv_rows(path, f)):
             if count >= SAMPLE_HEAD:
                 break
-            yield Record(where, row)
+            yield Record(where, row, str(path.parent))
 
 
 def _parquet_sample(path: Path, head: bytes, persona: Persona) -> list[str]:
@@ -677,4 +728,4 @@ def _parquet_sample(path: Path, head: bytes, persona: Persona) -> list[str]:
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         return [f"{path}: cannot read parquet ({exc})"]
     rows = batch.to_pylist() if batch is not None else []
-    return _first_problems(path, (Record(f"{path}: row {i + 1}", row) for i, row in enumerate(rows)), persona)
+    return _first_problems(path, (Record(f"{path}: row {i + 1}", row, str(path.parent)) for i, row in enumerate(rows)), persona)

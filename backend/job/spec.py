@@ -178,6 +178,10 @@ class JobSpec(BaseModel):
     lora_rank: int = Field(8, ge=1, description="LoRA rank r.")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r).")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout.")
+    freeze_vit: bool = Field(True, description="Vision-language models: keep the vision tower's weights fixed (ms-swift's default); LoRA adapts the language model only.")
+    freeze_aligner: bool = Field(True, description="Vision-language models: keep the aligner (the merger from the vision tower into the language model) fixed.")
+    freeze_llm: bool = Field(False, description="Vision-language models, full fine-tuning: keep the language model fixed (train the vision side only).")
+    max_pixels: int | None = Field(None, ge=28 * 28, description="Vision-language models: images with more pixels are scaled down to this many (ms-swift's --max_pixels; a 448x448 image is 200704); empty: the model's image processor's limit.")
     adapters: list[str] = Field(default_factory=list, max_length=1, description="LoRA: train this saved adapter further (a directory with adapter_config.json: a run's checkpoint-N/model or a LoRA export); its rank, alpha and target modules are the adapter's, not lora_rank's and target_modules'.")
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="Modules that get adapters; 'all-linear' = every linear layer but the head.")
 

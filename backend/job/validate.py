@@ -264,10 +264,47 @@ def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
     return tuple(dir_problems(field, path))
 
 
-def _dataset_rules(spec: JobSpec) -> list[Problem]:
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The vision-language model types the worker trains (launcher.vision.FAMILIES)."""
+
+
+def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
+    """A vision-language model on what its training has been run with: DDP, DeepSpeed ZeRO and FSDP2,
+    LoRA on the language model or full fine-tuning with freeze_vit / freeze_aligner / freeze_llm;
+    the rest refused by name. A text model names the vision fields it ignores."""
+    if not model.vision_tower:
+        return [_warn(field, "ignored: the model is not a vision-language model")
+                for field in ("max_pixels", "freeze_llm") if getattr(spec, field)]
+    if model.multimodal_type not in VISION_FAMILIES:
+        return [Problem("model", f"{model.multimodal_type or 'this'} vision-language model: the worker trains "
+                                 f"{', '.join(VISION_FAMILIES)} so far (their images' token layout)")]
+    out = [Problem(field, f"not with a vision-language model yet: {why}; turn it off") for field, why in (
+        (capabilities.TP, "not tested"), (capabilities.PP, "its stages split the language model only"),
+        (capabilities.CP, "not tested"), (capabilities.SP, "not tested"), (capabilities.EP, "not tested"),
+        ("packing", "images are placed by each sample's own positions"), ("padding_free", "as packing"),
+        ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
+        ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
+        if _set(getattr(spec, field))]
+    if spec.train_type == "lora":
+        out += [Problem(field, "LoRA adapts the language model only so far: leave it on, or fine-tune fully")
+                for field in ("freeze_vit", "freeze_aligner") if not getattr(spec, field)]
+        if spec.freeze_llm:
+            out.append(Problem("freeze_llm", "LoRA adapts the language model: with it frozen nothing trains"))
+    elif spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
+        out.append(Problem("freeze_llm", "with freeze_vit and freeze_aligner too, nothing trains"))
+    return out
+
+
+def _set(value) -> bool:
+    """A switch that is on, a choice that is made, or a parallel degree above 1."""
+    return value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
+
+
+def _dataset_rules(spec: JobSpec, images: bool = False) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
-    usually is mounted here too), so a bad record shows before launch instead of after it."""
-    persona = records.Persona.of(spec)
+    usually is mounted here too), so a bad record shows before launch instead of after it.
+    `images`: the model is a vision-language model (its records may carry images)."""
+    persona = records.Persona.of(spec, images)
     out = [Problem(f"{field}[{i}]", message) for field, i, item in _data_entries(spec)
            for message in records.sample_problems(item, spec.max_record_bytes, persona)]
     if spec.streaming:
@@ -336,7 +373,6 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     problems += _engine_rules(spec, layout, ds_config)
     if cluster.is_local:
         problems += _local_path_rules(spec)
-    problems += _dataset_rules(spec)
     problems += _model_file_rules(spec)
     model, memory_note = model_config, ""
     if model is None:
@@ -349,10 +385,12 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
             if model is None:
                 memory_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
                               "or the hub cache).")
+    problems += _dataset_rules(spec, bool(model and model.vision_tower))
     memory = None
     if model is not None:
         trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains
         problems += _model_rules(trained, model, layout.world)
+        problems += _vision_rules(spec, model)
         if ds_error:
             memory_note = f"not estimated: {ds_error}"
         else:

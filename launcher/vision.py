@@ -1,0 +1,161 @@
+"""Vision-language models (transformers' image-text-to-text models): the image side of their data.
+
+A record's `<image>` tags become image parts of its messages, which the model's chat template
+renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`); each
+image's placeholder token is then repeated once per visual token the model gives that image, as
+the model's processor does: the image processor's patch count for the image's size (read from the
+file's header when tokenizing, so the cache holds the final ids), over the merge of patches into
+tokens. The pixels are decoded and processed per micro-batch. The processor class itself is not
+used: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video processor
+lookup fails), while the image processor falls back to its PIL backend."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import torch
+
+from backend.job.errors import UserError
+from backend.job.records import IMAGE_TAG, DataError
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Model types whose image placeholder is one token repeated per visual token (Qwen's)."""
+
+
+def is_vision(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_class(path: str):
+    """transformers' Auto class for the model at `path`: image-text-to-text for a vision-language
+    model, causal LM otherwise (raises OSError or ValueError as from_pretrained does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+
+
+def save_image_processor(source: str, out) -> None:
+    """A vision-language model's image processor saved beside its export (from_pretrained reads it there)."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    if is_vision(AutoConfig.from_pretrained(source)):
+        AutoImageProcessor.from_pretrained(source).save_pretrained(out)
+
+
+def with_image_parts(messages: list[dict]) -> list[dict]:
+    """String contents with `<image>` tags as content parts (image, text), as chat templates of
+    vision-language models take them."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if IMAGE_TAG not in content:
+            out.append(message)
+            continue
+        parts = []
+        for i, text in enumerate(content.split(IMAGE_TAG)):
+            if i:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({**message, "content": parts})
+    return out
+
+
+class Images:
+    """The model's image processor (`max_pixels` caps an image's size) and image placeholder token."""
+
+    def __init__(self, model_dir: str, config, max_pixels: int | None = None):
+        from transformers import AutoImageProcessor
+
+        if config.model_type not in FAMILIES:
+            raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
+                            f"(it does {', '.join(FAMILIES)})")
+        self.processor = AutoImageProcessor.from_pretrained(model_dir, **({"max_pixels": max_pixels} if max_pixels else {}))
+        self.token_id = config.image_token_id
+        self.merge = getattr(self.processor, "merge_size", 1)
+
+    def digest(self) -> str:
+        """What the visual token counts depend on (the tokenized cache's key)."""
+        return hashlib.sha256(json.dumps(self.processor.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+    def tokens(self, where: str, path: str) -> int:
+        """How many placeholder tokens the image at `path` takes (its header read, not its pixels)."""
+        with _opened(where, path) as image:
+            width, height = image.size
+        return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
+
+    def pixels(self, images: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+        """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
+        with): a count that no longer holds (the file changed since) is an error that names it."""
+        decoded = []
+        for path, _ in images:
+            with _opened("training data", path) as image:
+                try:
+                    decoded.append(image.convert("RGB"))
+                except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
+                    raise DataError(f"training data: image {path} cannot be decoded ({exc})") from None
+        out = self.processor(images=decoded, return_tensors="pt")
+        grid = out["image_grid_thw"]
+        for (path, tokens), thw in zip(images, grid.tolist()):
+            if thw[0] * thw[1] * thw[2] // self.merge ** 2 != tokens:
+                raise DataError(f"training data: image {path} is not the size it had when the data was tokenized; "
+                                "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+    def runs(self, ids: list[int]) -> list[int]:
+        """The lengths of the image placeholder runs in `ids`: each image's token count, in order."""
+        out, run = [], 0
+        for token in ids + [None]:
+            if token == self.token_id:
+                run += 1
+            elif run:
+                out.append(run)
+                run = 0
+        return out
+
+
+class _opened:
+    """An image file opened lazily by PIL, its failures named by record and path."""
+
+    def __init__(self, where: str, path: str):
+        self.where, self.path = where, path
+
+    def __enter__(self):
+        from PIL import Image
+
+        try:
+            self.image = Image.open(self.path)
+        except FileNotFoundError:
+            raise DataError(f"{self.where}: image {self.path} not found (a relative path is read from the data "
+                            "file's directory)") from None
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{self.where}: image {self.path} is larger than PIL's decompression-bomb limit "
+                            f"({exc})") from None
+        except (Image.UnidentifiedImageError, OSError) as exc:
+            raise DataError(f"{self.where}: image {self.path} is not an image PIL can read ({exc})") from None
+        return self.image
+
+    def __exit__(self, *exc) -> None:
+        self.image.close()
+
+
+def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:
+    """(vision tower, aligner, language model) of a Qwen-family vision-language model: the
+    `visual` module less its mergers, its mergers (patch merger, and Qwen3-VL's deepstack ones),
+    and the language model with its head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    visual = base.model.visual
+    aligner = [m for name in ("merger", "deepstack_merger_list") if (m := getattr(visual, name, None)) is not None]
+    vit = [m for m in visual.children() if all(m is not a for a in aligner)]
+    return vit, aligner, [base.model.language_model, base.lm_head]
+
+
+def language_linears(model) -> str:
+    """peft's target_modules (a regex over module names) for every linear layer of the language
+    model but its head: what 'all-linear' means for a vision-language model whose tower is frozen."""
+    language = vision_parts(model)[2][0]
+    prefix = next(name for name, module in model.named_modules() if module is language)
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in language.named_modules()
+                    if isinstance(module, torch.nn.Linear)})
+    return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, names))})"

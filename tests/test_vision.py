@@ -1,0 +1,158 @@
+"""Vision-language models (a tiny Qwen2.5-VL from a config): records with images tokenized with
+each image's visual tokens, their problems named by file:line, the pixels reaching the model, what
+is not run with them refused by name, and real training on DDP, FSDP2 and ZeRO-2 that exports."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from backend.job.records import DataError, Persona, Record, sample_problems
+from backend.job.spec import JobSpec
+from backend.job.validate import errors, validate
+from launcher.data import IGNORE, Batches, encode, one_per_row
+from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl"))
+
+
+@pytest.fixture(scope="module")
+def images(tiny_vl):
+    from transformers import AutoConfig
+
+    from launcher.vision import Images
+
+    return Images(str(tiny_vl), AutoConfig.from_pretrained(tiny_vl))
+
+
+def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(tmp_path, tiny_vl, images):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    data = colour_images(tmp_path / "data", 4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    records = [Record(f"{data}:{i + 1}", json.loads(line), str(tmp_path / "data"))
+               for i, line in enumerate(open(data))]
+    samples = [encode(r, tokenizer, 96, Persona(images=True), images) for r in records]
+    for sample, record in zip(samples, records):
+        path = str(tmp_path / "data" / record.data["images"][0])
+        assert sample.images == [path]
+        runs = images.runs(sample.input_ids)
+        assert runs == [images.tokens(record.where, path)] and runs[0] > 1  # 56 x 56 px: 4 patches of 28 px
+        at = sample.input_ids.index(images.token_id)
+        assert all(label == IGNORE for label in sample.labels[at:at + runs[0]])
+        answer = tokenizer.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE])
+        assert answer.startswith(record.data["messages"][1]["content"])
+    assert images.runs(samples[0].input_ids) != images.runs(samples[1].input_ids)  # 56 and 84 px wide
+    batches = Batches(lambda members: [samples[m] for m in members], one_per_row(4), 4, 1, 1, 0,
+                      tokenizer.pad_token_id, False, 96)
+    batches.media = images
+    batch, _, _ = batches.batch_of([0, 1, 2, 3])
+    assert "position_ids" not in batch  # the model places its image tokens itself (its multimodal rope)
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6], [1, 4, 8], [1, 4, 4]]
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    with torch.no_grad():
+        seen = model(**batch).loss
+        blank = model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss
+    assert abs(seen - blank) > 1e-4  # the pixels reach the loss
+
+
+def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, images):
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "data"
+    good = json.loads(open(colour_images(data, 1)).readline())
+    (data / "truncated.png").write_bytes((data / "0.png").read_bytes()[:60])
+    (data / "text.png").write_text("not an image")
+    bad = [{**good, "images": ["0.png", "0.png"]}, {**good, "images": ["missing.png"]},
+           {**good, "images": ["truncated.png"]}, {**good, "images": ["text.png"]}, {**good, "images": "0.png"},
+           {**good, "videos": ["clip.mp4"]}]
+    (data / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    problems = sample_problems(str(data / "bad.jsonl"), 1 << 20, Persona(images=True))
+    where = f"{data / 'bad.jsonl'}"
+    assert problems[:3] == [
+        f"{where}:1: 1 <image> tag(s) in its messages and 2 image(s): each image needs a <image> tag where it goes",
+        f"{where}:2: image {data / 'missing.png'} not found (a relative path is read from the data file's directory)",
+        f"{where}:3: image {data / 'truncated.png'} is not a whole image PIL can read " + problems[2].split("read ", 1)[1]]
+    assert problems[3] == f"{where}: 3 more bad records among the 6 checked"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    with pytest.raises(DataError, match=r"bad.jsonl:4: image .*text.png is not an image PIL can read"):
+        encode(Record(f"{where}:4", bad[3], str(data)), tokenizer, 96, Persona(images=True), images)
+    with pytest.raises(DataError, match=r":5: 'images' must be a list of image file paths"):
+        encode(Record(f"{where}:5", bad[4], str(data)), tokenizer, 96, Persona(images=True), images)
+    with pytest.raises(DataError, match=r":6: a multimodal record \('videos'\): videos are not supported yet"):
+        encode(Record(f"{where}:6", bad[5], str(data)), tokenizer, 96, Persona(images=True), images)
+    # an image cut off by max_length would not match its pixels: the record is dropped (counted)
+    assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
+
+
+def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path, tiny_vl):
+    data = colour_images(tmp_path / "data", 4)
+    base = dict(model=str(tiny_vl), dataset=[data], nproc_per_node=2)
+
+    def refused(**fields) -> dict[str, str]:
+        return {p.field: p.message for p in errors(validate(JobSpec(**{**base, **fields})))}
+
+    assert refused() == {}
+    assert refused(train_type="full", fsdp="full_shard") == {} and refused(train_type="full", deepspeed="zero2") == {}
+    assert refused(packing=True)["packing"].startswith("not with a vision-language model yet")
+    assert "not with a vision-language model yet" in refused(deepspeed="zero2", sequence_parallel_size=2)[
+        "sequence_parallel_size"]
+    assert refused(freeze_vit=False)["freeze_vit"].startswith("LoRA adapts the language model only so far")
+    assert "nothing trains" in refused(train_type="full", freeze_llm=True)["freeze_llm"]
+    # a text model's job names the image records it cannot read, by file:line
+    text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
+            if p.field == "dataset[0]"][0]
+    assert text.startswith(f"{data}:1: a multimodal record ('images'): the model is not a vision-language model")
+
+
+@pytest.mark.e2e
+def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exports(tmp_path, tiny_vl):
+    """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
+    loss falls; full fine-tuning of the language model on FSDP2 and on ZeRO-2 trains DDP's losses (two
+    ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
+    lower loss than the base model."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from launcher.vision import Images
+
+    data = colour_images(tmp_path / "data", 32)
+    common = dict(model=str(tiny_vl), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
+                  lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
+    lora = write_run(tmp_path / "lora", **common, train_type="lora", per_device_train_batch_size=4, learning_rate=5e-2,
+                     max_steps=8, save_steps=8)
+    full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no")
+    ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
+    fsdp, zero2 = tmp_path / "fsdp2", tmp_path / "zero2"
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=ddp),
+                             planned(fsdp, **full, per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
+                             planned(zero2, **full, per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2)],
+                            400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    curve = losses(lora)
+    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    for run in (fsdp, zero2):
+        for step, value in losses(run).items():
+            assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
+    trained = {e["step"] for e in events(fsdp, 0, "train")}
+    assert trained == {1, 2, 3}
+
+    from launcher.export import export
+
+    out = export(lora, None, tmp_path / "exported")["out"]
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    exported = Images(out, model.config)  # its image processor, saved beside the weights
+    sample = encode(Record(f"{data}:1", json.loads(open(data).readline()), str(tmp_path / "data")),
+                    AutoTokenizer.from_pretrained(out), 96, Persona(images=True), exported)
+    batch = Batches(lambda members: [sample], one_per_row(1), 1, 1, 1, 0, 0, False, 96)
+    batch.media = exported
+    inputs, _, _ = batch.batch_of([0])
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    with torch.no_grad():
+        assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
+    shutil.rmtree(tmp_path / "cache")
