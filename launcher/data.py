@@ -264,7 +264,10 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
     if media is not None:
+        # the model places its image tokens itself (multimodal rope), from the token types the
+        # processor would give: 1 at image tokens (transformers 5.24 computes none without them)
         del batch["position_ids"]
+        batch["mm_token_type_ids"] = (batch["input_ids"] == media.token_id).int()
         images = [(path, count) for r in rows for path, count in zip(r.images, media.runs(r.input_ids))]
         if images:
             batch.update(media.pixels(images))

@@ -15,9 +15,9 @@ from launcher.data import IGNORE, Batches, encode, one_per_row
 from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
 
 
-@pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory):
-    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def tiny_vl(request, tmp_path_factory):
+    return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
         path = str(tmp_path / "data" / record.data["images"][0])
         assert sample.images == [path]
         runs = images.runs(sample.input_ids)
-        assert runs == [images.tokens(record.where, path)] and runs[0] > 1  # 56 x 56 px: 4 patches of 28 px
+        assert runs == [images.tokens(record.where, path)] and runs[0] > 1
         at = sample.input_ids.index(images.token_id)
         assert all(label == IGNORE for label in sample.labels[at:at + runs[0]])
         answer = tokenizer.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE])
@@ -53,12 +53,22 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
     batches.media = images
     batch, _, _ = batches.batch_of([0, 1, 2, 3])
     assert "position_ids" not in batch  # the model places its image tokens itself (its multimodal rope)
-    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6], [1, 4, 8], [1, 4, 4]]
+    assert batch["mm_token_type_ids"].tolist() == (batch["input_ids"] == images.token_id).int().tolist()
+    grids = batch["image_grid_thw"]
+    assert (grids.prod(-1) // images.merge ** 2).tolist() == [images.runs(s.input_ids)[0] for s in samples]
+    assert batch["pixel_values"].shape[0] == grids.prod(-1).sum()
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
     with torch.no_grad():
         seen = model(**batch).loss
         blank = model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss
+        # transformers 5.24 computes the multimodal rope only from the token types (as the processor
+        # gives them): without, Qwen2.5-VL places image tokens as text, Qwen3-VL refuses
+        try:
+            unplaced = model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).loss
+        except ValueError:
+            unplaced = None
     assert abs(seen - blank) > 1e-4  # the pixels reach the loss
+    assert unplaced is None or abs(seen - unplaced) > 1e-4  # and the image tokens their 2-D positions
 
 
 def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, images):
@@ -110,8 +120,13 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert text.startswith(f"{data}:1: a multimodal record ('images'): the model is not a vision-language model")
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen25_vl(tmp_path_factory):
+    return build_tiny_vl_model(tmp_path_factory.mktemp("qwen2_5_vl-e2e"))
+
+
 @pytest.mark.e2e
-def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exports(tmp_path, tiny_vl):
+def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exports(tmp_path, tiny_qwen25_vl):
     """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
     loss falls; full fine-tuning of the language model on FSDP2 and on ZeRO-2 trains DDP's losses (two
     ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
@@ -122,7 +137,7 @@ def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exp
     from launcher.vision import Images
 
     data = colour_images(tmp_path / "data", 32)
-    common = dict(model=str(tiny_vl), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
+    common = dict(model=str(tiny_qwen25_vl), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
                   lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
     lora = write_run(tmp_path / "lora", **common, train_type="lora", per_device_train_batch_size=4, learning_rate=5e-2,
                      max_steps=8, save_steps=8)
@@ -152,7 +167,7 @@ def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exp
     batch = Batches(lambda members: [sample], one_per_row(1), 1, 1, 1, 0, 0, False, 96)
     batch.media = exported
     inputs, _, _ = batch.batch_of([0])
-    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(tiny_qwen25_vl, dtype=torch.float32)
     with torch.no_grad():
         assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
     shutil.rmtree(tmp_path / "cache")

@@ -48,31 +48,38 @@ VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role']
                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def build_tiny_vl_model(out: Path) -> Path:
-    """A tiny Qwen2.5-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random, seeded) with the
-    demo tokenizer plus Qwen's vision tokens and a chat template that renders image parts, and
-    Qwen2-VL's image processor (its PIL backend: no torchvision here) limited to 16 patches of 28 px."""
+def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
+    """A tiny Qwen2.5-VL or Qwen3-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random,
+    seeded) with the demo tokenizer plus Qwen's vision tokens and a chat template that renders image
+    parts, and Qwen2-VL's image processor (its PIL backend: no torchvision here) limited to 16 patches
+    of 28 px (Qwen3-VL: 16 px patches, as its own)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = VL_TEMPLATE
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(out)
+    patch = 14 if family == "qwen2_5_vl" else 16
+    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=(2 * patch) ** 2 * 4,
+                             max_pixels=(2 * patch) ** 2 * 16).save_pretrained(out)
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    config = Qwen2_5_VLConfig(
-        text_config=dict(**TINY, vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1], in_chans=3),
-        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-        tie_word_embeddings=True)
+    text = dict(**TINY, vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
+                  patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+    else:  # qwen3_vl
+        text.update(head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+        vision.update(deepstack_visual_indexes=[1], num_position_embeddings=64)
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
+                                  video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                                  tie_word_embeddings=True)
     torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     return out
 
 
