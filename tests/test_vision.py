@@ -126,10 +126,10 @@ def tiny_qwen25_vl(tmp_path_factory):
 
 
 @pytest.mark.e2e
-def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exports(tmp_path, tiny_qwen25_vl):
+def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_and_exports(tmp_path, tiny_qwen25_vl):
     """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
-    loss falls; full fine-tuning of the language model on FSDP2 and on ZeRO-2 trains DDP's losses (two
-    ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
+    loss falls; full fine-tuning of the language model on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
+    (two ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
     lower loss than the base model."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -143,15 +143,16 @@ def test_a_vision_language_model_trains_on_images_on_ddp_fsdp2_and_zero2_and_exp
                      max_steps=8, save_steps=8)
     full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no")
     ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
-    fsdp, zero2 = tmp_path / "fsdp2", tmp_path / "zero2"
+    fsdp, zero2, zero3 = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3"
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=ddp),
                              planned(fsdp, **full, per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
-                             planned(zero2, **full, per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2)],
+                             planned(zero2, **full, per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
+                             planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2)],
                             400):
         assert proc.returncode == 0, proc.log[-4000:]
     curve = losses(lora)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
-    for run in (fsdp, zero2):
+    for run in (fsdp, zero2, zero3):
         for step, value in losses(run).items():
             assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
     trained = {e["step"] for e in events(fsdp, 0, "train")}
