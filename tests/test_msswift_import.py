@@ -665,3 +665,17 @@ def test_the_flag_list_in_the_docs_is_what_the_import_does(command, honoured, no
     wrong = [f for section in honoured for f in flags_of(section) if ignored(f)]
     wrong += [f for section in not_honoured for f in flags_of(section) if not ignored(f)]
     assert wrong == [], wrong
+
+
+def test_a_vision_language_command_keeps_its_freezes_and_image_size():
+    """ms-swift's Qwen2.5-VL example: the freezes and --max_pixels become the job's fields, and its
+    MAX_PIXELS environment variable (which ms-swift's Qwen-VL templates read) max_pixels where no flag sets it."""
+    spec, result = imported("""MAX_PIXELS=1003520 CUDA_VISIBLE_DEVICES=0 swift sft --model Qwen/Qwen2.5-VL-7B-Instruct \\
+        --dataset AI-ModelScope/LaTeX_OCR#20000 --train_type lora --freeze_vit true --freeze_aligner false \\
+        --torch_dtype bfloat16""")
+    assert (spec.freeze_vit, spec.freeze_aligner, spec.max_pixels, spec.env) == (True, False, 1003520,
+                                                                              {"CUDA_VISIBLE_DEVICES": "0"})
+    assert "MAX_PIXELS=1003520 -> max_pixels (a --max_pixels flag takes precedence)" in result.notes
+    spec, _ = imported("MAX_PIXELS=1003520 swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl "
+                       "--max_pixels 602112")
+    assert spec.max_pixels == 602112

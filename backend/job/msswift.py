@@ -230,6 +230,9 @@ def import_command(text: str) -> ImportResult:
             result.spec[LAUNCH_ENV[name]] = value
         elif name in CLUSTER_ENV:
             result.notes.append(f"{name}={value}: set by the cluster (hostfile) and planner")
+        elif name == "MAX_PIXELS" and value.isdigit():  # ms-swift's Qwen-VL templates read it (its examples set it)
+            result.spec["max_pixels"] = value
+            result.notes.append(f"MAX_PIXELS={value} -> max_pixels (a --max_pixels flag takes precedence)")
         else:
             result.spec.setdefault("env", {})[name] = value
     pending: dict[str, str] = {}
