@@ -172,3 +172,28 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     with torch.no_grad():
         assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
     shutil.rmtree(tmp_path / "cache")
+
+
+def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds_them(tiny_vl):
+    """modelcfg's count of a Qwen-VL family's vision tower, aligner and language model is the built
+    model's (Qwen2-VL's too, from a config); full fine-tuning trains what the freezes leave."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from backend.job.memory import trainable_params
+    from backend.job.modelcfg import parse_model_config
+    from launcher.vision import vision_parts
+
+    qwen2 = AutoConfig.for_model(
+        "qwen2_vl", text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=400,
+                                     rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=4, patch_size=14))
+    for config in (AutoConfig.from_pretrained(tiny_vl), qwen2):
+        parts = vision_parts(AutoModelForImageTextToText.from_config(config))
+        built = [sum(p.numel() for p in {id(p): p for m in part for p in m.parameters()}.values()) for part in parts]
+        parsed = parse_model_config(config.to_dict())
+        assert built == [parsed.vision_params, parsed.aligner_params, parsed.param_count()], config.model_type
+        job = dict(model="m", dataset=["d"], train_type="full")
+        assert trainable_params(JobSpec(**job), parsed) == built[2]
+        assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_aligner=False), parsed) == sum(built)
+        assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_llm=True), parsed) == built[0]

@@ -134,9 +134,12 @@ def adapts_stacked_params(spec: JobSpec, model: ModelConfig) -> bool:
 
 
 def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
-    """Full fine-tuning: every parameter. LoRA: r x (in + out) per adapter, as peft builds them."""
+    """Full fine-tuning: every parameter (a vision-language model's parts that freeze_vit,
+    freeze_aligner and freeze_llm leave). LoRA: r x (in + out) per adapter, as peft builds them."""
     if spec.train_type == "full":
-        return model.param_count()
+        return sum(count for count, frozen in ((model.param_count(), spec.freeze_llm and model.vision_tower),
+                                               (model.vision_params, spec.freeze_vit),
+                                               (model.aligner_params, spec.freeze_aligner)) if not frozen)
     return sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
 
 
@@ -306,7 +309,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces. `zero`: the job's
     DeepSpeed settings where the caller has them, so a user JSON is not read again."""
     layout = layout or compute_layout(spec)
-    total = model.param_count()
+    total = model.param_count() + model.vision_params + model.aligner_params
     trainable = trainable_params(spec, model)
     model_parallel = layout.tp * layout.pp
     # transformers' EP lays the experts over the same FSDP x TP ranks as the dense weights (EP groups
@@ -365,8 +368,13 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
                      "ZeRO shards over all ranks")
     if spec.train_type == "lora":
         notes.append(f"LoRA: {trainable / 1e6:.1f}M trainable of {total / 1e6:.0f}M parameters")
-    if model.vision_tower:
-        notes.append("the language model only: its vision tower is not counted")
+    if model.vision_tower and not model.vision_params:
+        notes.append("the language model only: its vision tower is not counted (a family whose tower's size is "
+                     "not known here)")
+    elif model.vision_tower:
+        notes.append(f"vision tower {model.vision_params / 1e6:.0f}M and aligner {model.aligner_params / 1e6:.1f}M "
+                     "parameters counted; images take their visual tokens of max_length (their own activations in "
+                     "the tower are not counted)")
     activations, activations_on_host = _activation_bytes(spec, model, layout)
     if spec.padding_free and spec.attn_impl not in ("flash_attention_2", "flash_attention_3", "flex_attention"):
         # transformers builds one boolean mask over the whole flattened row for sdpa and eager

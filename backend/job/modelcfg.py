@@ -28,8 +28,8 @@ from backend.job.jsonfile import read_json
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 BUNDLED_DIR = ASSETS / "model_configs"
 # Model types whose attention projections q/k/v carry a bias although config.json does not say so.
-QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
 # Gemma-2/3 layers norm before and after both attention and the MLP.
 FOUR_NORM_TYPES = ("gemma2", "gemma3_text")
 # One qkv_proj and one gate_up_proj per layer instead of q/k/v and gate/up.
@@ -118,6 +118,10 @@ class ModelConfig:
     """A multimodal config: the counts here are its language model's (the tower is not counted)."""
     multimodal_type: str = ""
     """A multimodal config's own model_type (model_type is its language model's)."""
+    vision_params: int = 0
+    """The vision tower's parameters (a Qwen-VL family's; 0 where the config's family is not known)."""
+    aligner_params: int = 0
+    """The aligner's (the patch mergers into the language model)."""
     max_position_embeddings: int = 0
     """The longest context the model was trained for; 0 when the config does not say."""
     rope_scaling: str = ""
@@ -259,11 +263,47 @@ def _with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**MODEL_TYPE_DEFAULTS.get(cfg.get("model_type"), {}), **cfg}
 
 
+def vision_tower_params(family: str, vision: dict[str, Any]) -> tuple[int, int]:
+    """(vision tower, aligner) parameters of a Qwen-VL family's vision_config, as transformers
+    builds the modules (tests/test_vision.py counts the built ones); (0, 0) for other families."""
+    try:
+        if family == "qwen2_vl":  # LayerNorms with biases, a 2-matrix MLP of mlp_ratio
+            h, depth, ratio = int(vision["embed_dim"]), int(vision["depth"]), float(vision.get("mlp_ratio", 4))
+            i, out = int(h * ratio), int(vision["hidden_size"])
+            norms, mlp, bias = 4 * h, 2 * h * i + i + h, False
+        elif family in ("qwen2_5_vl", "qwen3_vl"):
+            h, depth, i = int(vision["hidden_size"]), int(vision["depth"]), int(vision["intermediate_size"])
+            out = int(vision["out_hidden_size"])
+            if family == "qwen2_5_vl":  # RMSNorms, a SwiGLU MLP
+                norms, mlp, bias = 2 * h, 3 * h * i + 2 * i + h, False
+            else:  # LayerNorms, a 2-matrix MLP, a biased patch embedding
+                norms, mlp, bias = 4 * h, 2 * h * i + i + h, True
+        else:
+            return 0, 0
+        patch, temporal = int(vision.get("patch_size", 14)), int(vision.get("temporal_patch_size", 2))
+        channels = int(vision.get("in_chans", vision.get("in_channels", 3)))
+        merged = h * int(vision.get("spatial_merge_size", 2)) ** 2
+    except (KeyError, TypeError, ValueError):
+        return 0, 0
+    tower = channels * temporal * patch * patch * h + (h if bias else 0)
+    tower += depth * (norms + 3 * h * h + 3 * h + h * h + h + mlp)
+    merger = merged * merged + merged + merged * out + out
+    if family == "qwen2_5_vl":
+        aligner = h + merger
+    else:
+        aligner = 2 * h + merger
+    if family == "qwen3_vl":
+        tower += int(vision.get("num_position_embeddings", 0)) * h
+        aligner += len(vision.get("deepstack_visual_indexes") or []) * (2 * merged + merger)
+    return tower, aligner
+
+
 def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
     """Read the shape out of a config.json mapping (language-model part for multimodal configs)."""
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json is not a JSON object")
     outer_type = str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else ""
+    vision, aligner = vision_tower_params(outer_type, cfg.get("vision_config") or {})
     cfg = _with_defaults(cfg)
     model_type = str(cfg.get("model_type", ""))
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
@@ -316,6 +356,8 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         v_head_dim=_int(cfg, "v_head_dim") if kv_lora else 0,
         vision_tower=isinstance(cfg.get("vision_config"), dict),
         multimodal_type=outer_type,
+        vision_params=vision,
+        aligner_params=aligner,
         max_position_embeddings=_int(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", default=0),
         rope_scaling=_rope_scaling(cfg),
         **dict(zip(("sliding_window", "attention_chunk", "other_mixers"), sequence_mixing(cfg))),
