@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 
 import numpy as np
@@ -27,18 +28,42 @@ MEASURED = 1000  # records per dataset whose token lengths are measured (the fir
 UNCUT = 1 << 30  # a max_length no record reaches: the length before truncation
 
 
-def segments(tokenizer, sample: Sample) -> list[tuple[str, bool]]:
-    """The sample's text in runs of tokens that carry loss (True) or do not."""
+def segments(tokenizer, sample: Sample, image_token: int | None = None) -> list[tuple[str, bool]]:
+    """The sample's text in runs of tokens that carry loss (True) or do not; an image's run of
+    placeholder tokens shown once with its count."""
     runs, start = [], 0
     trained = [label != IGNORE for label in sample.labels]
+    placeholder = tokenizer.convert_ids_to_tokens(image_token) if image_token is not None else None
     for end in range(1, len(sample.input_ids) + 1):
         if end == len(sample.input_ids) or trained[end] != trained[start]:
-            runs.append((tokenizer.decode(sample.input_ids[start:end]), trained[start]))
+            text = tokenizer.decode(sample.input_ids[start:end])
+            if placeholder:
+                text = re.sub(f"(?:{re.escape(placeholder)})+",
+                              lambda m: f"{placeholder}×{len(m.group()) // len(placeholder)}", text)
+            runs.append((text, trained[start]))
             start = end
     return runs
 
 
-def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
+THUMBNAIL_PX = 96
+
+
+def thumbnail(path: str) -> str:
+    """A small PNG of the image as a data: URI (made here, so the page shows no file of the user's as such)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+        out = io.BytesIO()
+        image.convert("RGB").save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) -> dict:
+    """`images`: a vision-language model's `launcher.vision.Images` (its records' images counted and shown)."""
     source = parse_source(entry)
     out = {"entry": entry, "count": None, "measured": 0, "truncated": 0, "dropped": 0, "lengths": [],
            "samples": [], "error": None}
@@ -49,7 +74,7 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
             out["count"] = selected_count(source, spec.max_record_bytes, spec.seed)
             records = (record for _, record in positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes))
         for record in itertools.islice(records, MEASURED):
-            whole = encode(record, tokenizer, UNCUT, persona)
+            whole = encode(record, tokenizer, UNCUT, persona, images)
             if isinstance(whole, Pair):  # a preference pair: shown and measured by its chosen answer
                 whole = whole.chosen
             out["measured"] += 1
@@ -62,15 +87,16 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona) -> dict:
             elif len(out["samples"]) < SHOWN:
                 cut = Sample(whole.input_ids[:spec.max_length], whole.labels[:spec.max_length])
                 out["samples"].append({"where": record.where, "tokens": len(cut.input_ids),
-                                       "segments": segments(tokenizer, cut)})
+                                       "segments": segments(tokenizer, cut, images and images.token_id),
+                                       "images": [thumbnail(path) for path in whole.images]})
     except DataError as exc:
         out["error"] = str(exc)
     return out
 
 
-def preview(spec, tokenizer) -> dict:
-    persona = Persona.of(spec)
-    datasets = [dataset_preview(entry, spec, tokenizer, persona) for entry in spec.dataset]
+def preview(spec, tokenizer, images=None) -> dict:
+    persona = Persona.of(spec, images is not None)
+    datasets = [dataset_preview(entry, spec, tokenizer, persona, images) for entry in spec.dataset]
     kept = np.array([min(n, spec.max_length) for d in datasets for n in d["lengths"] if n > 1], dtype=np.int64)
     packed_fill = row_fill = None
     if len(kept):
@@ -83,14 +109,18 @@ def preview(spec, tokenizer) -> dict:
 def main() -> int:
     import yaml
 
+    from backend.job.errors import UserError
     from launcher.model import ModelError, load_tokenizer
+    from launcher.vision import Images, model_config
 
     try:
         spec, problems = parse_spec(yaml.safe_load(sys.stdin.read()) or {})
         if spec is None:
             raise ValueError("; ".join(str(p) for p in problems))
-        result = preview(spec, load_tokenizer(spec.model))
-    except (ValueError, ModelError, yaml.YAMLError) as exc:
+        config = model_config(spec.model)
+        images = Images(spec.model, config, spec.max_pixels) if config is not None else None
+        result = preview(spec, load_tokenizer(spec.model), images)
+    except (ValueError, ModelError, UserError, yaml.YAMLError) as exc:
         result = {"error": str(exc)}
     print(json.dumps(result))
     return 0

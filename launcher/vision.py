@@ -27,6 +27,18 @@ def is_vision(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def model_config(path: str):
+    """The model's transformers config where it is a vision-language model, else None (also where
+    it cannot be read: loading the tokenizer names that)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    return config if is_vision(config) else None
+
+
 def auto_class(path: str):
     """transformers' Auto class for the model at `path`: image-text-to-text for a vision-language
     model, causal LM otherwise (raises OSError or ValueError as from_pretrained does)."""

@@ -31,8 +31,11 @@ def preview_html(result: dict) -> str:
         for s in d["samples"]:
             text = "".join(f'<mark class="loss">{html.escape(t)}</mark>' if trained else html.escape(t)
                            for t, trained in s["segments"])
+            # thumbnails the preview made itself (data: URIs of PNGs); anything else is not shown
+            thumbs = "".join(f'<img class="preview-image" alt="image {i + 1}" src="{html.escape(uri)}">'
+                             for i, uri in enumerate(s.get("images") or []) if uri.startswith("data:image/png;base64,"))
             samples.append(f'<div class="preview-where">{html.escape(s["where"])} · {s["tokens"]} tokens</div>'
-                           f'<pre class="preview-sample">{text}</pre>')
+                           f'{thumbs}<pre class="preview-sample">{text}</pre>')
         parts.append(f'<div class="preview-dataset"><b>{name}</b>: {html.escape(summary)}{"".join(samples)}</div>')
     fill = (f'Rows of max_length {max_length}: one sample per row fills {_pct(result["row_fill"])} of them; packing '
             f'would fill {_pct(result["packed_fill"])} (packing is {"on" if result["packing"] else "off"}).')

@@ -197,3 +197,35 @@ def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds
         assert trainable_params(JobSpec(**job), parsed) == built[2]
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_aligner=False), parsed) == sum(built)
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_llm=True), parsed) == built[0]
+
+
+def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens(tmp_path, tiny_vl, images):
+    """The Train tab's preview of a vision-language job: each shown record's images as thumbnails the
+    preview made (PNG data: URIs, nothing of the user's referenced), its placeholder run shown once
+    with its count; the lengths are the worker's, image tokens included."""
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from launcher.preview import preview
+    from studio.preview_view import preview_html
+
+    data = colour_images(tmp_path / "data", 4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    spec = JobSpec(model=str(tiny_vl), dataset=[data], max_length=96)
+    dataset, = preview(spec, tokenizer, images)["datasets"]
+    assert dataset["error"] is None and dataset["count"] == 4 and len(dataset["samples"]) == 3
+    first = dataset["samples"][0]
+    uri, = first["images"]
+    thumb = Image.open(io.BytesIO(base64.b64decode(uri.removeprefix("data:image/png;base64,"))))
+    assert thumb.format == "PNG" and max(thumb.size) <= 96
+    prompt = "".join(text for text, trained in first["segments"] if not trained)
+    placeholder = tokenizer.convert_ids_to_tokens(images.token_id)
+    tokens = images.tokens("", str(tmp_path / "data" / "0.png"))
+    assert f"<|vision_start|>{placeholder}×{tokens}<|vision_end|>What colour is it?" in prompt
+    assert dataset["lengths"][0] == first["tokens"] > tokens
+    page = preview_html({"max_length": 96, "packing": False, "row_fill": 0.5, "packed_fill": 0.9,
+                         "datasets": [{**dataset, "samples": [{**first, "images": [uri, "https://example.com/x.png"]}]}]})
+    assert page.count("<img ") == 1 and "example.com" not in page
