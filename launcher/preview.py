@@ -53,9 +53,9 @@ def thumbnail(path: str) -> str:
     import base64
     import io
 
-    from PIL import Image
+    from backend.job.records import open_image
 
-    with Image.open(path) as image:
+    with open_image("preview", path) as image:
         image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         out = io.BytesIO()
         image.convert("RGB").save(out, format="PNG")

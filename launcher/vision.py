@@ -17,7 +17,7 @@ import re
 import torch
 
 from backend.job.errors import UserError
-from backend.job.records import IMAGE_TAG, DataError
+from backend.job.records import IMAGE_TAG, DataError, open_image
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Model types whose image placeholder is one token repeated per visual token (Qwen's)."""
@@ -93,7 +93,7 @@ class Images:
 
     def tokens(self, where: str, path: str) -> int:
         """How many placeholder tokens the image at `path` takes (its header read, not its pixels)."""
-        with _opened(where, path) as image:
+        with open_image(where, path) as image:
             width, height = image.size
         return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
 
@@ -102,16 +102,16 @@ class Images:
         with): a count that no longer holds (the file changed since) is an error that names it."""
         decoded = []
         for path, _ in images:
-            with _opened("training data", path) as image:
+            with open_image("training data", path) as image:
                 try:
                     decoded.append(image.convert("RGB"))
                 except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
-                    raise DataError(f"training data: image {path} cannot be decoded ({exc})") from None
+                    raise DataError(f"training data: image {_shown(path)} cannot be decoded ({exc})") from None
         out = self.processor(images=decoded, return_tensors="pt")
         grid = out["image_grid_thw"]
         for (path, tokens), thw in zip(images, grid.tolist()):
             if thw[0] * thw[1] * thw[2] // self.merge ** 2 != tokens:
-                raise DataError(f"training data: image {path} is not the size it had when the data was tokenized; "
+                raise DataError(f"training data: image {_shown(path)} is not the size it had when the data was tokenized; "
                                 "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
 
@@ -127,29 +127,8 @@ class Images:
         return out
 
 
-class _opened:
-    """An image file opened lazily by PIL, its failures named by record and path."""
-
-    def __init__(self, where: str, path: str):
-        self.where, self.path = where, path
-
-    def __enter__(self):
-        from PIL import Image
-
-        try:
-            self.image = Image.open(self.path)
-        except FileNotFoundError:
-            raise DataError(f"{self.where}: image {self.path} not found (a relative path is read from the data "
-                            "file's directory)") from None
-        except Image.DecompressionBombError as exc:
-            raise DataError(f"{self.where}: image {self.path} is larger than PIL's decompression-bomb limit "
-                            f"({exc})") from None
-        except (Image.UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"{self.where}: image {self.path} is not an image PIL can read ({exc})") from None
-        return self.image
-
-    def __exit__(self, *exc) -> None:
-        self.image.close()
+def _shown(image: str) -> str:
+    return image if not image.startswith("data:") else "inline (data: URI)"
 
 
 def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:

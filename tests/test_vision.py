@@ -96,6 +96,16 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
         encode(Record(f"{where}:5", bad[4], str(data)), tokenizer, 96, Persona(images=True), images)
     with pytest.raises(DataError, match=r":6: a multimodal record \('videos'\): videos are not supported yet"):
         encode(Record(f"{where}:6", bad[5], str(data)), tokenizer, 96, Persona(images=True), images)
+    # an image inline (base64, as ms-swift takes them) reads as its file does; a bad one is named
+    import base64
+
+    inline = {**good, "images": ["data:image/png;base64," + base64.b64encode((data / "0.png").read_bytes()).decode()]}
+    from_file = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
+    assert encode(Record(f"{where}:7", inline, str(data)), tokenizer, 96, Persona(images=True), images).input_ids == \
+        from_file.input_ids
+    with pytest.raises(DataError, match=r":8: image inline \(data: URI\) is not base64"):
+        encode(Record(f"{where}:8", {**good, "images": ["data:image/png;base64,#!"]}, str(data)), tokenizer, 96,
+               Persona(images=True), images)
     # an image cut off by max_length would not match its pixels: the record is dropped (counted)
     assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
 

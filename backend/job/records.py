@@ -415,12 +415,39 @@ def _text_only(record: Record, images: bool = False) -> None:
 
 def record_images(record: Record) -> list[str]:
     """The record's `images`, each a path read from its file's directory when relative (ms-swift's
-    and LLaMA-Factory's lists of paths)."""
+    and LLaMA-Factory's lists of paths), or an image inline as a `data:image/...;base64,` URI."""
     images = record.data.get("images")
     if not isinstance(images, list) or not all(isinstance(i, str) and i.strip() for i in images):
-        raise DataError(f"{record.where}: 'images' must be a list of image file paths")
-    return [os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i)
-            for i in images]
+        raise DataError(f"{record.where}: 'images' must be a list of image file paths or data:image URIs")
+    return [i if i.startswith("data:") else
+            os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i) for i in images]
+
+
+def open_image(where: str, image: str):
+    """PIL's lazy image of a path or a `data:image/...;base64,` URI, its failures named by record."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    shown = image if not image.startswith("data:") else "inline (data: URI)"
+    try:
+        if image.startswith("data:"):
+            head, _, payload = image.partition(",")
+            if not head.startswith("data:image/") or not head.endswith(";base64"):
+                raise DataError(f"{where}: image {head[:40]!r}...: an inline image must be a data:image/...;base64, URI")
+            return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        return Image.open(image)
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {shown} not found (a relative path is read from the data file's "
+                        "directory)") from None
+    except binascii.Error as exc:
+        raise DataError(f"{where}: image {shown} is not base64 ({exc})") from None
+    except Image.DecompressionBombError as exc:
+        raise DataError(f"{where}: image {shown} is larger than PIL's decompression-bomb limit ({exc})") from None
+    except (Image.UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"{where}: image {shown} is not an image PIL can read ({exc})") from None
 
 
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -557,21 +584,15 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
 
 
 def verify_image(where: str, path: str) -> None:
-    """Raise a DataError naming the record and the file if `path` is not a whole image PIL reads
-    (missing, not an image, truncated, or past PIL's decompression-bomb limit)."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
+    """Raise a DataError naming the record and the file if `path` (or an inline image) is not a
+    whole image PIL reads (missing, not an image, truncated, or past PIL's decompression-bomb limit)."""
+    with open_image(where, path) as image:
+        try:
             image.verify()
-    except FileNotFoundError:
-        raise DataError(f"{where}: image {path} not found (a relative path is read from the data file's "
-                        "directory)") from None
-    except Image.DecompressionBombError as exc:
-        raise DataError(f"{where}: image {path} is larger than PIL's decompression-bomb limit ({exc})") from None
-    except Exception as exc:  # PIL raises several types for a damaged file
-        raise DataError(f"{where}: image {path} is not a whole image PIL can read ({type(exc).__name__}: "
-                        f"{exc})") from None
+        except Exception as exc:  # PIL raises several types for a damaged file
+            shown = path if not path.startswith("data:") else "inline (data: URI)"
+            raise DataError(f"{where}: image {shown} is not a whole image PIL can read ({type(exc).__name__}: "
+                            f"{exc})") from None
 
 
 # ---- a bounded check of a local file before launch -------------------------------------------
