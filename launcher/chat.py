@@ -145,7 +145,8 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
     for model in (tuned, base):
         if model is not None:
             model.to(device).eval()
-    max_positions = getattr(tuned.config, "max_position_embeddings", None)
+    # a vision-language model's is its language model's
+    max_positions = getattr(getattr(tuned.config, "text_config", None) or tuned.config, "max_position_embeddings", None)
     info = {"source": source, "path": str(path), "kind": kind, "base": spec.model,
             "base_from": "the same model with its LoRA adapter disabled" if base is None else spec.model,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from backend.job.chat import EXPORT_DIR, EXPORT_MARKER
 from backend.job.records import with_system
 from launcher import checkpoint
-from launcher.engines.base import load_full_state_dict, read_safetensors
+from launcher.engines.base import load_full_state_dict, read_safetensors, saved_state
 
 
 
@@ -80,7 +80,8 @@ def trained_model(ckpt: Path, base: str, dtype: torch.dtype = torch.float32):
             return PeftModel.from_pretrained(model, ckpt / "model")
         except (OSError, ValueError, SafetensorError) as exc:  # an old marker checked nothing: a damaged file
             raise ExportError(f"{ckpt / 'model'}: the LoRA adapter cannot be read ({exc})") from None
-    state = {k: v.to(dtype) for k, v in full_state_dict(ckpt).items()}
+    state = {k: v.to(dtype) for k, v in (saved_state(model, ckpt / "model") if read_safetensors(ckpt / "model")
+                                         else full_state_dict(ckpt)).items()}
     missing, unexpected = load_full_state_dict(model, state)
     if missing or unexpected:
         raise ExportError(f"{ckpt}: weights do not match {base} (missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -154,7 +155,7 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
     if isinstance(base_dtype, str):
         base_dtype = getattr(torch, base_dtype)
     try:
-        write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt, spec.model))
+        write_export(out, lambda new: _save(model.to(base_dtype), tokenizer, new, ckpt, spec))
     except (OSError, SafetensorError) as exc:  # a full disk, a quota
         raise ExportError(f"{out}: writing the export failed ({exc})") from None
     prompt = sample_prompt(spec)
@@ -163,12 +164,12 @@ def export(run_dir: Path, ref: str | None = None, out: Path | None = None) -> di
             "sample": sample, "lora_merged": is_lora(ckpt)}
 
 
-def _save(model, tokenizer, new: Path, ckpt: Path, base: str) -> None:
+def _save(model, tokenizer, new: Path, ckpt: Path, spec) -> None:
     from launcher.vision import save_image_processor
 
     model.save_pretrained(new, safe_serialization=True)
     tokenizer.save_pretrained(new)
-    save_image_processor(base, new)
+    save_image_processor(spec.model, new, spec.max_pixels)
     (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt), "files": _files(new)}) + "\n")
 
 

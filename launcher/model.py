@@ -102,8 +102,8 @@ def add_lora(model, spec):
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
-    if targets == "all-linear" and is_vision(model.config):
-        targets = language_linears(model)
+    if is_vision(model.config):
+        targets = language_linears(model, None if targets == "all-linear" else targets)
     config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from backend.job.capabilities import seq_multiple, transformers_plan
+from backend.job.dsconfig import zero_settings
 from backend.job.errors import UserError
 from backend.job.limits import collective_timeout_s
 from backend.job.planner import STOP_BUDGET_ENV, STOP_BUDGET_S
@@ -248,6 +249,8 @@ class Trainer:
             failure = exc
         self._stop_for_data_errors(failure, "found a bad record")
         (tokenized, mine, rows, dropped), val = shards
+        if self.images is not None:
+            self._refuse_mixed_images(tokenized, mine)
         # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
         (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
@@ -263,6 +266,25 @@ class Trainer:
         plan = Plan(per_epoch, data.total_steps(spec.max_steps, spec.num_train_epochs, per_epoch))
         return (self._batches(tokenized, mine, rows, spec.per_device_train_batch_size, per_epoch), plan,
                 self._validation(val))
+
+    def _refuse_mixed_images(self, tokenized, mine) -> None:
+        """Records with images beside records without, where a micro-batch without images would
+        skip the vision tower that the other ranks run through collectives (FSDP2's and ZeRO-3's
+        gathers, FSDP2's reduction of a trained tower's gradients) and hang them: refused by name.
+        LoRA on DDP and ZeRO-0/1/2 (the tower frozen) run them."""
+        import pyarrow.compute as pc
+
+        spec = self.spec
+        zero = zero_settings(spec)
+        sharded = bool(spec.fsdp) or (zero is not None and zero.stage == 3) or (spec.train_type == "full"
+                                                                              and not spec.deepspeed)
+        counts = pc.list_value_length(tokenized.table.column("images")).to_numpy(zero_copy_only=False)[mine]
+        (with_images, without), _ = self.dist.all_reduce([float((counts > 0).sum()), float((counts == 0).sum())], "sum")
+        if sharded and with_images and without:
+            raise data.DataError(f"dataset: {int(without)} records have no image beside {int(with_images)} that do: "
+                                 "on this engine (FSDP2, ZeRO-3, or full fine-tuning's DDP layout, which runs on "
+                                 "FSDP2) a micro-batch without an image would leave the other ranks waiting in the "
+                                 "vision tower; give every record an image, or train LoRA on DDP or use ZeRO-0/1/2")
 
     def _stop_for_data_errors(self, failure: "data.DataError | None", what: str) -> None:
         """Every rank learns about any rank's data error, so all stop before training. The ranks

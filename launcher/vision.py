@@ -20,6 +20,7 @@ from backend.job.errors import UserError
 from backend.job.records import IMAGE_TAG, DataError, open_image
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ORIENTATION = 0x0112  # the EXIF tag
 """Model types whose image placeholder is one token repeated per visual token (Qwen's)."""
 
 
@@ -47,12 +48,13 @@ def auto_class(path: str):
     return AutoModelForImageTextToText if is_vision(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
 
 
-def save_image_processor(source: str, out) -> None:
-    """A vision-language model's image processor saved beside its export (from_pretrained reads it there)."""
+def save_image_processor(source: str, out, max_pixels: int | None = None) -> None:
+    """A vision-language model's image processor saved beside its export (from_pretrained reads it
+    there), with the `max_pixels` it was trained with."""
     from transformers import AutoConfig, AutoImageProcessor
 
     if is_vision(AutoConfig.from_pretrained(source)):
-        AutoImageProcessor.from_pretrained(source).save_pretrained(out)
+        AutoImageProcessor.from_pretrained(source, **({"max_pixels": max_pixels} if max_pixels else {})).save_pretrained(out)
 
 
 def with_image_parts(messages: list[dict]) -> list[dict]:
@@ -95,16 +97,24 @@ class Images:
         """How many placeholder tokens the image at `path` takes (its header read, not its pixels)."""
         with open_image(where, path) as image:
             width, height = image.size
-        return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
+            if image.getexif().get(ORIENTATION) in (5, 6, 7, 8):  # shown turned a quarter (`pixels` turns it)
+                width, height = height, width
+        try:
+            return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
+        except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
+            raise DataError(f"{where}: image {_shown(path)}: {exc}") from None
 
     def pixels(self, images: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
         with): a count that no longer holds (the file changed since) is an error that names it."""
+        from PIL import ImageOps
+
         decoded = []
         for path, _ in images:
             with open_image("training data", path) as image:
                 try:
-                    decoded.append(image.convert("RGB"))
+                    # turned as its EXIF orientation says, as transformers' load_image shows it at inference
+                    decoded.append(ImageOps.exif_transpose(image).convert("RGB"))
                 except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
                     raise DataError(f"training data: image {_shown(path)} cannot be decoded ({exc})") from None
         out = self.processor(images=decoded, return_tensors="pt")
@@ -142,11 +152,12 @@ def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], l
     return vit, aligner, [base.model.language_model, base.lm_head]
 
 
-def language_linears(model) -> str:
-    """peft's target_modules (a regex over module names) for every linear layer of the language
-    model but its head: what 'all-linear' means for a vision-language model whose tower is frozen."""
+def language_linears(model, names: list[str] | None = None) -> str:
+    """peft's target_modules (a regex over module names) for the language model's linear layers
+    named `names` (by their last name part; None: all but its head, what 'all-linear' means here):
+    LoRA stays off the vision tower, whose blocks share names like `gate_proj`."""
     language = vision_parts(model)[2][0]
     prefix = next(name for name, module in model.named_modules() if module is language)
-    names = sorted({name.rsplit(".", 1)[-1] for name, module in language.named_modules()
-                    if isinstance(module, torch.nn.Linear)})
+    names = names or sorted({name.rsplit(".", 1)[-1] for name, module in language.named_modules()
+                             if isinstance(module, torch.nn.Linear)})
     return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, names))})"

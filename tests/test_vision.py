@@ -15,7 +15,7 @@ from launcher.data import IGNORE, Batches, encode, one_per_row
 from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def tiny_vl(request, tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -78,6 +78,11 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
     good = json.loads(open(colour_images(data, 1)).readline())
     (data / "truncated.png").write_bytes((data / "0.png").read_bytes()[:60])
     (data / "text.png").write_text("not an image")
+    from PIL import Image
+
+    Image.new("RGB", (96, 64), (200, 30, 30)).save(data / "photo.jpg")
+    (data / "half.jpg").write_bytes((data / "photo.jpg").read_bytes()[:300])  # its header whole, its pixels not
+    Image.new("RGB", (600, 2)).save(data / "thin.png")
     bad = [{**good, "images": ["0.png", "0.png"]}, {**good, "images": ["missing.png"]},
            {**good, "images": ["truncated.png"]}, {**good, "images": ["text.png"]}, {**good, "images": "0.png"},
            {**good, "videos": ["clip.mp4"]}]
@@ -106,8 +111,50 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
     with pytest.raises(DataError, match=r":8: image inline \(data: URI\) is not base64"):
         encode(Record(f"{where}:8", {**good, "images": ["data:image/png;base64,#!"]}, str(data)), tokenizer, 96,
                Persona(images=True), images)
+    # what validation's sampled check and the worker both name: a JPEG cut short (PIL's verify() alone
+    # passes it), a side over 200 times the other (the processor refuses it), a FIFO (a read would block),
+    # tags without images, an image in an answer or after the last one
+    import os
+
+    os.mkfifo(data / "pipe.png")
+    turns = [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "red"}]
+    more = [{**good, "images": ["half.jpg"]}, {**good, "images": ["thin.png"]}, {**good, "images": ["pipe.png"]},
+            {**good, "images": []}, {"messages": [turns[0], {"role": "assistant", "content": "<image>red"}],
+                                     "images": ["0.png"]},
+            {"messages": turns + [{"role": "user", "content": "<image>And this?"}], "images": ["0.png"]}]
+    (data / "more.jsonl").write_text("".join(json.dumps(r) + "\n" for r in more))
+    named = [p.split(": ", 1)[1] for p in sample_problems(str(data / "more.jsonl"), 1 << 20, Persona(images=True))]
+    assert named[0].startswith(f"image {data / 'half.jpg'} is not ") and "PIL can read" in named[0]
+    assert named[1] == (f"image {data / 'thin.png'} is 600x2: a side over 200 times the other, which the model's "
+                        "image processor refuses")
+    assert named[2] == f"image {data / 'pipe.png'} is a FIFO (named pipe): reading it would wait for a writer"
+    assert named[3] == "3 more bad records among the 6 checked"
+    for i, message in ((3, r"1 <image> tag\(s\) in its messages and 0 image\(s\)"),
+                       (4, r"an <image> tag in an assistant answer \(message 2\)"),
+                       (5, r"an <image> tag after the last assistant answer \(message 3\)")):
+        with pytest.raises(DataError, match=f":{i + 1}: {message}"):
+            encode(Record(f"{where}:{i + 1}", more[i], str(data)), tokenizer, 96, Persona(images=True), images)
+    with pytest.raises(DataError, match=r"thin.png: absolute aspect ratio must be smaller than 200"):
+        encode(Record(f"{where}:2", more[1], str(data)), tokenizer, 96, Persona(images=True), images)
     # an image cut off by max_length would not match its pixels: the record is dropped (counted)
     assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
+
+
+def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny_vl):
+    """'all-linear' and named targets alike: the vision tower's blocks have gate/up/down projections
+    too, and LoRA stays off them (freeze_vit)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.model import add_lora
+
+    for targets in (["all-linear"], ["gate_proj", "up_proj", "down_proj"]):
+        model = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                         JobSpec(model="m", dataset=["d"], target_modules=targets))
+        adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+        assert adapted and all(".language_model." in n for n in adapted), (targets, sorted(adapted)[:3])
+        if targets != ["all-linear"]:
+            assert {n.rsplit(".", 1)[-1] for n in adapted} == set(targets)
 
 
 def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path, tiny_vl):
@@ -144,6 +191,7 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from launcher.export import export
     from launcher.vision import Images
 
     data = colour_images(tmp_path / "data", 32)
@@ -153,13 +201,22 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
                      max_steps=8, save_steps=8)
     full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no")
     ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
-    fsdp, zero2, zero3 = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3"
-    for proc in run_workers([dict(run_dir=lora), dict(run_dir=ddp),
+    fsdp, zero2, zero3, mixed = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3", tmp_path / "mixed"
+    # half the records without an image: FSDP2 would hang its ranks in the vision tower, so the run stops first
+    texts = tmp_path / "data" / "mixed.jsonl"
+    texts.write_text("".join(line if i % 2 else json.dumps({"query": "Name a colour.", "response": "red"}) + "\n"
+                             for i, line in enumerate(open(data))))
+    *trained_runs, refused = run_workers([dict(run_dir=lora), dict(run_dir=ddp),
                              planned(fsdp, **full, per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
-                             planned(zero2, **full, per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
-                             planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2)],
-                            400):
+                             planned(zero2, **{**full, "save_strategy": "steps"}, save_steps=3,
+                                     per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
+                             planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2),
+                             planned(mixed, **{**full, "dataset": [str(texts)]}, per_device_train_batch_size=2,
+                                     fsdp="full_shard", nproc_per_node=2)], 400)
+    for proc in trained_runs:
         assert proc.returncode == 0, proc.log[-4000:]
+    assert refused.returncode != 0 and "dataset: 16 records have no image beside 16 that do: on this engine (FSDP2" \
+        in refused.log, refused.log[-3000:]
     curve = losses(lora)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
     for run in (fsdp, zero2, zero3):
@@ -167,8 +224,15 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
             assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
     trained = {e["step"] for e in events(fsdp, 0, "train")}
     assert trained == {1, 2, 3}
-
-    from launcher.export import export
+    # ZeRO-2's full checkpoint (saved under transformers' checkpoint names) exports: the language model
+    # trained, the vision tower as it was (freeze_vit)
+    full_export = export(zero2, None, tmp_path / "zero2-export")["out"]
+    before = AutoModelForImageTextToText.from_pretrained(tiny_qwen25_vl, dtype=torch.float32).state_dict()
+    after = AutoModelForImageTextToText.from_pretrained(full_export, dtype=torch.float32).state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before if ".visual." in k)
+    assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
+                           after["model.language_model.layers.0.mlp.up_proj.weight"])
 
     out = export(lora, None, tmp_path / "exported")["out"]
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)

@@ -49,7 +49,7 @@ VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role']
 
 
 def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
-    """A tiny Qwen2.5-VL or Qwen3-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random,
+    """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random,
     seeded) with the demo tokenizer plus Qwen's vision tokens and a chat template that renders image
     parts, and Qwen2-VL's image processor (its PIL backend: no torchvision here) limited to 16 patches
     of 28 px (Qwen3-VL: 16 px patches, as its own)."""
@@ -61,7 +61,7 @@ def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = VL_TEMPLATE
     tokenizer.save_pretrained(out)
-    patch = 14 if family == "qwen2_5_vl" else 16
+    patch = 16 if family == "qwen3_vl" else 14
     Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=(2 * patch) ** 2 * 4,
                              max_pixels=(2 * patch) ** 2 * 16).save_pretrained(out)
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
@@ -69,7 +69,11 @@ def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
                   patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
-    if family == "qwen2_5_vl":
+    if family == "qwen2_vl":  # its tower's width is embed_dim, its hidden_size the language model's
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+        vision = dict(depth=2, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=2, mlp_ratio=2,
+                      patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
+    elif family == "qwen2_5_vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
         vision.update(window_size=56, fullatt_block_indexes=[1])
     else:  # qwen3_vl

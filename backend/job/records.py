@@ -362,15 +362,22 @@ def _content(record: Record, images: bool = False) -> tuple[list[dict[str, str]]
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
     _text_only(record, images)
-    if images and data.get("images"):
+    if images and (data.get("images") or IMAGE_TAG in json.dumps(data.get("messages", data.get("conversations")))):
         messages, _ = _content(Record(record.where, {k: v for k, v in data.items() if k != "images"}, record.base))
         if messages is None:
             raise DataError(f"{record.where}: images need a conversation ('messages') whose <image> tags say where "
                             "they go")
+        count = len(record_images(record)) if data.get("images") is not None else 0
         tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
-        if tags != len(record_images(record)):
-            raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its messages and {len(data['images'])} "
-                            f"image(s): each image needs a {IMAGE_TAG} tag where it goes")
+        if tags != count:
+            raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its messages and {count} image(s): each "
+                            f"image needs a {IMAGE_TAG} tag where it goes")
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        for i, m in enumerate(messages):
+            if IMAGE_TAG in m["content"] and (m["role"] == "assistant" or i > last):
+                where = "in an assistant answer" if m["role"] == "assistant" else "after the last assistant answer"
+                raise DataError(f"{record.where}: an {IMAGE_TAG} tag {where} (message {i + 1}): images go in the "
+                                "turns the answers are trained on")
         return messages, None
     if "messages" in data or "conversations" in data:
         return _chat(record, data.get("messages", data.get("conversations"))), None
@@ -438,6 +445,11 @@ def open_image(where: str, image: str):
             if not head.startswith("data:image/") or not head.endswith(";base64"):
                 raise DataError(f"{where}: image {head[:40]!r}...: an inline image must be a data:image/...;base64, URI")
             return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        problem = not_a_regular_file(image)  # a FIFO would block the read
+        if problem == "not found":
+            raise FileNotFoundError(image)
+        if problem:
+            raise DataError(f"{where}: image {image} {problem}")
         return Image.open(image)
     except FileNotFoundError:
         raise DataError(f"{where}: image {shown} not found (a relative path is read from the data file's "
@@ -583,16 +595,25 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
                 verify_image(record.where, path)
 
 
+MAX_IMAGE_RATIO = 200
+"""The longest side over the shortest that Qwen-VL's image processors take (their smart_resize)."""
+
+
 def verify_image(where: str, path: str) -> None:
     """Raise a DataError naming the record and the file if `path` (or an inline image) is not a
-    whole image PIL reads (missing, not an image, truncated, or past PIL's decompression-bomb limit)."""
+    whole image PIL decodes (missing, not a regular file, not an image, truncated, past PIL's
+    decompression-bomb limit) or has a side over MAX_IMAGE_RATIO times the other."""
+    shown = path if not path.startswith("data:") else "inline (data: URI)"
     with open_image(where, path) as image:
         try:
-            image.verify()
+            image.load()  # decoded whole: verify() alone passes a truncated JPEG
         except Exception as exc:  # PIL raises several types for a damaged file
-            shown = path if not path.startswith("data:") else "inline (data: URI)"
             raise DataError(f"{where}: image {shown} is not a whole image PIL can read ({type(exc).__name__}: "
                             f"{exc})") from None
+        width, height = image.size
+    if max(width, height) > MAX_IMAGE_RATIO * min(width, height):
+        raise DataError(f"{where}: image {shown} is {width}x{height}: a side over {MAX_IMAGE_RATIO} times the other, "
+                        "which the model's image processor refuses")
 
 
 # ---- a bounded check of a local file before launch -------------------------------------------

@@ -385,7 +385,8 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
             if model is None:
                 memory_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
                               "or the hub cache).")
-    problems += _dataset_rules(spec, bool(model and model.vision_tower))
+    # a model whose config cannot be read here may read images: the worker, which loads it, decides
+    problems += _dataset_rules(spec, model is None or model.vision_tower)
     memory = None
     if model is not None:
         trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains

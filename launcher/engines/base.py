@@ -226,6 +226,20 @@ def load_weights(model, path: Path) -> None:
         if unexpected:
             raise ValueError(f"{path}: adapter keys not in the model: {unexpected[:5]}")
         return
-    missing, unexpected = load_full_state_dict(model, read_safetensors(path))
+    missing, unexpected = load_full_state_dict(model, saved_state(model, path))
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def saved_state(model, path: Path) -> dict[str, torch.Tensor]:
+    """The weights `save_pretrained` wrote in `path`, named as `model` names them. transformers 5
+    writes some models under their checkpoint names (Qwen-VL's `visual.*` and `model.layers.*` for
+    `model.visual.*` and `model.language_model.layers.*`), which only from_pretrained maps back: where
+    the file's names are not the model's, it is read that way (on the CPU, in the file's dtype)."""
+    state = read_safetensors(path)
+    names = set(model.state_dict())
+    if set(state) <= names:
+        return state
+    from launcher.vision import auto_class
+
+    return auto_class(str(path)).from_pretrained(path, dtype="auto").state_dict()
