@@ -303,3 +303,17 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
     page = preview_html({"max_length": 96, "packing": False, "row_fill": 0.5, "packed_fill": 0.9,
                          "datasets": [{**dataset, "samples": [{**first, "images": [uri, "https://example.com/x.png"]}]}]})
     assert page.count("<img ") == 1 and "example.com" not in page
+
+
+def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
+    """The image processor saved beside an export limits images to the run's max_pixels, so the
+    exported model is shown images as it was trained on them."""
+    from transformers import AutoImageProcessor
+
+    from launcher.vision import save_image_processor
+
+    save_image_processor(str(tiny_vl), tmp_path / "as-is")
+    save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
+    assert AutoImageProcessor.from_pretrained(tmp_path / "as-is").size["longest_edge"] == \
+        AutoImageProcessor.from_pretrained(tiny_vl).size["longest_edge"] > 56 * 56
+    assert AutoImageProcessor.from_pretrained(tmp_path / "capped").size["longest_edge"] == 56 * 56
