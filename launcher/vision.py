@@ -17,11 +17,10 @@ import re
 import torch
 
 from backend.job.errors import UserError
-from backend.job.records import IMAGE_TAG, DataError, open_image
+from backend.job.modelcfg import VISION_FAMILIES
+from backend.job.records import IMAGE_TAG, DataError, open_image, shown_image
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 ORIENTATION = 0x0112  # the EXIF tag
-"""Model types whose image placeholder is one token repeated per visual token (Qwen's)."""
 
 
 def is_vision(config) -> bool:
@@ -51,9 +50,9 @@ def auto_class(path: str):
 def save_image_processor(source: str, out, max_pixels: int | None = None) -> None:
     """A vision-language model's image processor saved beside its export (from_pretrained reads it
     there), with the `max_pixels` it was trained with."""
-    from transformers import AutoConfig, AutoImageProcessor
+    from transformers import AutoImageProcessor
 
-    if is_vision(AutoConfig.from_pretrained(source)):
+    if model_config(source) is not None:
         AutoImageProcessor.from_pretrained(source, **({"max_pixels": max_pixels} if max_pixels else {})).save_pretrained(out)
 
 
@@ -82,9 +81,9 @@ class Images:
     def __init__(self, model_dir: str, config, max_pixels: int | None = None):
         from transformers import AutoImageProcessor
 
-        if config.model_type not in FAMILIES:
+        if config.model_type not in VISION_FAMILIES:
             raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
-                            f"(it does {', '.join(FAMILIES)})")
+                            f"(it does {', '.join(VISION_FAMILIES)})")
         self.processor = AutoImageProcessor.from_pretrained(model_dir, **({"max_pixels": max_pixels} if max_pixels else {}))
         self.token_id = config.image_token_id
         self.merge = getattr(self.processor, "merge_size", 1)
@@ -102,7 +101,7 @@ class Images:
         try:
             return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
         except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
-            raise DataError(f"{where}: image {_shown(path)}: {exc}") from None
+            raise DataError(f"{where}: image {shown_image(path)}: {exc}") from None
 
     def pixels(self, images: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
@@ -116,12 +115,12 @@ class Images:
                     # turned as its EXIF orientation says, as transformers' load_image shows it at inference
                     decoded.append(ImageOps.exif_transpose(image).convert("RGB"))
                 except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
-                    raise DataError(f"training data: image {_shown(path)} cannot be decoded ({exc})") from None
+                    raise DataError(f"training data: image {shown_image(path)} cannot be decoded ({exc})") from None
         out = self.processor(images=decoded, return_tensors="pt")
         grid = out["image_grid_thw"]
         for (path, tokens), thw in zip(images, grid.tolist()):
             if thw[0] * thw[1] * thw[2] // self.merge ** 2 != tokens:
-                raise DataError(f"training data: image {_shown(path)} is not the size it had when the data was tokenized; "
+                raise DataError(f"training data: image {shown_image(path)} is not the size it had when the data was tokenized; "
                                 "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
 
@@ -135,10 +134,6 @@ class Images:
                 out.append(run)
                 run = 0
         return out
-
-
-def _shown(image: str) -> str:
-    return image if not image.startswith("data:") else "inline (data: URI)"
 
 
 def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:

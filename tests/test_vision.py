@@ -136,6 +136,11 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
             encode(Record(f"{where}:{i + 1}", more[i], str(data)), tokenizer, 96, Persona(images=True), images)
     with pytest.raises(DataError, match=r"thin.png: absolute aspect ratio must be smaller than 200"):
         encode(Record(f"{where}:2", more[1], str(data)), tokenizer, 96, Persona(images=True), images)
+    # an image replaced by a larger one after tokenizing (the cache holds the old count) stops the run by path
+    replaced = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
+    Image.new("RGB", (168, 168)).save(data / "0.png")
+    with pytest.raises(DataError, match=r"image .*0.png is not the size it had when the data was tokenized"):
+        images.pixels([(replaced.images[0], images.runs(replaced.input_ids)[0])])
     # an image cut off by max_length would not match its pixels: the record is dropped (counted)
     assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
 

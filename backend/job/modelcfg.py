@@ -28,6 +28,9 @@ from backend.job.jsonfile import read_json
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 BUNDLED_DIR = ASSETS / "model_configs"
 # Model types whose attention projections q/k/v carry a bias although config.json does not say so.
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The vision-language model types the worker trains: their image placeholder is one token repeated
+per visual token (Qwen's)."""
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
 # Gemma-2/3 layers norm before and after both attention and the MLP.

@@ -430,6 +430,11 @@ def record_images(record: Record) -> list[str]:
             os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i) for i in images]
 
 
+def shown_image(image: str) -> str:
+    """An image as a message names it: its path, or "inline" for a data: URI (not its bytes)."""
+    return image if not image.startswith("data:") else "inline (data: URI)"
+
+
 def open_image(where: str, image: str):
     """PIL's lazy image of a path or a `data:image/...;base64,` URI, its failures named by record."""
     import base64
@@ -438,7 +443,7 @@ def open_image(where: str, image: str):
 
     from PIL import Image
 
-    shown = image if not image.startswith("data:") else "inline (data: URI)"
+    shown = shown_image(image)
     try:
         if image.startswith("data:"):
             head, _, payload = image.partition(",")
@@ -603,7 +608,7 @@ def verify_image(where: str, path: str) -> None:
     """Raise a DataError naming the record and the file if `path` (or an inline image) is not a
     whole image PIL decodes (missing, not a regular file, not an image, truncated, past PIL's
     decompression-bomb limit) or has a side over MAX_IMAGE_RATIO times the other."""
-    shown = path if not path.startswith("data:") else "inline (data: URI)"
+    shown = shown_image(path)
     with open_image(where, path) as image:
         try:
             image.load()  # decoded whole: verify() alone passes a truncated JPEG

@@ -25,7 +25,7 @@ from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
-from backend.job.modelcfg import ModelConfig, ModelConfigError, find_model_config
+from backend.job.modelcfg import VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
 from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
@@ -264,8 +264,6 @@ def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
     return tuple(dir_problems(field, path))
 
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""The vision-language model types the worker trains (launcher.vision.FAMILIES)."""
 
 
 def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
