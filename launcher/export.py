@@ -80,7 +80,8 @@ def trained_model(ckpt: Path, base: str, dtype: torch.dtype = torch.float32):
             return PeftModel.from_pretrained(model, ckpt / "model")
         except (OSError, ValueError, SafetensorError) as exc:  # an old marker checked nothing: a damaged file
             raise ExportError(f"{ckpt / 'model'}: the LoRA adapter cannot be read ({exc})") from None
-    state = {k: v.to(dtype) for k, v in (saved_state(model, ckpt / "model") if read_safetensors(ckpt / "model")
+    saved = read_safetensors(ckpt / "model")  # read once: a full model's weights are gigabytes
+    state = {k: v.to(dtype) for k, v in (saved_state(model, ckpt / "model", saved) if saved
                                          else full_state_dict(ckpt)).items()}
     missing, unexpected = load_full_state_dict(model, state)
     if missing or unexpected:

@@ -231,12 +231,13 @@ def load_weights(model, path: Path) -> None:
         raise ValueError(f"{path}: checkpoint does not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
-def saved_state(model, path: Path) -> dict[str, torch.Tensor]:
+def saved_state(model, path: Path, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The weights `save_pretrained` wrote in `path`, named as `model` names them. transformers 5
     writes some models under their checkpoint names (Qwen-VL's `visual.*` and `model.layers.*` for
     `model.visual.*` and `model.language_model.layers.*`), which only from_pretrained maps back: where
-    the file's names are not the model's, it is read that way (on the CPU, in the file's dtype)."""
-    state = read_safetensors(path)
+    the file's names are not the model's, it is read that way (on the CPU, in the file's dtype).
+    `state`: the files' weights where the caller has read them already."""
+    state = read_safetensors(path) if state is None else state
     names = set(model.state_dict())
     if set(state) <= names:
         return state
