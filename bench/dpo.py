@@ -44,7 +44,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
-from throughput import ROOT, build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
+from throughput import ROOT, _first_error, build_model_dir, estimated_gib, run_error, torchrun_argv  # noqa: E402
 
 TRL = Path(__file__).resolve().parent / "trl_dpo.py"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -85,13 +85,6 @@ def our_job(model: Path, pairs: Path, seq: int, bsz: int, steps: int, lora: bool
                    lora_rank=16, lora_alpha=32, lora_dropout=0.0), **fields}
 
 
-def last_error(output: str) -> str:
-    """The end of a failed run's output, where Python prints the exception (torchrun's summary after it)."""
-    lines = [line for line in output.splitlines() if "Warning" not in line]
-    ends = [i for i, line in enumerate(lines) if "Error" in line and not line.lstrip().startswith("File")]
-    return "\n".join(lines[max(0, ends[-1] - 3):ends[-1] + 3] if ends else lines[-20:])[-2000:]
-
-
 class Bench:
     def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool):
         self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
@@ -127,7 +120,7 @@ class Bench:
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         row = json.loads(lines[-1]) if lines else dict(source="trl", lora=lora, liger=liger, zero3=zero3,
                                                        precompute=precompute, compile=compile,
-                                                       error=last_error(proc.stderr))
+                                                       error=_first_error(proc.stderr))
         return self.emit({**row, "wall_s": round(time.monotonic() - started)})
 
     def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, pairs_n: int | None = None,
@@ -153,7 +146,7 @@ class Bench:
         train = [e for e in events if e["type"] == "train"]
         timed = [e for e in train if e["step"] > self.warm]
         if proc.returncode or len(timed) < 2:
-            return self.emit({**row, "error": last_error(proc.stdout + proc.stderr)})
+            return self.emit({**row, "error": run_error(run_dir, proc.stdout + proc.stderr)})
         step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
         tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)  # non-padding, every rank's
         return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),

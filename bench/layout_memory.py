@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import ROOT, _first_error, build_model_dir, estimated_gib, torchrun_argv, write_run  # noqa: E402
+from throughput import ROOT, build_model_dir, estimated_gib, run_error, torchrun_argv, write_run  # noqa: E402
 
 # name: (ranks, spec fields); each parallel one beside the one-rank job of the engine it runs on (tp2: fsdp).
 LAYOUTS = {
@@ -72,7 +72,7 @@ def main() -> int:
         train = [e for e in events if e["type"] == "train"]
         row = dict(layout=name, ranks=nproc, shape=args.shape, seq=args.seq, **fields)
         if proc.returncode or not train:
-            row["error"] = _first_error(proc.stdout + proc.stderr)
+            row["error"] = run_error(run_dir, proc.stdout + proc.stderr)
         else:
             measured = max(e["mem_peak_gib"] for e in train)
             estimate = estimated_gib(run_dir, args.shape, nproc)

@@ -170,9 +170,7 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
         if (run_dir / "events" / "rank-0.jsonl").exists() else []
     train = [e for e in events if e["type"] == "train" and e["step"] > warm]
     if proc.returncode != 0 or not train:
-        ended = [e for e in events if e["type"] == "end"]
-        reason = ended[-1]["error"] if ended and ended[-1].get("error") else _first_error(stdout + stderr)
-        return {**result, "error": reason}
+        return {**result, "error": run_error(run_dir, stdout + stderr)}
     # Wall clock between the first and last timed train events (each logging step ends with a
     # device→host copy, so these times are synchronised); the events' own step_time_s is not.
     step_s = (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]) if len(train) > 1 \
@@ -212,6 +210,18 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def run_error(run_dir: Path, output: str) -> str:
+    """Why a worker run failed: the first rank's own `end` event that carries an error (a rank other
+    than 0 may be the one that failed: an out-of-memory on one of the ranks sharing a GPU), else the
+    first error line of its output."""
+    for events_file in sorted((run_dir / "events").glob("rank-*.jsonl")):
+        for line in events_file.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("type") == "end" and event.get("error"):
+                return f"{events_file.stem}: {event['error']}"[-2000:]
+    return _first_error(output)
 
 
 def _first_error(output: str) -> str:
