@@ -155,6 +155,11 @@ def test_hang_names_a_rank_behind_and_stopped_once():
     assert (f.rank, f.node) == (1, "node-b") and f.message.count("rank 1") == 1
     assert ("rank 1, node node-b last reported step 9 while other ranks reached 10 and has been stopped (SIGSTOP, "
             "a debugger or job control) for 20 s: the other ranks wait for it") in f.message
+    # every rank stopped, one of them a step behind where the signal found it: none is the cause
+    w.rank_states[0] = ("stopped", T0 + 10)
+    [f] = alerts.hang(w, HANG_10S)
+    assert (f.rank, f.node) == (None, None) and "last reported step 9" not in f.message
+    assert "rank 0 has been stopped" in f.message and "rank 1, node node-b has been stopped" in f.message
 
 
 def flight(rank, seq, last, in_flight=True, group="0", collective="gloo:all_reduce", request="q1", entries=5,

@@ -232,6 +232,10 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
                                                  else " since the start (no step logged yet)")
     stuck = _stuck_rank(w)
     halted = _halted_ranks(w, idle)
+    if stuck and len(halted) > 1 and any(r == stuck[0] for r, _, _ in halted):
+        # ranks stopped together (a job-wide SIGSTOP, a node's filesystem) stop a step apart
+        # wherever each was: the one behind is not the others' cause
+        stuck = None
     flight, never_entered = _flight_diagnosis(w)
     rank = (stuck[0] if stuck else halted[0][0] if len(halted) == 1
             else never_entered[0] if len(never_entered) == 1 else None)
