@@ -8,9 +8,11 @@ stdin is one request, answered one at a time, and every line on stdout is one JS
 worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
 
     out {"type": "ready", "source", "path", "kind", "base", "base_from", "device", "dtype", "template",
-         "max_positions", "load_s", "pid", "skipped", "system"}
-    in  {"id", "turns": [{"model": "base"|"tuned", "messages": [{"role", "content"}, ...]}, ...],
+         "max_positions", "load_s", "pid", "skipped", "system", "images"}
+    in  {"id", "turns": [{"model": "base"|"tuned", "messages": [{"role", "content", "images"?}, ...]}, ...],
          "max_new_tokens", "temperature", "top_p"}
+        (a user message's "images": data:image URIs, one `<image>` tag in its content for each; a
+        vision-language model only)
     out {"type": "token", "id", "model", "text"} ... and for each model {"type": "done", "id", "model", "tokens",
          "seconds", "prompt_tokens", "note"}; the models of one request answer at once, their events interleaved
     out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
@@ -39,10 +41,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from backend.job.chat import EXPORT_MARKER, ChatError, Request, cancelled_id, parse_request, request_id
-from backend.job.records import with_system
 from backend.job.errors import UserError
+from backend.job.records import DataError, with_system
 from launcher import checkpoint
-from launcher.data import DEFAULT_CHAT_TEMPLATE, render
+from launcher.data import DEFAULT_CHAT_TEMPLATE, IGNORE, expand_images, render
 from launcher.export import ExportError, base_model, is_lora, trained_model
 
 # ---- requests and prompts (pure) ----------------------------------------------------------------
@@ -63,6 +65,24 @@ def fit_prompt(to_ids: Callable[[list[dict]], list[int]], messages: tuple[dict, 
             return ids, dropped
     raise ChatError(f"prompt: the last message alone is {len(ids)} tokens, more than the {room} the model has "
                     "room for (its positions less max_new_tokens); shorten it or lower max new tokens")
+
+
+def prompt_ids(tokenizer, images, messages: list[dict]) -> list[int]:
+    """A conversation's prompt ids as training renders it; a vision-language model's images (`images`:
+    its `launcher.vision.Images`) as their runs of placeholder tokens."""
+    pictures = [image for m in messages for image in m.get("images", ())]
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if not pictures:
+        return render(tokenizer, plain, add_generation_prompt=True)
+    if images is None:
+        raise ChatError("images: the loaded model is not a vision-language model; it takes no images")
+    from launcher.vision import with_image_parts
+
+    ids = render(tokenizer, with_image_parts(plain), add_generation_prompt=True)
+    try:
+        return expand_images("chat message", ids, [IGNORE] * len(ids), pictures, images)[0]
+    except DataError as exc:  # a tag the text held as such, an image PIL cannot read
+        raise ChatError(str(exc)) from None
 
 
 def prompt_room(max_positions: int | None, max_new_tokens: int) -> int:
@@ -93,6 +113,7 @@ class Loaded:
     tokenizer: object
     device: torch.device
     info: dict
+    images: object = None  # a vision-language model's `launcher.vision.Images`
 
     def model(self, which: str):
         """The separate module answering as `which` (a LoRA checkpoint's base is its own rows of a
@@ -118,6 +139,7 @@ def run_spec(where: Path):
 def load(run_dir: Path, ref: str | None) -> Loaded:
     """The fine-tuned model of a checkpoint or export and the base to compare it with."""
     from launcher.model import load_tokenizer
+    from launcher.vision import Images, is_vision
 
     started = time.monotonic()
     device, dtype = device_and_dtype()
@@ -142,6 +164,10 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
         base = None if lora else base_model(spec.model, dtype)
         tokenizer_dir, source, kind = path / "tokenizer", "checkpoint", "lora" if lora else "full"
     tokenizer = load_tokenizer(str(tokenizer_dir))  # ChatML where it has no template, as training did
+    images = None
+    if is_vision(tuned.config):  # an export holds its image processor; a checkpoint's is its base's
+        images = Images(str(path), tuned.config) if source == "export" else Images(spec.model, tuned.config,
+                                                                                   spec.max_pixels)
     for model in (tuned, base):
         if model is not None:
             model.to(device).eval()
@@ -152,8 +178,8 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "template": template_name(tokenizer),
             "max_positions": max_positions, "load_s": round(time.monotonic() - started, 2), "pid": os.getpid(),
-            "skipped": list(skipped), "system": spec.system}
-    return Loaded(tuned, base, tokenizer, device, info)
+            "skipped": list(skipped), "system": spec.system, "images": images is not None}
+    return Loaded(tuned, base, tokenizer, device, info, images)
 
 
 def _from_export(path: Path, dtype: torch.dtype):
@@ -179,10 +205,13 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
     Generation ends at the next token once `cancelled()` says so."""
     tokenizer = loaded.tokenizer
     room = prompt_room(loaded.info["max_positions"], request.max_new_tokens)
-    prompts = []
+    prompts, pictures = [], []
     for model, messages in request.turns:  # both models are asked as training asked
-        prompts.append(fit_prompt(lambda conversation: render(tokenizer, conversation, add_generation_prompt=True),
-                                  tuple(with_system(messages, loaded.info["system"])), room))
+        asked = tuple(with_system(messages, loaded.info["system"]))
+        ids, dropped = fit_prompt(lambda conversation: prompt_ids(tokenizer, loaded.images, conversation), asked, room)
+        prompts.append((ids, dropped))
+        kept = asked[dropped + (asked[0]["role"] == "system"):]  # the images of the messages left out go too
+        pictures.append([image for m in kept for image in m.get("images", ())])
     models = [model for model, _ in request.turns]
     started = time.monotonic()
 
@@ -198,17 +227,30 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
               **({"cancelled": True} if cancelled() else {})})
 
     rows = [ids for ids, _ in prompts]
+    image_token = loaded.images.token_id if loaded.images is not None else None
+
+    def media(of: list[int]) -> dict:
+        """The pixels of rows `of`'s images, in row order, as the model takes them."""
+        shown = [(image, count) for row in of for image, count in zip(pictures[row], loaded.images.runs(rows[row]))] \
+            if loaded.images is not None else []
+        try:
+            return loaded.images.pixels(shown, "chat message") if shown else {}
+        except DataError as exc:
+            raise ChatError(str(exc)) from None
+
     if loaded.base is None:
         adapter = loaded.tuned.active_adapter
         generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end, cancelled,
-                      adapter_names=["__base__" if model == "base" else adapter for model in models])
+                      adapter_names=["__base__" if model == "base" else adapter for model in models],
+                      media=media(list(range(len(rows)))), image_token=image_token)
         return
     errors: list[BaseException] = []
 
     def work(row: int) -> None:
         try:
             generate_rows(loaded.model(models[row]), tokenizer, [rows[row]], request, loaded.device,
-                          lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled)
+                          lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled,
+                          media=media([row]), image_token=image_token)
         except BaseException as exc:  # noqa: BLE001 - raised again below, on the serving thread
             errors.append(exc)
 
@@ -278,9 +320,11 @@ class Cancelled(StoppingCriteria):
 
 def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, device: torch.device,
                   on_text: Callable[[int, str], None], on_end: Callable[[int, int], None],
-                  cancelled: Callable[[], bool], adapter_names: list[str] | None = None) -> None:
+                  cancelled: Callable[[], bool], adapter_names: list[str] | None = None, media: dict | None = None,
+                  image_token: int | None = None) -> None:
     """`model.generate` over the prompts `rows` (left-padded into one batch), each row's text and
-    end handed over as they come (`RowStreamer`), until `cancelled()`."""
+    end handed over as they come (`RowStreamer`), until `cancelled()`. `media`: the rows' images'
+    pixel inputs, whose placeholder tokens (`image_token`) the token types mark, as in training."""
     width = max(map(len, rows))
     # Without a pad token, the end token pads (as transformers does): a real token never ends a row.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -291,8 +335,10 @@ def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, dev
     stopping = stops(model, tokenizer)
     # A row's pad token ends it too: generate pads the rows that have finished.
     streamer = RowStreamer(tokenizer, len(rows), {*stopping["eos_token_id"], pad}, on_text, on_end)
+    if media:
+        media = {**{k: v.to(device) for k, v in media.items()}, "mm_token_type_ids": (input_ids == image_token).int()}
     with torch.no_grad():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=request.max_new_tokens,
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=request.max_new_tokens, **(media or {}),
                        streamer=streamer, pad_token_id=pad, **stopping, **sampling,
                        stopping_criteria=StoppingCriteriaList([Cancelled(cancelled)]),
                        **({"adapter_names": adapter_names} if adapter_names else {}))

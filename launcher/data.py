@@ -90,15 +90,17 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
         labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt):]
         ids = full
     if paths:
-        ids, labels = _expanded(record.where, ids, labels, paths, images)
+        ids, labels = expand_images(record.where, ids, labels, paths, images)
         if len(ids) > max_length and images.token_id in ids[max_length:]:
             return None  # an image cut off: its pixels would not match its tokens
     ids, labels = ids[:max_length], labels[:max_length]
     return Sample(ids, labels, paths) if any(label != IGNORE for label in labels[1:]) else None
 
 
-def _expanded(where: str, ids: list[int], labels: list[int], paths: list[str], images) -> tuple[list[int], list[int]]:
-    """Each image's placeholder token repeated once per visual token of the image (unlabelled)."""
+def expand_images(where: str, ids: list[int], labels: list[int], paths: list[str], images
+                  ) -> tuple[list[int], list[int]]:
+    """Each image's placeholder token repeated once per visual token of the image (unlabelled); the
+    chat worker's prompts too."""
     at = [i for i, token in enumerate(ids) if token == images.token_id]
     if len(at) != len(paths):
         raise DataError(f"{where}: the chat template renders {len(at)} image placeholder(s) for {len(paths)} "

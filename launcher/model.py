@@ -11,7 +11,7 @@ from backend.job.errors import UserError
 from backend.job.modelfiles import model_dir_problems
 from launcher.data import DEFAULT_CHAT_TEMPLATE
 from launcher.longseq import enable_checkpointing, tile_mlps
-from launcher.vision import auto_class, is_vision, language_linears, vision_parts
+from launcher.vision import auto_class, is_vision, lora_targets, vision_parts
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -95,15 +95,15 @@ def apply_liger(model, compiled: bool = False, fused_loss: bool = True) -> None:
 
 def add_lora(model, spec):
     """LoRA adapters: new ones (lora_rank, target_modules) or the saved one `adapters` names, trainable.
-    A vision-language model's 'all-linear' is its language model's linear layers (the vision tower
-    and aligner stay as they are: freeze_vit, freeze_aligner)."""
+    A vision-language model's are the linear layers of the parts that train (`lora_targets`: the
+    language model, and the vision tower and aligner where freeze_vit / freeze_aligner are off)."""
     if spec.adapters:
         return load_adapter(model, spec.adapters[0], "adapters", trainable=True)
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
     if is_vision(model.config):
-        targets = language_linears(model, None if targets == "all-linear" else targets)
+        targets = lora_targets(model, spec, None if targets == "all-linear" else targets)
     config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:

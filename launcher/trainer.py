@@ -250,7 +250,9 @@ class Trainer:
         self._stop_for_data_errors(failure, "found a bad record")
         (tokenized, mine, rows, dropped), val = shards
         if self.images is not None:
-            self._refuse_mixed_images(tokenized, mine)
+            self._refuse_mixed_images(tokenized, mine, "dataset", trains=True)
+            if val is not None:  # evaluation runs the tower through the same collectives
+                self._refuse_mixed_images(val[0], val[1], "val_dataset" if spec.val_dataset else "dataset", trains=False)
         # Ranks of one TP, SP or CP group read the same shard: count each shard once.
         (min_rows,), _ = d.all_reduce([len(rows)], "min")
         (total_rows, total_dropped), _ = d.all_reduce([len(rows) / d.same_data_ranks, dropped / d.same_data_ranks], "sum")
@@ -267,11 +269,12 @@ class Trainer:
         return (self._batches(tokenized, mine, rows, spec.per_device_train_batch_size, per_epoch), plan,
                 self._validation(val))
 
-    def _refuse_mixed_images(self, tokenized, mine) -> None:
+    def _refuse_mixed_images(self, tokenized, mine, field: str, trains: bool) -> None:
         """Records with images beside records without, where a micro-batch without images would
         skip the vision tower that the other ranks run through collectives (FSDP2's and ZeRO-3's
-        gathers, FSDP2's reduction of a trained tower's gradients) and hang them: refused by name.
-        LoRA on DDP and ZeRO-0/1/2 (the tower frozen) run them."""
+        gathers, FSDP2's reduction of a trained tower's gradients) and hang them, or leave a training
+        tower's gradients out of the reduction: refused by name. LoRA on DDP and ZeRO-0/1/2 with the
+        tower and aligner frozen run them."""
         import pyarrow.compute as pc
 
         spec = self.spec
@@ -280,11 +283,18 @@ class Trainer:
                                                                               and not spec.deepspeed)
         counts = pc.list_value_length(tokenized.table.column("images")).to_numpy(zero_copy_only=False)[mine]
         (with_images, without), _ = self.dist.all_reduce([float((counts > 0).sum()), float((counts == 0).sum())], "sum")
-        if sharded and with_images and without:
-            raise data.DataError(f"dataset: {int(without)} records have no image beside {int(with_images)} that do: "
+        if not (with_images and without):
+            return
+        if sharded:
+            raise data.DataError(f"{field}: {int(without)} records have no image beside {int(with_images)} that do: "
                                  "on this engine (FSDP2, ZeRO-3, or full fine-tuning's DDP layout, which runs on "
                                  "FSDP2) a micro-batch without an image would leave the other ranks waiting in the "
                                  "vision tower; give every record an image, or train LoRA on DDP or use ZeRO-0/1/2")
+        if trains and not (spec.freeze_vit and spec.freeze_aligner):
+            raise data.DataError(f"{field}: {int(without)} records have no image beside {int(with_images)} that do: "
+                                 "with the vision tower or aligner training (freeze_vit or freeze_aligner off), a "
+                                 "micro-batch without an image leaves their gradients out of the ranks' reduction; "
+                                 "give every record an image, or keep them frozen")
 
     def _stop_for_data_errors(self, failure: "data.DataError | None", what: str) -> None:
         """Every rank learns about any rank's data error, so all stop before training. The ranks

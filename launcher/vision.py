@@ -103,24 +103,24 @@ class Images:
         except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
             raise DataError(f"{where}: image {shown_image(path)}: {exc}") from None
 
-    def pixels(self, images: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    def pixels(self, images: list[tuple[str, int]], where: str = "training data") -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
         with): a count that no longer holds (the file changed since) is an error that names it."""
         from PIL import ImageOps
 
         decoded = []
         for path, _ in images:
-            with open_image("training data", path) as image:
+            with open_image(where, path) as image:
                 try:
                     # turned as its EXIF orientation says, as transformers' load_image shows it at inference
                     decoded.append(ImageOps.exif_transpose(image).convert("RGB"))
                 except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
-                    raise DataError(f"training data: image {shown_image(path)} cannot be decoded ({exc})") from None
+                    raise DataError(f"{where}: image {shown_image(path)} cannot be decoded ({exc})") from None
         out = self.processor(images=decoded, return_tensors="pt")
         grid = out["image_grid_thw"]
         for (path, tokens), thw in zip(images, grid.tolist()):
             if thw[0] * thw[1] * thw[2] // self.merge ** 2 != tokens:
-                raise DataError(f"training data: image {shown_image(path)} is not the size it had when the data was tokenized; "
+                raise DataError(f"{where}: image {shown_image(path)} is not the size it had when the data was tokenized; "
                                 "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
 
@@ -147,12 +147,33 @@ def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], l
     return vit, aligner, [base.model.language_model, base.lm_head]
 
 
-def language_linears(model, names: list[str] | None = None) -> str:
-    """peft's target_modules (a regex over module names) for the language model's linear layers
-    named `names` (by their last name part; None: all but its head, what 'all-linear' means here):
-    LoRA stays off the vision tower, whose blocks share names like `gate_proj`."""
-    language = vision_parts(model)[2][0]
-    prefix = next(name for name, module in model.named_modules() if module is language)
-    names = names or sorted({name.rsplit(".", 1)[-1] for name, module in language.named_modules()
-                             if isinstance(module, torch.nn.Linear)})
-    return rf"{re.escape(prefix)}\..*\.({'|'.join(map(re.escape, names))})"
+def part_learning_rates(model, spec) -> dict[int, float]:
+    """The learning rate of each parameter (by id) of the vision tower and the aligner where the job
+    gives them their own (vit_lr, aligner_lr: ms-swift's optimizer groups); {} otherwise. `model` as
+    the engine holds it: DDP's wrapper is looked through, FSDP2's and DeepSpeed's keep its modules."""
+    model = getattr(model, "module", model)
+    if (spec.vit_lr is None and spec.aligner_lr is None) or not is_vision(getattr(model, "config", None)):
+        return {}
+    vit, aligner, _ = vision_parts(model)
+    return {id(p): lr for lr, modules in ((spec.vit_lr, vit), (spec.aligner_lr, aligner)) if lr is not None
+            for module in modules for p in module.parameters()}
+
+
+def lora_targets(model, spec, names: list[str] | None = None) -> str:
+    """peft's target_modules (a regex over module names) for the linear layers named `names` (by their
+    last name part; None: all of them, what 'all-linear' means here) of the parts that train: the
+    language model (less its head) unless freeze_llm, the vision tower unless freeze_vit, the aligner
+    unless freeze_aligner (ms-swift's rule); LoRA stays off a frozen part, though the tower's blocks
+    share names like `gate_proj` with the language model's."""
+    vit, aligner, llm = vision_parts(model)
+    parts = [m for frozen, modules in ((spec.freeze_llm, llm[:1]), (spec.freeze_vit, vit),
+                                       (spec.freeze_aligner, aligner)) if not frozen for m in modules]
+    alternatives = []
+    for prefix, part in ((name, module) for name, module in model.named_modules() if any(module is p for p in parts)):
+        # each part's own linear layers' names: a name of another part's (the tower's `proj`) may
+        # be a convolution here (its patch embedding's `proj`)
+        found = {name.rsplit(".", 1)[-1] for name, module in part.named_modules() if isinstance(module, torch.nn.Linear)}
+        wanted = sorted(found & set(names)) if names else sorted(found)
+        if wanted:
+            alternatives.append(rf"{re.escape(prefix)}(\..*)?\.({'|'.join(map(re.escape, wanted))})")
+    return "|".join(alternatives) or r"(?!)"  # nothing to adapt: validation says so first

@@ -26,6 +26,10 @@ from studio.access import HostPolicy, LoginLimiter  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
 
+# The largest file the page takes (Gradio refuses a larger upload before it is stored): a chat image
+# (backend.job.chat.MAX_IMAGE_CHARS of base64), a job YAML, a hostfile.
+MAX_UPLOAD = "16mb"
+
 
 def build_app(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="swift-studio", analytics_enabled=False) as app:
@@ -142,7 +146,7 @@ def serve(studio: Studio, sock: socket.socket, *, host: str, port: int, policy: 
     web = FastAPI(middleware=[guard], docs_url=None, redoc_url=None, openapi_url=None)
     gr.mount_gradio_app(web, app, path="/", server_name=host, server_port=port, auth=auth, footer_links=[],
                         ssr_mode=False, pwa=False, mcp_server=False, show_error=False, enable_monitoring=False,
-                        theme=THEME, css=CSS)
+                        theme=THEME, css=CSS, max_file_size=MAX_UPLOAD)
     # The login limit counts TCP peers: an X-Forwarded-For from a local client is not believed, or
     # it could name a new address for every guess. Open event streams would hold a graceful
     # shutdown forever. host and port only name the socket in uvicorn's messages.

@@ -3,13 +3,18 @@ run's first node (RunManager.chat_open; the studio never loads a model), then se
 the base and the fine-tuned model side by side and watch both answers stream in."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
+import mimetypes
+import os
 from typing import Any
 
 import gradio as gr
 
+from backend.job.chat import MAX_IMAGE_CHARS
 from backend.job.chat import MODELS as SIDES
+from backend.job.records import IMAGE_TAG
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import checkpoint_choices, listed_runs
@@ -35,17 +40,48 @@ def status_line(ready: dict) -> str:
     return (f"✔ Loaded the {what} `{ready.get('path')}` on node **{ready.get('node')}** ({ready.get('device')}, "
             f"{ready.get('dtype')}, worker pid {ready.get('pid')}) in {ready.get('load_s')} s · base: "
             f"{ready.get('base_from')} · prompts: "
-            f"{ready.get('template')} · {ready.get('max_positions')} positions{skipped}")
+            f"{ready.get('template')} · {ready.get('max_positions')} positions"
+            f"{' · takes images (upload one beside the message)' if ready.get('images') else ''}{skipped}")
+
+
+def user_turn(message: str, image: str | None) -> dict:
+    """The user's message as the chat worker takes it; an uploaded image (`image`: the upload's path)
+    goes inline before the text, a data: URI (the worker's node need not see the studio's files), and
+    is shown from its upload ("shown", which never leaves the studio). A ValueError names the field."""
+    if not image:
+        return {"role": "user", "content": message}
+    mime = mimetypes.guess_type(image)[0]
+    if not mime or not mime.startswith("image/"):
+        raise ValueError(f"Image: {os.path.basename(image)} is not an image file")
+    if os.path.getsize(image) * 4 // 3 > MAX_IMAGE_CHARS:
+        raise ValueError(f"Image: {os.path.basename(image)} is {os.path.getsize(image) >> 20} MiB, more than the "
+                         f"{MAX_IMAGE_CHARS * 3 // 4 >> 20} MiB a chat image may take")
+    with open(image, "rb") as f:
+        data = base64.b64encode(f.read()).decode()
+    return {"role": "user", "content": IMAGE_TAG + message, "images": [f"data:{mime};base64,{data}"], "shown": image}
+
+
+def sent(turn: dict) -> dict:
+    """A turn as the worker gets it (without where the studio shows its image from)."""
+    return {k: v for k, v in turn.items() if k != "shown"}
 
 
 def on_screen(turns: list[dict], answering: bool = False) -> list[dict]:
-    """A chatbot's turns as shown: a finished answer with no visible text (the model ended it at once,
-    or wrote only spaces and newlines) says so instead of an empty bubble; the history keeps what the
-    model wrote. `answering`: the last turn is still streaming."""
-    last = len(turns) - 1
-    return [{**turn, "content": EMPTY_ANSWER}
-            if turn["role"] == "assistant" and not turn["content"].strip() and not (answering and i == last) else turn
-            for i, turn in enumerate(turns)]
+    """A chatbot's turns as shown: a user's image, then the text; a finished answer with no visible
+    text (the model ended it at once, or wrote only spaces and newlines) says so instead of an empty
+    bubble; the history keeps what the model wrote. `answering`: the last turn is still streaming."""
+    last, out = len(turns) - 1, []
+    for i, turn in enumerate(turns):
+        text = turn["content"]
+        if turn.get("shown"):
+            out.append({"role": "user", "content": {"path": turn["shown"]}})
+            text = text.replace(IMAGE_TAG, "", len(turn["images"]))
+            if not text.strip():
+                continue
+        elif turn["role"] == "assistant" and not text.strip() and not (answering and i == last):
+            text = EMPTY_ANSWER
+        out.append({"role": turn["role"], "content": text})
+    return out
 
 
 def answer_note(side: str, done: dict) -> str:
@@ -71,6 +107,8 @@ def build(studio: Studio) -> dict[str, Any]:
         c["message"] = gr.Textbox(label="Message (Enter sends, Shift+Enter for a new line)", lines=1, max_lines=8,
                                   scale=5, elem_id="chat-message")
         c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+        c["image"] = gr.Image(label="Image (vision-language models)", type="filepath", sources=["upload"], height=120,
+                              scale=1, elem_id="chat-image")
     c["system"] = gr.Textbox(label="System prompt (both models; Load sets the job's own)", lines=1, max_lines=4,
                              elem_id="chat-system")
     with gr.Row():
@@ -123,15 +161,21 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             return
         yield status_line(ready), session, empty, [], [], ready.get("system") or ""
 
-    def on_send(message: str, history: dict, session: str | None, system: str, max_new_tokens: float,
-                temperature: float, top_p: float):
+    def on_send(message: str, image: str | None, history: dict, session: str | None, system: str,
+                max_new_tokens: float, temperature: float, top_p: float):
+        untouched = (gr.skip(),) * 5  # the chatbots, the history, the message and the image as they are
         if not session:
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Load a model first."
+            yield *untouched, "Load a model first."
             return
-        if not (message or "").strip():
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Type a message first."
+        if not (message or "").strip() and not image:
+            yield *untouched, "Type a message first."
             return
-        asked = {side: [*history[side], {"role": "user", "content": message}] for side in SIDES}
+        try:
+            user = user_turn(message or "", image)
+        except (ValueError, OSError) as exc:
+            yield *untouched, user_message("Reading the image", exc)
+            return
+        asked = {side: [*history[side], user] for side in SIDES}
         shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
         notes: dict[str, str] = {}  # shown base first, whichever finishes first
         answering = set(SIDES)
@@ -139,10 +183,11 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
         def screens():
             return tuple(on_screen(shown[side], side in answering) for side in ("base", "tuned"))
 
-        yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Generating…"
+        yield *untouched, "Generating…"
         try:
             prefix = [{"role": "system", "content": system}] if (system or "").strip() else []
-            events = studio.manager.chat_reply(session, [(side, prefix + asked[side]) for side in SIDES],
+            events = studio.manager.chat_reply(session, [(side, prefix + [sent(t) for t in asked[side]])
+                                                         for side in SIDES],
                                                int(max_new_tokens), float(temperature), float(top_p))
             # The first event before anything is shown: a refused exchange leaves the chatbots alone.
             # Closed with this answer (Clear cancels it): the worker then stops generating it.
@@ -151,28 +196,28 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                     side = event["model"]
                     if event["type"] == "token":
                         shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
-                        yield *screens(), gr.skip(), gr.skip(), gr.skip()
+                        yield *screens(), *untouched[:3], gr.skip()
                     else:
                         answering.discard(side)
                         notes[side] = answer_note(side, event)
-                        yield *screens(), gr.skip(), gr.skip(), " · ".join(notes[s] for s in SIDES if s in notes)
+                        yield *screens(), *untouched[:3], " · ".join(notes[s] for s in SIDES if s in notes)
         except Exception as exc:  # noqa: BLE001
-            # The turn stays out of both histories (and off the chatbots) and the message in its box:
-            # Send asks again.
-            yield (*(on_screen(history[side]) for side in ("base", "tuned")), gr.skip(), gr.skip(),
+            # The turn stays out of both histories (and off the chatbots), the message and the image
+            # in their boxes: Send asks again.
+            yield (*(on_screen(history[side]) for side in ("base", "tuned")), *untouched[:3],
                    user_message("Answering", exc))
             return
         answering.clear()
-        yield *screens(), shown, "", " · ".join(notes[s] for s in SIDES if s in notes)
+        yield *screens(), shown, "", None, " · ".join(notes[s] for s in SIDES if s in notes)
 
     def on_clear():
         return [], [], {"base": [], "tuned": []}, ""
 
     tab.select(on_open, [c["run"]], [c["run"], c["status"]])
     c["run"].change(on_run, [c["run"]], [c["source"], c["status"]])
-    send = dict(fn=on_send, inputs=[c["message"], c["history"], c["session"], c["system"], c["max_new_tokens"],
-                                    c["temperature"], c["top_p"]],
-                outputs=[c["base"], c["tuned"], c["history"], c["message"], c["answers"]],
+    send = dict(fn=on_send, inputs=[c["message"], c["image"], c["history"], c["session"], c["system"],
+                                    c["max_new_tokens"], c["temperature"], c["top_p"]],
+                outputs=[c["base"], c["tuned"], c["history"], c["message"], c["image"], c["answers"]],
                 trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
     sending = [c["send"].click(**send), c["message"].submit(**send)]
     # Clear and Load end an answer being streamed (the worker stops generating it) first.

@@ -316,6 +316,30 @@ def test_an_answer_without_visible_text_says_so_once_it_is_finished():
     assert on_screen([{"role": "user", "content": " "}]) == [{"role": "user", "content": " "}]
 
 
+def test_an_uploaded_image_goes_to_the_worker_inline_and_is_shown_from_its_upload(tmp_path):
+    import base64
+
+    from backend.job.chat import parse_request, request_line
+    from studio.chat_tab import on_screen, sent, user_turn
+
+    upload = tmp_path / "cat.png"
+    upload.write_bytes(b"\x89PNG\r\n\x1a\n-pixels-")
+    turn = user_turn("What is it?", str(upload))
+    assert turn["content"] == "<image>What is it?" and turn["shown"] == str(upload)
+    assert turn["images"] == ["data:image/png;base64," + base64.b64encode(upload.read_bytes()).decode()]
+    # the worker gets the image's bytes, never the studio's path; the contract takes the turn
+    assert "shown" not in sent(turn) and str(upload) not in request_line("1", [("base", [sent(turn)])], 8, 0.0)
+    assert parse_request(request_line("1", [("base", [sent(turn)])], 8, 0.0)).turns[0][1][0]["images"] == turn["images"]
+    assert on_screen([turn, {"role": "assistant", "content": "a cat"}]) == [
+        {"role": "user", "content": {"path": str(upload)}}, {"role": "user", "content": "What is it?"},
+        {"role": "assistant", "content": "a cat"}]
+    assert on_screen([user_turn("", str(upload))]) == [{"role": "user", "content": {"path": str(upload)}}]
+    assert user_turn("hi", None) == {"role": "user", "content": "hi"}
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^Image: notes.txt is not an image file$"):
+        user_turn("hi", str(tmp_path / "notes.txt"))
+
+
 def test_a_reader_that_goes_away_mid_answer_leaves_the_session_serving(tmp_path):
     """A cancelled wait (Gradio cancelling the event, a caller that stops reading) must not end the
     worker's line stream: the next exchange is answered, the rest of the abandoned one skipped."""

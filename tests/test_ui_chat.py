@@ -3,8 +3,8 @@ trained by the worker on this machine is loaded with its job's system prompt, on
 writes a new line) is answered by the base and the fine-tuned model at once, and both answers are
 shown in their chatbots; a run without a checkpoint is refused by name; a worker killed
 between two messages is reported and loading again works; Clear ends an answer being streamed;
-stopping the studio ends its worker. The
-studio process never loads torch.
+an image uploaded beside a message reaches a vision-language run's models and is shown;
+stopping the studio ends its worker. The studio process never loads torch.
 Screenshots: test-artifacts/ui/chat/."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from backend.job.spec import JobSpec  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
 from test_ui_flow import loaded_worker_libs  # noqa: E402
-from worker import ROOT, preference_pairs, unloadable_model, until  # noqa: E402
+from worker import ROOT, build_tiny_vl_model, colour_images, preference_pairs, unloadable_model, until  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
@@ -48,10 +48,15 @@ def studio_with_runs(tmp_path_factory, tiny_model):
                             dataset=[preference_pairs(root / "pairs.jsonl", 32)]),
                         local_cluster(GpuInfo()), name="chat-lora")
         failed = m.launch(job(broken, root / "runs"), local_cluster(GpuInfo()), name="no-checkpoint")
-        assert m.wait(lora, timeout=300).state == "succeeded"
-        assert m.wait(failed, timeout=300).state == "failed"
+        assert m.wait(failed, timeout=300).state == "failed"  # its core taken back: two ranks on two cores
+        # A vision-language LoRA run (a tiny Qwen2.5-VL on pictures of coloured shapes)
+        vl = m.launch(job(build_tiny_vl_model(root / "vl-model"), root / "runs", train_type="lora", max_length=96,
+                          dataset=[colour_images(root / "vl-data", 8)], per_device_train_batch_size=2),
+                      local_cluster(GpuInfo()), name="chat-vl")
+        for run in (lora, vl):
+            assert m.wait(run, timeout=300).state == "succeeded", m.run(run).message
     server = start_studio(root)
-    yield server, lora, failed
+    yield server, lora, failed, vl, root / "vl-data" / "0.png"
     server.stop()
 
 
@@ -70,7 +75,7 @@ def send(page, message: str) -> None:
 
 
 def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
-    studio, lora, failed = studio_with_runs
+    studio, lora, failed, vl, picture = studio_with_runs
     shot = Shots("chat")
     with sync_playwright() as p:
         browser = launch_browser(p)
@@ -167,6 +172,22 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
             expect(page.locator(f"#{chatbot} .message.user")).to_have_count(1)
             expect(page.locator(f"#{chatbot} .message.user")).to_contain_text("And 3 + 4?")
 
+        # A vision-language run: an image uploaded beside the message is shown and reaches both models.
+        pick(page, "chat-run", vl)
+        page.locator("#chat-load").click()
+        expect(status).to_contain_text("takes images (upload one beside the message)", timeout=ANSWER_MS)
+        expect(status).to_contain_text(f"{vl}/checkpoint-3")
+        page.locator("#chat-image input[type=file]").set_input_files(str(picture))
+        expect(page.locator("#chat-image img")).to_have_count(1, timeout=30_000)
+        send(page, "What colour is it?")
+        expect(page.locator("#chat-answers")).to_contain_text(
+            re.compile(r"Base: \d+ tokens in .* Fine-tuned: \d+ tokens in"), timeout=ANSWER_MS)
+        for chatbot in ("chat-base", "chat-tuned"):
+            expect(page.locator(f"#{chatbot} .message.user img")).to_have_count(1)
+            expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What colour is it?")
+        expect(page.locator("#chat-image img")).to_have_count(0)  # sent with the message
+        shot(page, "image")
+
         page.locator("#chat-clear").click()
         expect(page.locator("#chat-tuned .message")).to_have_count(0)
         content = page.content()
@@ -203,7 +224,7 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
     """The LoRA run (DPO) logged one step: its loss, learning rate, throughput and rewards each show
     that point as a marker (a line through one point draws nothing). A studio of its own on the module's database:
     the chat test ends the module's studio."""
-    shared, lora, _ = studio_with_runs
+    shared, lora, *_ = studio_with_runs
     studio = start_studio(shared.root)
     try:
         with sync_playwright() as p:

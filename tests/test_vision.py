@@ -147,7 +147,8 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
 
 def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny_vl):
     """'all-linear' and named targets alike: the vision tower's blocks have gate/up/down projections
-    too, and LoRA stays off them (freeze_vit)."""
+    too, and LoRA stays off them (freeze_vit); with the tower or the aligner unfrozen, their linear
+    layers get adapters too (not the patch embedding's convolution)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -160,6 +161,44 @@ def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny
         assert adapted and all(".language_model." in n for n in adapted), (targets, sorted(adapted)[:3])
         if targets != ["all-linear"]:
             assert {n.rsplit(".", 1)[-1] for n in adapted} == set(targets)
+    # ms-swift's rule: the parts that train get adapters; every linear layer of them, nothing else
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    for frozen, where in ((dict(freeze_vit=False, freeze_aligner=False), (".visual.", ".language_model.")),
+                         (dict(freeze_llm=True, freeze_aligner=False), (".visual.merger.", ".visual.deepstack_merger"))):
+        model = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                         JobSpec(model="m", dataset=["d"], **frozen))
+        adapted = {n.split(".base_layer")[0].removeprefix("base_model.model.")
+                   for n, m in model.named_modules() if n.endswith(".base_layer")}
+        assert adapted == {n for n in linear if any(w in n for w in where) and "lm_head" not in n}, (frozen, sorted(adapted))
+
+
+def test_vit_lr_and_aligner_lr_put_the_tower_and_the_aligner_in_groups_of_their_own(tiny_vl):
+    """ms-swift's optimizer groups: the vision tower at vit_lr, the aligner at aligner_lr, the rest at
+    learning_rate (first: its rate is the one logged), each split by weight decay; nothing set: the
+    usual two groups. DDP's wrapper is looked through."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.engines.base import param_groups
+    from launcher.vision import vision_parts
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    vit, aligner, llm = ([p for m in part for p in m.parameters()] for part in vision_parts(model))
+    job = dict(model="m", dataset=["d"], train_type="full", learning_rate=1e-4, weight_decay=0.1)
+    assert [len(g["params"]) for g in param_groups(model, JobSpec(**job))] == [
+        sum(p.ndim >= 2 for p in model.parameters()), sum(p.ndim < 2 for p in model.parameters())]
+    model.model.visual.blocks[0].requires_grad_(False)  # what trains only
+    spec = JobSpec(**job, freeze_vit=False, vit_lr=1e-6, freeze_aligner=False, aligner_lr=1e-3)
+    for holder in (model, torch.nn.ModuleDict({"module": model})):
+        groups = param_groups(holder, spec)
+        assert "lr" not in groups[0] and groups[0]["weight_decay"] == 0.1
+        rate = {id(p): g.get("lr", spec.learning_rate) for g in groups for p in g["params"]}
+        decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+        assert {rate[id(p)] for p in vit if p.requires_grad} == {1e-6}
+        assert {rate[id(p)] for p in aligner} == {1e-3} and {rate[id(p)] for p in llm} == {1e-4}
+        assert all(id(p) not in rate for p in model.model.visual.blocks[0].parameters())
+        assert all(decay[i] == (0.1 if p.ndim >= 2 else 0.0) for p in model.parameters() if (i := id(p)) in decay)
 
 
 def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path, tiny_vl):
@@ -174,8 +213,12 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert refused(packing=True)["packing"].startswith("not with a vision-language model yet")
     assert "not with a vision-language model yet" in refused(deepspeed="zero2", sequence_parallel_size=2)[
         "sequence_parallel_size"]
-    assert refused(freeze_vit=False)["freeze_vit"].startswith("LoRA adapts the language model only so far")
+    assert refused(freeze_vit=False) == {} and refused(freeze_llm=True, freeze_aligner=False) == {}
+    assert "nothing trains" in refused(freeze_llm=True)["freeze_llm"]  # LoRA on no part
     assert "nothing trains" in refused(train_type="full", freeze_llm=True)["freeze_llm"]
+    assert refused(vit_lr=1e-5)["vit_lr"].startswith("the vision tower is frozen (freeze_vit)")
+    assert refused(train_type="full", aligner_lr=1e-5)["aligner_lr"].startswith("the aligner is frozen (freeze_aligner)")
+    assert refused(train_type="full", freeze_vit=False, vit_lr=1e-5, freeze_aligner=False, aligner_lr=1e-4) == {}
     # a text model's job names the image records it cannot read, by file:line
     text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
             if p.field == "dataset[0]"][0]
@@ -190,7 +233,7 @@ def tiny_qwen25_vl(tmp_path_factory):
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_and_exports(tmp_path, tiny_qwen25_vl):
     """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
-    loss falls; full fine-tuning of the language model on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
+    loss falls; full fine-tuning of the language model (the merger at its own aligner_lr) on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
     (two ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
     lower loss than the base model."""
     import torch
@@ -204,24 +247,30 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
                   lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
     lora = write_run(tmp_path / "lora", **common, train_type="lora", per_device_train_batch_size=4, learning_rate=5e-2,
                      max_steps=8, save_steps=8)
-    full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no")
+    # the aligner in the optimizer at a rate that leaves it as it was (aligner_lr honoured on each engine)
+    full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no", freeze_aligner=False,
+                aligner_lr=1e-20)
     ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
-    fsdp, zero2, zero3, mixed = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3", tmp_path / "mixed"
-    # half the records without an image: FSDP2 would hang its ranks in the vision tower, so the run stops first
+    fsdp, zero2, zero3 = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3"
+    # half the records without an image, to train on or to evaluate: FSDP2 would hang its ranks in the
+    # vision tower, so the run stops first
     texts = tmp_path / "data" / "mixed.jsonl"
     texts.write_text("".join(line if i % 2 else json.dumps({"query": "Name a colour.", "response": "red"}) + "\n"
                              for i, line in enumerate(open(data))))
-    *trained_runs, refused = run_workers([dict(run_dir=lora), dict(run_dir=ddp),
+    *trained_runs, mixed, mixed_val = run_workers([dict(run_dir=lora), dict(run_dir=ddp),
                              planned(fsdp, **full, per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
                              planned(zero2, **{**full, "save_strategy": "steps"}, save_steps=3,
                                      per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
                              planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2),
-                             planned(mixed, **{**full, "dataset": [str(texts)]}, per_device_train_batch_size=2,
-                                     fsdp="full_shard", nproc_per_node=2)], 400)
+                             planned(tmp_path / "mixed", **{**full, "dataset": [str(texts)]},
+                                     per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
+                             planned(tmp_path / "mixed-val", **full, val_dataset=[str(texts)], eval_steps=3,
+                                     per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2)], 400)
     for proc in trained_runs:
         assert proc.returncode == 0, proc.log[-4000:]
-    assert refused.returncode != 0 and "dataset: 16 records have no image beside 16 that do: on this engine (FSDP2" \
-        in refused.log, refused.log[-3000:]
+    for proc, field, engine in ((mixed, "dataset", "FSDP2"), (mixed_val, "val_dataset", "ZeRO-3")):
+        assert proc.returncode != 0 and f"{field}: 16 records have no image beside 16 that do: on this engine (" \
+            in proc.log and engine in proc.log, proc.log[-3000:]
     curve = losses(lora)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
     for run in (fsdp, zero2, zero3):
@@ -230,12 +279,14 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     trained = {e["step"] for e in events(fsdp, 0, "train")}
     assert trained == {1, 2, 3}
     # ZeRO-2's full checkpoint (saved under transformers' checkpoint names) exports: the language model
-    # trained, the vision tower as it was (freeze_vit)
+    # trained, the vision tower as it was (freeze_vit), the aligner too (aligner_lr)
     full_export = export(zero2, None, tmp_path / "zero2-export")["out"]
     before = AutoModelForImageTextToText.from_pretrained(tiny_qwen25_vl, dtype=torch.float32).state_dict()
     after = AutoModelForImageTextToText.from_pretrained(full_export, dtype=torch.float32).state_dict()
     assert before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before if ".visual." in k)
+    assert all(torch.equal(before[k], after[k]) for k in before if ".visual." in k and ".merger." not in k)
+    merger = [k for k in before if ".visual.merger." in k]
+    assert merger and all(torch.allclose(before[k], after[k], rtol=0, atol=1e-12) for k in merger)
     assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
 
@@ -322,3 +373,69 @@ def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
     assert AutoImageProcessor.from_pretrained(tmp_path / "as-is").size["longest_edge"] == \
         AutoImageProcessor.from_pretrained(tiny_vl).size["longest_edge"] > 56 * 56
     assert AutoImageProcessor.from_pretrained(tmp_path / "capped").size["longest_edge"] == 56 * 56
+
+
+def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_tower(tmp_path, tiny_vl):
+    """A chat request's image (a data: URI: a request names no file) goes through the vision tower
+    of both models, as its run of visual tokens in the prompt; the LoRA path's one batch and the
+    separate base's alike. A text model, a tag without its image and a bad image are refused by name."""
+    import base64
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from backend.job.chat import ChatError, parse_request, request_line
+    from launcher.chat import Loaded, answer
+    from launcher.model import load_tokenizer
+    from launcher.vision import Images
+
+    colour_images(tmp_path, 1)
+    uri = "data:image/png;base64," + base64.b64encode((tmp_path / "0.png").read_bytes()).decode()
+    config = AutoConfig.from_pretrained(tiny_vl)
+    images = Images(str(tiny_vl), config)
+    tokenizer = load_tokenizer(str(tiny_vl))
+    tuned, base = (AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval() for _ in range(2))
+    seen = []
+    for model in (tuned, base):
+        model.model.visual.register_forward_hook(lambda module, args, out: seen.append(module))
+    loaded = Loaded(tuned, base, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None}, images)
+    ask = [{"role": "user", "content": "<image>What colour is it?", "images": [uri]}]
+
+    def reply(messages, to=loaded) -> dict:
+        events = []
+        answer(to, parse_request(request_line("1", [("base", messages), ("tuned", messages)], 3, 0.0)), events.append)
+        return {e["model"]: e for e in events if e["type"] == "done"}
+
+    done = reply(ask)
+    visual = images.tokens("test", uri)
+    plain = reply([{"role": "user", "content": "What colour is it?"}])
+    # once each (the prompt; not again per new token), on threads of their own
+    assert visual > 1 and sorted(map(id, seen)) == sorted(map(id, (tuned.model.visual, base.model.visual)))
+    # the image's placeholder (one token when the template renders it) becomes its visual tokens
+    assert {e["prompt_tokens"] for e in done.values()} == {plain["base"]["prompt_tokens"] + 2 + visual}, (done, plain)
+
+    # LoRA: one batch, the base's row with the adapter off; the tower runs once over both rows' images
+    from launcher.model import add_lora
+
+    lora = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                    JobSpec(model="m", dataset=["d"])).eval()
+    lora.base_model.model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    seen.clear()
+    batched = reply(ask, Loaded(lora, None, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None},
+                                images))
+    assert {e["prompt_tokens"] for e in batched.values()} == {done["base"]["prompt_tokens"]}
+    assert len(seen) == 1 and seen[0][0] == 2 * visual * images.merge ** 2, seen  # both rows' patches
+
+    def refused(messages, to=loaded) -> str:
+        with pytest.raises(ChatError) as err:
+            reply(messages, to)
+        return str(err.value)
+
+    assert refused(ask, Loaded(tuned, base, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None})) \
+        == "images: the loaded model is not a vision-language model; it takes no images"
+    broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+    assert "is not an image PIL can read" in refused([{**ask[0], "images": [broken]}])
+    with pytest.raises(ChatError, match=r"messages\[0\]\.content: 0 <image> tag\(s\) for 1 image\(s\)"):
+        parse_request(request_line("1", [("base", [{**ask[0], "content": "What colour?"}])], 3, 0.0))
+    with pytest.raises(ChatError, match=r"images\[0\]: expected a data:image/...;base64, URI \(a request names no file\)"):
+        parse_request(request_line("1", [("base", [{**ask[0], "images": [str(tmp_path / "0.png")]}])], 3, 0.0))

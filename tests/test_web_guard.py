@@ -112,6 +112,16 @@ def test_the_studio_answers_under_its_own_names(studio):
         assert r.status_code == 200
 
 
+def test_an_upload_over_the_limit_is_refused_before_it_is_stored(studio):
+    port = port_of(studio)
+    headers = {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"}
+    with client(studio) as http:
+        small = http.post("/gradio_api/upload", headers=headers, files={"files": ("a.png", b"\x89PNG" * 10)})
+        assert small.status_code == 200, small.text[:300]
+        big = http.post("/gradio_api/upload", headers=headers, files={"files": ("b.png", b"\0" * (17 << 20))})
+        assert big.status_code == 413, (big.status_code, big.text[:300])
+
+
 def test_no_handler_is_listed_in_the_api(tmp_path, studio):
     from studio.app import build_app
     from studio.context import Studio

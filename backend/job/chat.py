@@ -7,12 +7,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from backend.job.records import IMAGE_TAG
+
 MODELS = ("base", "tuned")
 ROLES = ("system", "user", "assistant")
 MAX_NEW_TOKENS = 4096
 MAX_TEMPERATURE = 5.0
 EVENT_TYPES = ("ready", "token", "done", "error")
 
+# A user message's images: inline data:image URIs only (a request never names a file on the node),
+# each as many base64 characters as a 12 MiB image takes, a few to a message.
+MAX_IMAGES = 4
+MAX_IMAGE_CHARS = 16 << 20
 EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory holding it is ever replaced
 EXPORT_DIR = "export"  # launcher.export's default target, in the run directory
 
@@ -115,7 +121,29 @@ def _messages(where: str, messages) -> tuple[dict, ...]:
             raise ChatError(f"{where}.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
     if messages[-1]["role"] != "user":
         raise ChatError(f"{where}.messages[{len(messages) - 1}]: the last message must be the user's")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    return tuple({"role": m["role"], "content": m["content"],
+                  **({"images": _images(f"{where}.messages[{i}]", m)} if "images" in m else {})}
+                 for i, m in enumerate(messages))
+
+
+def _images(where: str, message: dict) -> list[str]:
+    """A user message's images (ms-swift's records: one `<image>` tag in its text for each)."""
+    images = message["images"]
+    if message["role"] != "user":
+        raise ChatError(f"{where}.images: only a user's message carries images")
+    if not isinstance(images, list) or not 1 <= len(images) <= MAX_IMAGES:
+        raise ChatError(f"{where}.images: expected a list of 1 to {MAX_IMAGES} data:image URIs")
+    for j, image in enumerate(images):
+        if not isinstance(image, str) or not image.startswith("data:image/") or ";base64," not in image[:64]:
+            raise ChatError(f"{where}.images[{j}]: expected a data:image/...;base64, URI (a request names no file)")
+        if len(image) > MAX_IMAGE_CHARS:
+            raise ChatError(f"{where}.images[{j}]: {len(image) >> 20} MiB of base64, over the "
+                            f"{MAX_IMAGE_CHARS >> 20} MiB a chat image may take")
+    tags = message["content"].count(IMAGE_TAG)
+    if tags != len(images):
+        raise ChatError(f"{where}.content: {tags} {IMAGE_TAG} tag(s) for {len(images)} image(s); one tag marks "
+                        "where each image goes")
+    return list(images)
 
 
 def parse_event(line: str) -> dict | None:

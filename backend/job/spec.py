@@ -181,6 +181,8 @@ class JobSpec(BaseModel):
     freeze_vit: bool = Field(True, description="Vision-language models: keep the vision tower's weights fixed (ms-swift's default); LoRA adapts the language model only.")
     freeze_aligner: bool = Field(True, description="Vision-language models: keep the aligner (the merger from the vision tower into the language model) fixed.")
     freeze_llm: bool = Field(False, description="Vision-language models, full fine-tuning: keep the language model fixed (train the vision side only).")
+    vit_lr: float | None = Field(None, gt=0, description="Vision-language models, full fine-tuning with freeze_vit off: the vision tower's learning rate (ms-swift's --vit_lr); empty: learning_rate.")
+    aligner_lr: float | None = Field(None, gt=0, description="Vision-language models, full fine-tuning with freeze_aligner off: the aligner's learning rate (ms-swift's --aligner_lr); empty: learning_rate.")
     max_pixels: int | None = Field(None, ge=28 * 28, description="Vision-language models: images with more pixels are scaled down to this many (ms-swift's --max_pixels; a 448x448 image is 200704); empty: the model's image processor's limit.")
     adapters: list[str] = Field(default_factory=list, max_length=1, description="LoRA: train this saved adapter further (a directory with adapter_config.json: a run's checkpoint-N/model or a LoRA export); its rank, alpha and target modules are the adapter's, not lora_rank's and target_modules'.")
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="Modules that get adapters; 'all-linear' = every linear layer but the head.")

@@ -268,11 +268,11 @@ def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
 
 def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     """A vision-language model on what its training has been run with: DDP, DeepSpeed ZeRO and FSDP2,
-    LoRA on the language model or full fine-tuning with freeze_vit / freeze_aligner / freeze_llm;
+    LoRA or full fine-tuning of the parts freeze_vit / freeze_aligner / freeze_llm leave;
     the rest refused by name. A text model names the vision fields it ignores."""
     if not model.vision_tower:
         return [_warn(field, "ignored: the model is not a vision-language model")
-                for field in ("max_pixels", "freeze_llm") if getattr(spec, field)]
+                for field in ("max_pixels", "freeze_llm", "vit_lr", "aligner_lr") if getattr(spec, field)]
     if model.multimodal_type not in VISION_FAMILIES:
         return [Problem("model", f"{model.multimodal_type or 'this'} vision-language model: the worker trains "
                                  f"{', '.join(VISION_FAMILIES)} so far (their images' token layout)")]
@@ -283,13 +283,12 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
         ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
         if _set(getattr(spec, field))]
-    if spec.train_type == "lora":
-        out += [Problem(field, "LoRA adapts the language model only so far: leave it on, or fine-tune fully")
-                for field in ("freeze_vit", "freeze_aligner") if not getattr(spec, field)]
-        if spec.freeze_llm:
-            out.append(Problem("freeze_llm", "LoRA adapts the language model: with it frozen nothing trains"))
-    elif spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
+    if spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
         out.append(Problem("freeze_llm", "with freeze_vit and freeze_aligner too, nothing trains"))
+    out += [Problem(field, f"the {part} is frozen ({freeze}): turn {freeze} off to train it at this rate, or leave "
+                           f"{field} empty") for field, freeze, part in (("vit_lr", "freeze_vit", "vision tower"),
+                                                                     ("aligner_lr", "freeze_aligner", "aligner"))
+            if getattr(spec, field) is not None and getattr(spec, freeze)]
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 
 from launcher.config import ConfigError
 from launcher.model import DTYPES
+from launcher.vision import part_learning_rates
 
 
 class Engine:
@@ -168,20 +169,22 @@ def reduce_dtype(spec) -> torch.dtype:
     return torch.float32 if spec.grad_reduce_dtype == "float32" else DTYPES[spec.torch_dtype]
 
 
-def param_groups(model, weight_decay: float) -> list[dict]:
-    """Decay matrices, not biases and norms (the usual AdamW practice)."""
-    decay, no_decay = [], []
+def param_groups(model, spec) -> list[dict]:
+    """Decay matrices, not biases and norms (the usual AdamW practice); a vision-language model's
+    tower and aligner in groups of their own where vit_lr / aligner_lr set their rate. The job's
+    learning_rate comes first where anything trains at it: the first group's rate is the one logged."""
+    own_lr = part_learning_rates(model, spec)
+    grouped: dict[tuple[float, bool], list] = {(spec.learning_rate, True): []}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+            grouped.setdefault((own_lr.get(id(p), spec.learning_rate), p.ndim >= 2), []).append(p)
+    return [{"params": params, "weight_decay": spec.weight_decay if decay else 0.0,
+             **({"lr": lr} if lr != spec.learning_rate else {})}
+            for (lr, decay), params in grouped.items() if params]
 
 
 def make_optimizer(model, spec, device: torch.device):
-    return torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.learning_rate, betas=(0.9, 0.999),
+    return torch.optim.AdamW(param_groups(model, spec), lr=spec.learning_rate, betas=(0.9, 0.999),
                              eps=1e-8, fused=device.type == "cuda")
 
 

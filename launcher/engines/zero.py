@@ -48,7 +48,7 @@ class DeepSpeedEngine(Engine):
         self._frozen_config = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
         self.sp = UlyssesSP(model, spec) if spec.sequence_parallel_size > 1 else None
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=None if optimizer else param_groups(model, spec.weight_decay),
+            model=model, model_parameters=None if optimizer else param_groups(model, spec),
             optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.sp and self.sp.mpu)
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
