@@ -1,0 +1,46 @@
+"""The per-GPU memory estimate against the peaks measured on GPUs (issue 36): every recorded row of
+the calibration benchmarks (bench/calibration.py rebuilds each row's job as the benchmark wrote it)
+holds the estimate within 10% of its measured peak, but the cases it is known to miss, each held to
+the error it had when recorded here. A change of backend.job.memory that breaks a calibrated case
+fails here, without a GPU; one that brings a known miss within 10% passes (then drop it below)."""
+from __future__ import annotations
+
+import sys
+
+from worker import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from calibration import recorded_cases  # noqa: E402
+
+# The benchmarks that measure the estimate's layouts on the current worker (older suite results
+# measured a worker since changed).
+CALIBRATION_FILES = ("h200-layout-memory.jsonl", "h200-dpo-1.jsonl", "h100-dpo-2.jsonl", "h200-long-context-8b.jsonl",
+                     "h200-moe.jsonl")
+# Recorded row: (the estimate's error there, why it misses). docs/benchmarks.md has the table.
+KNOWN_MISSES = {
+    "h200-layout-memory.jsonl:3": (0.218, "ZeRO-2: high with and without SP, the cause not yet found"),
+    "h200-layout-memory.jsonl:4": (0.205, "ZeRO-2 under Ulysses SP, as above"),
+    "h200-dpo-1.jsonl:3": (0.137, "LoRA DPO, eager: high, not yet fitted"),
+    "h200-dpo-1.jsonl:4": (0.478, "LoRA DPO compiled: the estimate counts what eager keeps"),
+    "h200-dpo-1.jsonl:8": (0.132, "full DPO on ZeRO-3: high, not yet fitted"),
+    "h200-long-context-8b.jsonl:20": (-0.117, "torch_compile keeps more than eager at 64K, not fitted"),
+    "h200-long-context-8b.jsonl:25": (-0.135, "torch_compile at 128K, as above"),
+    "h200-moe.jsonl:1": (-0.126, "transformers' MoE block keeps more per routed token without checkpointing"),
+    "h200-moe.jsonl:3": (-0.164, "the MoE block, as above, under LoRA"),
+}
+TOLERANCE = 0.10
+DRIFT = 0.02  # how far a known miss may move before the test asks for a look
+
+
+def test_the_estimate_holds_every_calibrated_gpu_measurement():
+    cases = [c for c in recorded_cases() if c.where.split(":")[0] in CALIBRATION_FILES]
+    assert len(cases) >= 30, [c.where for c in cases]
+    assert set(KNOWN_MISSES) <= {c.where for c in cases}, "a known miss names no recorded row"
+    wrong = []
+    for case in cases:
+        known, why = KNOWN_MISSES.get(case.where, (0.0, ""))
+        limit = max(TOLERANCE, abs(known) + DRIFT)
+        if abs(case.error) > limit:
+            wrong.append(f"{case.where} {case.name}: estimate {case.estimate_gib:.2f} GiB vs measured "
+                         f"{case.measured_gib:.2f} ({case.error:+.1%}, allowed ±{limit:.0%}{'; ' + why if why else ''})")
+    assert not wrong, "\n".join(wrong)
