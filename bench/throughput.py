@@ -213,21 +213,26 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
 
 
 def run_error(run_dir: Path, output: str) -> str:
-    """Why a worker run failed: the first rank's own `end` event that carries an error (a rank other
-    than 0 may be the one that failed: an out-of-memory on one of the ranks sharing a GPU), else the
-    first error line of its output."""
-    for events_file in sorted((run_dir / "events").glob("rank-*.jsonl")):
+    """Why a worker run failed: the earliest `end` event of any rank that carries an error (a rank
+    other than 0 may be the one that failed, the others then stopping for it: an out-of-memory on one
+    of the ranks sharing a GPU), else the first error line of its output."""
+    ended = []
+    for events_file in (run_dir / "events").glob("rank-*.jsonl"):
         for line in events_file.read_text().splitlines():
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line cut short by a rank's death
+                continue
             if event.get("type") == "end" and event.get("error"):
-                return f"{events_file.stem}: {event['error']}"[-2000:]
-    return _first_error(output)
+                ended.append((event.get("time") or 0.0, f"{events_file.stem}: {event['error']}"))
+    return min(ended)[1][-2000:] if ended else _first_error(output)
 
 
 def _first_error(output: str) -> str:
     """The worker's own error line (torchrun's summary at the end says only that a rank failed)."""
     lines = output.splitlines()
-    hits = [i for i, line in enumerate(lines) if "error" in line.lower() or "Traceback" in line]
+    hits = [i for i, line in enumerate(lines)
+            if ("error" in line.lower() or "Traceback" in line) and "Warning" not in line]
     return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:] if hits else output[-2000:]
 
 

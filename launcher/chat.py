@@ -75,14 +75,38 @@ def prompt_ids(tokenizer, images, messages: list[dict]) -> list[int]:
     if not pictures:
         return render(tokenizer, plain, add_generation_prompt=True)
     if images is None:
-        raise ChatError("images: the loaded model is not a vision-language model; it takes no images")
+        raise ChatError("images: the loaded model takes no images (not a vision-language model, or its "
+                        "image processor could not be read)")
     from launcher.vision import with_image_parts
 
-    ids = render(tokenizer, with_image_parts(plain), add_generation_prompt=True)
+    # Only a message that carries images has its tags made image parts: "<image>" written in any
+    # other message (an answer about the tag, a system prompt) stays text.
+    ids = render(tokenizer, [with_image_parts([p])[0] if m.get("images") else p for m, p in zip(messages, plain)],
+                 add_generation_prompt=True)
     try:
+        for image in pictures:
+            image_size(image)
         return expand_images("chat message", ids, [IGNORE] * len(ids), pictures, images)[0]
-    except DataError as exc:  # a tag the text held as such, an image PIL cannot read
+    except DataError as exc:  # an image PIL cannot read, or too large
         raise ChatError(str(exc)) from None
+
+
+# A chat image's pixels before the processor scales it down (a 7000 x 7000 photo; PIL itself only
+# warns below 179 megapixels, and decoding one that size takes gigabytes).
+MAX_CHAT_PIXELS = 50_000_000
+
+
+def image_size(image: str) -> tuple[int, int]:
+    """The size an inline image's header gives; a DataError for one past MAX_CHAT_PIXELS (before its
+    pixels are decoded)."""
+    from backend.job.records import open_image, shown_image
+
+    with open_image("chat message", image) as opened:
+        width, height = opened.size
+    if width * height > MAX_CHAT_PIXELS:
+        raise DataError(f"chat message: image {shown_image(image)} is {width} x {height} pixels, more than the "
+                        f"{MAX_CHAT_PIXELS // 1_000_000} million a chat image may have; scale it down")
+    return width, height
 
 
 def prompt_room(max_positions: int | None, max_new_tokens: int) -> int:
@@ -114,6 +138,12 @@ class Loaded:
     device: torch.device
     info: dict
     images: object = None  # a vision-language model's `launcher.vision.Images`
+
+    @property
+    def adapted_vision(self) -> bool:
+        """Whether a LoRA model has adapters in its vision tower or aligner."""
+        return self.base is None and self.images is not None and any(
+            "lora_" in name and ".visual." in name for name, _ in self.tuned.named_parameters())
 
     def model(self, which: str):
         """The separate module answering as `which` (a LoRA checkpoint's base is its own rows of a
@@ -166,8 +196,11 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
     tokenizer = load_tokenizer(str(tokenizer_dir))  # ChatML where it has no template, as training did
     images = None
     if is_vision(tuned.config):  # an export holds its image processor; a checkpoint's is its base's
-        images = Images(str(path), tuned.config) if source == "export" else Images(spec.model, tuned.config,
-                                                                                   spec.max_pixels)
+        try:
+            images = Images(str(path), tuned.config) if source == "export" else Images(spec.model, tuned.config,
+                                                                                       spec.max_pixels)
+        except (OSError, ValueError, UserError):  # no image processor beside it: text chat still works
+            images = None
     for model in (tuned, base):
         if model is not None:
             model.to(device).eval()
@@ -238,6 +271,15 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
         except DataError as exc:
             raise ChatError(str(exc)) from None
 
+    if loaded.base is None and loaded.adapted_vision and any(pictures):
+        # peft's per-row adapters take one row per prompt, and a tower takes its patches as rows:
+        # with adapters in the tower, each model answers alone, the base with the adapter off
+        for row, model in enumerate(models):
+            with loaded.tuned.disable_adapter() if model == "base" else contextlib.nullcontext():
+                generate_rows(loaded.tuned, tokenizer, [rows[row]], request, loaded.device,
+                              lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled,
+                              media=media([row]), image_token=image_token)
+        return
     if loaded.base is None:
         adapter = loaded.tuned.active_adapter
         generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end, cancelled,

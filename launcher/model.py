@@ -102,11 +102,11 @@ def add_lora(model, spec):
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if spec.target_modules == ["all-linear"] else spec.target_modules
-    if is_vision(model.config):
-        targets = lora_targets(model, spec, None if targets == "all-linear" else targets)
-    config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                        target_modules=targets, task_type="CAUSAL_LM")
     try:
+        if is_vision(model.config):
+            targets = lora_targets(model, spec, None if targets == "all-linear" else targets)
+        config = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"target_modules: {exc}") from None

@@ -283,7 +283,7 @@ class Trainer:
                                                                               and not spec.deepspeed)
         counts = pc.list_value_length(tokenized.table.column("images")).to_numpy(zero_copy_only=False)[mine]
         (with_images, without), _ = self.dist.all_reduce([float((counts > 0).sum()), float((counts == 0).sum())], "sum")
-        if not (with_images and without):
+        if not (with_images and without) or self.dist.world_size == 1:  # one rank waits for no other
             return
         if sharded:
             raise data.DataError(f"{field}: {int(without)} records have no image beside {int(with_images)} that do: "

@@ -96,7 +96,11 @@ class Images:
         """How many placeholder tokens the image at `path` takes (its header read, not its pixels)."""
         with open_image(where, path) as image:
             width, height = image.size
-            if image.getexif().get(ORIENTATION) in (5, 6, 7, 8):  # shown turned a quarter (`pixels` turns it)
+            try:  # a PNG's EXIF is read by loading it: a truncated file fails here
+                turned = image.getexif().get(ORIENTATION) in (5, 6, 7, 8)
+            except OSError as exc:
+                raise DataError(f"{where}: image {shown_image(path)} cannot be decoded ({exc})") from None
+            if turned:  # shown turned a quarter (`pixels` turns it)
                 width, height = height, width
         try:
             return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
@@ -164,16 +168,24 @@ def lora_targets(model, spec, names: list[str] | None = None) -> str:
     last name part; None: all of them, what 'all-linear' means here) of the parts that train: the
     language model (less its head) unless freeze_llm, the vision tower unless freeze_vit, the aligner
     unless freeze_aligner (ms-swift's rule); LoRA stays off a frozen part, though the tower's blocks
-    share names like `gate_proj` with the language model's."""
+    share names like `gate_proj` with the language model's. A ValueError where named targets leave
+    a part that trains without adapters."""
     vit, aligner, llm = vision_parts(model)
-    parts = [m for frozen, modules in ((spec.freeze_llm, llm[:1]), (spec.freeze_vit, vit),
-                                       (spec.freeze_aligner, aligner)) if not frozen for m in modules]
     alternatives = []
-    for prefix, part in ((name, module) for name, module in model.named_modules() if any(module is p for p in parts)):
-        # each part's own linear layers' names: a name of another part's (the tower's `proj`) may
-        # be a convolution here (its patch embedding's `proj`)
-        found = {name.rsplit(".", 1)[-1] for name, module in part.named_modules() if isinstance(module, torch.nn.Linear)}
-        wanted = sorted(found & set(names)) if names else sorted(found)
-        if wanted:
-            alternatives.append(rf"{re.escape(prefix)}(\..*)?\.({'|'.join(map(re.escape, wanted))})")
-    return "|".join(alternatives) or r"(?!)"  # nothing to adapt: validation says so first
+    for label, frozen, modules in (("the language model", spec.freeze_llm, llm[:1]), ("the vision tower", spec.freeze_vit, vit),
+                                   ("the aligner", spec.freeze_aligner, aligner)):
+        if frozen:
+            continue
+        found = []
+        for prefix, part in ((n, m) for n, m in model.named_modules() if any(m is module for module in modules)):
+            # each part's own linear layers' names: a name of another part's (the tower's `proj`) may
+            # be a convolution here (its patch embedding's `proj`)
+            linear = {n.rsplit(".", 1)[-1] for n, m in part.named_modules() if isinstance(m, torch.nn.Linear)}
+            wanted = sorted(linear & set(names)) if names else sorted(linear)
+            found += linear
+            if wanted:
+                alternatives.append(rf"{re.escape(prefix)}(\..*)?\.({'|'.join(map(re.escape, wanted))})")
+        if names and not set(found) & set(names):
+            raise ValueError(f"{', '.join(names)} name no linear layer of {label}, which trains here; name its own "
+                             f"({', '.join(sorted(set(found)))}) too, use all-linear, or freeze it")
+    return "|".join(alternatives)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import itertools
-import mimetypes
 import os
 from typing import Any
 
@@ -50,15 +49,24 @@ def user_turn(message: str, image: str | None) -> dict:
     is shown from its upload ("shown", which never leaves the studio). A ValueError names the field."""
     if not image:
         return {"role": "user", "content": message}
-    mime = mimetypes.guess_type(image)[0]
-    if not mime or not mime.startswith("image/"):
-        raise ValueError(f"Image: {os.path.basename(image)} is not an image file")
-    if os.path.getsize(image) * 4 // 3 > MAX_IMAGE_CHARS:
-        raise ValueError(f"Image: {os.path.basename(image)} is {os.path.getsize(image) >> 20} MiB, more than the "
-                         f"{MAX_IMAGE_CHARS * 3 // 4 >> 20} MiB a chat image may take")
+    from PIL import Image, UnidentifiedImageError
+
+    name = os.path.basename(image)
+    try:
+        with Image.open(image) as opened:  # its header: the format, whatever the name says
+            mime = Image.MIME.get(opened.format or "")
+    except (UnidentifiedImageError, OSError):
+        mime = None
+    if not mime:
+        raise ValueError(f"Image: {name} is not an image file PIL can read")
+    head = f"data:{mime};base64,"
+    size = os.path.getsize(image)
+    if len(head) + 4 * -(-size // 3) > MAX_IMAGE_CHARS:
+        raise ValueError(f"Image: {name} is {size / (1 << 20):.1f} MiB, more than a chat image may take "
+                         f"({(MAX_IMAGE_CHARS - len(head)) * 3 // 4 >> 20} MiB)")
     with open(image, "rb") as f:
         data = base64.b64encode(f.read()).decode()
-    return {"role": "user", "content": IMAGE_TAG + message, "images": [f"data:{mime};base64,{data}"], "shown": image}
+    return {"role": "user", "content": IMAGE_TAG + message, "images": [head + data], "shown": image}
 
 
 def sent(turn: dict) -> dict:

@@ -160,6 +160,14 @@ def test_hang_names_a_rank_behind_and_stopped_once():
     [f] = alerts.hang(w, HANG_10S)
     assert (f.rank, f.node) == (None, None) and "last reported step 9" not in f.message
     assert "rank 0 has been stopped" in f.message and "rank 1, node node-b has been stopped" in f.message
+    # one node's ranks halted (its filesystem), the other node's running: the one behind names that node
+    steps = {0: [timing(0, 10, 1.0, t=T0 + 10)], 1: [timing(1, 10, 1.0, t=T0 + 10)],
+             2: [timing(2, 10, 1.0, t=T0 + 10)], 3: [timing(3, 9, 1.0, t=T0 + 9)]}
+    w = window(T0 + 30, train=ev, timing=steps, placement={0: ("node-a", None), 1: ("node-a", None),
+                                                           2: ("node-b", None), 3: ("node-b", None)},
+               rank_states={2: ("disk_sleep", T0 + 10), 3: ("disk_sleep", T0 + 10)})
+    [f] = alerts.hang(w, HANG_10S)
+    assert (f.rank, f.node) == (3, "node-b"), f.message
 
 
 def flight(rank, seq, last, in_flight=True, group="0", collective="gloo:all_reduce", request="q1", entries=5,

@@ -322,8 +322,10 @@ def test_an_uploaded_image_goes_to_the_worker_inline_and_is_shown_from_its_uploa
     from backend.job.chat import parse_request, request_line
     from studio.chat_tab import on_screen, sent, user_turn
 
+    from PIL import Image
+
     upload = tmp_path / "cat.png"
-    upload.write_bytes(b"\x89PNG\r\n\x1a\n-pixels-")
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(upload)
     turn = user_turn("What is it?", str(upload))
     assert turn["content"] == "<image>What is it?" and turn["shown"] == str(upload)
     assert turn["images"] == ["data:image/png;base64," + base64.b64encode(upload.read_bytes()).decode()]
@@ -336,8 +338,25 @@ def test_an_uploaded_image_goes_to_the_worker_inline_and_is_shown_from_its_uploa
     assert on_screen([user_turn("", str(upload))]) == [{"role": "user", "content": {"path": str(upload)}}]
     assert user_turn("hi", None) == {"role": "user", "content": "hi"}
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match=r"^Image: notes.txt is not an image file$"):
-        user_turn("hi", str(tmp_path / "notes.txt"))
+    (tmp_path / "drawing.svg").write_text("<svg xmlns='http://www.w3.org/2000/svg'/>")
+    for name in ("notes.txt", "drawing.svg"):
+        with pytest.raises(ValueError, match=rf"^Image: {name} is not an image file PIL can read$"):
+            user_turn("hi", str(tmp_path / name))
+    # the format is the header's, whatever the name says (an upload may have none)
+    from PIL import Image
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "photo", format="JPEG")
+    assert user_turn("", str(tmp_path / "photo"))["images"][0].startswith("data:image/jpeg;base64,")
+    # the whole URI counts against the contract's limit
+    import studio.chat_tab
+
+    uri_chars = len(user_turn("", str(tmp_path / "photo"))["images"][0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(studio.chat_tab, "MAX_IMAGE_CHARS", uri_chars - 1)
+        with pytest.raises(ValueError, match=r"^Image: photo is 0.0 MiB, more than a chat image may take"):
+            user_turn("", str(tmp_path / "photo"))
+        patch.setattr(studio.chat_tab, "MAX_IMAGE_CHARS", uri_chars)
+        assert user_turn("", str(tmp_path / "photo"))
 
 
 def test_a_reader_that_goes_away_mid_answer_leaves_the_session_serving(tmp_path):

@@ -426,13 +426,44 @@ def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_towe
     assert {e["prompt_tokens"] for e in batched.values()} == {done["base"]["prompt_tokens"]}
     assert len(seen) == 1 and seen[0][0] == 2 * visual * images.merge ** 2, seen  # both rows' patches
 
+    # LoRA in the tower too: peft's per-row adapters cannot split the tower's patch rows, so the
+    # base (adapter off) and the fine-tuned model answer one after the other, each seeing the image
+    tower = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                     JobSpec(model="m", dataset=["d"], freeze_vit=False)).eval()
+    tower.base_model.model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    seen.clear()
+    alone = reply(ask, Loaded(tower, None, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None},
+                              images))
+    assert {e["prompt_tokens"] for e in alone.values()} == {done["base"]["prompt_tokens"]} and len(seen) == 2
+    # "<image>" written in a message without images (an answer about the tag) stays text
+    talk = [{"role": "user", "content": "Name the tag."}, {"role": "assistant", "content": "It is <image>."}, *ask]
+    [longer] = {e["prompt_tokens"] for e in reply(talk).values()}
+    assert longer > done["base"]["prompt_tokens"]
+
     def refused(messages, to=loaded) -> str:
         with pytest.raises(ChatError) as err:
             reply(messages, to)
         return str(err.value)
 
+    import launcher.chat
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher.chat, "MAX_CHAT_PIXELS", 1000)
+        assert "pixels, more than the 0 million a chat image may have" in refused(ask)
+    many = [{"role": "user", "content": "<image>" * 3, "images": [uri] * 3}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "<image><image>", "images": [uri] * 2}]
+    with pytest.raises(ChatError, match=r"messages: 5 images, more than the 4 a conversation may hold"):
+        parse_request(request_line("1", [("base", many)], 3, 0.0))
+    # named LoRA targets that reach no layer of a part that trains: refused, naming that part's own
+    from launcher.model import ModelError
+
+    with pytest.raises(ModelError, match=r"^target_modules: q_proj name no linear layer of the aligner, which trains"):
+        add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                 JobSpec(model="m", dataset=["d"], freeze_aligner=False, target_modules=["q_proj"]))
+
     assert refused(ask, Loaded(tuned, base, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None})) \
-        == "images: the loaded model is not a vision-language model; it takes no images"
+        == ("images: the loaded model takes no images (not a vision-language model, or its image processor could "
+            "not be read)")
     broken = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
     assert "is not an image PIL can read" in refused([{**ask[0], "images": [broken]}])
     with pytest.raises(ChatError, match=r"messages\[0\]\.content: 0 <image> tag\(s\) for 1 image\(s\)"):

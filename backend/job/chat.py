@@ -16,7 +16,7 @@ MAX_TEMPERATURE = 5.0
 EVENT_TYPES = ("ready", "token", "done", "error")
 
 # A user message's images: inline data:image URIs only (a request never names a file on the node),
-# each as many base64 characters as a 12 MiB image takes, a few to a message.
+# each as many base64 characters as a 12 MiB image takes, a few to a conversation.
 MAX_IMAGES = 4
 MAX_IMAGE_CHARS = 16 << 20
 EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory holding it is ever replaced
@@ -121,9 +121,14 @@ def _messages(where: str, messages) -> tuple[dict, ...]:
             raise ChatError(f"{where}.messages[{i}]: expected {{'role': {'|'.join(ROLES)}, 'content': text}}")
     if messages[-1]["role"] != "user":
         raise ChatError(f"{where}.messages[{len(messages) - 1}]: the last message must be the user's")
-    return tuple({"role": m["role"], "content": m["content"],
-                  **({"images": _images(f"{where}.messages[{i}]", m)} if "images" in m else {})}
-                 for i, m in enumerate(messages))
+    parsed = tuple({"role": m["role"], "content": m["content"],
+                    **({"images": _images(f"{where}.messages[{i}]", m)} if "images" in m else {})}
+                   for i, m in enumerate(messages))
+    count = sum(len(m.get("images", ())) for m in parsed)
+    if count > MAX_IMAGES:  # each is decoded for every answer: a conversation holds a few
+        raise ChatError(f"{where}.messages: {count} images, more than the {MAX_IMAGES} a conversation may hold; "
+                        "start a new one (Clear)")
+    return parsed
 
 
 def _images(where: str, message: dict) -> list[str]:

@@ -232,10 +232,14 @@ def hang(w: Window, cfg: AlertConfig) -> list[Finding]:
                                                  else " since the start (no step logged yet)")
     stuck = _stuck_rank(w)
     halted = _halted_ranks(w, idle)
-    if stuck and len(halted) > 1 and any(r == stuck[0] for r, _, _ in halted):
-        # ranks stopped together (a job-wide SIGSTOP, a node's filesystem) stop a step apart
-        # wherever each was: the one behind is not the others' cause
-        stuck = None
+    halted_ranks = {r for r, _, _ in halted}
+    if stuck and len(halted) > 1 and stuck[0] in halted_ranks:
+        # ranks stopped together stop a step apart wherever each was: the one behind is the cause
+        # only as one of a single node's ranks halted while others are not (its filesystem);
+        # every rank halted (a job-wide SIGSTOP), or ranks on several nodes, names no one
+        nodes = {w.placement.get(r, (None, None))[0] for r in halted_ranks}
+        if len(nodes) > 1 or None in nodes or halted_ranks >= set(w.timing) | set(w.rank_states):
+            stuck = None
     flight, never_entered = _flight_diagnosis(w)
     rank = (stuck[0] if stuck else halted[0][0] if len(halted) == 1
             else never_entered[0] if len(never_entered) == 1 else None)
