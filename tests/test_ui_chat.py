@@ -233,7 +233,7 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
             page.get_by_role("tab", name="Monitor").click()
             # The page's load puts the latest run in the picker; a pick made before that lands is
             # overwritten (seen in a suite run: the charts were the failed run's, empty).
-            expect(page.locator("#monitor-run input")).to_have_value(re.compile("no-checkpoint"), timeout=60_000)
+            expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-vl"), timeout=60_000)
             pick(page, "monitor-run", lora)
             expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-lora"))
             for chart in ("chart-loss", "chart-lr", "chart-throughput", "chart-preference"):
