@@ -1,6 +1,7 @@
 """The memory estimate against every recorded GPU measurement: each row of bench/results/ that
 holds a worker run's measured peak (allocated memory, without the CUDA context), its job rebuilt as
-the benchmark that measured it wrote it, and backend.job.memory's estimate for that job now.
+the benchmark that measured it wrote it (bench/layout_memory.py, bench/throughput.py, bench/dpo.py,
+bench/vl.py), and backend.job.memory's estimate for that job now.
 tests/test_memory_calibration.py holds the estimate to these rows; this prints the table:
 
     python bench/calibration.py
@@ -18,6 +19,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dpo  # noqa: E402
 import layout_memory  # noqa: E402
+import vl  # noqa: E402
 from throughput import estimated_gib, job_spec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -25,7 +27,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED = {"source", "model", "seq", "bsz", "lora", "liger", "nproc", "mixed_lengths", "agent", "wall_s", "step_s",
             "tokens_per_s", "estimated_gib", "useful_tokens_per_s", "mfu", "peak_mem_gib", "moe_aux_loss",
             "moe_max_expert_share", "name", "tokens_per_pair", "losses", "margins", "logps_chosen",
-            "rewards_accuracies", "transformers"}
+            "rewards_accuracies", "transformers", "tokens_per_sample"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ def _job(row: dict) -> tuple[str, int, dict] | None:
     if str(row.get("deepspeed", "")).endswith(".json"):  # a config file of the machine it ran on
         return None
     fields = {k: v for k, v in row.items() if k not in MEASURED}
+    if "tokens_per_sample" in row:  # bench/vl.py
+        return "qwen2.5-vl-3b", row["nproc"], vl.our_job(Path("model"), Path("images.jsonl"), row["seq"],
+                                                         vl.SHAPES["qwen2.5-vl-3b"][3][1], row["bsz"], 10, "bfloat16",
+                                                         **fields)
     if "name" in row:  # bench/dpo.py
         if row["name"].startswith("spread-"):  # Bench.padding_free's pairs of many lengths
             return None
@@ -79,7 +85,8 @@ def recorded_cases(results: Path = RESULTS) -> list[Case]:
                 (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
                 row = json.loads(line)
                 cases.append(Case(f"{path.name}:{number}", row.get("name") or row.get("layout") or _label(row),
-                                  row.get("peak_mem_gib", row.get("peak_gib_rank0")), estimated_gib(run_dir, shape, ranks)))
+                                  row.get("peak_mem_gib", row.get("peak_gib_rank0")),
+                                  estimated_gib(run_dir, shape, ranks, vl.vl_config(shape) if shape in vl.SHAPES else None)))
     return cases
 
 

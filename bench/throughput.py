@@ -187,9 +187,10 @@ def run_worker(work: Path, model_dir: Path, shape: str, seq: int, bsz: int, lora
                 "moe_max_expert_share": round(train[-1]["moe_max_expert_share"], 4)} if "moe_aux_loss" in train[-1] else {})}
 
 
-def estimated_gib(run_dir: Path, shape: str, nproc: int) -> float:
+def estimated_gib(run_dir: Path, shape: str, nproc: int, config: dict | None = None) -> float:
     """backend.job.memory's estimate for the run's job, comparable with the measured peak (allocated
-    memory: without the CUDA context)."""
+    memory: without the CUDA context); `config`: the model's config.json, where the shape is not
+    one of SHAPES."""
     from backend.job.layout import compute_layout
     from backend.job.memory import estimate_memory
     from backend.job.modelcfg import parse_model_config
@@ -197,7 +198,7 @@ def estimated_gib(run_dir: Path, shape: str, nproc: int) -> float:
 
     spec, _ = load_spec(run_dir / "job.yaml")
     spec = spec.model_copy(update={"nproc_per_node": nproc})
-    est = estimate_memory(spec, parse_model_config(SHAPES[shape], shape), compute_layout(spec))
+    est = estimate_memory(spec, parse_model_config(config or SHAPES[shape], shape), compute_layout(spec))
     return round(est.total_gib - est.other_gib, 2)
 
 

@@ -14,6 +14,7 @@ import yaml
 from sshd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # bench/vl.py builds the vision-language models
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -39,34 +40,14 @@ def build_tiny_model(out: Path, family: str = "qwen2", **shape) -> Path:
     return out
 
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen2-VL's chat template, less its default system prompt: image parts become the vision tokens
-VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
-               "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-               "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
-               "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
 def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
     """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (2 vision blocks 32 wide, 2 language layers 64 wide; random,
-    seeded) with the demo tokenizer plus Qwen's vision tokens and a chat template that renders image
-    parts, and Qwen2-VL's image processor (its PIL backend: no torchvision here) limited to 16 patches
-    of 28 px (Qwen3-VL: 16 px patches, as its own)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    seeded) as bench/vl.py builds its shapes, its image processor limited to 16 patches of 28 px
+    (Qwen3-VL: 16 px patches, as its own)."""
+    from vl import build_vl_model
 
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tokenizer.chat_template = VL_TEMPLATE
-    tokenizer.save_pretrained(out)
     patch = 16 if family == "qwen3_vl" else 14
-    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=(2 * patch) ** 2 * 4,
-                             max_pixels=(2 * patch) ** 2 * 16).save_pretrained(out)
-    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    text = dict(**TINY, vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    text = dict(**TINY, max_position_embeddings=4096)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TINY["hidden_size"],
                   patch_size=patch, spatial_merge_size=2, temporal_patch_size=2)
     if family == "qwen2_vl":  # its tower's width is embed_dim, its hidden_size the language model's
@@ -79,12 +60,7 @@ def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
     else:  # qwen3_vl
         text.update(head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
         vision.update(deepstack_visual_indexes=[1], num_position_embeddings=64)
-    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
-                                  video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-                                  tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
-    return out
+    return build_vl_model(out, family, text, vision, ((2 * patch) ** 2 * 4, (2 * patch) ** 2 * 16))
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}

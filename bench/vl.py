@@ -1,0 +1,285 @@
+"""A vision-language model on the worker against HF Trainer + peft (bench/hf_vl.py) in the same call:
+the Qwen2.5-VL-3B shape with random weights (bf16), Qwen2-VL's image processor, images of 448x448
+(256 visual tokens each) with long answers, issue 33's targets.
+
+    python bench/vl.py --out vl.jsonl                    # GPU: every part
+    python bench/vl.py --parts lora --steps 10 --warm 3  # one part
+    python bench/vl.py --smoke                           # CPU, a tiny model: the pipeline end to end
+
+Parts:
+  lora   LoRA r16 on the language model's linear layers, vision tower and aligner frozen (ms-swift's
+         freeze_vit / freeze_aligner defaults; peft's targets named the same on the HF side): HF Trainer
+         with and without Liger's kernels against ours; the target compares the fastest of each side,
+         and their peak memory, and the memory estimate against our peak.
+  textonly  ours, the lora part's job with each image's tokens as text: the tower's share of the peak.
+  ranks  ours, LoRA under DeepSpeed ZeRO-3: 2 ranks sharing the GPU (each its own NCCL host) against 1
+         rank with the same global batch, every record the same sample (each data-parallel rank reads
+         its own shard in its own order, so distinct samples would make different steps), losses by step.
+
+Tokens/s count every non-padding token of a micro-batch, the visual placeholders included, on both sides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
+from throughput import ROOT, _first_error, estimated_gib, run_error, torchrun_argv  # noqa: E402
+
+HF = Path(__file__).resolve().parent / "hf_vl.py"
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's chat template, less its default system prompt: image parts become the vision tokens
+VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+               "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+               "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
+               "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# (family, language model, vision tower, image processor's pixel bounds)
+SHAPES = {
+    "qwen2.5-vl-3b": ("qwen2_5_vl",
+                      dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                           num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=128000,
+                           rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+                      dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+                      (56 * 56, 448 * 448)),
+    "smoke": ("qwen2_5_vl",
+              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=4096,
+                   rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+              dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+              (56 * 56, 112 * 112)),
+}
+
+
+def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tuple[int, int],
+                   dtype: str = "float32") -> Path:
+    """A Qwen-VL family model with random weights (seeded) from `text` and `vision` config fields, the
+    demo tokenizer plus Qwen's vision tokens and a chat template that renders image parts, and Qwen2-VL's
+    image processor (its PIL backend, which needs no torchvision) within `pixels` (min, max)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_TEMPLATE
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], min_pixels=pixels[0], max_pixels=pixels[1]).save_pretrained(out)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    text = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, **text}
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
+                                  video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                                  tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out)
+    return out
+
+
+def write_images(directory: Path, n: int, side: int, answer_chars: int, same: bool = False,
+                 text_for_image: int = 0) -> Path:
+    """An image data file in ms-swift's format: `n` records, each a side x side PNG of random shapes
+    and colours with a question and an answer of random words of about `answer_chars` characters
+    (the demo tokenizer: about 1.1 tokens a character); `same`: every record the first one;
+    `text_for_image`: no images, the question that many characters of words longer instead."""
+    from PIL import Image, ImageDraw
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    lines = []
+    for i in range(n):
+        if same and lines:
+            lines.append(lines[0])
+            continue
+        image = Image.new("RGB", (side, side), tuple(rng.randrange(256) for _ in range(3)))
+        draw = ImageDraw.Draw(image)
+        for _ in range(6):
+            x, y = rng.randrange(side), rng.randrange(side)
+            draw.ellipse((x, y, x + rng.randrange(20, side // 2), y + rng.randrange(20, side // 2)),
+                         fill=tuple(rng.randrange(256) for _ in range(3)))
+        image.save(directory / f"{i}.png")
+        answer = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                          for _ in range(rng.randint(answer_chars // 6, answer_chars // 4)))
+        if text_for_image:
+            words = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(text_for_image))
+            lines.append(json.dumps({"messages": [{"role": "user", "content": words + " Describe the picture."},
+                                                  {"role": "assistant", "content": answer}]}))
+            continue
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>Describe the picture."},
+                                              {"role": "assistant", "content": answer}], "images": [f"{i}.png"]}))
+    path = directory / "images.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def vl_config(shape: str) -> dict:
+    """The config.json build_vl_model writes for `shape` (its token ids aside): what the estimate reads."""
+    from transformers import AutoConfig
+
+    family, text, vision, _ = SHAPES[shape]
+    return AutoConfig.for_model(family, text_config={"tie_word_embeddings": True, **text}, vision_config=vision,
+                                tie_word_embeddings=True).to_dict()
+
+
+def our_job(model: Path, data: Path, seq: int, max_pixels: int, bsz: int, steps: int, dtype: str, **fields) -> dict:
+    """LoRA r16 on the language model (ms-swift's freeze_vit / freeze_aligner defaults), every step
+    logged, no checkpoints, no activation recomputation (the HF side runs without)."""
+    return dict(model=str(model), dataset=[str(data)], train_type="lora", max_length=seq, max_pixels=max_pixels,
+                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-4,
+                torch_dtype=dtype, gradient_checkpointing=False, lora_rank=16, lora_alpha=32, lora_dropout=0.0, **fields)
+
+
+class Bench:
+    def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool, answer_chars: int):
+        self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
+        self.dtype = "float32" if smoke else "bfloat16"
+        self.shape = "smoke" if smoke else "qwen2.5-vl-3b"
+        family, text, vision, self.pixels = SHAPES[self.shape]
+        self.side = 112 if smoke else 448
+        self.seq = 256 if smoke else 1024
+        self.answer_chars = 100 if smoke else answer_chars
+        self.model = build_vl_model(work / "model", family, text, vision, self.pixels, self.dtype)
+        self.wrapper = gpu0_wrapper(work)
+        self.done: list[dict] = []
+
+    def emit(self, row: dict) -> dict:
+        self.done.append(row)
+        line = json.dumps(row)
+        print(line, flush=True)
+        self.out.write(line + "\n")
+        self.out.flush()
+        return row
+
+    def data(self, n: int, same: bool = False, text_only: bool = False) -> Path:
+        """`text_only`: the records with text of about an image's tokens in its place."""
+        directory = self.work / f"images-{n}{'-same' if same else ''}{'-text' if text_only else ''}"
+        if directory.exists():
+            return directory / "images.jsonl"
+        visual = (self.side // 28) ** 2  # tokens of a side x side image (14 px patches, 2 x 2 merged)
+        return write_images(directory, n, self.side, self.answer_chars, same, int(visual / 1.1) if text_only else 0)
+
+    def hf(self, bsz: int, liger: bool) -> dict:
+        argv = torchrun_argv(1, str(HF), str(self.model), str(self.data(bsz * (self.steps + 1))), "--seq", str(self.seq),
+                             "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
+                             "--max-pixels", str(self.pixels[1]), *["--liger"] * liger)
+        started = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(self.work)})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        row = json.loads(lines[-1]) if lines else dict(source="hf+peft", liger=liger, error=_first_error(proc.stderr))
+        return self.emit({**row, "wall_s": round(time.monotonic() - started)})
+
+    def ours(self, name: str, bsz: int, nproc: int = 1, same: bool = False, text_only: bool = False, **fields) -> dict:
+        run_dir = self.work / name
+        run_dir.mkdir()  # each run's name is used once in a work directory that started empty
+        data = self.data(bsz * nproc * (self.steps + 1), same, text_only)
+        spec = our_job(self.model, data, self.seq, self.pixels[1], bsz, self.steps, self.dtype, **fields)
+        (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
+        if self.smoke:  # gloo ranks on the CPU
+            argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        else:  # ranks beyond the GPUs share GPU 0, each its own NCCL host
+            argv, env = shared_gpu_argv(nproc, run_dir, self.wrapper)
+        started = time.monotonic()
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        row = dict(source="swift-studio", name=name, nproc=nproc, seq=self.seq, bsz=bsz, **fields,
+                   wall_s=round(time.monotonic() - started))
+        events_file = run_dir / "events" / "rank-0.jsonl"
+        events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
+        train = [e for e in events if e["type"] == "train"]
+        timed = [e for e in train if e["step"] > self.warm]
+        if proc.returncode or len(timed) < 2:
+            return self.emit({**row, "error": run_error(run_dir, proc.stdout + proc.stderr)})
+        step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+        tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)
+        return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
+                          "tokens_per_sample": tokens / (bsz * nproc),
+                          "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2),
+                          "estimated_gib": estimated_gib(run_dir, self.shape, nproc,
+                                                         json.loads((self.model / "config.json").read_text())),
+                          "losses": [e["loss"] for e in train]})
+
+    def lora(self, bsz: int) -> None:
+        theirs = [self.hf(bsz, liger) for liger in ([False] if self.smoke else [True, False])]
+        ours = [self.ours("lora", bsz)]
+        ok = [r for r in ours if "error" not in r], [r for r in theirs if "error" not in r]
+        if not all(ok):
+            self.emit({"target": "VL LoRA", "ratio": None, "why": "a side has no run"})
+            return
+        best_ours, best_hf = (max(rows, key=lambda r: r["tokens_per_s"]) for rows in ok)
+        ratio = round(best_ours["tokens_per_s"] / best_hf["tokens_per_s"], 3)
+        self.emit({"target": f"VL LoRA r16 {self.shape} {self.side}px images x{bsz}: ours vs HF Trainer + peft (best)",
+                   "ratio": ratio, "goal": 1.15,
+                   "met": ratio >= 1.15 and (self.smoke or best_ours["peak_mem_gib"] <= best_hf["peak_mem_gib"]),
+                   "hf_liger": best_hf.get("liger"), "peak_gib": best_ours["peak_mem_gib"],
+                   "hf_peak_gib": best_hf.get("peak_mem_gib"), "estimated_gib": best_ours["estimated_gib"],
+                   "estimate_error": round(best_ours["estimated_gib"] / best_ours["peak_mem_gib"] - 1, 3)})
+
+    def ranks(self, bsz: int) -> None:
+        one = self.ours("ranks-zero3-1", bsz, same=True, deepspeed="zero3")
+        two = self.ours("ranks-zero3-2", bsz // 2, nproc=2, same=True, deepspeed="zero3")
+        if "error" in one or "error" in two:
+            self.emit({"target": "VL LoRA ZeRO-3: 2 ranks' losses vs 1 rank's", "met": False})
+            return
+        worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(one["losses"], two["losses"]))
+        self.emit({"target": f"VL LoRA ZeRO-3: 2 ranks x {bsz // 2} vs 1 rank x {bsz}, by step",
+                   "max_rel_loss_diff": float(f"{worst:.3g}"), "one": one["losses"], "two": two["losses"]})
+
+
+    def textonly(self, bsz: int) -> None:
+        """Where the memory goes: ours on the same model with each image's tokens as text (the tower
+        idle), against the image run of the lora part."""
+        text = self.ours("lora-text-only", bsz, text_only=True)
+        image = next((r for r in self.done if r.get("name") == "lora"), None) or self.ours("lora", bsz)
+        if "error" not in text and "error" not in image:
+            self.emit({"target": "VL LoRA: images vs their tokens as text", "peak_gib": image["peak_mem_gib"],
+                       "text_peak_gib": text["peak_mem_gib"], "tokens_per_sample": image["tokens_per_sample"],
+                       "text_tokens_per_sample": text["tokens_per_sample"], "estimated_gib": image["estimated_gib"]})
+
+
+PARTS = ("lora", "ranks", "textonly")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help="of " + ", ".join(PARTS))
+    parser.add_argument("--bsz", type=int, default=8, help="samples per micro-batch (lora)")
+    parser.add_argument("--ranks-bsz", type=int, default=4, help="samples per step of the ranks part")
+    parser.add_argument("--answer-chars", type=int, default=480, help="about how long an answer is (460-680 tokens)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", type=Path, default=Path(os.devnull))
+    args = parser.parse_args()
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    work = Path(tempfile.mkdtemp(prefix="vl-bench-"))
+    steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
+    try:
+        with open(args.out, "w") as out:
+            bench = Bench(work, steps, warm, out, args.smoke, args.answer_chars)
+            for part in args.parts.split(","):
+                getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
