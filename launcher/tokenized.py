@@ -7,7 +7,9 @@ One process tokenizes, with `dataset_num_proc` workers (`datasets`' generator bu
 other process that needs the same entry (the run's other ranks, another run, a resume) waits on
 the entry's lock and reads the result. An entry appears whole or not at all: it is written into a
 directory of its own and renamed into place. A bad record is kept as the entry's failure (the same
-inputs give the same error), so the waiting ranks report it without tokenizing again.
+inputs give the same error), so the waiting ranks report it without tokenizing again; with
+`strict` off a record that cannot be encoded is kept as a skipped row instead, and the entry's MARKER
+counts and names them.
 
 Layout of the cache directory:
     <key>/             TOKENS (one Arrow IPC file, memory-mapped by the ranks) and MARKER
@@ -34,10 +36,10 @@ import numpy as np
 
 from backend.job.jsonfile import write_json_atomic
 from backend.job.paths import not_a_regular_file
-from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
+from backend.job.records import DataError, Persona, Source, check_record, hub_dataset, parse_source, positioned_records
 from launcher.data import Pair, Sample, encode
 
-FORMAT = 3
+FORMAT = 4
 """Bumped when what an entry holds changes: older entries are then not read."""
 MARKER = "swift-studio-tokenized.json"
 TOKENS = "tokens.arrow"
@@ -45,7 +47,11 @@ COLUMNS = ["input_ids", "labels", "length", "source", "position", "rejected_inpu
 COLUMN_TYPES = ["list<item: int32>", "list<item: int32>", "int32", "int32", "int64", "list<item: int32>",
                 "list<item: int32>", "list<item: string>"]
 """A preference pair's chosen answer is in input_ids/labels, its rejected one in rejected_*
-(empty for other records); length counts both. `images`: a vision-language sample's image files."""
+(empty for other records); length counts both (0: truncation left no answer, SKIPPED: the record
+could not be encoded and `strict` is off). `images`: a vision-language sample's image files."""
+SKIPPED = -1
+NAMED_SKIPS = 10
+"""How many skipped records an entry names (all are counted)."""
 BUILDING = ".swift-studio-building"
 VERSION_BYTES = 1 << 20
 """Bytes at each end of a local file hashed into its version, beside its size and modification time."""
@@ -92,13 +98,18 @@ class CacheError(DataError):
 @dataclass
 class Tokenized:
     """One cache entry, memory-mapped: every record of the job's datasets in order of (dataset,
-    position), dropped ones (no response token left within max_length) with length 0."""
+    position), dropped ones (no response token left within max_length) with length 0, skipped ones
+    (not `strict`: the record could not be encoded) with length SKIPPED."""
 
     table: Any  # pyarrow.Table over the memory-mapped TOKENS file: input_ids, labels, length, source, position
     entry: Path
     built: bool
     """Whether this process tokenized it (False: it was there, or another process built it while this one waited)."""
     seconds: float
+    skipped: int = 0
+    """Records skipped (strict off): counted over the whole entry, not by shard."""
+    skipped_first: tuple[str, ...] = ()
+    """The first NAMED_SKIPS of them (by dataset, then position), each the error that skipped it."""
 
     def __post_init__(self) -> None:
         self._batches = self.table.select(["input_ids", "labels", "rejected_input_ids", "rejected_labels",
@@ -108,14 +119,15 @@ class Tokenized:
     def shard(self, rank: int, world: int, among: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """Rows of data-parallel rank `rank` of `world`, in the order the ranks have always read them
         (each dataset in turn, its records whose position % world == rank), and how many of that
-        shard's records were dropped; `among`: only the rows where this mask is true."""
+        shard's records were dropped (no answer left within max_length; skipped ones are counted by
+        the entry); `among`: only the rows where this mask is true."""
         source = _numbers(self.table.column("source"))
         position = _numbers(self.table.column("position"))
         taken = position % world == rank
         mine = np.nonzero(taken if among is None else taken & among)[0]
         mine = mine[np.lexsort((position[mine], source[mine]))]
-        kept = _numbers(self.table.column("length"))[mine] > 0
-        return mine[kept], int(np.count_nonzero(~kept))
+        length = _numbers(self.table.column("length"))[mine]
+        return mine[length > 0], int(np.count_nonzero(length == 0))
 
     def held_out(self, ratio: float, seed: int) -> np.ndarray:
         """The rows split off for validation (`split_dataset_ratio`): a seeded choice of
@@ -153,6 +165,7 @@ def cache_key(spec, tokenizer, images=None) -> tuple[str, dict[str, Any]]:
         "max_record_bytes": spec.max_record_bytes,
         "persona": [spec.system, spec.model_name, spec.model_author, spec.columns, spec.rlhf_type is not None],
         "images": images.digest() if images is not None else None,
+        "strict": spec.strict,
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
     return key, inputs
@@ -210,24 +223,29 @@ def open_tokenized(spec, tokenizer, cache_dir: Path, images=None) -> Tokenized:
             if not (entry / MARKER).is_file():
                 _build(spec, tokenizer, cache_dir, key, inputs, images)
                 built = True
-    return Tokenized(_open(entry, inputs), entry, built, time.monotonic() - started)
+    table, skipped = _open(entry, inputs)
+    return Tokenized(table, entry, built, time.monotonic() - started, skipped["count"], tuple(skipped["first"]))
 
 
 def _open(entry: Path, inputs: dict[str, Any]):
-    """The entry's table, memory-mapped (pyarrow alone: a rank that reads the cache never imports `datasets`)."""
+    """The entry's table, memory-mapped (pyarrow alone: a rank that reads the cache never imports
+    `datasets`), and its MARKER's account of the skipped records."""
     import pyarrow as pa
 
     try:
         marker = json.loads((entry / MARKER).read_text())
         if marker.get("inputs") != inputs:
             raise ValueError(f"{MARKER} does not describe this job's inputs")
+        skipped = marker["skipped"]
+        if not (isinstance(skipped.get("count"), int) and isinstance(skipped.get("first"), list)):
+            raise ValueError(f"{MARKER}: 'skipped' is not a count and a list")
         table = pa.ipc.open_file(pa.memory_map(str(entry / TOKENS))).read_all()
         found = [f"{field.name}: {field.type}" for field in table.schema]
         if found != [f"{name}: {kind}" for name, kind in zip(COLUMNS, COLUMN_TYPES)]:
             raise ValueError(f"columns {', '.join(found)}, expected {COLUMNS} of types {COLUMN_TYPES}")
         if any(table.column(name).null_count for name in COLUMNS):
             raise ValueError("a column has missing values")
-        return table
+        return table, skipped
     except Exception as exc:  # a damaged or foreign entry: named, never removed (it is not this process's)
         raise CacheError(f"dataset_cache_dir: the tokenized data in {entry} cannot be read ({exc}); "
                          "remove that directory to tokenize again") from None
@@ -279,15 +297,16 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any], i
                 "parts": list(range(parts)), "n_parts": parts, "entries": tuple(spec.dataset),
                 "tokenizer": tokenizer, "max_length": spec.max_length, "seed": spec.seed,
                 "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec, images is not None),
-                "images": images})
+                "images": images, "strict": spec.strict})
         error = _first_error(built)
         if error is not None:
             write_json_atomic(cache_dir / f"{key}.failed.json", {"error": error, "inputs": inputs})
             raise DataError(error)
         _write_tokens(built.data.table.select(COLUMNS), tmp / TOKENS)
+        skipped = _skips(built)
         del built
         shutil.rmtree(tmp / "build")
-        write_json_atomic(tmp / MARKER, {"inputs": inputs, "created": time.time()})
+        write_json_atomic(tmp / MARKER, {"inputs": inputs, "created": time.time(), "skipped": skipped})
         (tmp / BUILDING).unlink()
         os.rename(tmp, cache_dir / key)
     except OSError as exc:
@@ -300,26 +319,37 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any], i
 
 
 def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer, max_length: int, seed: int,
-             max_record_bytes: int, persona: Persona, images=None) -> Iterator[dict[str, Any]]:
+             max_record_bytes: int, persona: Persona, images=None, strict: bool = True) -> Iterator[dict[str, Any]]:
     """Rows of the records of `parts` (each the records whose position % n_parts is the part). A
     bad record ends its part with a row that holds the error: an exception raised here would reach
-    the builder's caller without its message when it crossed from a worker process."""
+    the builder's caller without its message when it crossed from a worker process. Not `strict`: a
+    record that cannot be encoded (its images decoded whole first) is a skipped row, and the part
+    goes on; a file that cannot be read still ends it."""
+    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "images": []}
     for part in parts:
         source, position = 0, -1
         try:
             for source, entry in enumerate(entries):
                 position = -1
                 for position, record in positioned_records(parse_source(entry), part, n_parts, seed, max_record_bytes):
-                    sample = encode(record, tokenizer, max_length, persona, images)
+                    try:
+                        if not strict and persona.images:  # the training steps decode them: a damaged one fails here
+                            check_record(record, persona)
+                        sample = encode(record, tokenizer, max_length, persona, images)
+                    except DataError as exc:
+                        if strict:
+                            raise
+                        yield {**empty, "length": SKIPPED, "source": source, "position": position, "error": None,
+                               "skipped": str(exc)}
+                        continue
                     chosen, rejected = (sample.chosen, sample.rejected) if isinstance(sample, Pair) else (sample, None)
                     ids, labels = (chosen.input_ids, chosen.labels) if chosen is not None else ([], [])
                     yield {"input_ids": ids, "labels": labels, "length": len(sample) if sample else 0, "source": source,
                            "position": position, "rejected_input_ids": rejected.input_ids if rejected else [],
                            "rejected_labels": rejected.labels if rejected else [],
-                           "images": chosen.images if chosen is not None else [], "error": None}
+                           "images": chosen.images if chosen is not None else [], "error": None, "skipped": None}
         except DataError as exc:
-            yield {"input_ids": [], "labels": [], "length": 0, "source": source, "position": position + 1,
-                   "rejected_input_ids": [], "rejected_labels": [], "images": [], "error": str(exc)}
+            yield {**empty, "length": 0, "source": source, "position": position + 1, "error": str(exc), "skipped": None}
 
 
 def _write_tokens(table, path: Path) -> None:
@@ -337,20 +367,32 @@ def _features():
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "length": Value("int32"), "source": Value("int32"), "position": Value("int64"),
                      "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
-                     "images": Sequence(Value("string")), "error": Value("string")})
+                     "images": Sequence(Value("string")), "error": Value("string"), "skipped": Value("string")})
 
 
 def _first_error(built) -> str | None:
     """The message of the earliest bad record (by dataset, then position), or None."""
-    errors = built.data.column("error")
-    if errors.null_count == len(errors):
-        return None
+    found = _earliest(built, "error", 1)
+    return found[0] if found else None
+
+
+def _skips(built) -> dict[str, Any]:
+    """How many records were skipped, and the messages of the first NAMED_SKIPS."""
+    skipped = built.data.column("skipped")
+    return {"count": len(skipped) - skipped.null_count, "first": _earliest(built, "skipped", NAMED_SKIPS)}
+
+
+def _earliest(built, column: str, count: int) -> list[str]:
+    """The first `count` values of a message column that are set, by dataset, then position."""
+    messages = built.data.column(column)
+    if messages.null_count == len(messages):
+        return []
     import pyarrow.compute as pc
 
-    bad = np.nonzero(pc.is_valid(errors).to_numpy(zero_copy_only=False))[0]
-    source = built.data.column("source").to_numpy()[bad]
-    position = built.data.column("position").to_numpy()[bad]
-    return errors[int(bad[np.lexsort((position, source))[0]])].as_py()
+    rows = np.nonzero(pc.is_valid(messages).to_numpy(zero_copy_only=False))[0]
+    source = built.data.column("source").to_numpy()[rows]
+    position = built.data.column("position").to_numpy()[rows]
+    return [messages[int(rows[i])].as_py() for i in np.lexsort((position, source))[:count]]
 
 
 def _read_failure(path: Path) -> str:

@@ -242,9 +242,16 @@ class Trainer:
                 elif split is not None:
                     val = self._shard(tokenized, split)
             shards = (train, val)
+            skipped = [tokenized] + ([val[0]] if val is not None and val[0] is not tokenized else [])
             self.events.emit("data", phase="ready", cache=str(tokenized.entry), tokenized=tokenized.built,
                              seconds=round(tokenized.seconds, 3), samples=len(train[1]), dropped=train[3],
-                             val_samples=len(val[1]) if val else 0)
+                             val_samples=len(val[1]) if val else 0, skipped=sum(t.skipped for t in skipped),
+                             skipped_first=[m for t in skipped for m in t.skipped_first])
+            if d.is_main:
+                for entry in skipped:
+                    if entry.skipped:
+                        log.warning("data: %d records skipped (strict is off), the first: %s", entry.skipped,
+                                    "; ".join(entry.skipped_first))
         except data.DataError as exc:
             failure = exc
         self._stop_for_data_errors(failure, "found a bad record")
@@ -259,8 +266,10 @@ class Trainer:
         per_epoch = data.steps_per_epoch(int(min_rows), spec.per_device_train_batch_size, spec.gradient_accumulation_steps)
         if per_epoch < 1:
             need = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * d.dp_size
+            skipped = (f"; {tokenized.skipped} records were skipped (strict is off), the first: "
+                       f"{'; '.join(tokenized.skipped_first)}" if tokenized.skipped else "")
             raise data.DataError(f"dataset: {int(total_rows)} training sequences are fewer than one global batch "
-                                 f"({need} = micro-batch × accumulation × {d.dp_size} data-parallel ranks)")
+                                 f"({need} = micro-batch × accumulation × {d.dp_size} data-parallel ranks){skipped}")
         if d.is_main:
             log.info("data: %d sequences over %d data-parallel ranks (%d samples dropped: no response left after "
                      "truncation to max_length=%d), %d steps per epoch; tokenized data in %s", total_rows, d.dp_size,

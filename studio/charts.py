@@ -7,6 +7,7 @@ few thousand points per series. Figures are built from the buffer on every tick.
 from __future__ import annotations
 
 import hashlib
+import html
 
 import math
 import time
@@ -455,7 +456,18 @@ def progress_html(step: int | None, max_steps: int | None, eta_s: float | None, 
     eta = f" · ETA {format_duration(eta_s)}" if eta_s and state == "running" else ""
     return (f"<div class='progress-outer' role='progressbar' aria-valuenow='{step}' aria-valuemax='{max_steps}'>"
             f"<div class='progress-inner' style='width:{share * 100:.1f}%'></div></div>"
-            f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}</div>")
+            f"<div class='status-line' id='progress-text'>step {step} / {max_steps} ({share:.0%}){eta}"
+            f"{skipped_html(data)}</div>")
+
+
+def skipped_html(event: dict | None) -> str:
+    """The records a run skipped (strict off), the first ones' reasons on hover; '' for none."""
+    count = (event or {}).get("skipped") or 0
+    if not isinstance(count, int) or count <= 0:
+        return ""
+    first = [str(m) for m in event.get("skipped_first") or []]
+    return (f" · <span class='skipped-records' title='{html.escape(chr(10).join(first), quote=True)}'>"
+            f"{count:,} record{'s' * (count != 1)} skipped (strict off)</span>")
 
 
 def data_line(event: dict) -> str:
@@ -465,7 +477,7 @@ def data_line(event: dict) -> str:
     if event.get("streaming"):
         return "data streamed: read and tokenized as the steps ask"
     how = "tokenized" if event.get("tokenized") else "read from the tokenized cache"
-    return f"data {how} in {float(event.get('seconds') or 0):.1f} s"
+    return f"data {how} in {float(event.get('seconds') or 0):.1f} s{skipped_html(event)}"
 
 
 def _digest(value: Any) -> str:

@@ -20,7 +20,7 @@ Widget = Literal["text", "lines", "int", "float", "check", "choice", "env"]
 _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Model and data", True, ("model", "dataset", "max_length", "packing", "padding_free", "torch_dtype", "system", "model_name",
                               "model_author", "columns", "val_dataset", "split_dataset_ratio", "streaming",
-                              "dataset_num_proc", "dataset_cache_dir")),
+                              "strict", "dataset_num_proc", "dataset_cache_dir")),
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules",
                                    "adapters")),
     ("Vision-language models", False, ("freeze_vit", "freeze_aligner", "freeze_llm", "vit_lr", "aligner_lr", "max_pixels")),
@@ -77,7 +77,7 @@ TITLES = {
     "val_dataset": "Validation data", "split_dataset_ratio": "Held out for validation",
     "eval_strategy": "Evaluation", "eval_steps": "Evaluate every N steps",
     "per_device_eval_batch_size": "Eval micro-batch per GPU", "early_stop_interval": "Early stop after N evals",
-    "streaming": "Stream the data (no tokenizing first)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
+    "streaming": "Stream the data (no tokenizing first)", "strict": "Stop on a bad record (off: skip and count it)", "dataset_num_proc": "Tokenizing processes", "dataset_cache_dir": "Tokenized data cache",
     "rlhf_type": "Preference training", "beta": "Beta", "loss_type": "Preference loss", "label_smoothing": "Label smoothing",
     "rpo_alpha": "RPO alpha (DPO's NLL on chosen)", "cpo_alpha": "CPO alpha (NLL on chosen)", "simpo_gamma": "SimPO gamma",
     "ref_model": "Reference model (full DPO)", "precompute_ref_log_probs": "Precompute reference log-probs",

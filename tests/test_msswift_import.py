@@ -471,12 +471,17 @@ def test_omitted_flags_take_ms_swift_defaults():
     spec, result = imported(ZERO3_LEFT_TO_DEFAULTS)
     # ceil(16 / (3 x 4)) = 2 (floor would be 1); 3 epochs (HF); 1e-5 for full fine-tuning.
     assert (spec.gradient_accumulation_steps, spec.num_train_epochs, spec.learning_rate) == (2, 3.0, 1e-5)
-    assert [d.split(" ")[0] for d in result.defaults] == ["learning_rate", "num_train_epochs", "gradient_accumulation_steps", "adam_beta2:"]
-    assert "ceil(16 / (batch 3 x world 4))" in result.defaults[2]
+    assert [d.split(" ")[0] for d in result.defaults] == ["learning_rate", "strict", "num_train_epochs", "gradient_accumulation_steps",
+                                                        "adam_beta2:"]
+    assert "ceil(16 / (batch 3 x world 4))" in result.defaults[3]
+    assert not spec.strict and "swift/arguments/base_args/data_args.py" in result.defaults[1]
     # LoRA's 1e-4 is swift-studio's too: nothing to fill. max_steps > 0 makes the epochs moot.
     spec, result = imported(ZERO3_LEFT_TO_DEFAULTS.replace("--tuner_type full", "--tuner_type lora --max_steps 100"))
     assert (spec.learning_rate, spec.num_train_epochs, spec.gradient_accumulation_steps) == (1e-4, 1.0, 2)
-    assert [d.split(" ")[0] for d in result.defaults] == ["gradient_accumulation_steps", "adam_beta2:"]
+    assert [d.split(" ")[0] for d in result.defaults] == ["strict", "gradient_accumulation_steps", "adam_beta2:"]
+    # A line that says --strict keeps it.
+    spec, result = imported(ZERO3_LEFT_TO_DEFAULTS.replace("--output_dir output", "--output_dir output --strict true"))
+    assert spec.strict and not any(d.startswith("strict") for d in result.defaults)
     # Model-dependent defaults are named, not guessed.
     _, result = imported(_without(ZERO3_LEFT_TO_DEFAULTS, "--max_length", "--torch_dtype"))
     assert any(d.startswith("max_length: the model's max_model_len") for d in result.defaults)
@@ -524,7 +529,8 @@ def test_cli_import_writes_the_ms_swift_job_and_its_filled_defaults(tmp_path):
     assert (data["train_type"], data["nproc_per_node"], data["deepspeed"]) == ("full", 4, "zero3")
     assert (data["num_train_epochs"], data["learning_rate"], data["gradient_accumulation_steps"]) == (3.0, 1e-5, 2)
     comments = [line for line in done.stdout.splitlines() if line.startswith("# ms-swift default: ")]
-    assert [c.split(" ")[3] for c in comments] == ["learning_rate", "num_train_epochs", "gradient_accumulation_steps", "adam_beta2:"]
+    assert [c.split(" ")[3] for c in comments] == ["learning_rate", "strict", "num_train_epochs", "gradient_accumulation_steps",
+                                                        "adam_beta2:"]
 
 
 @pytest.mark.parametrize("spec", [

@@ -218,7 +218,16 @@ def test_progress_bar_and_eta():
     assert "data streamed: read and tokenized as the steps ask" in progress_html(
         None, 100, None, "running", {"phase": "ready", "streaming": True})
     text = progress_html(30, 120, 95.0, "running")
-    assert "step 30 / 120 (25%)" in text and "ETA 1m 35s" in text and "width:25.0%" in text
+    assert "step 30 / 120 (25%)" in text and "ETA 1m 35s" in text and "width:25.0%" in text and "skipped" not in text
+    # records a strict-off run skipped stay in view while it trains; their reasons (the data's own
+    # text: file names, a record's fields) are escaped
+    crafted = {"phase": "ready", "seconds": 1.0, "skipped": 1234,
+               "skipped_first": ["a.jsonl:3: image x'><script>alert(1)</script>.png not found", "a.jsonl:9: no messages"]}
+    text = progress_html(30, 120, 95.0, "running", crafted)
+    assert "1,234 records skipped (strict off)" in text and "<script>" not in text
+    assert "a.jsonl:3: image x&#x27;&gt;&lt;script&gt;alert(1)&lt;/script&gt;.png not found\na.jsonl:9" in text
+    assert "1,234 records skipped" in progress_html(None, 120, None, "running", crafted)
+    assert "skipped" not in progress_html(30, 120, 95.0, "running", {**crafted, "skipped": "9; <b>"})
 
 
 def run(**kw):

@@ -225,6 +225,47 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert text.startswith(f"{data}:1: a multimodal record ('images'): the model is not a vision-language model")
 
 
+def test_strict_off_skips_and_counts_the_records_it_cannot_use_and_names_the_first(tmp_path, tiny_vl, images):
+    """ms-swift's --strict: on (swift-studio's default) the first bad record stops tokenizing by file:line;
+    off, bad records are skipped, counted and named in the entry, the good ones train, and the
+    images are decoded whole (a JPEG whose header is whole and pixels cut passes the header read)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from launcher.tokenized import open_tokenized
+
+    data = tmp_path / "data"
+    good = [json.loads(line) for line in open(colour_images(data, 6))]
+    import random
+
+    noise = random.Random(0).randbytes(128 * 128 * 3)
+    Image.frombytes("RGB", (128, 128), noise).save(data / "photo.jpg")
+    whole = (data / "photo.jpg").read_bytes()
+    (data / "half.jpg").write_bytes(whole[:len(whole) // 2])
+    bad = {3: {**good[0], "images": ["half.jpg"]}, 5: {**good[0], "images": ["missing.png"]},
+           7: {**good[0], "images": ["0.png", "0.png"]}, 9: {"images": ["0.png"]}}
+    rows = good[:]
+    for line, record in sorted(bad.items()):
+        rows.insert(line - 1, record)
+    path = data / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    spec = JobSpec(model=str(tiny_vl), dataset=[str(path)], max_length=96)
+    with pytest.raises(DataError, match=rf"^{path}:5: image .*missing.png not found"):  # half.jpg's header reads
+        open_tokenized(spec, tokenizer, tmp_path / "cache", images)
+    loose = open_tokenized(spec.model_copy(update={"strict": False}), tokenizer, tmp_path / "cache", images)
+    assert loose.skipped == 4 and [m.split(": ")[0] for m in loose.skipped_first] == [f"{path}:{n}" for n in bad]
+    assert "half.jpg is not a whole image PIL can read" in loose.skipped_first[0]
+    rows_kept, dropped = loose.shard(0, 1)
+    assert (len(rows_kept), dropped) == (6, 0)
+    assert [s.images for s in loose.samples(rows_kept)] == [[str(data / r["images"][0])] for r in good]
+    # validation: the same records are a warning that says they will be skipped, not an error
+    found = {p.field: p for p in validate(spec.model_copy(update={"strict": False}))}
+    assert found["dataset[0]"].severity == "warning" and "strict is off: records like these are skipped" in \
+        found["dataset[0]"].message and f"{path}:3:" in found["dataset[0]"].message
+    assert errors(validate(spec))[0].message.startswith(f"{path}:3: image")
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen25_vl(tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp("qwen2_5_vl-e2e"))
@@ -245,8 +286,13 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     data = colour_images(tmp_path / "data", 32)
     common = dict(model=str(tiny_qwen25_vl), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
                   lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
-    lora = write_run(tmp_path / "lora", **common, train_type="lora", per_device_train_batch_size=4, learning_rate=5e-2,
-                     max_steps=8, save_steps=8)
+    # the LoRA run's data has two records it cannot use at its end: strict off skips and counts them
+    skipping = tmp_path / "data" / "skipping.jsonl"
+    (tmp_path / "data" / "cut.png").write_bytes((tmp_path / "data" / "0.png").read_bytes()[:60])
+    skipping.write_text(open(data).read() + "".join(
+        json.dumps({**json.loads(open(data).readline()), "images": [name]}) + "\n" for name in ("gone.png", "cut.png")))
+    lora = write_run(tmp_path / "lora", **{**common, "dataset": [str(skipping)]}, strict=False, train_type="lora",
+                     per_device_train_batch_size=4, learning_rate=5e-2, max_steps=8, save_steps=8)
     # the aligner in the optimizer at a rate that leaves it as it was (aligner_lr honoured on each engine)
     full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no", freeze_aligner=False,
                 aligner_lr=1e-20)
@@ -273,6 +319,8 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
             in proc.log and engine in proc.log, proc.log[-3000:]
     curve = losses(lora)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    ready = [e for e in events(lora, 0, "data") if e.get("phase") == "ready"][0]
+    assert (ready["skipped"], [m.split(": ")[0] for m in ready["skipped_first"]]) == (2, [f"{skipping}:33", f"{skipping}:34"])
     for run in (fsdp, zero2, zero3):
         for step, value in losses(run).items():
             assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)

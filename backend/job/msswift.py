@@ -446,6 +446,7 @@ def ms_swift_defaults(values: Mapping[str, Any], kind: str = "swift") -> dict[st
         out["train_type"] = ("full", "megatron sft trains every parameter unless --tuner_type says otherwise")
     out["learning_rate"] = (1e-5, "ms-swift's default for full fine-tuning") if train_type == "full" else \
         (1e-4, "ms-swift's default for LoRA and the other tuners")
+    out["strict"] = (False, "ms-swift skips a record it cannot encode (swift/arguments/base_args/data_args.py)")
     if kind != "swift":
         return out
     steps = _int_or_none(values.get("max_steps", -1))

@@ -631,52 +631,70 @@ MAX_REPORTED = 3
 _SNIFF = 8192
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """What a sample check found: problems of the file itself (unreadable, empty, a line that is not
+    JSON or is too long), which stop any run, and of single records, which a job with `strict` off
+    skips."""
+    file: tuple[str, ...] = ()
+    records: tuple[str, ...] = ()
+
+    def all(self) -> list[str]:
+        return [*self.file, *self.records]
+
+
 def sample_problems(entry: str, max_record_bytes: int, persona: Persona = Persona()) -> list[str]:
     """Problems in a bounded sample of a local dataset file (its first records and a few at random
     offsets), each naming `file:line` (or the byte offset in a large file); [] for hub ids and
-    files that do not exist here. Cached per file version: the studio calls it on every edit."""
+    files that do not exist here."""
+    return sampled(entry, max_record_bytes, persona).all()
+
+
+def sampled(entry: str, max_record_bytes: int, persona: Persona = Persona()) -> Sampled:
+    """sample_problems' findings, the file's apart from the records'. Cached per file version: the
+    studio calls it on every edit."""
     try:
         source = parse_source(entry)
     except DataError as exc:
-        return [str(exc)]
+        return Sampled((str(exc),))
     path = Path(source.name).expanduser()
     if not source.is_local or not os.path.lexists(path):
-        return []
+        return Sampled()
     problem = not_a_regular_file(path)
     if problem:
-        return [f"{path} {problem}, not a data file"]
+        return Sampled((f"{path} {problem}, not a data file",))
     try:
         stat = path.stat()
     except OSError as exc:
-        return [f"{path}: cannot read ({exc.strerror})"]
-    return list(_sample_problems(str(path), stat.st_size, stat.st_mtime_ns, max_record_bytes, persona))
+        return Sampled((f"{path}: cannot read ({exc.strerror})",))
+    return _sample_problems(str(path), stat.st_size, stat.st_mtime_ns, max_record_bytes, persona)
 
 
 @functools.lru_cache(maxsize=64)
-def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes: int,
-                     persona: Persona) -> tuple[str, ...]:
+def _sample_problems(path_text: str, size: int, mtime_ns: int, max_record_bytes: int, persona: Persona) -> Sampled:
     path = Path(path_text)
     if size == 0:
-        return (f"{path}: the file is empty (no records)",)
+        return Sampled((f"{path}: the file is empty (no records)",))
     suffix = path.suffix.lower()
     try:
         with open(path, "rb") as f:
             head = f.read(_SNIFF)
     except OSError as exc:
-        return (f"{path}: cannot read ({exc.strerror})",)
+        return Sampled((f"{path}: cannot read ({exc.strerror})",))
     if suffix == ".parquet":
-        return tuple(_parquet_sample(path, head, persona))
+        return _parquet_sample(path, head, persona)
     binary = _binary_at(head, complete=size <= _SNIFF)
     if binary is not None:
-        return (f"{path}: not a text file (binary data at byte {binary}); expected JSON lines, JSON, CSV or parquet",)
+        return Sampled((f"{path}: not a text file (binary data at byte {binary}); expected JSON lines, JSON, CSV or "
+                        "parquet",))
     try:
         sample = {".json": _json_sample, ".csv": _csv_sample}.get(suffix)
         records = sample(path, size) if sample else _jsonl_sample(path, size, max_record_bytes)
-        return tuple(_first_problems(path, records, persona))
+        return _first_problems(path, records, persona)
     except DataError as exc:
-        return (str(exc),)
+        return Sampled((str(exc),))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        return (f"{path}: cannot read: {exc}",)
+        return Sampled((f"{path}: cannot read: {exc}",))
 
 
 def _binary_at(head: bytes, complete: bool) -> int | None:
@@ -690,7 +708,7 @@ def _binary_at(head: bytes, complete: bool) -> int | None:
     return None
 
 
-def _first_problems(path: Path, records: Iterator[Record], persona: Persona) -> list[str]:
+def _first_problems(path: Path, records: Iterator[Record], persona: Persona) -> Sampled:
     problems, checked = [], 0
     for record in records:
         checked += 1
@@ -699,11 +717,11 @@ def _first_problems(path: Path, records: Iterator[Record], persona: Persona) -> 
         except DataError as exc:
             problems.append(str(exc))
     if checked == 0:
-        return [f"{path}: no records (only blank lines)"]
+        return Sampled((f"{path}: no records (only blank lines)",))
     if len(problems) > MAX_REPORTED:
         more = len(problems) - MAX_REPORTED
         problems = problems[:MAX_REPORTED] + [f"{path}: {more} more bad records among the {checked} checked"]
-    return problems
+    return Sampled(records=tuple(problems))
 
 
 def _jsonl_sample(path: Path, size: int, limit: int) -> Iterator[Record]:
@@ -765,14 +783,14 @@ def _csv_sample(path: Path, size: int) -> Iterator[Record]:
             yield Record(where, row, str(path.parent))
 
 
-def _parquet_sample(path: Path, head: bytes, persona: Persona) -> list[str]:
+def _parquet_sample(path: Path, head: bytes, persona: Persona) -> Sampled:
     if not head.startswith(b"PAR1"):
-        return [f"{path}: not a parquet file (it does not start with the PAR1 magic bytes)"]
+        return Sampled((f"{path}: not a parquet file (it does not start with the PAR1 magic bytes)",))
     try:
         import pyarrow.parquet as pq
 
         batch = next(pq.ParquetFile(path).iter_batches(batch_size=SAMPLE_HEAD), None)
     except Exception as exc:  # pyarrow raises several types for a corrupt file
-        return [f"{path}: cannot read parquet ({exc})"]
+        return Sampled((f"{path}: cannot read parquet ({exc})",))
     rows = batch.to_pylist() if batch is not None else []
     return _first_problems(path, (Record(f"{path}: row {i + 1}", row, str(path.parent)) for i, row in enumerate(rows)), persona)

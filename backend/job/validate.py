@@ -302,8 +302,13 @@ def _dataset_rules(spec: JobSpec, images: bool = False) -> list[Problem]:
     usually is mounted here too), so a bad record shows before launch instead of after it.
     `images`: the model is a vision-language model (its records may carry images)."""
     persona = records.Persona.of(spec, images)
-    out = [Problem(f"{field}[{i}]", message) for field, i, item in _data_entries(spec)
-           for message in records.sample_problems(item, spec.max_record_bytes, persona)]
+    out = []
+    for field, i, item in _data_entries(spec):
+        found = records.sampled(item, spec.max_record_bytes, persona)
+        out += [Problem(f"{field}[{i}]", message) for message in (found.all() if spec.strict else found.file)]
+        if not spec.strict and found.records:
+            out.append(_warn(f"{field}[{i}]", "strict is off: records like these are skipped and counted: "
+                                              + "; ".join(found.records)))
     if spec.streaming:
         out += _streaming_rules(spec)
     if spec.val_dataset and spec.split_dataset_ratio > 0:
@@ -323,6 +328,9 @@ def _streaming_rules(spec: JobSpec) -> list[Problem]:
                                                   "for validation with streaming"))
     if spec.dataset_num_proc > 1:
         out.append(_warn("dataset_num_proc", "ignored with streaming: each rank tokenizes the records it reads as it trains"))
+    if not spec.strict:
+        out.append(_warn("strict", "off is not honoured with streaming yet: a streamed record that cannot be encoded "
+                                   "stops the run, naming its file:line"))
     for i, entry in enumerate(spec.dataset):
         try:
             whole = Path(records.parse_source(entry).name).suffix.lower() == ".json"
