@@ -225,6 +225,50 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert text.startswith(f"{data}:1: a multimodal record ('images'): the model is not a vision-language model")
 
 
+def test_images_stored_in_a_datasets_image_column_read_as_their_files_do(tmp_path, tiny_vl, images, monkeypatch):
+    """A parquet file written by `datasets` with an Image column (each image its {bytes, path}), and a
+    hub dataset with one (`load_dataset` answers with the same rows here, their images decoded as the
+    hub's loader gives them), tokenize as the same records with image files do; a damaged image's
+    bytes are named by row."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from backend.job.records import Source, positioned_records, record_images
+    from launcher.tokenized import open_tokenized
+
+    data = tmp_path / "data"
+    path = colour_images(data, 4)
+    rows = [json.loads(line) for line in open(path)]
+    stored = datasets.Dataset.from_dict(
+        {"messages": [r["messages"] for r in rows],
+         "images": [[{"bytes": (data / r["images"][0]).read_bytes(), "path": None}] for r in rows]},
+        features=datasets.Features({"messages": datasets.List({"role": datasets.Value("string"),
+                                                               "content": datasets.Value("string")}),
+                                    "images": datasets.List(datasets.Image())}))
+    parquet = str(tmp_path / "train.parquet")
+    stored.to_parquet(parquet)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: stored if name == "org/colours" else None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+
+    def tokens(entry: str) -> list[list[int]]:
+        table = open_tokenized(JobSpec(model=str(tiny_vl), dataset=[entry], max_length=96), tokenizer,
+                               tmp_path / "cache", images).table
+        return table.column("input_ids").to_pylist()
+
+    assert tokens(parquet) == tokens("org/colours") == tokens(path)
+    hub = [r for _, r in positioned_records(Source("org/colours"), 0, 1, 0, 1 << 20)]
+    assert record_images(hub[0])[0].startswith("data:image/png;base64,")
+    assert sample_problems(parquet, 1 << 20, Persona(images=True)) == []
+    damaged = stored.cast_column("images", datasets.List(datasets.Image(decode=False))).map(
+        lambda r, i: {"images": [{"bytes": r["images"][0]["bytes"][:60] if i == 2 else r["images"][0]["bytes"],
+                                  "path": None}]}, with_indices=True)
+    damaged.to_parquet(str(tmp_path / "damaged.parquet"))
+    assert [p.split(": image ")[0] for p in sample_problems(str(tmp_path / "damaged.parquet"), 1 << 20,
+                                                            Persona(images=True))] == [f"{tmp_path / 'damaged.parquet'}: row 3"]
+    with pytest.raises(DataError, match=r"'images' must be a list of image file paths, data:image URIs or"):
+        record_images(Record("x:1", {"images": [{"bytes": None, "path": None}]}))
+
+
 def test_strict_off_skips_and_counts_the_records_it_cannot_use_and_names_the_first(tmp_path, tiny_vl, images):
     """ms-swift's --strict: on (swift-studio's default) the first bad record stops tokenizing by file:line;
     off, bad records are skipped, counted and named in the entry, the good ones train, and the

@@ -272,9 +272,28 @@ def hub_dataset(source: Source, seed: int):
         ds = datasets.load_dataset(source.name, split="train")
     except Exception as exc:  # network, missing dataset, auth: all user-facing
         raise DataError(f"dataset '{source.name}': cannot load from the hub ({exc})") from None
+    for name, feature in ds.features.items():  # images as their stored bytes and path, not decoded by datasets
+        undecoded = _undecoded(feature)
+        if undecoded != feature:
+            ds = ds.cast_column(name, undecoded)
     if source.limit is not None and source.limit < len(ds):
         ds = ds.shuffle(seed=seed).select(range(source.limit))
     return ds
+
+
+def _undecoded(feature):
+    """A datasets feature with its Image parts (at any depth of lists and mappings) not decoded."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(decode=False)
+    if isinstance(feature, datasets.List):
+        return datasets.List(_undecoded(feature.feature), length=feature.length)
+    if isinstance(feature, datasets.LargeList):
+        return datasets.LargeList(_undecoded(feature.feature))
+    if isinstance(feature, dict):
+        return {key: _undecoded(value) for key, value in feature.items()}
+    return feature
 
 
 def _hub_records(source: Source, rank: int, world: int, seed: int) -> Iterator[tuple[int, Record]]:
@@ -422,12 +441,39 @@ def _text_only(record: Record, images: bool = False) -> None:
 
 def record_images(record: Record) -> list[str]:
     """The record's `images`, each a path read from its file's directory when relative (ms-swift's
-    and LLaMA-Factory's lists of paths), or an image inline as a `data:image/...;base64,` URI."""
+    and LLaMA-Factory's lists of paths), an image inline as a `data:image/...;base64,` URI, or a
+    `datasets` Image value as a parquet file or a hub dataset stores it ({"bytes", "path"}: its
+    bytes, made an inline URI, else its path)."""
     images = record.data.get("images")
-    if not isinstance(images, list) or not all(isinstance(i, str) and i.strip() for i in images):
-        raise DataError(f"{record.where}: 'images' must be a list of image file paths or data:image URIs")
+    if isinstance(images, dict):  # a single datasets Image column value
+        images = [images]
+    found = [_image_entry(image) for image in images] if isinstance(images, list) else [None]
+    if None in found:
+        raise DataError(f"{record.where}: 'images' must be a list of image file paths, data:image URIs or "
+                        "{bytes, path} images (a datasets Image column)")
     return [i if i.startswith("data:") else
-            os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i) for i in images]
+            os.path.join(record.base, os.path.expanduser(i)) if record.base else os.path.expanduser(i) for i in found]
+
+
+# The first bytes of the formats PIL reads that images in datasets usually are.
+_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"BM", "bmp"), (b"II*\0", "tiff"),
+          (b"MM\0*", "tiff"))
+
+
+def _image_entry(image: Any) -> str | None:
+    """One entry of `images` as a path or data: URI; None for a value that is neither."""
+    if isinstance(image, str):
+        return image if image.strip() else None
+    if not isinstance(image, dict) or not set(image) <= {"bytes", "path"}:
+        return None
+    data, path = image.get("bytes"), image.get("path")
+    if isinstance(data, (bytes, bytearray)) and data:
+        import base64
+
+        kind = "webp" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else next(
+            (name for magic, name in _MAGIC if data.startswith(magic)), "unknown")
+        return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+    return path if isinstance(path, str) and path.strip() else None
 
 
 def shown_image(image: str) -> str:
