@@ -147,6 +147,15 @@ def add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", help="run id (default: a new YYYYmmdd-HHMMSS-<hex> id)")
     parser.add_argument("--run-dir", help="run directory (default: <output_dir>/<run id>)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port on the first node (default 29500)")
+    advice = parser.add_argument_group("layout advisor (--advise): the configurations that fit, fastest predicted first")
+    advice.add_argument("--advise", action="store_true", help="rank the job's legal layouts by the cost model "
+                                                               "(backend/job/advisor.py) instead of printing its plan")
+    advice.add_argument("--gpu-mem-gib", type=float, help="GPU memory (default: the nodes' gpu_mem_gib, else 80)")
+    advice.add_argument("--intra-gib-s", type=float, help="bus bandwidth within a node (default 300)")
+    advice.add_argument("--inter-gib-s", type=float, help="bus bandwidth between nodes: the pre-flight's figure "
+                                                          "(default 20)")
+    advice.add_argument("--tokens-per-sample", type=float, help="the data's mean sample length (default max_length)")
+    advice.add_argument("--top", type=int, default=5, help="rows to show (default 5)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -157,6 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = slurm_target(args, spec)
     cluster = target.cluster() if target else load_cluster(args.hostfile)
     assessed = checked(spec, cluster, source)
+    if args.advise:
+        return _advise(args, assessed)
     run_id = args.run_id or make_run_id(None, lambda _: False)
     run_dir = Path(args.run_dir or Path(spec.output_dir) / run_id).expanduser().resolve()
     try:
@@ -179,6 +190,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for node in result.nodes:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in node.env.items())
         print(f"\n# node {node.node_rank}: {node.host}\n{env} {shlex.join(node.argv)}")
+    return 0
+
+
+def _advise(args: argparse.Namespace, assessed: Assessment) -> int:
+    from dataclasses import replace
+
+    from backend.job.advisor import Hardware, advise
+
+    if assessed.model is None:
+        raise CliError([f"model: {assessed.memory_note or 'its config.json cannot be read'}; the advisor needs it"])
+    known = [n.gpu_mem_gib for n in assessed.cluster.nodes[: assessed.spec.nnodes] if n.gpu_mem_gib]
+    given = {"gpu_mem_gib": args.gpu_mem_gib or (min(known) if known else None), "intra_gib_s": args.intra_gib_s,
+             "inter_gib_s": args.inter_gib_s}
+    hardware = replace(Hardware(), **{k: v for k, v in given.items() if v})
+    advice = advise(assessed.spec, assessed.model, assessed.cluster, hardware, args.tokens_per_sample, top=args.top)
+    if args.json:
+        print(json.dumps({"hardware": hardware.__dict__, "rows": [r.to_dict() for r in advice.rows],
+                          "considered": advice.considered, "refused": advice.refused, "too_big": advice.too_big},
+                         indent=2))
+        return 0
+    print(f"{advice.considered} configurations considered: {sum(advice.refused.values())} refused by validation "
+          f"({', '.join(f'{k} {v}' for k, v in advice.refused.items()) or 'none'}), {advice.too_big} over "
+          f"{hardware.gpu_mem_gib:.0f} GiB less the margin; predictions of the cost model, not measurements:")
+    if not advice.rows:
+        print("no configuration fits: lower max_length or the global batch, or add GPUs")
+        return 1
+    for rank, row in enumerate(advice.rows, 1):
+        changes = " ".join(f"{k}={v}" for k, v in row.fields.items() if v is not None) or "(the job as it is)"
+        print(f"{rank}. {row.engine:<16} {row.layout:<22} predicted {row.memory_gib:6.1f} GiB/GPU "
+              f"{row.tokens_per_s:10,.0f} tok/s   {changes}")
     return 0
 
 

@@ -1,0 +1,222 @@
+"""Layout advisor (pure): the configurations of a job that the validator accepts and whose memory
+estimate fits the GPUs, ranked by a cost model, the fastest predicted first. Every figure it gives
+is a prediction (the cost model's and backend.job.memory's), never a measurement.
+
+Public API:
+    Hardware(gpu_mem_gib, peak_tflops, intra_gib_s, inter_gib_s)      what the cost model runs on
+    Row                                       one configuration: the job fields it sets and its predictions
+    Advice(rows, considered, refused, too_big)
+    advise(spec, model, cluster=None, hardware=None, tokens_per_sample=None, margin=0.10, top=5) -> Advice
+
+What it varies, keeping the job's global batch (micro-batch x accumulation x data-parallel ranks),
+its nodes and processes per node: the engine (DDP, ZeRO-1/2/3, FSDP2, ZeRO-3 with CPU offload),
+TP (within a node), PP, Ulysses SP and ring CP degrees whose product divides the world, the
+micro-batch (powers of two) with the accumulation that keeps the global batch, gradient
+checkpointing, and Liger's kernels where the validator allows them. The rest of the job (LoRA or
+full, max_length, packing, torch_compile, EP) is the user's.
+
+The cost model (`_step_seconds`), per optimizer step:
+  compute   tokens x FLOPs per token / (world x peak x MFU), plus MICRO_BATCH_S a micro-batch.
+            FLOPs per token: 6 x the matmul parameters (4 x for LoRA: no weight gradients) + 12 x
+            layers x hidden x sequence for attention; checkpointing adds a forward (2 x params + 4 x
+            attention). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
+            LIGER_SPEEDUP with Liger, times how full a micro-batch's tokens keep the GPU (HALF_TOKENS).
+  data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
+            same bytes) over the ranks that are not TP or PP peers (DP x SP x CP), at the bandwidth
+            between them, OVERLAP of it hidden behind the backward; ZeRO-3 and FSDP2 gather the
+            parameters over the same ranks twice per micro-batch (forward and backward) on top.
+  TP        4 all-reduces of a micro-batch's activations per layer (2 forward, 2 backward), within a
+            node, not hidden.
+  SP / CP   Ulysses: 8 all-to-alls of the activations per layer; ring: the keys and values passed
+            CP - 1 times per layer, forward and backward, not hidden; between nodes when the
+            TP x SP x CP group is larger than a node.
+  PP        the 1F1B bubble: the step times (m + PP - 1) / m for m micro-batches.
+  offload   the optimizer states across PCIe (PCIE_GIB_S) both ways each step.
+Bandwidth is `intra_gib_s` between GPUs of a node and `inter_gib_s` between nodes (the pre-flight's
+measured bus bandwidth, where the user gives it).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.job.cluster import Cluster
+from backend.job.layout import Layout, compute_layout
+from backend.job.memory import trainable_params
+from backend.job.modelcfg import ModelConfig
+from backend.job.spec import JobSpec
+from backend.job.validate import assess, errors
+
+# name: the job fields that select the engine (the others reset).
+ENGINES: dict[str, dict[str, Any]] = {
+    "DDP": {},
+    "ZeRO-1": {"deepspeed": "zero1"},
+    "ZeRO-2": {"deepspeed": "zero2"},
+    "ZeRO-3": {"deepspeed": "zero3"},
+    "FSDP2": {"fsdp": "full_shard"},
+    "ZeRO-3 + offload": {"deepspeed": "zero3_offload"},
+}
+BASE_MFU = 0.42
+"""The worker's model FLOPs utilisation without Liger or compile: full fine-tuning of the Qwen2.5-1.5B
+and Llama-3.2-1B shapes on one H200 measured 0.40-0.47 (bench/results/h200-suite-*.jsonl)."""
+LIGER_SPEEDUP = 1.10
+"""Liger's fused kernels: 1.05-1.15x the tokens/s of the same run without (the same suites)."""
+FULL_TOKENS = 16384
+"""Tokens in a micro-batch of those runs (8 x 2048, 4 x 4096): BASE_MFU is for micro-batches this size."""
+HALF_TOKENS = 1024
+"""An assumption, not yet measured: a micro-batch of this many tokens runs at half the MFU of a very
+large one (kernels fill with tokens); MFU scales as t / (t + HALF_TOKENS), 1 at FULL_TOKENS."""
+MICRO_BATCH_S = 0.005
+"""Fixed cost of a micro-batch (launches, the Python loop), an assumption."""
+OVERLAP = 0.5
+"""The share of the data-parallel traffic hidden behind the backward (DDP's buckets, ZeRO's overlap_comm)."""
+PCIE_GIB_S = 20.0
+BYTES = 2  # bf16 activations, gradients and gathered parameters
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_mem_gib: float = 80.0
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU (H100/H200)."""
+    intra_gib_s: float = 300.0
+    """Bus bandwidth between the GPUs of one node (NVLink; the x2-x8 H100 machines measured 329-361 GB/s)."""
+    inter_gib_s: float = 20.0
+    """Bus bandwidth between nodes (give the pre-flight's measured figure)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    engine: str
+    layout: str
+    """Its ranks as Layout.name gives them (DP×TP×SP×CP, PP where used)."""
+    fields: dict[str, Any]
+    """The job fields this row sets; applying them to the job gives the configuration."""
+    memory_gib: float
+    """Predicted per-GPU peak (backend.job.memory's estimate, the CUDA context included)."""
+    tokens_per_s: float
+    """Predicted, by the cost model."""
+    step_s: float
+    parts: dict[str, float] = field(default_factory=dict)
+    """The step's predicted seconds by part: compute, data_parallel, model_parallel, bubble, offload."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "layout": self.layout, "fields": self.fields,
+                "predicted_memory_gib": round(self.memory_gib, 2), "predicted_tokens_per_s": round(self.tokens_per_s),
+                "predicted_step_s": round(self.step_s, 4), "predicted_parts_s": {k: round(v, 4) for k, v in self.parts.items()}}
+
+
+@dataclass(frozen=True)
+class Advice:
+    rows: list[Row]
+    """The fitting configurations, fastest predicted first (at most `top`)."""
+    considered: int
+    refused: dict[str, int]
+    """Configurations the validator refused, counted by the field it named first."""
+    too_big: int
+    """Valid configurations whose estimate does not fit the GPU with the margin."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(spec: JobSpec, layout: Layout, global_batch: int, liger_choices: tuple[bool, ...]):
+    world, per_node = layout.world, layout.nproc_per_node
+    for tp, pp, sp, cp in itertools.product(_divisors(per_node), _divisors(world), _divisors(world), _divisors(world)):
+        if world % (tp * pp * sp * cp) or (sp > 1 and cp > 1):
+            continue
+        dp = world // (tp * pp * sp * cp)
+        if global_batch % dp:
+            continue
+        micro = 1
+        while micro <= global_batch // dp:
+            if (global_batch // dp) % micro == 0:
+                for (engine, engine_fields), checkpointing, liger in itertools.product(
+                        ENGINES.items(), (False, True), liger_choices):
+                    yield engine, {"deepspeed": None, "fsdp": None, **engine_fields, "tensor_model_parallel_size": tp,
+                                   "pipeline_model_parallel_size": pp, "sequence_parallel_size": sp,
+                                   "context_parallel_size": cp, "per_device_train_batch_size": micro,
+                                   "gradient_accumulation_steps": global_batch // (dp * micro),
+                                   "gradient_checkpointing": checkpointing, "use_liger_kernel": liger}
+            micro *= 2
+
+
+def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, hardware: Hardware | None = None,
+           tokens_per_sample: float | None = None, margin: float = 0.10, top: int = 5) -> Advice:
+    """`tokens_per_sample`: the data's mean sample length (the data preview's); max_length where not
+    given or with packing (rows are filled)."""
+    hardware = hardware or Hardware()
+    layout = compute_layout(spec, cluster)
+    global_batch = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * layout.dp
+    tokens = spec.max_length if spec.packing or not tokens_per_sample else min(tokens_per_sample, spec.max_length)
+    rows, refused, too_big, considered = [], {}, 0, 0
+    for engine, fields in _candidates(spec, layout, global_batch, (False, True)):
+        considered += 1
+        candidate = spec.model_copy(update={**fields, "nproc_per_node": layout.nproc_per_node})
+        assessed = assess(candidate, cluster, model)
+        found = errors(assessed.problems)
+        if found:
+            refused[found[0].field] = refused.get(found[0].field, 0) + 1
+            continue
+        memory = assessed.memory.total_gib if assessed.memory else None
+        if memory is None or memory > hardware.gpu_mem_gib * (1 - margin):
+            too_big += 1
+            continue
+        here = compute_layout(candidate, cluster)
+        parts = _step_seconds(candidate, model, here, hardware, tokens, global_batch)
+        step = sum(parts.values())
+        shown = {k: v for k, v in fields.items() if v != getattr(spec, k) or k in ("deepspeed", "fsdp")}
+        rows.append(Row(engine, here.name(), shown, memory, global_batch * tokens / step, step, parts))
+    rows.sort(key=lambda r: (-r.tokens_per_s, r.memory_gib))
+    return Advice(rows[:top], considered, dict(sorted(refused.items(), key=lambda kv: -kv[1])), too_big)
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """Parameters a token passes through in matrix products (the input embedding is a lookup; a
+    tied output layer is a product all the same): what FLOPs per token count."""
+    h = model.hidden_size
+    return model.active_param_count() - model.embedding_params * (1 if model.tie_word_embeddings else 2) + h * model.vocab_size
+
+
+def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardware, tokens: float,
+                  global_batch: int) -> dict[str, float]:
+    """The cost model of the module docstring: predicted seconds of one optimizer step, by part."""
+    params, h, layers = matmul_params(model), model.hidden_size, model.num_layers
+    attention = 12 * layers * h * tokens
+    per_token = (4 if spec.train_type == "lora" else 6) * params + attention
+    if spec.gradient_checkpointing:
+        per_token += 2 * params + attention / 3
+    micro_tokens = spec.per_device_train_batch_size * tokens / (layout.sp * layout.cp)
+    fill = (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS))
+    mfu = BASE_MFU * (LIGER_SPEEDUP if spec.use_liger_kernel else 1.0) * fill
+    step_tokens = global_batch * tokens
+    compute = (step_tokens * per_token / (layout.world * hw.peak_tflops * 1e12 * mfu)
+               + MICRO_BATCH_S * spec.gradient_accumulation_steps)
+    # Gradients are reduced, and ZeRO-3 / FSDP2 shard the parameters, over every rank that is not a
+    # TP or PP peer: the data-parallel ranks and the SP or CP ranks of each sequence.
+    group = layout.dp * layout.sp * layout.cp
+    per_node = max(1, layout.nproc_per_node // layout.tp)
+    group_gib_s = hw.inter_gib_s if group > per_node else hw.intra_gib_s
+    trainable = trainable_params(spec, model)
+    ring = 2 * (group - 1) / group
+    data_parallel = ring * trainable * BYTES / (group_gib_s * 2**30) * (1 - OVERLAP)
+    sharded = spec.fsdp or (spec.deepspeed or "").startswith("zero3")
+    if sharded and group > 1:  # every micro-batch gathers the parameters forward and backward
+        data_parallel += 2 * (group - 1) / group * params * BYTES * spec.gradient_accumulation_steps / (
+            group_gib_s * 2**30) * (1 - OVERLAP)
+    micro_activations = spec.per_device_train_batch_size * tokens * h * BYTES
+    micro_batches = spec.gradient_accumulation_steps
+    tp_bytes = 4 * 2 * (layout.tp - 1) / layout.tp * micro_activations * layers / layout.pp
+    sequence_bytes = 8 * (layout.sp - 1) / layout.sp * micro_activations / layout.sp * layers / layout.pp
+    if layout.cp > 1:
+        kv_bytes = spec.per_device_train_batch_size * tokens / layout.cp * 2 * model.num_kv_heads * model.head_dim * BYTES
+        sequence_bytes += 2 * (layout.cp - 1) * kv_bytes * layers / layout.pp
+    sequence_gib_s = hw.inter_gib_s if layout.tp * layout.sp * layout.cp > layout.nproc_per_node else hw.intra_gib_s
+    model_parallel = micro_batches * (tp_bytes / (hw.intra_gib_s * 2**30) + sequence_bytes / (sequence_gib_s * 2**30))
+    busy = compute + model_parallel
+    bubble = busy * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    offload = (2 * trainable * 12 / (PCIE_GIB_S * 2**30)) if "offload" in (spec.deepspeed or "") + (spec.fsdp or "") else 0.0
+    return {"compute": compute, "data_parallel": data_parallel, "model_parallel": model_parallel, "bubble": bubble,
+            "offload": offload}

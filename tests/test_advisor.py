@@ -1,0 +1,136 @@
+"""The layout advisor (backend.job.advisor): every row it gives is a job the validator accepts, keeps
+the job's global batch and fits the GPU by the estimate; rows are ranked by the cost model, whose
+parts each answer to what they model; `swift-studio plan --advise` prints the same, as predictions."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from backend.cli import main
+from backend.job.advisor import Hardware, _step_seconds, advise
+from backend.job.cluster import parse_hostfile_text
+from backend.job.layout import compute_layout
+from backend.job.modelcfg import parse_model_config
+from backend.job.spec import JobSpec
+from backend.job.validate import assess, errors
+from worker import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from throughput import SHAPES  # noqa: E402
+
+DATA = [str(ROOT / "assets" / "demo" / "train.jsonl")]
+
+
+def shape(name: str):
+    return parse_model_config(SHAPES[name], name)
+
+
+def job(**fields) -> JobSpec:
+    return JobSpec(**{"model": str(ROOT / "assets" / "demo" / "model"), "dataset": DATA, **fields})
+
+
+def global_batch(spec: JobSpec, cluster) -> int:
+    return spec.per_device_train_batch_size * spec.gradient_accumulation_steps * compute_layout(spec, cluster).dp
+
+
+@pytest.mark.parametrize("name,fields,hosts", [
+    ("llama3.2-1b", dict(train_type="full", max_length=4096, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         nproc_per_node=8), "n1 slots=8 gpu_mem_gib=80\n"),
+    ("llama3.1-8b", dict(train_type="full", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                         nnodes=2, nproc_per_node=8), "n1 slots=8 gpu_mem_gib=80\nn2 slots=8 gpu_mem_gib=80\n"),
+])
+def test_every_row_is_a_valid_job_that_keeps_the_global_batch_and_fits(name, fields, hosts):
+    model, cluster, spec = shape(name), parse_hostfile_text(hosts), job(**fields)
+    advice = advise(spec, model, cluster, Hardware(gpu_mem_gib=80), top=50)
+    assert advice.rows and advice.considered > len(advice.rows) + advice.too_big
+    speeds = [row.tokens_per_s for row in advice.rows]
+    assert speeds == sorted(speeds, reverse=True)
+    for row in advice.rows:
+        applied = spec.model_copy(update=row.fields)
+        assessed = assess(applied, cluster, model)
+        assert errors(assessed.problems) == [], (row.fields, errors(assessed.problems))
+        assert global_batch(applied, cluster) == global_batch(spec, cluster)
+        assert assessed.memory.total_gib == pytest.approx(row.memory_gib) and row.memory_gib <= 80 * 0.9
+        assert compute_layout(applied, cluster).tp <= 8  # within a node
+        assert all(key.startswith("predicted") for key in row.to_dict() if key not in ("engine", "layout", "fields"))
+
+
+def test_only_offload_fits_a_large_model_and_a_job_that_fits_nowhere_has_no_rows():
+    spec = job(train_type="full", max_length=8192, per_device_train_batch_size=1, nproc_per_node=1)
+    advice = advise(spec, shape("llama3.1-8b"), parse_hostfile_text("n1 slots=1 gpu_mem_gib=24\n"),
+                    Hardware(gpu_mem_gib=24), top=50)
+    assert advice.rows and {row.engine for row in advice.rows} == {"ZeRO-3 + offload"}
+    assert all(row.parts["offload"] > 0 for row in advice.rows)
+    advice = advise(spec, shape("llama3.1-8b"), parse_hostfile_text("n1 slots=1 gpu_mem_gib=4\n"), Hardware(gpu_mem_gib=4))
+    assert advice.rows == [] and advice.too_big > 0
+
+
+def test_long_sequences_on_small_gpus_are_advised_to_split_or_recompute_them():
+    spec = job(train_type="lora", max_length=32768, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+               nproc_per_node=8, gradient_checkpointing=False)
+    cluster = parse_hostfile_text("n1 slots=8 gpu_mem_gib=40\n")
+    advice = advise(spec, shape("llama3.1-8b"), cluster, Hardware(gpu_mem_gib=40), top=20)
+    assert advice.rows
+    for row in advice.rows:
+        layout = compute_layout(spec.model_copy(update=row.fields), cluster)
+        assert row.fields.get("gradient_checkpointing") or layout.sp * layout.cp > 1, row.fields
+
+
+def parts(spec: JobSpec, hosts: str = "n1 slots=8\n", **hardware) -> dict[str, float]:
+    cluster = parse_hostfile_text(hosts)
+    layout = compute_layout(spec, cluster)
+    return _step_seconds(spec, shape("llama3.2-1b"), layout, replace(Hardware(), **hardware), spec.max_length,
+                         global_batch(spec, cluster))
+
+
+def test_each_part_of_the_cost_model_answers_to_what_it_models():
+    base = job(train_type="full", max_length=4096, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+               nproc_per_node=8, gradient_checkpointing=False)
+    plain = parts(base)
+    assert plain["model_parallel"] == plain["bubble"] == plain["offload"] == 0 and plain["data_parallel"] > 0
+    # LoRA has no weight gradients: less compute, and almost nothing to reduce
+    lora = parts(base.model_copy(update={"train_type": "lora"}))
+    assert lora["compute"] < plain["compute"] * 0.75 and lora["data_parallel"] < plain["data_parallel"] / 50
+    # checkpointing recomputes the forward; Liger is faster
+    assert parts(base.model_copy(update={"gradient_checkpointing": True}))["compute"] > plain["compute"] * 1.25
+    assert parts(base.model_copy(update={"use_liger_kernel": True}))["compute"] < plain["compute"]
+    # ZeRO-3 gathers the parameters every micro-batch; offload crosses PCIe
+    zero3 = parts(base.model_copy(update={"deepspeed": "zero3"}))
+    assert zero3["data_parallel"] > plain["data_parallel"] * 2
+    assert parts(base.model_copy(update={"deepspeed": "zero3_offload"}))["offload"] > 0
+    # TP pays per layer; the pipeline's bubble is (PP - 1) / micro-batches of the busy time
+    assert parts(base.model_copy(update={"tensor_model_parallel_size": 2}))["model_parallel"] > 0
+    pipe = parts(base.model_copy(update={"pipeline_model_parallel_size": 2}))
+    assert pipe["bubble"] == pytest.approx((pipe["compute"] + pipe["model_parallel"]) / 4)
+    # the same world over two nodes reduces at the slower bandwidth between them
+    two = parts(base.model_copy(update={"nnodes": 2, "nproc_per_node": 4}), "n1 slots=4\nn2 slots=4\n",
+                inter_gib_s=10.0)
+    assert two["data_parallel"] > plain["data_parallel"] * 10
+    # the Ulysses all-to-all spans nodes when the sequence group is larger than a node
+    sp = base.model_copy(update={"deepspeed": "zero2", "sequence_parallel_size": 8, "nnodes": 2, "nproc_per_node": 4})
+    assert parts(sp, "n1 slots=4\nn2 slots=4\n", inter_gib_s=10.0)["model_parallel"] > \
+        parts(sp, "n1 slots=4\nn2 slots=4\n", inter_gib_s=1000.0)["model_parallel"] * 10
+
+
+def test_plan_advise_prints_the_ranked_predictions(tmp_path, capsys):
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(
+        {"model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": ["swift/self-cognition#500"], "nproc_per_node": 4,
+         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "train_type": "full", "max_length": 2048}))
+    (tmp_path / "hosts").write_text("n1 slots=4 gpu_mem_gib=24\n")
+    argv = ["plan", str(tmp_path / "job.yaml"), "--hostfile", str(tmp_path / "hosts"), "--advise", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predictions of the cost model, not measurements" in out and "over 24 GiB" in out
+    assert [line.split(".")[0] for line in out.splitlines()[1:]] == ["1", "2", "3"]
+    assert main(argv + ["--json", "--gpu-mem-gib", "16"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["gpu_mem_gib"] == 16 and len(data["rows"]) == 3
+    assert all(row["predicted_memory_gib"] <= 16 * 0.9 for row in data["rows"])
+    # a model whose config cannot be read is named, not advised on
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": "org/unknown-model", "dataset": ["swift/self-cognition"]}))
+    assert main(argv) == 1
+    assert "the advisor needs it" in capsys.readouterr().err
