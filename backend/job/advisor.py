@@ -20,7 +20,8 @@ The cost model (`_step_seconds`), per optimizer step:
             FLOPs per token: 6 x the matmul parameters (4 x for LoRA: no weight gradients) + 12 x
             layers x hidden x sequence for attention; checkpointing adds a forward (2 x params + 4 x
             attention). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
-            LIGER_SPEEDUP with Liger, times how full a micro-batch's tokens keep the GPU (HALF_TOKENS).
+            LIGER_SPEEDUP with Liger in full fine-tuning, times how full a micro-batch's tokens keep
+            the GPU (HALF_TOKENS).
   data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
             same bytes) over the ranks that are not TP or PP peers (DP x SP x CP), at the bandwidth
             between them, OVERLAP of it hidden behind the backward; ZeRO-3 and FSDP2 gather the
@@ -57,11 +58,13 @@ ENGINES: dict[str, dict[str, Any]] = {
     "FSDP2": {"fsdp": "full_shard"},
     "ZeRO-3 + offload": {"deepspeed": "zero3_offload"},
 }
-BASE_MFU = 0.42
-"""The worker's model FLOPs utilisation without Liger or compile: full fine-tuning of the Qwen2.5-1.5B
-and Llama-3.2-1B shapes on one H200 measured 0.40-0.47 (bench/results/h200-suite-*.jsonl)."""
-LIGER_SPEEDUP = 1.10
-"""Liger's fused kernels: 1.05-1.15x the tokens/s of the same run without (the same suites)."""
+LIGER_SPEEDUP = 1.15
+"""Liger's fused kernels in full fine-tuning: 1.15-1.20x the tokens/s of the same stock HF run without
+(../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none."""
+BASE_MFU = 0.44 / LIGER_SPEEDUP
+"""The worker's model FLOPs utilisation without Liger or compile: with Liger, eager, full fine-tuning
+of the Qwen2.5-1.5B and Llama-3.2-1B shapes on one H200 measured 0.42-0.47
+(bench/results/h200-suite-1/2.jsonl, h200x2-suite-4/5.jsonl), divided by LIGER_SPEEDUP."""
 FULL_TOKENS = 16384
 """Tokens in a micro-batch of those runs (8 x 2048, 4 x 4096): BASE_MFU is for micro-batches this size."""
 HALF_TOKENS = 1024
@@ -190,7 +193,7 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
         per_token += 2 * params + attention / 3
     micro_tokens = spec.per_device_train_batch_size * tokens / (layout.sp * layout.cp)
     fill = (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS))
-    mfu = BASE_MFU * (LIGER_SPEEDUP if spec.use_liger_kernel else 1.0) * fill
+    mfu = BASE_MFU * (LIGER_SPEEDUP if spec.use_liger_kernel and spec.train_type == "full" else 1.0) * fill
     step_tokens = global_batch * tokens
     compute = (step_tokens * per_token / (layout.world * hw.peak_tflops * 1e12 * mfu)
                + MICRO_BATCH_S * spec.gradient_accumulation_steps)
