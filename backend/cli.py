@@ -194,32 +194,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace, assessed: Assessment) -> int:
-    from dataclasses import replace
-
-    from backend.job.advisor import Hardware, advise
+    from backend.job.advisor import advise, hardware_of
 
     if assessed.model is None:
         raise CliError([f"model: {assessed.memory_note or 'its config.json cannot be read'}; the advisor needs it"])
-    known = [n.gpu_mem_gib for n in assessed.cluster.nodes[: assessed.spec.nnodes] if n.gpu_mem_gib]
-    given = {"gpu_mem_gib": args.gpu_mem_gib or (min(known) if known else None), "intra_gib_s": args.intra_gib_s,
-             "inter_gib_s": args.inter_gib_s}
-    hardware = replace(Hardware(), **{k: v for k, v in given.items() if v})
+    hardware = hardware_of(assessed.cluster, assessed.spec.nnodes, gpu_mem_gib=args.gpu_mem_gib,
+                           intra_gib_s=args.intra_gib_s, inter_gib_s=args.inter_gib_s)
     advice = advise(assessed.spec, assessed.model, assessed.cluster, hardware, args.tokens_per_sample, top=args.top)
     if args.json:
         print(json.dumps({"hardware": hardware.__dict__, "rows": [r.to_dict() for r in advice.rows],
                           "considered": advice.considered, "refused": advice.refused, "too_big": advice.too_big},
                          indent=2))
         return 0
-    print(f"{advice.considered} configurations considered: {sum(advice.refused.values())} refused by validation "
-          f"({', '.join(f'{k} {v}' for k, v in advice.refused.items()) or 'none'}), {advice.too_big} over "
-          f"{hardware.gpu_mem_gib:.0f} GiB less the margin; predictions of the cost model, not measurements:")
+    print(advice.summary() + ":")
     if not advice.rows:
         print("no configuration fits: lower max_length or the global batch, or add GPUs")
         return 1
     for rank, row in enumerate(advice.rows, 1):
-        changes = " ".join(f"{k}={v}" for k, v in row.fields.items() if v is not None) or "(the job as it is)"
         print(f"{rank}. {row.engine:<16} {row.layout:<22} predicted {row.memory_gib:6.1f} GiB/GPU "
-              f"{row.tokens_per_s:10,.0f} tok/s   {changes}")
+              f"{row.tokens_per_s:10,.0f} tok/s   {row.changes()}")
     return 0
 
 

@@ -19,7 +19,7 @@ from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
 from studio.preview_view import lengths_figure, preview_html
-from studio.train_view import (TrainView, check_form, check_key, fix_for_label, fix_label, form_values,
+from studio.train_view import (TrainView, advice_view, check_form, check_key, fix_for_label, fix_label, form_values,
                                 groups_with_errors, launch_refusal_md, problem_lines, problems_md)
 
 
@@ -94,6 +94,12 @@ def build(studio: Studio) -> dict[str, Any]:
                 c["fixes"] = [gr.Button(visible=False, size="sm", elem_id=f"fix-{i}") for i in range(MAX_FIXES)]
             c["layout"] = gr.Markdown(elem_id="train-layout")
             c["memory"] = gr.Markdown(elem_id="train-memory")
+            with gr.Accordion("Layout advisor", open=False, elem_id="advisor-group"):
+                c["advise"] = gr.Button("Suggest layouts that fit, fastest predicted first", size="sm", elem_id="advise-go")
+                c["advice"] = gr.Markdown(elem_id="advice")
+                c["advice_pick"] = gr.Radio(choices=[], label="Layout to apply", visible=False, elem_id="advice-pick")
+                c["advice_apply"] = gr.Button("Apply it to the form", size="sm", visible=False, elem_id="advice-apply")
+                c["advice_rows"] = gr.State([])
             with gr.Row():
                 c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
                 c["launch"] = gr.Button("Pre-flight and launch", variant="primary", elem_id="launch", scale=2)
@@ -244,6 +250,27 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
 
     for button in c["fixes"]:
         button.click(lambda data, b=button: on_fix(data[b], data), {button, *inputs}, fill_outputs)
+
+    def on_advise(data: dict) -> dict:
+        text, rows = advice_view(check_form(form_values(form, data), data[cluster_state], data[slurm_state]))
+        labels = [label for label, _ in rows]
+        return {c["advice"]: text, c["advice_rows"]: rows,
+                c["advice_pick"]: gr.update(choices=labels, value=labels[0] if labels else None, visible=bool(rows)),
+                c["advice_apply"]: gr.update(visible=bool(rows))}
+
+    def on_apply_advice(data: dict) -> dict:
+        """The picked row's fields onto the form as it is now (the advisor's rows keep the job's global batch)."""
+        fields = dict((label, f) for label, f in data[c["advice_rows"]]).get(data[c["advice_pick"]])
+        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
+        if fields is None or view.spec is None:
+            return not_filled("Nothing applied: suggest layouts for the form as it is, then pick one.")
+        changes = ", ".join(f"{k} {v}" for k, v in fields.items() if v is not None)
+        return fill(view.spec.model_dump() | fields, data[cluster_state], data[slurm_state],
+                    f"Applied layout {data[c['advice_pick']]}: {changes}. Its speed and memory are predictions.",
+                    data[c["refused"]])
+
+    c["advise"].click(on_advise, inputs, [c["advice"], c["advice_rows"], c["advice_pick"], c["advice_apply"]])
+    c["advice_apply"].click(on_apply_advice, {c["advice_pick"], c["advice_rows"], *inputs}, fill_outputs)
     c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["import"].click(on_import, [c["import_text"], cluster_state, slurm_state, c["refused"]], fill_outputs)

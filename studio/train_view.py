@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.cluster.slurm import SlurmTarget
+from backend.job.advisor import advise, hardware_of
 from backend.job.capabilities import PARALLEL_FIELDS, Fix, engine_fixes, parallel_refusals
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
@@ -162,6 +163,25 @@ def layout_md(layout: Layout) -> str:
     row = (f"| {layout.nnodes} × {layout.nproc_per_node} | {layout.world} | {layout.dp} | {layout.tp} | "
            f"{layout.pp} | {layout.cp} | {layout.ep} | {layout.sp} |")
     return "**Layout**\n\n" + head + row
+
+
+def advice_view(view: TrainView) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """The layout advisor on the checked form: its summary and table (Markdown), and each row as
+    (its label, the fields it sets); no rows while the form has errors or the model is unknown."""
+    if view.spec is None or not view.ok or view.assessment is None:
+        return "Fix the problems marked on the form first: the advisor starts from a job that validates.", []
+    assessed = view.assessment
+    if assessed.model is None:
+        return f"No suggestions: the model's config is needed ({assessed.memory_note}).", []
+    advice = advise(view.spec, assessed.model, assessed.cluster, hardware_of(assessed.cluster, view.spec.nnodes))
+    if not advice.rows:
+        return advice.summary() + ". **No configuration fits**: lower max_length or the global batch, or add GPUs.", []
+    table = ["| # | engine | ranks | predicted GiB per GPU | predicted tokens/s |", "|---|---|---|---|---|"]
+    rows = []
+    for rank, row in enumerate(advice.rows, 1):
+        table.append(f"| {rank} | {row.engine} | {row.layout} | {row.memory_gib:.1f} | {row.tokens_per_s:,.0f} |")
+        rows.append((f"{rank}. {row.engine} {row.layout}: {row.changes()}", row.fields))
+    return advice.summary() + ".\n\n" + "\n".join(table), rows
 
 
 def memory_md(assessed: Assessment) -> str:

@@ -134,3 +134,22 @@ def test_plan_advise_prints_the_ranked_predictions(tmp_path, capsys):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({"model": "org/unknown-model", "dataset": ["swift/self-cognition"]}))
     assert main(argv) == 1
     assert "the advisor needs it" in capsys.readouterr().err
+
+
+def test_the_train_tab_shows_the_advice_for_a_form_that_validates_and_none_for_one_that_does_not():
+    from studio.form import default_form, spec_to_form
+    from studio.train_view import advice_view, check_form
+
+    cluster = parse_hostfile_text("n1 slots=4 gpu_mem_gib=24\n")
+    values = default_form() | spec_to_form({"model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": DATA, "nproc_per_node": 4,
+                                            "train_type": "full", "max_length": 2048})
+    text, rows = advice_view(check_form(values, cluster))
+    assert "predictions of the cost model, not measurements" in text and "over 24 GiB" in text
+    assert [label.split(".")[0] for label, _ in rows] == ["1", "2", "3", "4", "5"]
+    assert text.count("\n|") == 1 + 1 + 5  # header, rule, rows
+    applied = check_form(values | spec_to_form(rows[0][1]), cluster)
+    assert applied.ok
+    text, rows = advice_view(check_form(values, parse_hostfile_text("n1 slots=4 gpu_mem_gib=1\n")))
+    assert rows == [] and "**No configuration fits**" in text
+    text, rows = advice_view(check_form(values | {"learning_rate": -1}, cluster))
+    assert rows == [] and text.startswith("Fix the problems marked on the form first")

@@ -177,6 +177,17 @@ def test_train_form_live_checks_import_presets(studio, page):
     expect(field(page, "learning_rate").locator("input")).to_have_value("0.0003")
     shot(page, "preset-loaded")
 
+    # The layout advisor: its rows are predictions; one click applies the first to the form.
+    page.get_by_text("Layout advisor").click()
+    page.locator("#advise-go").click()
+    expect(page.locator("#advice")).to_contain_text("predictions of the cost model, not measurements", timeout=30000)
+    expect(page.locator("#advice-pick")).to_contain_text("1. ")
+    shot(page, "advisor")
+    page.locator("#advice-apply").click()
+    expect(page.locator("#form-message")).to_contain_text("Applied layout 1. ", timeout=15000)
+    expect(page.locator("#form-message")).to_contain_text("Its speed and memory are predictions")
+    expect(page.locator("#train-commands")).to_contain_text("torch.distributed.run", timeout=15000)
+
     assert "Traceback" not in page.content()
     assert foreign_requests(page.requests, studio.url) == []
 

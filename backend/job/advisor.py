@@ -5,7 +5,8 @@ is a prediction (the cost model's and backend.job.memory's), never a measurement
 Public API:
     Hardware(gpu_mem_gib, peak_tflops, intra_gib_s, inter_gib_s)      what the cost model runs on
     Row                                       one configuration: the job fields it sets and its predictions
-    Advice(rows, considered, refused, too_big)
+    Advice(rows, considered, refused, too_big, hardware)      .summary(): the counts, said to be predictions
+    hardware_of(cluster, nnodes, **given) -> Hardware         the nodes' GPU memory unless given
     advise(spec, model, cluster=None, hardware=None, tokens_per_sample=None, margin=0.10, top=5) -> Advice
 
 What it varies, keeping the job's global batch (micro-batch x accumulation x data-parallel ranks),
@@ -104,6 +105,10 @@ class Row:
     parts: dict[str, float] = field(default_factory=dict)
     """The step's predicted seconds by part: compute, data_parallel, model_parallel, bubble, offload."""
 
+    def changes(self) -> str:
+        """The fields it sets, as `name=value` words (None: the field cleared)."""
+        return " ".join(f"{k}={v}" for k, v in self.fields.items() if v is not None) or "(the job as it is)"
+
     def to_dict(self) -> dict[str, Any]:
         return {"engine": self.engine, "layout": self.layout, "fields": self.fields,
                 "predicted_memory_gib": round(self.memory_gib, 2), "predicted_tokens_per_s": round(self.tokens_per_s),
@@ -119,6 +124,21 @@ class Advice:
     """Configurations the validator refused, counted by the field it named first."""
     too_big: int
     """Valid configurations whose estimate does not fit the GPU with the margin."""
+    hardware: Hardware
+
+    def summary(self) -> str:
+        refused = ", ".join(f"{k} {v}" for k, v in self.refused.items()) or "none"
+        return (f"{self.considered} configurations considered: {sum(self.refused.values())} refused by validation "
+                f"({refused}), {self.too_big} over {self.hardware.gpu_mem_gib:.0f} GiB less the margin; "
+                "predictions of the cost model, not measurements")
+
+
+def hardware_of(cluster: Cluster, nnodes: int, **given: float | None) -> Hardware:
+    """Hardware's defaults, the smallest GPU memory the job's nodes report, then what is `given`
+    (Hardware's field names; None: not given)."""
+    known = [node.gpu_mem_gib for node in cluster.nodes[:nnodes] if node.gpu_mem_gib]
+    found = {"gpu_mem_gib": min(known)} if known else {}
+    return Hardware(**{**found, **{k: v for k, v in given.items() if v}})
 
 
 def _divisors(n: int) -> list[int]:
@@ -173,7 +193,7 @@ def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, ha
         shown = {k: v for k, v in fields.items() if v != getattr(spec, k) or k in ("deepspeed", "fsdp")}
         rows.append(Row(engine, here.name(), shown, memory, global_batch * tokens / step, step, parts))
     rows.sort(key=lambda r: (-r.tokens_per_s, r.memory_gib))
-    return Advice(rows[:top], considered, dict(sorted(refused.items(), key=lambda kv: -kv[1])), too_big)
+    return Advice(rows[:top], considered, dict(sorted(refused.items(), key=lambda kv: -kv[1])), too_big, hardware)
 
 
 def matmul_params(model: ModelConfig) -> int:
