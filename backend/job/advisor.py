@@ -76,6 +76,7 @@ MICRO_BATCH_S = 0.005
 OVERLAP = 0.5
 """The share of the data-parallel traffic hidden behind the backward (DDP's buckets, ZeRO's overlap_comm)."""
 PCIE_GIB_S = 20.0
+BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 BYTES = 2  # bf16 activations, gradients and gathered parameters
 
 
@@ -145,7 +146,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _candidates(spec: JobSpec, layout: Layout, global_batch: int, liger_choices: tuple[bool, ...]):
+def _candidates(layout: Layout, global_batch: int, liger_choices: tuple[bool, ...]):
+    """(engine, the fields of a configuration but its micro-batch, its (micro-batch, accumulation)
+    choices, largest first) for every engine, degree, checkpointing and Liger setting whose ranks
+    divide the world and whose data-parallel ranks divide the global batch."""
     world, per_node = layout.world, layout.nproc_per_node
     for tp, pp, sp, cp in itertools.product(_divisors(per_node), _divisors(world), _divisors(world), _divisors(world)):
         if world % (tp * pp * sp * cp) or (sp > 1 and cp > 1):
@@ -153,17 +157,12 @@ def _candidates(spec: JobSpec, layout: Layout, global_batch: int, liger_choices:
         dp = world // (tp * pp * sp * cp)
         if global_batch % dp:
             continue
-        micro = 1
-        while micro <= global_batch // dp:
-            if (global_batch // dp) % micro == 0:
-                for (engine, engine_fields), checkpointing, liger in itertools.product(
-                        ENGINES.items(), (False, True), liger_choices):
-                    yield engine, {"deepspeed": None, "fsdp": None, **engine_fields, "tensor_model_parallel_size": tp,
-                                   "pipeline_model_parallel_size": pp, "sequence_parallel_size": sp,
-                                   "context_parallel_size": cp, "per_device_train_batch_size": micro,
-                                   "gradient_accumulation_steps": global_batch // (dp * micro),
-                                   "gradient_checkpointing": checkpointing, "use_liger_kernel": liger}
-            micro *= 2
+        per_rank = global_batch // dp
+        micro = [(m, per_rank // m) for m in (2 ** k for k in range(per_rank.bit_length())) if per_rank % m == 0][::-1]
+        for (engine, engine_fields), checkpointing, liger in itertools.product(ENGINES.items(), (False, True), liger_choices):
+            yield engine, {"deepspeed": None, "fsdp": None, **engine_fields, "tensor_model_parallel_size": tp,
+                           "pipeline_model_parallel_size": pp, "sequence_parallel_size": sp, "context_parallel_size": cp,
+                           "gradient_checkpointing": checkpointing, "use_liger_kernel": liger}, micro
 
 
 def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, hardware: Hardware | None = None,
@@ -175,23 +174,31 @@ def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, ha
     global_batch = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * layout.dp
     tokens = spec.max_length if spec.packing or not tokens_per_sample else min(tokens_per_sample, spec.max_length)
     rows, refused, too_big, considered = [], {}, 0, 0
-    for engine, fields in _candidates(spec, layout, global_batch, (False, True)):
-        considered += 1
-        candidate = spec.model_copy(update={**fields, "nproc_per_node": layout.nproc_per_node})
-        assessed = assess(candidate, cluster, model)
-        found = errors(assessed.problems)
-        if found:
-            refused[found[0].field] = refused.get(found[0].field, 0) + 1
-            continue
-        memory = assessed.memory.total_gib if assessed.memory else None
-        if memory is None or memory > hardware.gpu_mem_gib * (1 - margin):
-            too_big += 1
-            continue
-        here = compute_layout(candidate, cluster)
-        parts = _step_seconds(candidate, model, here, hardware, tokens, global_batch)
-        step = sum(parts.values())
-        shown = {k: v for k, v in fields.items() if v != getattr(spec, k) or k in ("deepspeed", "fsdp")}
-        rows.append(Row(engine, here.name(), shown, memory, global_batch * tokens / step, step, parts))
+    for engine, common, micro_choices in _candidates(layout, global_batch, (False, True)):
+        for micro, accumulation in micro_choices:
+            fields = {**common, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
+            considered += 1
+            candidate = spec.model_copy(update={**fields, "nproc_per_node": layout.nproc_per_node})
+            assessed = assess(candidate, cluster, model)
+            found = errors(assessed.problems)
+            if found:
+                refused[found[0].field] = refused.get(found[0].field, 0) + 1
+                if found[0].field not in BATCH_FIELDS:
+                    break  # the engine or degrees are refused: so are they with any micro-batch
+                continue
+            memory = assessed.memory.total_gib if assessed.memory else None
+            if memory is None or memory > hardware.gpu_mem_gib * (1 - margin):
+                too_big += 1
+                continue
+            here = compute_layout(candidate, cluster)
+            parts = _step_seconds(candidate, model, here, hardware, tokens, global_batch)
+            step = sum(parts.values())
+            shown = {k: v for k, v in fields.items() if v != getattr(spec, k) or k in ("deepspeed", "fsdp")}
+            rows.append(Row(engine, here.name(), shown, memory, global_batch * tokens / step, step, parts))
+            if here.pp == 1:
+                # Without a pipeline a larger micro-batch is never predicted slower (fuller kernels,
+                # fewer micro-batches and gathers): the smaller ones need not be tried.
+                break
     rows.sort(key=lambda r: (-r.tokens_per_s, r.memory_gib))
     return Advice(rows[:top], considered, dict(sorted(refused.items(), key=lambda kv: -kv[1])), too_big, hardware)
 
