@@ -45,6 +45,13 @@ def preview_html(result: dict) -> str:
     return f'<div class="data-preview"><p>{legend} {html.escape(fill)}</p>{"".join(parts)}</div>'
 
 
+def mean_tokens(result: dict) -> float | None:
+    """The mean tokens a sample trains with (each length cut at max_length) over every dataset the
+    preview measured; None where it measured none."""
+    lengths = [min(n, result["max_length"]) for d in result["datasets"] if not d["error"] for n in d["lengths"] or []]
+    return sum(lengths) / len(lengths) if lengths else None
+
+
 def lengths_figure(result: dict) -> go.Figure:
     """Each dataset's token lengths (before truncation) as a histogram, max_length marked."""
     fig = go.Figure()

@@ -18,7 +18,7 @@ from studio.cluster_view import STATUS_MARK, preflight_problems_md
 from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
-from studio.preview_view import lengths_figure, preview_html
+from studio.preview_view import lengths_figure, mean_tokens, preview_html
 from studio.train_view import (TrainView, advice_view, check_form, check_key, fix_for_label, fix_label, form_values,
                                 groups_with_errors, launch_refusal_md, problem_lines, problems_md)
 
@@ -100,6 +100,8 @@ def build(studio: Studio) -> dict[str, Any]:
                 c["advice_pick"] = gr.Radio(choices=[], label="Layout to apply", visible=False, elem_id="advice-pick")
                 c["advice_apply"] = gr.Button("Apply it to the form", size="sm", visible=False, elem_id="advice-apply")
                 c["advice_rows"] = gr.State([])
+                # The last preview's mean sample length, with the data and max_length it measured.
+                c["preview_tokens"] = gr.State(None)
             with gr.Row():
                 c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
                 c["launch"] = gr.Button("Pre-flight and launch", variant="primary", elem_id="launch", scale=2)
@@ -252,7 +254,11 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         button.click(lambda data, b=button: on_fix(data[b], data), {button, *inputs}, fill_outputs)
 
     def on_advise(data: dict) -> dict:
-        text, rows = advice_view(check_form(form_values(form, data), data[cluster_state], data[slurm_state]))
+        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
+        measured = data[c["preview_tokens"]]
+        same = (view.spec is not None and measured is not None
+                and (measured["dataset"], measured["max_length"]) == (view.spec.dataset, view.spec.max_length))
+        text, rows = advice_view(view, measured["mean"] if same else None)
         labels = [label for label, _ in rows]
         return {c["advice"]: text, c["advice_rows"]: rows,
                 c["advice_pick"]: gr.update(choices=labels, value=labels[0] if labels else None, visible=bool(rows)),
@@ -269,7 +275,8 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
                     f"Applied layout {data[c['advice_pick']]}: {changes}. Its speed and memory are predictions.",
                     data[c["refused"]])
 
-    c["advise"].click(on_advise, inputs, [c["advice"], c["advice_rows"], c["advice_pick"], c["advice_apply"]])
+    c["advise"].click(on_advise, {c["preview_tokens"], *inputs},
+                      [c["advice"], c["advice_rows"], c["advice_pick"], c["advice_apply"]])
     c["advice_apply"].click(on_apply_advice, {c["advice_pick"], c["advice_rows"], *inputs}, fill_outputs)
     c["load_preset"].click(on_load_preset, [c["preset"], cluster_state, slurm_state, c["refused"]], fill_outputs)
     c["upload_yaml"].upload(on_upload_yaml, [c["upload_yaml"], cluster_state, slurm_state, c["refused"]], fill_outputs)
@@ -288,14 +295,16 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
         if view.spec is None:
             return "✖ No preview: fix these first.<br>" + "<br>".join(
-                html.escape(line) for line in problem_lines(view, errors_only=True)), gr.update(visible=False)
+                html.escape(line) for line in problem_lines(view, errors_only=True)), gr.update(visible=False), None
         try:
             result = data_preview(view.spec)
         except PreviewError as exc:
-            return f"✖ No preview: {html.escape(str(exc))}", gr.update(visible=False)
-        return preview_html(result), gr.update(value=lengths_figure(result), visible=True)
+            return f"✖ No preview: {html.escape(str(exc))}", gr.update(visible=False), None
+        measured = {"dataset": view.spec.dataset, "max_length": view.spec.max_length, "mean": mean_tokens(result)}
+        return (preview_html(result), gr.update(value=lengths_figure(result), visible=True),
+                measured if measured["mean"] else None)
 
-    c["preview"].click(on_preview, inputs, [c["preview_html"], c["preview_lengths"]])
+    c["preview"].click(on_preview, inputs, [c["preview_html"], c["preview_lengths"], c["preview_tokens"]])
     c["page_load"] = dict(fn=on_page_load, inputs=[cluster_state, slurm_state], outputs=[c["preset"], *fill_outputs])
     c["render"], c["view_outputs"] = render, view_outputs
 

@@ -165,23 +165,28 @@ def layout_md(layout: Layout) -> str:
     return "**Layout**\n\n" + head + row
 
 
-def advice_view(view: TrainView) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+def advice_view(view: TrainView, tokens_per_sample: float | None = None) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     """The layout advisor on the checked form: its summary and table (Markdown), and each row as
-    (its label, the fields it sets); no rows while the form has errors or the model is unknown."""
+    (its label, the fields it sets); no rows while the form has errors or the model is unknown.
+    `tokens_per_sample`: the data preview's mean sample length, where it previewed this data."""
     if view.spec is None or not view.ok or view.assessment is None:
         return "Fix the problems marked on the form first: the advisor starts from a job that validates.", []
     assessed = view.assessment
     if assessed.model is None:
         return f"No suggestions: the model's config is needed ({assessed.memory_note}).", []
-    advice = advise(view.spec, assessed.model, assessed.cluster, hardware_of(assessed.cluster, view.spec.nnodes))
+    advice = advise(view.spec, assessed.model, assessed.cluster, hardware_of(assessed.cluster, view.spec.nnodes),
+                    tokens_per_sample)
+    lengths = (f"Samples of {tokens_per_sample:,.0f} tokens on average (the data preview's). " if tokens_per_sample
+               and not view.spec.packing else f"Samples of max_length {view.spec.max_length} tokens"
+               + (" (packed rows). " if view.spec.packing else "; preview the data for its own lengths. "))
     if not advice.rows:
-        return advice.summary() + ". **No configuration fits**: lower max_length or the global batch, or add GPUs.", []
+        return lengths + advice.summary() + ". **No configuration fits**: lower max_length or the global batch, or add GPUs.", []
     table = ["| # | engine | ranks | predicted GiB per GPU | predicted tokens/s |", "|---|---|---|---|---|"]
     rows = []
     for rank, row in enumerate(advice.rows, 1):
         table.append(f"| {rank} | {row.engine} | {row.layout} | {row.memory_gib:.1f} | {row.tokens_per_s:,.0f} |")
         rows.append((f"{rank}. {row.engine} {row.layout}: {row.changes()}", row.fields))
-    return advice.summary() + ".\n\n" + "\n".join(table), rows
+    return lengths + advice.summary() + ".\n\n" + "\n".join(table), rows
 
 
 def memory_md(assessed: Assessment) -> str:

@@ -151,5 +151,19 @@ def test_the_train_tab_shows_the_advice_for_a_form_that_validates_and_none_for_o
     assert applied.ok
     text, rows = advice_view(check_form(values, parse_hostfile_text("n1 slots=4 gpu_mem_gib=1\n")))
     assert rows == [] and "**No configuration fits**" in text
+    assert "preview the data for its own lengths" in text
+    # the data preview's mean length makes the predicted tokens/s of shorter samples
+    shorter, rows_short = advice_view(check_form(values, cluster), 300.0)
+    assert shorter.startswith("Samples of 300 tokens on average (the data preview's)")
+    assert [label for label, _ in rows_short] != [] and shorter != text
     text, rows = advice_view(check_form(values | {"learning_rate": -1}, cluster))
     assert rows == [] and text.startswith("Fix the problems marked on the form first")
+
+
+def test_the_mean_sample_length_is_of_what_trains_and_skips_datasets_the_preview_could_not_read():
+    from studio.preview_view import mean_tokens
+
+    result = {"max_length": 2048, "datasets": [{"error": None, "lengths": [100, 5000]},
+                                               {"error": "x.jsonl:3: bad", "lengths": [1]}, {"error": None, "lengths": []}]}
+    assert mean_tokens(result) == (100 + 2048) / 2
+    assert mean_tokens({"max_length": 8, "datasets": [{"error": None, "lengths": None}]}) is None

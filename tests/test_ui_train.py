@@ -88,6 +88,10 @@ def test_train_form_live_checks_import_presets(studio, page):
     # Gradio fetches plotly.js the first time a plot shows: seconds on a loaded 2-core runner.
     expect(page.locator("#data-preview-lengths .js-plotly-plot")).to_be_visible(timeout=60000)
     shot(page, "data-preview")
+    # the layout advisor takes the previewed data's mean length
+    page.get_by_text("Layout advisor").click()
+    page.locator("#advise-go").click()
+    expect(page.locator("#advice")).to_contain_text("tokens on average (the data preview's)", timeout=30000)
 
     # Import an ms-swift command: the form fills, the unknown flag is reported.
     page.get_by_text("Import ms-swift command").click()
@@ -178,9 +182,10 @@ def test_train_form_live_checks_import_presets(studio, page):
     shot(page, "preset-loaded")
 
     # The layout advisor: its rows are predictions; one click applies the first to the form.
-    page.get_by_text("Layout advisor").click()
     page.locator("#advise-go").click()
-    expect(page.locator("#advice")).to_contain_text("predictions of the cost model, not measurements", timeout=30000)
+    # the preview above measured the demo's data, not this preset's pairs: its lengths are not used
+    expect(page.locator("#advice")).to_contain_text("preview the data for its own lengths", timeout=30000)
+    expect(page.locator("#advice")).to_contain_text("predictions of the cost model, not measurements")
     expect(page.locator("#advice-pick")).to_contain_text("1. ")
     shot(page, "advisor")
     page.locator("#advice-apply").click()
