@@ -155,7 +155,14 @@ def add_plan(parser: argparse.ArgumentParser) -> None:
     advice.add_argument("--inter-gib-s", type=float, help="bus bandwidth between nodes: the pre-flight's figure "
                                                           "(default 20)")
     advice.add_argument("--tokens-per-sample", type=float, help="the data's mean sample length (default max_length)")
-    advice.add_argument("--top", type=int, default=5, help="rows to show (default 5)")
+    advice.add_argument("--top", type=_positive, default=5, help="rows to show (default 5)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
+    return value
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -201,11 +208,11 @@ def _advise(args: argparse.Namespace, assessed: Assessment) -> int:
     hardware = hardware_of(assessed.cluster, assessed.spec.nnodes, gpu_mem_gib=args.gpu_mem_gib,
                            intra_gib_s=args.intra_gib_s, inter_gib_s=args.inter_gib_s)
     advice = advise(assessed.spec, assessed.model, assessed.cluster, hardware, args.tokens_per_sample, top=args.top)
-    if args.json:
+    if args.json:  # exit 1 where nothing fits, as the text
         print(json.dumps({"hardware": hardware.__dict__, "rows": [r.to_dict() for r in advice.rows],
                           "considered": advice.considered, "refused": advice.refused, "too_big": advice.too_big},
                          indent=2))
-        return 0
+        return 0 if advice.rows else 1
     print(advice.summary() + ":")
     if not advice.rows:
         print("no configuration fits: lower max_length or the global batch, or add GPUs")

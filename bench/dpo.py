@@ -34,17 +34,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
-from throughput import ROOT, _first_error, build_model_dir, estimated_gib, run_error, torchrun_argv  # noqa: E402
+from harness import Compared  # noqa: E402
+from throughput import build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
 
 TRL = Path(__file__).resolve().parent / "trl_dpo.py"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -85,23 +82,13 @@ def our_job(model: Path, pairs: Path, seq: int, bsz: int, steps: int, lora: bool
                    lora_rank=16, lora_alpha=32, lora_dropout=0.0), **fields}
 
 
-class Bench:
+class Bench(Compared):
     def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool):
-        self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
+        super().__init__(work, steps, warm, out, smoke)
         self.dtype = "float32" if smoke else "bfloat16"
         self.shape = "smoke" if smoke else "qwen2.5-1.5b"
         self.seq = 64 if smoke else 1024
         self.model = build_model_dir(self.shape, work / "model", self.dtype)
-        self.done: list[dict] = []
-        self.wrapper = gpu0_wrapper(work)
-
-    def emit(self, row: dict) -> dict:
-        self.done.append(row)
-        line = json.dumps(row)
-        print(line, flush=True)
-        self.out.write(line + "\n")
-        self.out.flush()
-        return row
 
     def pairs(self, n: int, same: bool = False, spread: bool = False) -> Path:
         path = self.work / f"pairs-{n}{'-same' if same else ''}{'-spread' if spread else ''}.jsonl"
@@ -115,44 +102,22 @@ class Bench:
                              "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
                              *["--lora"] * lora, *["--liger"] * liger, *["--zero3"] * zero3,
                              *["--precompute"] * precompute, *["--compile"] * compile)
-        started = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(self.work)})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if lines else dict(source="trl", lora=lora, liger=liger, zero3=zero3,
-                                                       precompute=precompute, compile=compile,
-                                                       error=_first_error(proc.stderr))
-        return self.emit({**row, "wall_s": round(time.monotonic() - started)})
+        return self.baseline(argv, dict(source="trl", lora=lora, liger=liger, zero3=zero3, precompute=precompute,
+                                        compile=compile))
 
     def ours(self, name: str, bsz: int, lora: bool, nproc: int = 1, same: bool = False, pairs_n: int | None = None,
              model: Path | None = None, spread: bool = False, **fields) -> dict:
         """`pairs_n`: the size of the pairs file (by default enough for every rank's steps); `model`:
         another model directory than the shape's; `spread`: pairs of many lengths (`write_pairs`)."""
-        run_dir = self.work / name
-        run_dir.mkdir()  # each run's name is used once in a work directory that started empty
         pairs = self.pairs(pairs_n or bsz * nproc * (self.steps + 1), same, spread)
         spec = our_job(model or self.model, pairs, self.seq, bsz, self.steps, lora, self.dtype, **fields)
-        (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
-        if self.smoke:  # gloo ranks on the CPU
-            argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        else:  # ranks beyond the GPUs share GPU 0, each its own NCCL host
-            argv, env = shared_gpu_argv(nproc, run_dir, self.wrapper)
-        started = time.monotonic()
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-        row = dict(source="swift-studio", name=name, lora=lora, nproc=nproc, seq=self.seq, bsz=bsz, **fields,
-                   wall_s=round(time.monotonic() - started))
-        events_file = run_dir / "events" / "rank-0.jsonl"
-        events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
-        train = [e for e in events if e["type"] == "train"]
-        timed = [e for e in train if e["step"] > self.warm]
-        if proc.returncode or len(timed) < 2:
-            return self.emit({**row, "error": run_error(run_dir, proc.stdout + proc.stderr)})
-        step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
-        tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)  # non-padding, every rank's
-        return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
-                          "tokens_per_pair": tokens / (bsz * nproc),
-                          "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2),
-                          "estimated_gib": None if self.smoke else estimated_gib(run_dir, self.shape, nproc),
+        timing, train = self.worker(name, spec, nproc)
+        row = dict(source="swift-studio", name=name, lora=lora, nproc=nproc, seq=self.seq, bsz=bsz, **fields)
+        if "error" in timing:
+            return self.emit({**row, **timing})
+        tokens = timing.pop("tokens_per_step")
+        return self.emit({**row, **timing, "tokens_per_pair": tokens / (bsz * nproc),
+                          "estimated_gib": None if self.smoke else estimated_gib(self.work / name, self.shape, nproc),
                           "losses": [e["loss"] for e in train], "margins": [e["rewards_margins"] for e in train],
                           "logps_chosen": [e["logps_chosen"] for e in train],
                           "rewards_accuracies": train[-1].get("rewards_accuracies")})

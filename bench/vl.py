@@ -25,17 +25,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
-from throughput import ROOT, _first_error, estimated_gib, run_error, torchrun_argv  # noqa: E402
+from harness import Compared  # noqa: E402
+from throughput import ROOT, estimated_gib, torchrun_argv  # noqa: E402
 
 HF = Path(__file__).resolve().parent / "hf_vl.py"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -66,10 +63,11 @@ SHAPES = {
 
 
 def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tuple[int, int],
-                   dtype: str = "float32") -> Path:
+                   dtype: str = "float32", device: str | None = None) -> Path:
     """A Qwen-VL family model with random weights (seeded) from `text` and `vision` config fields, the
     demo tokenizer plus Qwen's vision tokens and a chat template that renders image parts, and Qwen2-VL's
-    image processor (its PIL backend, which needs no torchvision) within `pixels` (min, max)."""
+    image processor (its PIL backend, which needs no torchvision) within `pixels` (min, max); built on
+    `device` (default: the GPU where there is one)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -86,7 +84,7 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
                                   video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
                                   tie_word_embeddings=True)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
         model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out)
     return out
@@ -145,9 +143,9 @@ def our_job(model: Path, data: Path, seq: int, max_pixels: int, bsz: int, steps:
                 torch_dtype=dtype, gradient_checkpointing=False, lora_rank=16, lora_alpha=32, lora_dropout=0.0, **fields)
 
 
-class Bench:
+class Bench(Compared):
     def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool, answer_chars: int):
-        self.work, self.steps, self.warm, self.out, self.smoke = work, steps, warm, out, smoke
+        super().__init__(work, steps, warm, out, smoke)
         self.dtype = "float32" if smoke else "bfloat16"
         self.shape = "smoke" if smoke else "qwen2.5-vl-3b"
         family, text, vision, self.pixels = SHAPES[self.shape]
@@ -155,16 +153,6 @@ class Bench:
         self.seq = 256 if smoke else 1024
         self.answer_chars = 100 if smoke else answer_chars
         self.model = build_vl_model(work / "model", family, text, vision, self.pixels, self.dtype)
-        self.wrapper = gpu0_wrapper(work)
-        self.done: list[dict] = []
-
-    def emit(self, row: dict) -> dict:
-        self.done.append(row)
-        line = json.dumps(row)
-        print(line, flush=True)
-        self.out.write(line + "\n")
-        self.out.flush()
-        return row
 
     def data(self, n: int, same: bool = False, text_only: bool = False) -> Path:
         """`text_only`: the records with text of about an image's tokens in its place."""
@@ -178,40 +166,19 @@ class Bench:
         argv = torchrun_argv(1, str(HF), str(self.model), str(self.data(bsz * (self.steps + 1))), "--seq", str(self.seq),
                              "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
                              "--max-pixels", str(self.pixels[1]), *["--liger"] * liger)
-        started = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(self.work)})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if lines else dict(source="hf+peft", liger=liger, error=_first_error(proc.stderr))
-        return self.emit({**row, "wall_s": round(time.monotonic() - started)})
+        return self.baseline(argv, dict(source="hf+peft", liger=liger))
 
     def ours(self, name: str, bsz: int, nproc: int = 1, same: bool = False, text_only: bool = False, **fields) -> dict:
-        run_dir = self.work / name
-        run_dir.mkdir()  # each run's name is used once in a work directory that started empty
         data = self.data(bsz * nproc * (self.steps + 1), same, text_only)
         spec = our_job(self.model, data, self.seq, self.pixels[1], bsz, self.steps, self.dtype, **fields)
-        (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
-        if self.smoke:  # gloo ranks on the CPU
-            argv = torchrun_argv(nproc, "-m", "launcher.train", "--run-dir", str(run_dir))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        else:  # ranks beyond the GPUs share GPU 0, each its own NCCL host
-            argv, env = shared_gpu_argv(nproc, run_dir, self.wrapper)
-        started = time.monotonic()
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-        row = dict(source="swift-studio", name=name, nproc=nproc, seq=self.seq, bsz=bsz, **fields,
-                   wall_s=round(time.monotonic() - started))
-        events_file = run_dir / "events" / "rank-0.jsonl"
-        events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
-        train = [e for e in events if e["type"] == "train"]
-        timed = [e for e in train if e["step"] > self.warm]
-        if proc.returncode or len(timed) < 2:
-            return self.emit({**row, "error": run_error(run_dir, proc.stdout + proc.stderr)})
-        step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
-        tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)
-        return self.emit({**row, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),
-                          "tokens_per_sample": tokens / (bsz * nproc),
-                          "peak_mem_gib": round(max(e["mem_peak_gib"] for e in train), 2),
-                          "estimated_gib": estimated_gib(run_dir, self.shape, nproc,
-                                                         json.loads((self.model / "config.json").read_text())),
+        timing, train = self.worker(name, spec, nproc)
+        row = dict(source="swift-studio", name=name, nproc=nproc, seq=self.seq, bsz=bsz, **fields)
+        if "error" in timing:
+            return self.emit({**row, **timing})
+        tokens = timing.pop("tokens_per_step")
+        config = json.loads((self.model / "config.json").read_text())
+        return self.emit({**row, **timing, "tokens_per_sample": tokens / (bsz * nproc),
+                          "estimated_gib": estimated_gib(self.work / name, self.shape, nproc, config),
                           "losses": [e["loss"] for e in train]})
 
     def lora(self, bsz: int) -> None:

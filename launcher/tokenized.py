@@ -131,10 +131,11 @@ class Tokenized:
 
     def held_out(self, ratio: float, seed: int) -> np.ndarray:
         """The rows split off for validation (`split_dataset_ratio`): a seeded choice of
-        round(ratio x records) of them, at least one, the same on every rank."""
-        n = self.table.num_rows
-        mask = np.zeros(n, dtype=bool)
-        mask[np.random.default_rng(seed).permutation(n)[:max(1, round(ratio * n))]] = True
+        round(ratio x records) of them, at least one, the same on every rank; skipped records are
+        not among them."""
+        usable = np.nonzero(_numbers(self.table.column("length")) != SKIPPED)[0]
+        mask = np.zeros(self.table.num_rows, dtype=bool)
+        mask[usable[np.random.default_rng(seed).permutation(len(usable))[:max(1, round(ratio * len(usable)))]]] = True
         return mask
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
@@ -336,11 +337,13 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
                         if not strict and persona.images:  # the training steps decode them: a damaged one fails here
                             check_record(record, persona)
                         sample = encode(record, tokenizer, max_length, persona, images)
-                    except DataError as exc:
+                    except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
+                        failure = exc if isinstance(exc, DataError) else DataError(
+                            f"{record.where}: {type(exc).__name__}: {exc}")
                         if strict:
-                            raise
+                            raise failure from None
                         yield {**empty, "length": SKIPPED, "source": source, "position": position, "error": None,
-                               "skipped": str(exc)}
+                               "skipped": str(failure)}
                         continue
                     chosen, rejected = (sample.chosen, sample.rejected) if isinstance(sample, Pair) else (sample, None)
                     ids, labels = (chosen.input_ids, chosen.labels) if chosen is not None else ([], [])

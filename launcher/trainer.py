@@ -242,7 +242,7 @@ class Trainer:
                 elif split is not None:
                     val = self._shard(tokenized, split)
             shards = (train, val)
-            skipped = [tokenized] + ([val[0]] if val is not None and val[0] is not tokenized else [])
+            skipped = [tokenized] + ([val[0]] if val is not None and val[0].entry != tokenized.entry else [])
             self.events.emit("data", phase="ready", cache=str(tokenized.entry), tokenized=tokenized.built,
                              seconds=round(tokenized.seconds, 3), samples=len(train[1]), dropped=train[3],
                              val_samples=len(val[1]) if val else 0, skipped=sum(t.skipped for t in skipped),

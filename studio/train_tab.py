@@ -19,7 +19,7 @@ from studio.context import Studio
 from studio.errors import user_message
 from studio.form import GROUPS, VIEWS, FieldView, default_form, spec_to_form
 from studio.preview_view import lengths_figure, mean_tokens, preview_html
-from studio.train_view import (TrainView, advice_view, check_form, check_key, fix_for_label, fix_label, form_values,
+from studio.train_view import (TrainView, advice_view, check_form, data_key, check_key, fix_for_label, fix_label, form_values,
                                 groups_with_errors, launch_refusal_md, problem_lines, problems_md)
 
 
@@ -99,8 +99,9 @@ def build(studio: Studio) -> dict[str, Any]:
                 c["advice"] = gr.Markdown(elem_id="advice")
                 c["advice_pick"] = gr.Radio(choices=[], label="Layout to apply", visible=False, elem_id="advice-pick")
                 c["advice_apply"] = gr.Button("Apply it to the form", size="sm", visible=False, elem_id="advice-apply")
-                c["advice_rows"] = gr.State([])
-                # The last preview's mean sample length, with the data and max_length it measured.
+                # The suggested rows and the form state they were suggested for.
+                c["advice_rows"] = gr.State(None)
+                # The last preview's mean sample length and the job, less what the advisor varies, it measured.
                 c["preview_tokens"] = gr.State(None)
             with gr.Row():
                 c["run_name"] = gr.Textbox(label="Run name", placeholder="optional", scale=2, elem_id="run-name")
@@ -254,22 +255,26 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
         button.click(lambda data, b=button: on_fix(data[b], data), {button, *inputs}, fill_outputs)
 
     def on_advise(data: dict) -> dict:
-        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
+        values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
+        view = check_form(values, cluster, slurm)
         measured = data[c["preview_tokens"]]
-        same = (view.spec is not None and measured is not None
-                and (measured["dataset"], measured["max_length"]) == (view.spec.dataset, view.spec.max_length))
+        same = view.spec is not None and measured is not None and measured["data"] == data_key(view.spec)
         text, rows = advice_view(view, measured["mean"] if same else None)
         labels = [label for label, _ in rows]
-        return {c["advice"]: text, c["advice_rows"]: rows,
+        return {c["advice"]: text, c["advice_rows"]: {"rows": rows, "key": check_key(values, cluster, slurm)},
                 c["advice_pick"]: gr.update(choices=labels, value=labels[0] if labels else None, visible=bool(rows)),
                 c["advice_apply"]: gr.update(visible=bool(rows))}
 
     def on_apply_advice(data: dict) -> dict:
-        """The picked row's fields onto the form as it is now (the advisor's rows keep the job's global batch)."""
-        fields = dict((label, f) for label, f in data[c["advice_rows"]]).get(data[c["advice_pick"]])
-        view = check_form(form_values(form, data), data[cluster_state], data[slurm_state])
-        if fields is None or view.spec is None:
-            return not_filled("Nothing applied: suggest layouts for the form as it is, then pick one.")
+        """The picked row's fields onto the form, if it is still the form they were suggested for
+        (a row keeps that form's global batch)."""
+        values, cluster, slurm = form_values(form, data), data[cluster_state], data[slurm_state]
+        suggested = data[c["advice_rows"]] or {"rows": [], "key": None}
+        fields = dict((label, f) for label, f in suggested["rows"]).get(data[c["advice_pick"]])
+        view = check_form(values, cluster, slurm)
+        if fields is None or view.spec is None or suggested["key"] != check_key(values, cluster, slurm):
+            return not_filled("Nothing applied: the form changed since these layouts were suggested (or none was "
+                              "picked); suggest again.")
         changes = ", ".join(f"{k} {v}" for k, v in fields.items() if v is not None)
         return fill(view.spec.model_dump() | fields, data[cluster_state], data[slurm_state],
                     f"Applied layout {data[c['advice_pick']]}: {changes}. Its speed and memory are predictions.",
@@ -300,7 +305,7 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
             result = data_preview(view.spec)
         except PreviewError as exc:
             return f"✖ No preview: {html.escape(str(exc))}", gr.update(visible=False), None
-        measured = {"dataset": view.spec.dataset, "max_length": view.spec.max_length, "mean": mean_tokens(result)}
+        measured = {"data": data_key(view.spec), "mean": mean_tokens(result)}
         return (preview_html(result), gr.update(value=lengths_figure(result), visible=True),
                 measured if measured["mean"] else None)
 

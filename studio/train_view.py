@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.cluster.slurm import SlurmTarget
-from backend.job.advisor import advise, hardware_of
+from backend.job.advisor import VARIED, advise, hardware_of
 from backend.job.capabilities import PARALLEL_FIELDS, Fix, engine_fixes, parallel_refusals
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout
@@ -163,6 +163,12 @@ def layout_md(layout: Layout) -> str:
     row = (f"| {layout.nnodes} × {layout.nproc_per_node} | {layout.world} | {layout.dp} | {layout.tp} | "
            f"{layout.pp} | {layout.cp} | {layout.ep} | {layout.sp} |")
     return "**Layout**\n\n" + head + row
+
+
+def data_key(spec: JobSpec) -> str:
+    """What a data preview of `spec` measured: the job but for the fields the advisor varies (the
+    model, its tokenizer and template, the data, max_length and the rest stay)."""
+    return json.dumps({k: v for k, v in spec.model_dump().items() if k not in VARIED}, sort_keys=True, default=str)
 
 
 def advice_view(view: TrainView, tokens_per_sample: float | None = None) -> tuple[str, list[tuple[str, dict[str, Any]]]]:

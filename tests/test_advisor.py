@@ -59,6 +59,17 @@ def test_every_row_is_a_valid_job_that_keeps_the_global_batch_and_fits(name, fie
         assert all(key.startswith("predicted") for key in row.to_dict() if key not in ("engine", "layout", "fields"))
 
 
+def test_a_refusal_that_depends_on_the_micro_batch_does_not_end_the_search_of_its_layout():
+    """Under SP the eval micro-batch must be the training one: refused at micro-batch 8, SP is still
+    advised at the micro-batch of 1 that per_device_eval_batch_size asks for."""
+    spec = job(train_type="full", max_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+               nproc_per_node=8, split_dataset_ratio=0.1, per_device_eval_batch_size=1)
+    cluster = parse_hostfile_text("n1 slots=8 gpu_mem_gib=80\n")
+    rows = advise(spec, shape("llama3.2-1b"), cluster, Hardware(gpu_mem_gib=80), top=500).rows
+    sequence_parallel = [r for r in rows if r.fields.get("sequence_parallel_size", 1) > 1]
+    assert sequence_parallel and all(r.fields.get("per_device_train_batch_size", 1) == 1 for r in sequence_parallel)
+
+
 def test_only_offload_fits_a_large_model_and_a_job_that_fits_nowhere_has_no_rows():
     spec = job(train_type="full", max_length=8192, per_device_train_batch_size=1, nproc_per_node=1)
     advice = advise(spec, shape("llama3.1-8b"), parse_hostfile_text("n1 slots=1 gpu_mem_gib=24\n"),
@@ -152,10 +163,13 @@ def test_the_train_tab_shows_the_advice_for_a_form_that_validates_and_none_for_o
     text, rows = advice_view(check_form(values, parse_hostfile_text("n1 slots=4 gpu_mem_gib=1\n")))
     assert rows == [] and "**No configuration fits**" in text
     assert "preview the data for its own lengths" in text
-    # the data preview's mean length makes the predicted tokens/s of shorter samples
+    # the data preview's mean length: the predictions are for samples that long
+    full, _ = advice_view(check_form(values, cluster))
     shorter, rows_short = advice_view(check_form(values, cluster), 300.0)
-    assert shorter.startswith("Samples of 300 tokens on average (the data preview's)")
-    assert [label for label, _ in rows_short] != [] and shorter != text
+    assert shorter.startswith("Samples of 300 tokens on average (the data preview's)") and rows_short
+    table = [line.split(" | ") for line in full.splitlines() if line.startswith("| 1 ")]
+    table_short = [line.split(" | ") for line in shorter.splitlines() if line.startswith("| 1 ")]
+    assert table[0][4] != table_short[0][4]  # predicted tokens/s of row 1
     text, rows = advice_view(check_form(values | {"learning_rate": -1}, cluster))
     assert rows == [] and text.startswith("Fix the problems marked on the form first")
 

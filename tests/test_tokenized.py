@@ -126,6 +126,33 @@ def test_a_bad_record_is_named_once_and_kept_as_the_entrys_failure(tmp_path, tok
     assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # no entry, no leftover
 
 
+def test_strict_off_skips_a_record_the_chat_template_refuses_and_strict_on_names_it(tmp_path, tokenizer):
+    """A chat template's raise_exception (roles out of turn, as Llama's and Mistral's templates do) is a
+    record's failure like any other: skipped and named with strict off, the run stopped by file:line
+    with it on; the held-out split never draws a skipped record."""
+    import copy
+
+    strict_template = copy.deepcopy(tokenizer)
+    strict_template.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    turns = lambda *roles: {"messages": [{"role": r, "content": f"{r} {i}"} for i, r in enumerate(roles)]}  # noqa: E731
+    rows = [turns("user", "assistant")] * 6
+    rows[2] = turns("user", "user", "assistant")
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = job([str(path)], max_length=64)
+    with pytest.raises(DataError, match=rf"^{path}:3: TemplateError: roles must alternate user/assistant$"):
+        open_tokenized(spec, strict_template, tmp_path / "cache")
+    loose = open_tokenized(spec.model_copy(update={"strict": False}), strict_template, tmp_path / "cache")
+    assert (loose.skipped, loose.skipped_first) == (1, (f"{path}:3: TemplateError: roles must alternate user/assistant",))
+    assert len(loose.shard(0, 1)[0]) == 5
+    for seed in range(20):
+        assert not loose.held_out(0.5, seed)[2]  # the skipped record's row
+
+
 def test_cache_directory_errors_are_named_and_nothing_foreign_is_removed(tmp_path, tokenizer):
     spec = job(DEMO[:1], max_length=32)
     (tmp_path / "a-file").write_text("")

@@ -60,7 +60,8 @@ def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
     else:  # qwen3_vl
         text.update(head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
         vision.update(deepstack_visual_indexes=[1], num_position_embeddings=64)
-    return build_vl_model(out, family, text, vision, ((2 * patch) ** 2 * 4, (2 * patch) ** 2 * 16))
+    # on the CPU: the same seeded weights on every machine
+    return build_vl_model(out, family, text, vision, ((2 * patch) ** 2 * 4, (2 * patch) ** 2 * 16), device="cpu")
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}

@@ -20,7 +20,7 @@ The cost model (`_step_seconds`), per optimizer step:
   compute   tokens x FLOPs per token / (world x peak x MFU), plus MICRO_BATCH_S a micro-batch.
             FLOPs per token: 6 x the matmul parameters (4 x for LoRA: no weight gradients) + 12 x
             layers x hidden x sequence for attention; checkpointing adds a forward (2 x params + 4 x
-            attention). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
+            layers x hidden x sequence). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
             LIGER_SPEEDUP with Liger in full fine-tuning, times how full a micro-batch's tokens keep
             the GPU (HALF_TOKENS).
   data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
@@ -32,7 +32,7 @@ The cost model (`_step_seconds`), per optimizer step:
   SP / CP   Ulysses: 8 all-to-alls of the activations per layer; ring: the keys and values passed
             CP - 1 times per layer, forward and backward, not hidden; between nodes when the
             TP x SP x CP group is larger than a node.
-  PP        the 1F1B bubble: the step times (m + PP - 1) / m for m micro-batches.
+  PP        the 1F1B bubble (capabilities.bubble_fraction): the busy time over 1 - the idle share.
   offload   the optimizer states across PCIe (PCIE_GIB_S) both ways each step.
 Bandwidth is `intra_gib_s` between GPUs of a node and `inter_gib_s` between nodes (the pre-flight's
 measured bus bandwidth, where the user gives it).
@@ -43,6 +43,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.job.capabilities import bubble_fraction
 from backend.job.cluster import Cluster
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import trainable_params
@@ -76,7 +77,12 @@ MICRO_BATCH_S = 0.005
 OVERLAP = 0.5
 """The share of the data-parallel traffic hidden behind the backward (DDP's buckets, ZeRO's overlap_comm)."""
 PCIE_GIB_S = 20.0
-BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size")
+"""Fields whose refusal may depend on the micro-batch (the rest refuse an engine or degrees whatever it is)."""
+VARIED = ("deepspeed", "fsdp", "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel_size",
+          "context_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps",
+          "gradient_checkpointing", "use_liger_kernel")
+"""The job fields a row may set; the others are the user's."""
 BYTES = 2  # bf16 activations, gradients and gathered parameters
 
 
@@ -219,7 +225,8 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     if spec.gradient_checkpointing:
         per_token += 2 * params + attention / 3
     micro_tokens = spec.per_device_train_batch_size * tokens / (layout.sp * layout.cp)
-    fill = (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS))
+    # not above the measured MFU: larger micro-batches than the benchmarks' are not extrapolated
+    fill = min(1.0, (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS)))
     mfu = BASE_MFU * (LIGER_SPEEDUP if spec.use_liger_kernel and spec.train_type == "full" else 1.0) * fill
     step_tokens = global_batch * tokens
     compute = (step_tokens * per_token / (layout.world * hw.peak_tflops * 1e12 * mfu)
@@ -229,13 +236,14 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     group = layout.dp * layout.sp * layout.cp
     per_node = max(1, layout.nproc_per_node // layout.tp)
     group_gib_s = hw.inter_gib_s if group > per_node else hw.intra_gib_s
-    trainable = trainable_params(spec, model)
+    # a TP or PP rank holds 1/(TP x PP) of the parameters and their gradients
+    trainable = trainable_params(spec, model) / (layout.tp * layout.pp)
     ring = 2 * (group - 1) / group
     data_parallel = ring * trainable * BYTES / (group_gib_s * 2**30) * (1 - OVERLAP)
     sharded = spec.fsdp or (spec.deepspeed or "").startswith("zero3")
     if sharded and group > 1:  # every micro-batch gathers the parameters forward and backward
-        data_parallel += 2 * (group - 1) / group * params * BYTES * spec.gradient_accumulation_steps / (
-            group_gib_s * 2**30) * (1 - OVERLAP)
+        data_parallel += 2 * (group - 1) / group * params / (layout.tp * layout.pp) * BYTES * \
+            spec.gradient_accumulation_steps / (group_gib_s * 2**30) * (1 - OVERLAP)
     micro_activations = spec.per_device_train_batch_size * tokens * h * BYTES
     micro_batches = spec.gradient_accumulation_steps
     tp_bytes = 4 * 2 * (layout.tp - 1) / layout.tp * micro_activations * layers / layout.pp
@@ -246,7 +254,8 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     sequence_gib_s = hw.inter_gib_s if layout.tp * layout.sp * layout.cp > layout.nproc_per_node else hw.intra_gib_s
     model_parallel = micro_batches * (tp_bytes / (hw.intra_gib_s * 2**30) + sequence_bytes / (sequence_gib_s * 2**30))
     busy = compute + model_parallel
-    bubble = busy * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    idle = bubble_fraction(spec)
+    bubble = busy * idle / (1 - idle)
     offload = (2 * trainable * 12 / (PCIE_GIB_S * 2**30)) if "offload" in (spec.deepspeed or "") + (spec.fsdp or "") else 0.0
     return {"compute": compute, "data_parallel": data_parallel, "model_parallel": model_parallel, "bubble": bubble,
             "offload": offload}

@@ -684,6 +684,8 @@ class Sampled:
     skips."""
     file: tuple[str, ...] = ()
     records: tuple[str, ...] = ()
+    all_bad: bool = False
+    """Every record checked has a problem."""
 
     def all(self) -> list[str]:
         return [*self.file, *self.records]
@@ -764,10 +766,10 @@ def _first_problems(path: Path, records: Iterator[Record], persona: Persona) -> 
             problems.append(str(exc))
     if checked == 0:
         return Sampled((f"{path}: no records (only blank lines)",))
-    if len(problems) > MAX_REPORTED:
-        more = len(problems) - MAX_REPORTED
-        problems = problems[:MAX_REPORTED] + [f"{path}: {more} more bad records among the {checked} checked"]
-    return Sampled(records=tuple(problems))
+    bad = len(problems)
+    if bad > MAX_REPORTED:
+        problems = problems[:MAX_REPORTED] + [f"{path}: {bad - MAX_REPORTED} more bad records among the {checked} checked"]
+    return Sampled(records=tuple(problems), all_bad=bad == checked)
 
 
 def _jsonl_sample(path: Path, size: int, limit: int) -> Iterator[Record]:

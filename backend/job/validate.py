@@ -305,8 +305,10 @@ def _dataset_rules(spec: JobSpec, images: bool = False) -> list[Problem]:
     out = []
     for field, i, item in _data_entries(spec):
         found = records.sampled(item, spec.max_record_bytes, persona)
-        out += [Problem(f"{field}[{i}]", message) for message in (found.all() if spec.strict else found.file)]
-        if not spec.strict and found.records:
+        # streaming does not skip yet; a file none of whose checked records is usable is not data to skip in
+        stops = spec.strict or spec.streaming or found.all_bad
+        out += [Problem(f"{field}[{i}]", message) for message in (found.all() if stops else found.file)]
+        if not stops and found.records:
             out.append(_warn(f"{field}[{i}]", "strict is off: records like these are skipped and counted: "
                                               + "; ".join(found.records)))
     if spec.streaming:
