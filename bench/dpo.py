@@ -29,9 +29,7 @@ Tokens/s count the prompt and answer tokens of both rows of each pair (both side
 so the count is the same for both; TRL's line reports its own count per pair to show it)."""
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shutil
 import sys
@@ -40,7 +38,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Compared  # noqa: E402
+from harness import Compared, driver_parser, parts_of  # noqa: E402
 from throughput import build_model_dir, estimated_gib, torchrun_argv  # noqa: E402
 
 TRL = Path(__file__).resolve().parent / "trl_dpo.py"
@@ -231,19 +229,10 @@ PARTS = ("lora", "full", "again", "compiled", "precompute", "ranks", "pipeline",
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="lora,full,ranks", help="of " + ", ".join(PARTS))
-    parser.add_argument("--bsz", type=int, default=8, help="pairs per micro-batch (lora, full)")
-    parser.add_argument("--ranks-bsz", type=int, default=4, help="pairs per step of the ranks and pipeline parts")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warm", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--out", type=Path, default=Path(os.devnull))
+    parser = driver_parser(__doc__, PARTS, "lora,full,ranks")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    parts = parts_of(parser, args, PARTS)
     if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
         # Its runs, pairs and model are written by name: nothing there may be overwritten or read as ours.
         parser.error(f"--workdir: {args.workdir} is not empty; give a new or empty directory")
@@ -253,7 +242,7 @@ def main() -> int:
     try:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke)
-            for part in args.parts.split(","):
+            for part in parts:
                 getattr(bench, part)(args.ranks_bsz if part in ("ranks", "pipeline") else (2 if args.smoke else args.bsz))
     finally:
         if args.workdir is None:

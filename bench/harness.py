@@ -3,6 +3,7 @@ bench/vl.py): their result lines, a baseline process's one JSON line, and a work
 from its rank-0 events."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,6 +16,27 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
 from throughput import ROOT, _first_error, run_error, torchrun_argv  # noqa: E402
+
+
+def driver_parser(doc: str, parts: tuple[str, ...], default: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark made of parts (bench/dpo.py, bench/vl.py); `parts_of` reads --parts."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--parts", default=default, help="of " + ", ".join(parts))
+    parser.add_argument("--bsz", type=int, default=8, help="samples (pairs) per micro-batch")
+    parser.add_argument("--ranks-bsz", type=int, default=4, help="samples (pairs) per step of the ranks and pipeline parts")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", type=Path, default=Path(os.devnull))
+    return parser
+
+
+def parts_of(parser: argparse.ArgumentParser, args: argparse.Namespace, parts: tuple[str, ...]) -> list[str]:
+    chosen = args.parts.split(",")
+    unknown = set(chosen) - set(parts)
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(parts)})")
+    return chosen
 
 
 class Compared:

@@ -11,7 +11,6 @@ peak allocated memory, the losses by step.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_dpo import Timer  # noqa: E402
+from trl_dpo import Timer, baseline_parser  # noqa: E402
 
 # freeze_vit / freeze_aligner: the adapters on the language model's linear layers alone
 PAD = "<|image_pad|>"
@@ -69,16 +68,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Trainer, TrainingArguments
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("data")
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--bsz", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warm", type=int, default=3)
+    parser = baseline_parser(__doc__, "data")
     parser.add_argument("--max-pixels", type=int, required=True)
-    parser.add_argument("--liger", action="store_true")
-    parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.bfloat16 if gpu else torch.float32,

@@ -33,6 +33,21 @@ class Timer(TrainerCallback):
             self.ended = now
 
 
+def baseline_parser(doc: str, data: str) -> argparse.ArgumentParser:
+    """The arguments every stock baseline takes (this one and bench/hf_vl.py): the model directory,
+    the data file (named `data`), sizes, steps and the stock speed switches."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument(data)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--bsz", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warm", type=int, default=3)
+    parser.add_argument("--liger", action="store_true")
+    parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    return parser
+
+
 ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
          "bf16": {"enabled": "auto"},
          "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
@@ -43,17 +58,9 @@ def main() -> None:
     from datasets import load_dataset
     from trl import DPOConfig, DPOTrainer
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("pairs")
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--bsz", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warm", type=int, default=3)
+    parser = baseline_parser(__doc__, "pairs")
     parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--liger", action="store_true")
     parser.add_argument("--zero3", action="store_true")
-    parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
     parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--compile", action="store_true", help="the Trainer's torch_compile")

@@ -20,9 +20,7 @@ Tokens/s count every non-padding token of a micro-batch, the visual placeholders
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import shutil
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Compared  # noqa: E402
+from harness import Compared, driver_parser, parts_of  # noqa: E402
 from throughput import ROOT, estimated_gib, torchrun_argv  # noqa: E402
 
 HF = Path(__file__).resolve().parent / "hf_vl.py"
@@ -223,25 +221,16 @@ PARTS = ("lora", "ranks", "textonly")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help="of " + ", ".join(PARTS))
-    parser.add_argument("--bsz", type=int, default=8, help="samples per micro-batch (lora)")
-    parser.add_argument("--ranks-bsz", type=int, default=4, help="samples per step of the ranks part")
+    parser = driver_parser(__doc__, PARTS, ",".join(PARTS))
     parser.add_argument("--answer-chars", type=int, default=480, help="about how long an answer is (460-680 tokens)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warm", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--out", type=Path, default=Path(os.devnull))
     args = parser.parse_args()
-    unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
+    parts = parts_of(parser, args, PARTS)
     work = Path(tempfile.mkdtemp(prefix="vl-bench-"))
     steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
     try:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke, args.answer_chars)
-            for part in args.parts.split(","):
+            for part in parts:
                 getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
     finally:
         shutil.rmtree(work, ignore_errors=True)
