@@ -91,7 +91,7 @@ def test_train_form_live_checks_import_presets(studio, page):
     # the layout advisor takes the previewed data's mean length
     page.get_by_text("Layout advisor").click()
     page.locator("#advise-go").click()
-    expect(page.locator("#advice")).to_contain_text("tokens on average (the data preview's)", timeout=30000)
+    expect(page.locator("#advice")).to_contain_text("tokens on average (the data preview's)", timeout=60000)
 
     # Import an ms-swift command: the form fills, the unknown flag is reported.
     page.get_by_text("Import ms-swift command").click()
@@ -184,7 +184,7 @@ def test_train_form_live_checks_import_presets(studio, page):
     # The layout advisor: its rows are predictions; one click applies the first to the form.
     page.locator("#advise-go").click()
     # the preview above measured the demo's data, not this preset's pairs: its lengths are not used
-    expect(page.locator("#advice")).to_contain_text("preview the data for its own lengths", timeout=30000)
+    expect(page.locator("#advice")).to_contain_text("preview the data for its own lengths", timeout=60000)
     expect(page.locator("#advice")).to_contain_text("predictions of the cost model, not measurements")
     expect(page.locator("#advice-pick")).to_contain_text("1. ")
     shot(page, "advisor")
@@ -193,7 +193,7 @@ def test_train_form_live_checks_import_presets(studio, page):
     page.locator("#advice-apply").click()
     expect(page.locator("#form-message")).to_contain_text("Nothing applied: the form changed", timeout=15000)
     page.locator("#advise-go").click()
-    expect(page.locator("#advice-pick")).to_contain_text("1. ", timeout=30000)
+    expect(page.locator("#advice-pick")).to_contain_text("1. ", timeout=60000)
     page.locator("#advice-apply").click()
     expect(page.locator("#form-message")).to_contain_text("Applied layout 1. ", timeout=15000)
     expect(page.locator("#form-message")).to_contain_text("Its speed and memory are predictions")
