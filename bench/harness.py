@@ -15,7 +15,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layout_memory import gpu0_wrapper, shared_gpu_argv  # noqa: E402
-from throughput import ROOT, _first_error, run_error, torchrun_argv  # noqa: E402
+from throughput import ROOT, _first_error, run_error, stop_group, torchrun_argv  # noqa: E402
 
 
 def driver_parser(doc: str, parts: tuple[str, ...], default: str) -> argparse.ArgumentParser:
@@ -63,9 +63,10 @@ class Compared:
         row = json.loads(lines[-1]) if lines else {**failed, "error": _first_error(proc.stderr)}
         return self.emit({**row, "wall_s": round(time.monotonic() - started)})
 
-    def worker(self, name: str, spec: dict, nproc: int) -> tuple[dict, list[dict]]:
+    def worker(self, name: str, spec: dict, nproc: int, timeout_s: float | None = None) -> tuple[dict, list[dict]]:
         """Runs the worker on `spec` in a new run directory `name`: ({wall_s, step_s, tokens_per_s,
-        tokens_per_step, peak_mem_gib} of the timed steps, or {wall_s, error}; rank 0's train events)."""
+        tokens_per_step, peak_mem_gib} of the timed steps, or {wall_s, error}; rank 0's train events).
+        `timeout_s`: past it the run's process group is stopped and the run is an error."""
         run_dir = self.work / name
         run_dir.mkdir()  # each run's name is used once in a work directory that started empty
         (run_dir / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -75,14 +76,27 @@ class Compared:
         else:  # ranks beyond the GPUs share GPU 0, each its own NCCL host
             argv, env = shared_gpu_argv(nproc, run_dir, self.wrapper)
         started = time.monotonic()
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            output = "".join(proc.communicate(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_group(proc)
+            output = "".join(proc.communicate())
+        finally:
+            if proc.poll() is None:  # interrupted: the ranks go with it
+                stop_group(proc)
         wall = round(time.monotonic() - started)
         events_file = run_dir / "events" / "rank-0.jsonl"
         events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
         train = [e for e in events if e["type"] == "train"]
         timed = [e for e in train if e["step"] > self.warm]
+        if timed_out:
+            return {"wall_s": wall, "error": f"timed out after {timeout_s:.0f} s"}, train
         if proc.returncode or len(timed) < 2:
-            return {"wall_s": wall, "error": run_error(run_dir, proc.stdout + proc.stderr)}, train
+            return {"wall_s": wall, "error": run_error(run_dir, output)}, train
         step_s = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
         tokens = sum(e["tokens"] for e in timed[1:]) / (len(timed) - 1)  # non-padding, every rank's
         return {"wall_s": wall, "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s),

@@ -56,6 +56,16 @@ SHAPES = {
                          num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                          num_experts=64, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
                          vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=32768),
+    # bench/advisor.py's jobs: shapes the advisor's cost model was not tuned on (the real models' configs).
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960),
+    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                        rope_theta=500000.0, max_position_embeddings=131072),
     "smoke": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256),
 }

@@ -21,8 +21,8 @@ The cost model (`_step_seconds`), per optimizer step:
             FLOPs per token: 6 x the matmul parameters (4 x for LoRA: no weight gradients) + 12 x
             layers x hidden x sequence for attention; checkpointing adds a forward (2 x params + 4 x
             layers x hidden x sequence). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
-            LIGER_SPEEDUP with Liger in full fine-tuning, times how full a micro-batch's tokens keep
-            the GPU (HALF_TOKENS).
+            the engine's ENGINE_EFFICIENCY, times LIGER_SPEEDUP with Liger in full fine-tuning, times
+            how full a micro-batch's tokens keep the GPU (HALF_TOKENS).
   data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
             same bytes) over the ranks that are not TP or PP peers (DP x SP x CP), at the bandwidth
             between them, OVERLAP of it hidden behind the backward; ZeRO-3 and FSDP2 gather the
@@ -60,6 +60,14 @@ ENGINES: dict[str, dict[str, Any]] = {
     "FSDP2": {"fsdp": "full_shard"},
     "ZeRO-3 + offload": {"deepspeed": "zero3_offload"},
 }
+ENGINE_EFFICIENCY = {"DDP": 1.0, "ZeRO-1": 0.90, "ZeRO-2": 0.90, "ZeRO-3": 0.53, "FSDP2": 0.99, "ZeRO-3 + offload": 0.53}
+"""The worker's tokens/s on each engine over its tokens/s on DDP: full fine-tuning of the Qwen2.5-1.5B
+shape at 2048 tokens on two H200s, medians of bench/results/h200x2-suite-3..6.jsonl (DDP 93,993,
+ZeRO-2 84,336, FSDP2 full_shard 92,733, ZeRO-3 50,253; ZeRO-3 runs uncompiled, the others compiled).
+What sets them apart is each engine's own work (DeepSpeed's hooks around every module under ZeRO-3),
+not traffic: two ranks over NVLink are a few per cent of those steps by the model below. ZeRO-1 is
+taken as ZeRO-2 (DeepSpeed's same optimizer code; not measured apart), offload as ZeRO-3 with its
+PCIe traffic on top."""
 LIGER_SPEEDUP = 1.15
 """Liger's fused kernels in full fine-tuning: 1.15-1.20x the tokens/s of the same stock HF run without
 (../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none."""
@@ -209,6 +217,12 @@ def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, ha
     return Advice(rows[:top], considered, dict(sorted(refused.items(), key=lambda kv: -kv[1])), too_big, hardware)
 
 
+def engine_of(spec: JobSpec) -> str:
+    """The ENGINES name of a configuration `advise` made (its engine fields are one of ENGINES')."""
+    return next(name for name, fields in ENGINES.items()
+                if (spec.deepspeed, spec.fsdp) == (fields.get("deepspeed"), fields.get("fsdp")))
+
+
 def matmul_params(model: ModelConfig) -> int:
     """Parameters a token passes through in matrix products (the input embedding is a lookup; a
     tied output layer is a product all the same): what FLOPs per token count."""
@@ -227,7 +241,8 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     micro_tokens = spec.per_device_train_batch_size * tokens / (layout.sp * layout.cp)
     # not above the measured MFU: larger micro-batches than the benchmarks' are not extrapolated
     fill = min(1.0, (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS)))
-    mfu = BASE_MFU * (LIGER_SPEEDUP if spec.use_liger_kernel and spec.train_type == "full" else 1.0) * fill
+    liger = LIGER_SPEEDUP if spec.use_liger_kernel and spec.train_type == "full" else 1.0
+    mfu = BASE_MFU * ENGINE_EFFICIENCY[engine_of(spec)] * liger * fill
     step_tokens = global_batch * tokens
     compute = (step_tokens * per_token / (layout.world * hw.peak_tflops * 1e12 * mfu)
                + MICRO_BATCH_S * spec.gradient_accumulation_steps)

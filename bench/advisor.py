@@ -1,0 +1,169 @@
+"""Issue 36's advisor target on one GPU: for jobs whose shapes and lengths did not tune the cost model,
+the configurations the layout advisor gives (backend.job.advisor.advise, every fitting row) are run
+on the worker in the same call; its first pick's tokens/s against the best measured, and whether any
+measured configuration, the pick above all, ran out of memory.
+
+    python bench/advisor.py --out advisor.jsonl                        # GPU: the three jobs
+    python bench/advisor.py --jobs qwen2.5-0.5b-full-4k --runs 8       # one job, at most 8 configurations
+    python bench/advisor.py --smoke                                    # CPU, a tiny model: the pipeline end to end
+
+--runs N measures every configuration when the advisor gives at most N; otherwise its first N - N//2
+by prediction and N//2 spread evenly over the rest, the slowest predicted included (each job's line
+says how many of how many). A row line per run: the advisor's rank, fields and predictions beside the
+measured tokens/s and peak; then the job's line: the pick's tokens/s over the best measured (target
+>= 0.9), the rank correlation of predicted and measured tokens/s, and the runs out of memory.
+
+The data: random-token samples of exactly max_length tokens (the advisor is told that length), a
+global batch of the job's per step; `--steps` steps a run, the first `--warm` untimed."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Compared  # noqa: E402
+from throughput import SHAPES, build_model_dir, estimated_gib, job_spec, write_tokens  # noqa: E402
+
+# name: (shape, train_type, max_length, global batch). Not the shapes and lengths BASE_MFU and
+# ENGINE_EFFICIENCY were measured on (Qwen2.5-1.5B at 2048, Llama-3.2-1B at 4096).
+JOBS = {
+    "qwen2.5-0.5b-full-4k": ("qwen2.5-0.5b", "full", 4096, 16),
+    "qwen3-1.7b-full-2k": ("qwen3-1.7b", "full", 2048, 16),
+    "llama3.2-3b-lora-8k": ("llama3.2-3b", "lora", 8192, 8),
+}
+SMOKE_JOB = ("smoke", "full", 64, 4)
+TARGET = 0.9
+
+
+def chosen(n_rows: int, runs: int) -> list[int]:
+    """The indices of the rows to measure (see the module docstring)."""
+    if n_rows <= runs:
+        return list(range(n_rows))
+    head, spread = runs - runs // 2, runs // 2
+    rest = list(range(head, n_rows))
+    # evenly from the fastest predicted of the rest to the slowest (one: the slowest)
+    picks = [rest[len(rest) - 1 - round(i * (len(rest) - 1) / max(spread - 1, 1))] for i in range(spread)]
+    return list(range(head)) + sorted(set(picks))
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rho (ties given their mean rank); None under three points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return round(cov / spread, 3) if spread else None
+
+
+def out_of_memory(error: str) -> bool:
+    return "out of memory" in error.lower() or "OutOfMemoryError" in error
+
+
+class Bench(Compared):
+    run_timeout_s: float | None = None
+
+    def job(self, name: str, shape: str, train_type: str, seq: int, global_batch: int, runs: int) -> None:
+        from backend.job.advisor import Hardware, advise
+        from backend.job.modelcfg import parse_model_config
+        from backend.job.spec import JobSpec
+
+        dtype = "float32" if self.smoke else "bfloat16"
+        model_dir = build_model_dir(shape, self.work / f"model-{shape}", dtype)
+        data = self.work / f"{name}.jsonl"
+        write_tokens(data, global_batch * (self.steps + 1), seq, SHAPES[shape]["vocab_size"])
+        # The job as a user would start it (one sample a micro-batch); the advisor varies the rest.
+        base = job_spec(model_dir, data, seq, 1, self.steps, lora=train_type == "lora", liger=False, dtype=dtype,
+                        gradient_accumulation_steps=global_batch)
+        hardware = Hardware(gpu_mem_gib=80.0) if self.smoke else Hardware(gpu_mem_gib=gpu_mem_gib())
+        advice = advise(JobSpec(**base), parse_model_config(SHAPES[shape], shape), None, hardware,
+                        tokens_per_sample=seq, top=10**6)
+        # Liger's Triton kernels do not run on the CPU
+        rows = [r for r in advice.rows if not (self.smoke and r.fields.get("use_liger_kernel"))]
+        measured = []
+        for index in chosen(len(rows), runs):
+            row = rows[index]
+            spec = {**base, **row.fields}
+            timing, _ = self.worker(f"{name}-{index}", spec, 1, timeout_s=self.run_timeout_s)
+            timing.pop("tokens_per_step", None)
+            line = {"job": name, "rank": index, "engine": row.engine, "fields": row.fields,
+                    "predicted_tokens_per_s": round(row.tokens_per_s), "predicted_memory_gib": round(row.memory_gib, 2),
+                    **timing}
+            if "error" in timing:
+                line["out_of_memory"] = out_of_memory(timing["error"])
+            else:
+                line["estimated_gib"] = estimated_gib(self.work / f"{name}-{index}", shape, 1)
+            measured.append(self.emit(line))
+        ran = [m for m in measured if "error" not in m]
+        best = max(ran, key=lambda m: m["tokens_per_s"], default=None)
+        pick = measured[0] if measured else None
+        ratio = (round(pick["tokens_per_s"] / best["tokens_per_s"], 3)
+                 if pick and best and "error" not in pick else None)
+        self.emit({"target": f"{name}: the advisor's first pick vs the best measured", "job": name,
+                   "enumerated": len(rows), "measured": len(measured), "summary": advice.summary(),
+                   "pick": pick and {k: pick[k] for k in ("engine", "fields")}, "best": best and {
+                       k: best[k] for k in ("rank", "engine", "fields", "tokens_per_s")},
+                   "ratio": ratio, "goal": TARGET,
+                   "met": ratio is not None and ratio >= TARGET and not pick.get("out_of_memory"),
+                   "out_of_memory": [m["rank"] for m in measured if m.get("out_of_memory")],
+                   "failed": [m["rank"] for m in measured if "error" in m and not m.get("out_of_memory")],
+                   "rank_correlation": rank_correlation([m["predicted_tokens_per_s"] for m in ran],
+                                                        [m["tokens_per_s"] for m in ran])})
+
+
+def gpu_mem_gib() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", default=",".join(JOBS), help="of " + ", ".join(JOBS))
+    parser.add_argument("--runs", type=int, default=8, help="configurations measured a job, at most")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warm", type=int, default=2)
+    parser.add_argument("--run-timeout", type=float, default=150, help="seconds a run may take before it is stopped")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", type=Path, default=Path("/dev/null"))
+    args = parser.parse_args()
+    names = args.jobs.split(",")
+    unknown = set(names) - set(JOBS)
+    if unknown:
+        parser.error(f"--jobs: unknown {', '.join(sorted(unknown))} (choose from {', '.join(JOBS)})")
+    if args.runs < 1:
+        parser.error("--runs: at least 1")
+    work = Path(tempfile.mkdtemp(prefix="advisor-bench-"))
+    try:
+        with open(args.out, "w") as out:
+            bench = Bench(work, 4 if args.smoke else args.steps, 1 if args.smoke else args.warm, out, args.smoke)
+            bench.run_timeout_s = args.run_timeout
+            if args.smoke:
+                bench.job("smoke", *SMOKE_JOB, min(args.runs, 3))
+            for name in [] if args.smoke else names:
+                bench.job(name, *JOBS[name], args.runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
