@@ -723,13 +723,15 @@ class Trainer:
         (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
         preference = PreferenceLoss.means(d.all_reduce(self.preference.take(), "sum")[0]) if self.preference else {}
         load = self.routers.take(d)
-        self.events.emit("timing", rank=d.rank, step=self.step, **means, **self.engine.timing_fields(window.steps))
+        allocated, peak = memory_gib()
+        # every rank's peak: the Monitor sets them against the estimate (a pipeline's stages differ)
+        self.events.emit("timing", rank=d.rank, step=self.step, **means, **self.engine.timing_fields(window.steps),
+                         mem_peak_gib=peak)
         if not d.is_main:
             return
         tokens_per_s = tokens / elapsed
         mfu = (self.flops_per_token * tokens_per_s / (self.peak_flops * d.world_size)
                if self.flops_per_token and self.peak_flops else None)
-        allocated, peak = memory_gib()
         loss = sum(losses) / len(losses) if losses else float("nan")
         eta = eta_seconds(self.step, plan.max_steps, means["step_time_s"])
         values, nonfinite = split_nonfinite(loss=loss, grad_norm=self.last_grad_norm)

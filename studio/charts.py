@@ -31,7 +31,7 @@ STEP_SERIES = "train/step"
 # backend.telemetry.ingest stores them; units in the name). train/eval_loss is drawn when a run logs it.
 MONITOR_SERIES = (STEP_SERIES, "train/loss", "train/eval_loss", "train/learning_rate", "train/tokens_per_s",
                   "train/mfu", "gpu/util_pct", "gpu/mem_used_gib", "gpu/power_w", "host/cpu_pct",
-                  "host/ram_used_gib", "rank/collective_wait_s", "rank/stage_compute_s", "train/moe_aux_loss",
+                  "host/ram_used_gib", "rank/collective_wait_s", "rank/stage_compute_s", "rank/mem_peak_gib", "train/moe_aux_loss",
                   "train/moe_expert_tokens", "train/rewards_chosen", "train/rewards_rejected", "train/rewards_margins",
                   "train/rewards_accuracies")
 MAX_POINTS = 1000
@@ -388,8 +388,35 @@ def training_figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") 
             "throughput": throughput_figure(buf, x_axis)}
 
 
-def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[str, go.Figure | None]:
-    """Every Monitor chart, by name (None: a chart with nothing to show, hidden)."""
+def rank_memory_figure(buf: SeriesBuffer, estimate: dict | None) -> go.Figure | None:
+    """Each rank's peak memory so far (the allocator's peak: torch's max_memory_allocated) against the
+    memory estimate the run was planned with (`estimate`: MemoryEstimate.to_dict), less its CUDA
+    context, which the allocator does not count. On CPUs the peak is the process's resident set,
+    which the per-GPU estimate does not model: no estimate is drawn. None before any rank's peak."""
+    peaks = {key[3]: pts[-1][1] for key, pts in buf.named("rank/mem_peak_gib").items()}
+    if not peaks:
+        return None
+    on_gpu = bool(buf.named("gpu/mem_used_gib"))
+    fig = _figure("Peak memory per rank: measured vs estimated (GiB)" if on_gpu else
+                  "Peak memory per rank (process resident set, GiB; no GPU)", "GiB", x_axis="step")
+    fig.update_layout(xaxis=dict(type="category", title=None))
+    ranks = sorted(peaks)
+    expected = (estimate["total_gib"] - estimate.get("other_gib", 0.0)) if on_gpu and estimate and \
+        estimate.get("total_gib") else None
+    off = [f"{(peaks[r] - expected) / expected:+.0%} of the estimate" if expected else "" for r in ranks]
+    fig.add_bar(x=[f"rank {r}" for r in ranks], y=[peaks[r] for r in ranks], customdata=off, name="measured peak",
+                hovertemplate="%{x}: %{y:.2f} GiB<br>%{customdata}<extra></extra>")
+    if expected:
+        fig.add_hline(y=expected, line_dash="dash", line_color="#d62728",
+                      annotation_text=f"estimate {expected:.1f} GiB (a prediction; {estimate['total_gib']:.1f} "
+                                      "with the CUDA context)", annotation_position="top left")
+    return _done(fig)
+
+
+def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step",
+            estimate: dict | None = None) -> dict[str, go.Figure | None]:
+    """Every Monitor chart, by name (None: a chart with nothing to show, hidden). `estimate`: the
+    memory estimate the run's current attempt was planned with."""
     util_title, util = utilisation_series(buf)
     mem = buf.named("gpu/mem_used_gib")
     mem_title = "GPU memory used (GiB)"
@@ -402,6 +429,7 @@ def figures(buf: SeriesBuffer, smoothing: float, x_axis: str = "step") -> dict[s
         "util_heatmap": utilisation_heatmap(buf),
         "util_lines": lines(util_title, "%", util, y_range=(0, 100)),
         "memory": lines(mem_title, "GiB", mem),
+        "rank_memory": rank_memory_figure(buf, estimate),
         # A run on CPUs only has no power to show: the panel is hidden, not left empty.
         "power": (None if buf.named("host/cpu_pct") and not buf.named("gpu/util_pct")
                   else lines("GPU power (W)", "W", buf.named("gpu/power_w"))),

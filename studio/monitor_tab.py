@@ -21,7 +21,7 @@ LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "preference", "experts", "stages", "util_heatmap", "util_lines", "memory", "power",
-          "collective")
+          "collective", "rank_memory")
 TRAINING_CHARTS = ("loss", "lr", "throughput")
 # States after which an action line ("Resuming …") has been overtaken by the status line above it.
 SETTLED = ("running", "succeeded", "failed")
@@ -79,6 +79,7 @@ def build() -> dict[str, Any]:
         c["util_lines"] = gr.Plot(elem_id="chart-util-lines", show_label=False)
         c["memory"] = gr.Plot(elem_id="chart-memory", show_label=False)
         c["power"] = gr.Plot(elem_id="chart-power", show_label=False)
+    c["rank_memory"] = gr.Plot(elem_id="chart-rank-memory", show_label=False, visible=False)
     with gr.Accordion("Alerts", open=True):
         c["alerts"] = gr.Markdown("No alerts.", elem_id="monitor-alerts")
     with gr.Accordion("Logs", open=False) as c["logs"]:
@@ -140,8 +141,8 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             p = progress or {}
             shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state, p.get("data"))
             if changed:
-                figs = figures(buf, smoothing, x_axis)
-                hidden_when_empty = ("preference", "experts", "stages", "util_heatmap", "power")
+                figs = figures(buf, smoothing, x_axis, manager.memory_estimate(run_id))
+                hidden_when_empty = ("preference", "experts", "stages", "util_heatmap", "power", "rank_memory")
                 shown.update({name: figs[name] for name in CHARTS if name not in hidden_when_empty})
                 for name in hidden_when_empty:
                     shown[name] = gr.update(value=figs[name], visible=figs[name] is not None)

@@ -97,6 +97,8 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
                                           .distinct()).scalars())
             wait_rows = conn.execute(select(func.count()).where(
                 S.c.run_id == run_id, S.c.name == "rank/collective_wait_s")).scalar()
+            peak_ranks = set(conn.execute(select(S.c.rank).where(
+                S.c.run_id == run_id, S.c.name == "rank/mem_peak_gib").distinct()).scalars())
 
         expected = {(f"events/rank-{r}.jsonl", off) for r in (0, 1)
                     for off, _ in file_lines(run_dir, f"events/rank-{r}.jsonl")}
@@ -105,7 +107,7 @@ def test_agents_stream_a_real_run_and_survive_a_cut_connection(sshd_nodes, tmp_p
         assert {(f, o) for f, o, *_ in rows} == expected
         train = [e for _, e in file_lines(run_dir, "events/rank-0.jsonl") if e["type"] == "train"]
         assert sorted(loss_steps) == [e["step"] for e in train] == list(range(1, 61))
-        assert wait_rows == 2 * 60
+        assert wait_rows == 2 * 60 and peak_ranks == {0, 1}
         # the run directory is shared, yet each rank is attributed to the node it ran on
         assert placement == {0: "127.0.0.2", 1: "127.0.0.3"} or placement == {0: "127.0.0.3", 1: "127.0.0.2"}
         assert all(node == placement[rank] for _, _, _, node, rank in rows)

@@ -143,6 +143,25 @@ def test_a_preference_run_gets_its_rewards_chart_and_an_sft_run_none():
     assert traces["accuracy %"].yaxis == "y2" and list(figure.layout.yaxis2.range) == [0, 100]
 
 
+def test_each_ranks_peak_memory_is_set_against_the_estimate_less_its_cuda_context():
+    buf = SeriesBuffer()
+    assert figures(buf, smoothing=0.0, estimate={"total_gib": 31.0, "other_gib": 1.0})["rank_memory"] is None
+    peaks = {key("rank/mem_peak_gib", rank=0): [(100.0, 20.0), (160.0, 33.0)],
+             key("rank/mem_peak_gib", rank=1): [(100.0, 18.0), (160.0, 27.0)],
+             key("gpu/mem_used_gib", gpu=0): [(100.0, 40.0)]}
+    buf.apply(peaks, cursor=1, reset=True)
+    figure = figures(buf, smoothing=0.0, estimate={"total_gib": 31.0, "other_gib": 1.0})["rank_memory"]
+    bars = figure.data[0]
+    assert list(bars.x) == ["rank 0", "rank 1"] and list(bars.y) == [33.0, 27.0]  # each rank's latest peak
+    assert list(bars.customdata) == ["+10% of the estimate", "-10% of the estimate"]
+    line = figure.layout.shapes[0]
+    assert line.y0 == line.y1 == 30.0 and "prediction" in figure.layout.annotations[-1].text
+    # on CPUs the peak is the process's resident set, which the per-GPU estimate does not model
+    del buf.points[key("gpu/mem_used_gib", gpu=0)]
+    figure = figures(buf, smoothing=0.0, estimate={"total_gib": 31.0, "other_gib": 1.0})["rank_memory"]
+    assert not figure.layout.shapes and "no GPU" in figure.layout.title.text
+
+
 def test_a_first_point_on_a_time_axis_spans_a_minute_not_milliseconds():
     buf = SeriesBuffer()
     buf.apply({key("host/cpu_pct"): [(1000.0, 50.0)]}, cursor=1, reset=True)

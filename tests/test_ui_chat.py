@@ -222,7 +222,7 @@ TRACES_JS = """(id) => {
 
 def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
     """The LoRA run (DPO) logged one step: its loss, learning rate, throughput and rewards each show
-    that point as a marker (a line through one point draws nothing). A studio of its own on the module's database:
+    that point as a marker (a line through one point draws nothing), its peak memory a bar. A studio of its own on the module's database:
     the chat test ends the module's studio."""
     shared, lora, *_ = studio_with_runs
     studio = start_studio(shared.root)
@@ -243,6 +243,10 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
                     raise AssertionError(f"{chart}: {page.evaluate(TRACES_JS, chart)}; status: "
                                          f"{page.locator('#monitor-status').inner_text()!r}; action: "
                                          f"{page.locator('#monitor-action').inner_text()!r}") from None
+            # the rank's peak memory, a bar (on CPUs its resident set: no per-GPU estimate is drawn)
+            rank_memory = page.locator("#chart-rank-memory")
+            expect(rank_memory.locator(".barlayer .point")).to_have_count(1, timeout=60_000)
+            expect(rank_memory).to_contain_text("Peak memory per rank")
             Shots("one-step-run")(page, "monitor")
             browser.close()
     finally:

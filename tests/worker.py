@@ -330,12 +330,12 @@ def events(run_dir: Path, rank: int = 0, type: str | None = None) -> list[dict]:
 
 
 def assert_timing_from_every_rank(run_dir: Path, nproc: int, steps) -> None:
-    """Every rank reported its step time and collective wait at every logged step (what the Monitor's
-    per-rank charts and the straggler alert read), whatever the layout."""
+    """Every rank reported its step time, collective wait and peak memory at every logged step (what
+    the Monitor's per-rank charts and the straggler alert read), whatever the layout."""
     for rank in range(nproc):
         timing = events(run_dir, rank, "timing")
         assert [e["step"] for e in timing] == list(steps), rank
-        assert all(e["step_time_s"] > 0 and e["collective_wait_s"] >= 0 for e in timing), rank
+        assert all(e["step_time_s"] > 0 and e["collective_wait_s"] >= 0 and e["mem_peak_gib"] > 0 for e in timing), rank
 
 
 def losses(run_dir: Path) -> dict[int, float]:

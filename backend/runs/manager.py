@@ -226,6 +226,13 @@ class RunManager:
         except TypeError:  # a plan stored by a version whose Layout had other fields
             return None
 
+    def memory_estimate(self, run_id: str) -> dict | None:
+        """The per-GPU memory estimate the current attempt was planned with (MemoryEstimate.to_dict);
+        None before its plan or where it had none."""
+        attempt = self.store.current_attempt(run_id)
+        found = json.loads(attempt.plan_json).get("memory") if attempt else None
+        return found if isinstance(found, dict) else None
+
     def notices(self, run_id: str, last: int = 20) -> list[str]:
         """The run's last notices, oldest first, each after its clock time: recovery decisions,
         Slurm jobs, the watch's connection notices (a node not answering, answering again)."""

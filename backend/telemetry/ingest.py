@@ -47,7 +47,7 @@ TRAIN_FIELDS = ("loss", "grad_norm", "learning_rate", "tokens", "tokens_per_s", 
 EXPERT_TOKENS = "train/moe_expert_tokens"
 """Routed tokens per expert of a MoE model in each logging window: one series per expert, the
 expert's index in the series' `gpu` column (the index the charts split series by)."""
-TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s", "stage_compute_s")
+TIMING_FIELDS = ("step_time_s", "collective_wait_s", "data_wait_s", "stage_compute_s", "mem_peak_gib")
 EVAL_FIELDS = ("eval_loss",)
 AGENT_SILENT_S = 30.0  # an agent not heard from for this long is taken as gone (it samples every second)
 SAMPLE_COLUMNS = ("run_id", "node", "gpu", "rank", "name", "t", "value", "step", "res_s", "attempt")
