@@ -142,6 +142,26 @@ def test_each_part_of_the_cost_model_answers_to_what_it_models():
         parts(sp, "n1 slots=4\nn2 slots=4\n", inter_gib_s=1000.0)["model_parallel"] * 10
 
 
+def test_a_mixture_of_experts_is_advised_ep_degrees_that_gather_only_the_ranks_experts():
+    moe, cluster = shape("qwen3-moe-3b"), parse_hostfile_text("n1 slots=8 gpu_mem_gib=80\n")
+    base = job(train_type="full", max_length=4096, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+               nproc_per_node=8, fsdp="full_shard")
+    rows = advise(base, moe, cluster, Hardware(gpu_mem_gib=80), top=500).rows
+    expert_rows = [r for r in rows if r.fields.get("expert_model_parallel_size", 1) > 1]
+    assert {r.fields["expert_model_parallel_size"] for r in expert_rows} == {2, 4, 8}  # of the 64 experts
+    for row in expert_rows:
+        assert errors(assess(base.model_copy(update=row.fields), cluster, moe).problems) == []
+
+    def of(spec: JobSpec) -> dict[str, float]:
+        return _step_seconds(spec, moe, compute_layout(spec, cluster), Hardware(), spec.max_length,
+                             global_batch(spec, cluster))
+
+    one, eight = of(base), of(base.model_copy(update={"expert_model_parallel_size": 8}))
+    # FSDP2 gathers an eighth of the experts, and the tokens cross to them and back
+    assert eight["data_parallel"] < one["data_parallel"] * 0.75
+    assert one["model_parallel"] == 0 < eight["model_parallel"]
+
+
 def test_plan_advise_prints_the_ranked_predictions(tmp_path, capsys):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(
         {"model": "Qwen/Qwen2.5-0.5B-Instruct", "dataset": ["swift/self-cognition#500"], "nproc_per_node": 4,

@@ -11,10 +11,11 @@ Public API:
 
 What it varies, keeping the job's global batch (micro-batch x accumulation x data-parallel ranks),
 its nodes and processes per node: the engine (DDP, ZeRO-1/2/3, FSDP2, ZeRO-3 with CPU offload),
-TP (within a node), PP, Ulysses SP and ring CP degrees whose product divides the world, the
-micro-batch (powers of two) with the accumulation that keeps the global batch, gradient
-checkpointing, and Liger's kernels where the validator allows them. The rest of the job (LoRA or
-full, max_length, packing, torch_compile, EP) is the user's.
+TP (within a node), PP, Ulysses SP and ring CP degrees whose product divides the world, EP for a
+mixture of experts (multiples of TP dividing the world and the experts), the micro-batch (powers
+of two) with the accumulation that keeps the global batch, gradient checkpointing, and Liger's
+kernels where the validator allows them. The rest of the job (LoRA or full, max_length, packing,
+torch_compile) is the user's.
 
 The cost model (`_step_seconds`), per optimizer step:
   compute   tokens x FLOPs per token / (world x peak x MFU), plus MICRO_BATCH_S a micro-batch.
@@ -26,12 +27,16 @@ The cost model (`_step_seconds`), per optimizer step:
   data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
             same bytes) over the ranks that are not TP or PP peers (DP x SP x CP), at the bandwidth
             between them, OVERLAP of it hidden behind the backward; ZeRO-3 and FSDP2 gather the
-            parameters over the same ranks twice per micro-batch (forward and backward) on top.
+            parameters over the same ranks twice per micro-batch (forward and backward) on top:
+            every stored one (all the experts), under EP only the rank's 1/EP of the routed experts.
   TP        4 all-reduces of a micro-batch's activations per layer (2 forward, 2 backward), within a
             node, not hidden.
   SP / CP   Ulysses: 8 all-to-alls of the activations per layer; ring: the keys and values passed
             CP - 1 times per layer, forward and backward, not hidden; between nodes when the
             TP x SP x CP group is larger than a node.
+  EP        each MoE layer sends every routed copy of a token (experts per token of them) to its
+            expert and back, forward and backward (4 all-to-alls), (EP - 1) / EP of it to other
+            ranks, not hidden; between nodes when EP is larger than a node.
   PP        the 1F1B bubble (capabilities.bubble_fraction): the busy time over 1 - the idle share.
   offload   the optimizer states across PCIe (PCIE_GIB_S) both ways each step.
 Bandwidth is `intra_gib_s` between GPUs of a node and `inter_gib_s` between nodes (the pre-flight's
@@ -88,8 +93,8 @@ PCIE_GIB_S = 20.0
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size")
 """Fields whose refusal may depend on the micro-batch (the rest refuse an engine or degrees whatever it is)."""
 VARIED = ("deepspeed", "fsdp", "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel_size",
-          "context_parallel_size", "per_device_train_batch_size", "gradient_accumulation_steps",
-          "gradient_checkpointing", "use_liger_kernel")
+          "context_parallel_size", "expert_model_parallel_size", "per_device_train_batch_size",
+          "gradient_accumulation_steps", "gradient_checkpointing", "use_liger_kernel")
 """The job fields a row may set; the others are the user's."""
 BYTES = 2  # bf16 activations, gradients and gathered parameters
 
@@ -160,10 +165,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _candidates(layout: Layout, global_batch: int, liger_choices: tuple[bool, ...]):
+def _candidates(layout: Layout, global_batch: int, liger_choices: tuple[bool, ...], experts: int):
     """(engine, the fields of a configuration but its micro-batch, its (micro-batch, accumulation)
     choices, largest first) for every engine, degree, checkpointing and Liger setting whose ranks
-    divide the world and whose data-parallel ranks divide the global batch."""
+    divide the world and whose data-parallel ranks divide the global batch; EP degrees (multiples
+    of TP that divide the world and the `experts`) for a mixture of experts, 1 otherwise."""
     world, per_node = layout.world, layout.nproc_per_node
     for tp, pp, sp, cp in itertools.product(_divisors(per_node), _divisors(world), _divisors(world), _divisors(world)):
         if world % (tp * pp * sp * cp) or (sp > 1 and cp > 1):
@@ -173,10 +179,13 @@ def _candidates(layout: Layout, global_batch: int, liger_choices: tuple[bool, ..
             continue
         per_rank = global_batch // dp
         micro = [(m, per_rank // m) for m in (2 ** k for k in range(per_rank.bit_length())) if per_rank % m == 0][::-1]
-        for (engine, engine_fields), checkpointing, liger in itertools.product(ENGINES.items(), (False, True), liger_choices):
+        eps = [ep for ep in _divisors(world) if ep % tp == 0 and experts % ep == 0] if experts else [1]
+        for ep, (engine, engine_fields), checkpointing, liger in itertools.product(
+                eps, ENGINES.items(), (False, True), liger_choices):
             yield engine, {"deepspeed": None, "fsdp": None, **engine_fields, "tensor_model_parallel_size": tp,
                            "pipeline_model_parallel_size": pp, "sequence_parallel_size": sp, "context_parallel_size": cp,
-                           "gradient_checkpointing": checkpointing, "use_liger_kernel": liger}, micro
+                           "expert_model_parallel_size": ep, "gradient_checkpointing": checkpointing,
+                           "use_liger_kernel": liger}, micro
 
 
 def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, hardware: Hardware | None = None,
@@ -188,7 +197,8 @@ def advise(spec: JobSpec, model: ModelConfig, cluster: Cluster | None = None, ha
     global_batch = spec.per_device_train_batch_size * spec.gradient_accumulation_steps * layout.dp
     tokens = spec.max_length if spec.packing or not tokens_per_sample else min(tokens_per_sample, spec.max_length)
     rows, refused, too_big, considered = [], {}, 0, 0
-    for engine, common, micro_choices in _candidates(layout, global_batch, (False, True)):
+    for engine, common, micro_choices in _candidates(layout, global_batch, (False, True),
+                                                     model.num_experts if model.is_moe else 0):
         for micro, accumulation in micro_choices:
             fields = {**common, "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
             considered += 1
@@ -257,7 +267,11 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     data_parallel = ring * trainable * BYTES / (group_gib_s * 2**30) * (1 - OVERLAP)
     sharded = spec.fsdp or (spec.deepspeed or "").startswith("zero3")
     if sharded and group > 1:  # every micro-batch gathers the parameters forward and backward
-        data_parallel += 2 * (group - 1) / group * params / (layout.tp * layout.pp) * BYTES * \
+        # every stored parameter (all the experts, which transformers does not split over TP);
+        # under EP a rank gathers only its own experts
+        routed = model.routed_expert_params() * model.moe_layers if model.is_moe else 0  # (per layer)
+        stored = ((model.param_count() - routed) / layout.tp + routed / layout.ep) / layout.pp
+        data_parallel += 2 * (group - 1) / group * stored * BYTES * \
             spec.gradient_accumulation_steps / (group_gib_s * 2**30) * (1 - OVERLAP)
     micro_activations = spec.per_device_train_batch_size * tokens * h * BYTES
     micro_batches = spec.gradient_accumulation_steps
@@ -267,7 +281,11 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
         kv_bytes = spec.per_device_train_batch_size * tokens / layout.cp * 2 * model.num_kv_heads * model.head_dim * BYTES
         sequence_bytes += 2 * (layout.cp - 1) * kv_bytes * layers / layout.pp
     sequence_gib_s = hw.inter_gib_s if layout.tp * layout.sp * layout.cp > layout.nproc_per_node else hw.intra_gib_s
-    model_parallel = micro_batches * (tp_bytes / (hw.intra_gib_s * 2**30) + sequence_bytes / (sequence_gib_s * 2**30))
+    expert_bytes = (4 * (layout.ep - 1) / layout.ep * micro_activations * model.experts_per_token * model.moe_layers
+                    / layout.pp if model.is_moe else 0.0)
+    expert_gib_s = hw.inter_gib_s if layout.ep > layout.nproc_per_node else hw.intra_gib_s
+    model_parallel = micro_batches * (tp_bytes / (hw.intra_gib_s * 2**30) + sequence_bytes / (sequence_gib_s * 2**30)
+                                      + expert_bytes / (expert_gib_s * 2**30))
     busy = compute + model_parallel
     idle = bubble_fraction(spec)
     bubble = busy * idle / (1 - idle)
