@@ -12,6 +12,7 @@ a resume trains on the next records: none twice, none skipped. A stream is read 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ import numpy as np
 
 from backend.job.records import DataError, Persona, Source, decode_streamed, parse_source, streamed_entries
 from launcher.data import Pair, Row, Sample, encode, micro_batch, pack_plan, packed_row, padded_row
+from launcher.tokenized import NAMED_SKIPS
+
+log = logging.getLogger(__name__)
 
 STATE = "data-rank{rank}.json"
 """A rank's position in the stream, in each checkpoint (JSON: a checkpoint runs no code it reads)."""
@@ -26,8 +30,10 @@ STATE = "data-rank{rank}.json"
 
 def open_stream(spec, tokenizer, dp_rank: int, dp_size: int):
     """The records of data-parallel rank `dp_rank`, tokenized as they are read: rows of
-    input_ids, labels (both empty where truncation left no response) and error (a bad record's
-    message, which ends the run naming its file and line when the rank reaches it)."""
+    input_ids, labels (both empty where truncation left no response), error (a bad record's
+    message, which ends the run naming its file and line when the rank reaches it) and skipped
+    (`strict` off: why a record that cannot be encoded is passed over, as the tokenized cache
+    does; a record that is not JSON, or a file that cannot be read, is still an error)."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
@@ -48,7 +54,7 @@ def open_stream(spec, tokenizer, dp_rank: int, dp_size: int):
     stream = split_dataset_by_node(stream, rank=dp_rank, world_size=dp_size)
     return stream.map(_encoded, with_indices=True, remove_columns=["where", "raw"], features=_features(), fn_kwargs={
         "tokenizer": tokenizer, "max_length": spec.max_length, "persona": Persona.of(spec),
-        "mine": (dp_rank, dp_size) if stepped else None})
+        "mine": (dp_rank, dp_size) if stepped else None, "strict": spec.strict})
 
 
 def _raw_features():
@@ -62,7 +68,7 @@ def _features():
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
-                     "error": Value("string")})
+                     "error": Value("string"), "skipped": Value("string")})
 
 
 def _local_rows(sources: tuple[tuple[str, int | None], ...], max_record_bytes: int):
@@ -96,18 +102,24 @@ def _hub(source):
 
 
 def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona,
-             mine: tuple[int, int] | None) -> dict[str, Any]:
+             mine: tuple[int, int] | None, strict: bool = True) -> dict[str, Any]:
     """A record's tokens (a preference pair's chosen answer, and its rejected one in the `rejected_`
     columns); all empty where it is another rank's or truncation left no answer."""
-    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "error": None}
+    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "error": None,
+             "skipped": None}
     if mine is not None and index % mine[1] != mine[0]:
         return empty  # another rank's: dropped by the split
     if row["error"]:
         return {**empty, "error": row["error"]}
     try:
-        sample = encode(decode_streamed(row["where"], row["raw"]), tokenizer, max_length, persona)
-    except DataError as exc:
+        record = decode_streamed(row["where"], row["raw"])
+    except DataError as exc:  # not JSON: no record to skip, as the tokenized cache has it
         return {**empty, "error": str(exc)}
+    try:
+        sample = encode(record, tokenizer, max_length, persona)
+    except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
+        failure = str(exc) if isinstance(exc, DataError) else f"{record.where}: {type(exc).__name__}: {exc}"
+        return {**empty, "error" if strict else "skipped": failure}
     if sample is None:
         return empty
     if isinstance(sample, Pair):
@@ -128,7 +140,9 @@ class StreamBatches:
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.pad_id, self.packed, self.max_length, self.multiple = pad_id, packed, max_length, multiple
         self.buffer: list[Sample | Pair] = []
-        self.records = self.dropped = 0
+        self.records = self.dropped = self.skipped = 0
+        self.skipped_first: list[str] = []
+        """Why the rank's first NAMED_SKIPS skipped records (strict off) were skipped."""
         self.error: str | None = None
         """A bad record's message, once the rank has met one."""
         self._iterator = None
@@ -152,6 +166,8 @@ class StreamBatches:
                                 "with the layout it was written with")
             buffer = [_sample(*entry) for entry in state["buffer"]]
             records, dropped, stream_state = int(state["records"]), int(state["dropped"]), state["stream"]
+            # a position written before records were skipped has neither
+            skipped, first = int(state.get("skipped", 0)), [str(m) for m in state.get("skipped_first", [])]
             if not isinstance(stream_state, dict):
                 raise TypeError("stream is not a mapping")
         except DataError:
@@ -164,11 +180,13 @@ class StreamBatches:
             raise DataError(f"resume: {where} is the position of another stream than this job's datasets "
                             f"({type(exc).__name__}: {exc})") from None
         self.buffer, self.records, self.dropped = buffer, records, dropped
+        self.skipped, self.skipped_first = skipped, first[:NAMED_SKIPS]
         self._next_step = step
 
     def _snapshot(self) -> dict:
         return {"dp_size": self.dp_size, "stream": self.stream.state_dict(), "records": self.records,
-                "dropped": self.dropped, "buffer": [_entry(s) for s in self.buffer]}
+                "dropped": self.dropped, "skipped": self.skipped, "skipped_first": list(self.skipped_first),
+                "buffer": [_entry(s) for s in self.buffer]}
 
     # ---- steps -------------------------------------------------------------------------
 
@@ -195,6 +213,12 @@ class StreamBatches:
             self.records += 1
             if row["error"]:
                 raise DataError(row["error"])
+            if row["skipped"]:
+                self.skipped += 1
+                if len(self.skipped_first) < NAMED_SKIPS:
+                    self.skipped_first.append(row["skipped"])
+                    log.warning("data: a record skipped (strict is off): %s", row["skipped"])
+                continue
             if row["input_ids"]:
                 return _sample(row["input_ids"], row["labels"], row["rejected_input_ids"], row["rejected_labels"])
             self.dropped += 1

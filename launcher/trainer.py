@@ -170,6 +170,8 @@ class Trainer:
         self.last_save_s: float | None = None
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.collective_timeout_s = float(spec.ddp_timeout)
+        self.stream_skipped = 0
+        """This rank's streamed records skipped (strict off) when it last reported them in a `data` event."""
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -318,7 +320,8 @@ class Trainer:
 
     def _stream_data(self) -> tuple[StreamBatches, Plan, "Validation | None"]:
         """The training data streamed (nothing read before step 1; a bad record stops the run when
-        reached), the validation data through the tokenized cache as without streaming."""
+        reached, or with strict off one that cannot be encoded is skipped and counted), the
+        validation data through the tokenized cache as without streaming."""
         spec, d = self.spec, self.dist
         failure, val = None, None
         try:
@@ -330,7 +333,9 @@ class Trainer:
         except data.DataError as exc:
             failure = exc
         self._stop_for_data_errors(failure, "could not open the data")
-        self.events.emit("data", phase="ready", streaming=True, val_samples=len(val[1]) if val else 0)
+        self.stream_ready = dict(phase="ready", streaming=True, val_samples=len(val[1]) if val else 0)
+        """The `data` event of the stream, sent again with the records skipped so far where they grow (`_log`)."""
+        self.events.emit("data", **self.stream_ready)
         if d.is_main:
             log.info("data: streamed over %d data-parallel ranks, %d steps (max_steps)", d.dp_size, spec.max_steps)
         batches = StreamBatches(stream, d.dp_size, spec.per_device_train_batch_size, spec.gradient_accumulation_steps,
@@ -719,14 +724,22 @@ class Trainer:
         d, plan = self.dist, self.plan
         means = window.means()
         elapsed = max(time.perf_counter() - window.started, 1e-9)
-        # A TP, SP or CP group's ranks all process the same tokens: count them once.
-        (tokens, samples), _ = d.all_reduce([window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks], "sum")
+        # A TP, SP or CP group's ranks all process the same tokens (and stream the same records): count them once.
+        streamed_skips = self.batches.skipped if self.spec.streaming else 0
+        (tokens, samples, skipped), _ = d.all_reduce(
+            [window.tokens / d.same_data_ranks, window.samples / d.same_data_ranks, streamed_skips / d.same_data_ranks],
+            "sum")
         preference = PreferenceLoss.means(d.all_reduce(self.preference.take(), "sum")[0]) if self.preference else {}
         load = self.routers.take(d)
         allocated, peak = memory_gib()
         # every rank's peak: the Monitor sets them against the estimate (a pipeline's stages differ)
         self.events.emit("timing", rank=d.rank, step=self.step, **means, **self.engine.timing_fields(window.steps),
                          mem_peak_gib=peak)
+        if streamed_skips != self.stream_skipped:
+            # the rank that skipped says so: the count over the ranks, the reasons its own (the
+            # Monitor shows the latest `data` event of any rank)
+            self.stream_skipped = streamed_skips
+            self.events.emit("data", **self.stream_ready, skipped=round(skipped), skipped_first=self.batches.skipped_first)
         if not d.is_main:
             return
         tokens_per_s = tokens / elapsed

@@ -100,7 +100,7 @@ def test_a_file_fixed_in_place_is_checked_again(tmp_path):
     assert sample_problems(str(path), LIMIT) == []
 
 
-def test_strict_off_turns_bad_records_into_a_warning_but_not_a_file_of_them_or_a_stream(tmp_path):
+def test_strict_off_turns_bad_records_into_a_warning_but_not_a_file_of_them(tmp_path):
     path = jsonl(tmp_path / "d.jsonl", [GOOD] * 5 + [{"prompt": "p"}] + [GOOD] * 2 + ['{"query": "q", "response": '])
     some_bad = jsonl(tmp_path / "some.jsonl", [GOOD] * 5 + [{"prompt": "p"}] + [GOOD] * 2)
     loose = job(tmp_path, str(some_bad)).model_copy(update={"strict": False})
@@ -110,9 +110,9 @@ def test_strict_off_turns_bad_records_into_a_warning_but_not_a_file_of_them_or_a
     assert [p.field for p in errors(validate(job(tmp_path, str(some_bad))))] == ["dataset[0]"]  # strict on
     # a line that is not JSON stops any run
     assert errors([p for p in validate(loose.model_copy(update={"dataset": [str(path)]})) if p.field == "dataset[0]"])
-    # a stream does not skip (yet); a file of nothing but bad records is no data to skip in
+    # a stream skips them too; a file of nothing but bad records is no data to skip in
     streamed = loose.model_copy(update={"streaming": True, "max_steps": 5})
-    assert {p.field for p in errors(validate(streamed)) if p.field.startswith("dataset")} == {"dataset[0]"}
+    assert not [p for p in errors(validate(streamed)) if p.field.startswith("dataset") or p.field == "strict"]
     all_bad = jsonl(tmp_path / "bad.jsonl", [{"prompt": "p"}] * 4)
     assert {p.field for p in errors(validate(loose.model_copy(update={"dataset": [str(all_bad)]})))} == {"dataset[0]"}
 

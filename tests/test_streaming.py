@@ -159,6 +159,36 @@ def test_bad_data_and_damaged_positions_are_named(tmp_path, tokenizer):
                           0, tmp_path, rank=0)
 
 
+def test_strict_off_skips_a_streamed_record_it_cannot_encode_counts_it_and_keeps_the_count(tmp_path, tokenizer):
+    path = tmp_path / "some-bad.jsonl"
+    good = open(chats(tmp_path / "c.jsonl", 6)).read().splitlines()
+    path.write_text("\n".join(good[:2] + ['{"prompt": "p"}'] + good[2:4] + ['{"messages": 5}'] + good[4:]) + "\n")
+    loose = job([str(path)], strict=False)
+    batches = StreamBatches(open_stream(loose, tokenizer, 0, 1), 1, 2, 1, tokenizer.pad_token_id, False, 64)
+    rows = drawn(batches, range(3))  # the six good records, none lost
+    strict = StreamBatches(open_stream(job([chats(tmp_path / "only.jsonl", 6)]), tokenizer, 0, 1), 1, 2, 1,
+                           tokenizer.pad_token_id, False, 64)
+    assert rows == drawn(strict, range(3))
+    assert batches.skipped == 2 and batches.records == 8
+    assert [m.split(": ")[0] for m in batches.skipped_first] == [f"{path}:3", f"{path}:6"]
+    # a checkpoint's position keeps the count; one written before skipping existed restores none
+    save_position(batches, 3, tmp_path, rank=0)  # after the three steps
+    again = StreamBatches(open_stream(loose, tokenizer, 0, 1), 1, 2, 1, tokenizer.pad_token_id, False, 64)
+    load_position(again, 3, tmp_path, rank=0)
+    assert (again.skipped, again.skipped_first) == (2, batches.skipped_first)
+    old = json.loads((tmp_path / "data-rank0.json").read_text())
+    del old["skipped"], old["skipped_first"]
+    (tmp_path / "data-rank0.json").write_text(json.dumps(old))
+    load_position(again, 3, tmp_path, rank=0)
+    assert again.skipped == 0
+    # strict on stops at the first; a line that is not JSON stops either way
+    stopped = StreamBatches(open_stream(job([str(path)]), tokenizer, 0, 1), 1, 2, 1, tokenizer.pad_token_id, False, 64)
+    assert stopped.step(0) and stopped.step(1) is None and stopped.error.startswith(f"{path}:3: ")
+    path.write_text("\n".join(good[:2] + ["{not json"] + good[2:]) + "\n")
+    broken = StreamBatches(open_stream(loose, tokenizer, 0, 1), 1, 2, 1, tokenizer.pad_token_id, False, 64)
+    assert broken.step(0) and broken.step(1) is None and broken.error.startswith(f"{path}:3: invalid JSON")
+
+
 def test_streaming_needs_max_steps_and_a_validation_file():
     problems = {(p.field, p.severity): p.message for p in validate(
         JobSpec(model="m", dataset=[DEMO, str(ROOT / "assets" / "demo" / "x.json")], streaming=True,
@@ -173,10 +203,14 @@ def test_streaming_needs_max_steps_and_a_validation_file():
 
 @pytest.mark.e2e
 def test_a_streamed_run_resumes_at_its_position_and_ends_with_its_data(tmp_path, tiny_model):
-    """Two ranks, packed rows, a validation file: the data ends before max_steps, the run stops
-    naming it with a checkpoint of the steps it trained; a resume from an earlier checkpoint
-    trains the same steps with the same losses (the same records) and ends at the same place."""
-    spec = dict(model=str(tiny_model), dataset=[chats(tmp_path / "c.jsonl", 60)], streaming=True, packing=True,
+    """Two ranks, packed rows, a validation file, strict off and a record that cannot be encoded:
+    the data ends before max_steps, the run stops naming it with a checkpoint of the steps it
+    trained, having counted the record it skipped; a resume from an earlier checkpoint trains the
+    same steps with the same losses (the same records) and ends at the same place."""
+    data = chats(tmp_path / "c.jsonl", 60)
+    lines = open(data).read().splitlines()
+    open(data, "w").write("\n".join(lines[:11] + ['{"prompt": "p"}'] + lines[11:]) + "\n")
+    spec = dict(model=str(tiny_model), dataset=[data], streaming=True, packing=True, strict=False,
                 val_dataset=[chats(tmp_path / "v.jsonl", 8, start=1000)], eval_steps=3, max_steps=40, max_length=64,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3, logging_steps=1,
                 save_steps=3, save_total_limit=None, torch_dtype="float32", lora_dropout=0.0)
@@ -191,6 +225,9 @@ def test_a_streamed_run_resumes_at_its_position_and_ends_with_its_data(tmp_path,
     assert f"the data ended at step {end} of max_steps=40" in message and "c.jsonl" in message, message
     assert (first / f"checkpoint-{end}").is_dir() and json.loads((first / f"checkpoint-{end}" / "data-rank1.json").read_text())
     assert sorted(e["step"] for e in events(first, 0, "eval")) == list(range(3, end + 1, 3))
+    # the rank that read it says so, with the count over both ranks
+    skips = [e for rank in (0, 1) for e in events(first, rank, "data") if e.get("skipped")]
+    assert [e["skipped"] for e in skips] == [1] and skips[0]["skipped_first"][0].startswith(f"{data}:12: ")
 
     resumed = write_run(tmp_path / "resumed", **spec)
     shutil.copytree(first / "checkpoint-3", resumed / "checkpoint-3")

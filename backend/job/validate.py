@@ -305,8 +305,8 @@ def _dataset_rules(spec: JobSpec, images: bool = False) -> list[Problem]:
     out = []
     for field, i, item in _data_entries(spec):
         found = records.sampled(item, spec.max_record_bytes, persona)
-        # streaming does not skip yet; a file none of whose checked records is usable is not data to skip in
-        stops = spec.strict or spec.streaming or found.all_bad
+        # a file none of whose checked records is usable is not data to skip in
+        stops = spec.strict or found.all_bad
         out += [Problem(f"{field}[{i}]", message) for message in (found.all() if stops else found.file)]
         if not stops and found.records:
             out.append(_warn(f"{field}[{i}]", "strict is off: records like these are skipped and counted: "
@@ -330,9 +330,6 @@ def _streaming_rules(spec: JobSpec) -> list[Problem]:
                                                   "for validation with streaming"))
     if spec.dataset_num_proc > 1:
         out.append(_warn("dataset_num_proc", "ignored with streaming: each rank tokenizes the records it reads as it trains"))
-    if not spec.strict:
-        out.append(_warn("strict", "off is not honoured with streaming yet: a streamed record that cannot be encoded "
-                                   "stops the run, naming its file:line"))
     for i, entry in enumerate(spec.dataset):
         try:
             whole = Path(records.parse_source(entry).name).suffix.lower() == ".json"
