@@ -33,13 +33,19 @@ from harness import Compared, driver_parser, parts_of  # noqa: E402
 from throughput import ROOT, estimated_gib, torchrun_argv  # noqa: E402
 
 HF = Path(__file__).resolve().parent / "hf_vl.py"
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen2-VL's chat template, less its default system prompt: image parts become the vision tokens
-VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
-               "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-               "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
-               "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A family's (image start, image end, image placeholder, video placeholder) tokens: an image part
+# renders as start + placeholder + end, and the processor repeats the placeholder.
+VISION_TOKENS = {"glm4v": ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>")}
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vl_template(start: str, end: str, image: str) -> str:
+    """Qwen2-VL's chat template, less its default system prompt, with a family's image tokens."""
+    return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+            "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+            f"{{{{ '{start}{image}{end}' }}}}{{% elif part['type'] == 'text' %}}{{{{ part['text'] }}}}"
+            "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # (family, language model, vision tower, image processor's pixel bounds)
 SHAPES = {
     "qwen2.5-vl-3b": ("qwen2_5_vl",
@@ -62,25 +68,30 @@ SHAPES = {
 
 def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tuple[int, int],
                    dtype: str = "float32", device: str | None = None) -> Path:
-    """A Qwen-VL family model with random weights (seeded) from `text` and `vision` config fields, the
-    demo tokenizer plus Qwen's vision tokens and a chat template that renders image parts, and Qwen2-VL's
-    image processor (its PIL backend, which needs no torchvision) within `pixels` (min, max); built on
-    `device` (default: the GPU where there is one)."""
+    """A Qwen-VL family or GLM-4V model with random weights (seeded) from `text` and `vision` config
+    fields, the demo tokenizer plus the family's image tokens and a chat template that renders image
+    parts, and its image processor (the PIL backend, which needs no torchvision) within `pixels` (min,
+    max); built on `device` (default: the GPU where there is one)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    tokens = VISION_TOKENS.get(family, QWEN_VISION_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tokenizer.chat_template = VL_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tokenizer.chat_template = vl_template(*tokens[:3])
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], min_pixels=pixels[0], max_pixels=pixels[1]).save_pretrained(out)
-    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    processor = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
+    processor(patch_size=vision["patch_size"], size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}
+              ).save_pretrained(out)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(tokens))
     text = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, **text}
+    ids = (dict(image_start_token_id=start, image_end_token_id=end) if family == "glm4v" else
+           dict(vision_start_token_id=start, vision_end_token_id=end))
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
-                                  video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-                                  tie_word_embeddings=True)
+                                  video_token_id=video, tie_word_embeddings=True, **ids)
     torch.manual_seed(0)
     with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
         model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))

@@ -50,10 +50,22 @@ def auto_class(path: str):
 def save_image_processor(source: str, out, max_pixels: int | None = None) -> None:
     """A vision-language model's image processor saved beside its export (from_pretrained reads it
     there), with the `max_pixels` it was trained with."""
+    if model_config(source) is not None:
+        image_processor(source, max_pixels).save_pretrained(out)
+
+
+def image_processor(source: str, max_pixels: int | None = None):
+    """The model's image processor, an image's pixels bounded by `max_pixels` where given: its size's
+    longest_edge, which GLM-4V's processor applies to an image as its two temporal frames (so
+    there it is `max_pixels` x temporal_patch_size)."""
     from transformers import AutoImageProcessor
 
-    if model_config(source) is not None:
-        AutoImageProcessor.from_pretrained(source, **({"max_pixels": max_pixels} if max_pixels else {})).save_pretrained(out)
+    processor = AutoImageProcessor.from_pretrained(source)
+    if not max_pixels:
+        return processor
+    frames = getattr(processor, "temporal_patch_size", 1) if type(processor).__name__.startswith("Glm4v") else 1
+    return AutoImageProcessor.from_pretrained(source, size={"shortest_edge": processor.size["shortest_edge"],
+                                                            "longest_edge": max_pixels * frames})
 
 
 def with_image_parts(messages: list[dict]) -> list[dict]:
@@ -79,12 +91,10 @@ class Images:
     """The model's image processor (`max_pixels` caps an image's size) and image placeholder token."""
 
     def __init__(self, model_dir: str, config, max_pixels: int | None = None):
-        from transformers import AutoImageProcessor
-
         if config.model_type not in VISION_FAMILIES:
             raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
                             f"(it does {', '.join(VISION_FAMILIES)})")
-        self.processor = AutoImageProcessor.from_pretrained(model_dir, **({"max_pixels": max_pixels} if max_pixels else {}))
+        self.processor = image_processor(model_dir, max_pixels)
         self.token_id = config.image_token_id
         self.merge = getattr(self.processor, "merge_size", 1)
 

@@ -15,7 +15,7 @@ from launcher.data import IGNORE, Batches, encode, one_per_row
 from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def tiny_vl(request, tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -154,15 +154,18 @@ def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny
 
     from launcher.model import add_lora
 
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    # GLM-4V's language model has one gate_up_proj where its tower has gate_proj and up_proj
+    named = {n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+             if isinstance(m, torch.nn.Linear) and ".language_model." in n}
     for targets in (["all-linear"], ["gate_proj", "up_proj", "down_proj"]):
         model = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
                          JobSpec(model="m", dataset=["d"], target_modules=targets))
         adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
         assert adapted and all(".language_model." in n for n in adapted), (targets, sorted(adapted)[:3])
         if targets != ["all-linear"]:
-            assert {n.rsplit(".", 1)[-1] for n in adapted} == set(targets)
+            assert {n.rsplit(".", 1)[-1] for n in adapted} == set(targets) & named
     # ms-swift's rule: the parts that train get adapters; every linear layer of them, nothing else
-    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
     linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
     for frozen, where in ((dict(freeze_vit=False, freeze_aligner=False), (".visual.", ".language_model.")),
                          (dict(freeze_llm=True, freeze_aligner=False), (".visual.merger.", ".visual.deepstack_merger"))):
@@ -396,6 +399,47 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     shutil.rmtree(tmp_path / "cache")
 
 
+@pytest.mark.e2e
+def test_glm4v_trains_on_images_on_ddp_and_fsdp2_and_its_lora_exports(tmp_path, tmp_path_factory):
+    """GLM-4V (its tower, merger and language model as transformers builds them on Qwen2-VL's rope):
+    LoRA on two DDP ranks lowers the loss and exports with its image processor, and the export's
+    loss on an image record is below the base model's; full fine-tuning of the language model on
+    FSDP2 (the tower in units of its own) trains DDP's losses."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from launcher.export import export
+    from launcher.vision import Images
+
+    model_dir = build_tiny_vl_model(tmp_path_factory.mktemp("glm4v-e2e"), "glm4v")
+    data = colour_images(tmp_path / "data", 32)
+    common = dict(model=str(model_dir), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
+                  lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
+    lora = write_run(tmp_path / "lora", **common, train_type="lora", per_device_train_batch_size=4,
+                     learning_rate=5e-2, max_steps=8, save_steps=8)
+    full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no",
+                per_device_train_batch_size=2)
+    ddp, fsdp = write_run(tmp_path / "ddp", **full), tmp_path / "fsdp2"
+    for proc in run_workers([dict(run_dir=lora), dict(run_dir=ddp),
+                             planned(fsdp, **full, fsdp="full_shard", nproc_per_node=2)], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    curve = losses(lora)
+    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    for step, value in losses(fsdp).items():
+        assert value == pytest.approx(losses(ddp)[step], rel=1e-4), step
+    out = export(lora, None, tmp_path / "exported")["out"]
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    exported = Images(out, model.config)
+    sample = encode(Record(f"{data}:1", json.loads(open(data).readline()), str(tmp_path / "data")),
+                    AutoTokenizer.from_pretrained(out), 96, Persona(images=True), exported)
+    batch = Batches(lambda members: [sample], one_per_row(1), 1, 1, 1, 0, 0, False, 96)
+    batch.media = exported
+    inputs, _, _ = batch.batch_of([0])
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
+
+
 def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds_them(tiny_vl):
     """modelcfg's count of a Qwen-VL family's vision tower, aligner and language model is the built
     model's (Qwen2-VL's too, from a config); full fine-tuning trains what the freezes leave."""
@@ -429,7 +473,7 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
     import io
 
     from PIL import Image
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from launcher.preview import preview
     from studio.preview_view import preview_html
@@ -444,9 +488,12 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
     thumb = Image.open(io.BytesIO(base64.b64decode(uri.removeprefix("data:image/png;base64,"))))
     assert thumb.format == "PNG" and max(thumb.size) <= 96
     prompt = "".join(text for text, trained in first["segments"] if not trained)
+    config = AutoConfig.from_pretrained(tiny_vl)  # GLM-4V names its image's bounds image_start/end
+    start, end = tokenizer.convert_ids_to_tokens([getattr(config, "vision_start_token_id", None) or config.image_start_token_id,
+                                                  getattr(config, "vision_end_token_id", None) or config.image_end_token_id])
     placeholder = tokenizer.convert_ids_to_tokens(images.token_id)
     tokens = images.tokens("", str(tmp_path / "data" / "0.png"))
-    assert f"<|vision_start|>{placeholder}×{tokens}<|vision_end|>What colour is it?" in prompt
+    assert f"{start}{placeholder}×{tokens}{end}What colour is it?" in prompt
     assert dataset["lengths"][0] == first["tokens"] > tokens
     page = preview_html({"max_length": 96, "packing": False, "row_fill": 0.5, "packed_fill": 0.9,
                          "datasets": [{**dataset, "samples": [{**first, "images": [uri, "https://example.com/x.png"]}]}]})
@@ -455,16 +502,18 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
 
 def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
     """The image processor saved beside an export limits images to the run's max_pixels, so the
-    exported model is shown images as it was trained on them."""
+    exported model is shown images as it was trained on them (GLM-4V's processor too, whose bound
+    counts an image's two temporal frames)."""
     from transformers import AutoImageProcessor
 
     from launcher.vision import save_image_processor
 
     save_image_processor(str(tiny_vl), tmp_path / "as-is")
     save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
-    assert AutoImageProcessor.from_pretrained(tmp_path / "as-is").size["longest_edge"] == \
-        AutoImageProcessor.from_pretrained(tiny_vl).size["longest_edge"] > 56 * 56
-    assert AutoImageProcessor.from_pretrained(tmp_path / "capped").size["longest_edge"] == 56 * 56
+    as_is, capped = (AutoImageProcessor.from_pretrained(tmp_path / name) for name in ("as-is", "capped"))
+    assert as_is.size == AutoImageProcessor.from_pretrained(tiny_vl).size
+    patches = [p.get_number_of_image_patches(448, 448, {}) for p in (as_is, capped)]
+    assert patches[1] <= (56 // capped.patch_size) ** 2 < patches[0]  # a large image shown at most 56x56
 
 
 def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_tower(tmp_path, tiny_vl):

@@ -28,15 +28,18 @@ from backend.job.jsonfile import read_json
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 BUNDLED_DIR = ASSETS / "model_configs"
 # Model types whose attention projections q/k/v carry a bias although config.json does not say so.
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 """The vision-language model types the worker trains: their image placeholder is one token repeated
-per visual token (Qwen's)."""
-QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+per visual token, placed by the model's multimodal rope from the image's patch grid (Qwen's, and
+GLM-4V's, which transformers builds on Qwen2-VL's)."""
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
-# Gemma-2/3 layers norm before and after both attention and the MLP.
-FOUR_NORM_TYPES = ("gemma2", "gemma3_text")
+# Gemma-2/3 and GLM-4V layers norm before and after both attention and the MLP.
+FOUR_NORM_TYPES = ("gemma2", "gemma3_text", "glm4v_text")
 # One qkv_proj and one gate_up_proj per layer instead of q/k/v and gate/up.
 FUSED_TYPES = ("phi3",)
+# One gate_up_proj per layer, q/k/v apart.
+FUSED_MLP_TYPES = ("glm4v_text",)
 # Hub-name endings that do not change the shape: 'Mistral-Nemo-Instruct-2407' is 'mistral-nemo'.
 NAME_SUFFIX = re.compile(r"-(instruct|chat|base|it|hf|v\d+(\.\d+)*|\d{4})$")
 
@@ -111,6 +114,8 @@ class ModelConfig:
     qk_norm: bool = False
     norms_per_layer: int = 2
     fused_projections: bool = False
+    fused_mlp: bool = False
+    """gate and up in one gate_up_proj (fused_projections: q/k/v in one qkv_proj too)."""
     q_lora_rank: int = 0
     """MLA's query down-projection width; 0 for a plain q_proj."""
     kv_lora_rank: int = 0
@@ -162,7 +167,7 @@ class ModelConfig:
 
     def mlp_linears(self, intermediate: int) -> dict[str, Linear]:
         h, bias = self.hidden_size, self.mlp_bias
-        if self.fused_projections:
+        if self.fused_projections or self.fused_mlp:
             return {"gate_up_proj": Linear(h, 2 * intermediate, bias), "down_proj": Linear(intermediate, h, bias)}
         return {"gate_proj": Linear(h, intermediate, bias), "up_proj": Linear(h, intermediate, bias),
                 "down_proj": Linear(intermediate, h, bias)}
@@ -267,8 +272,11 @@ def _with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def vision_tower_params(family: str, vision: dict[str, Any]) -> tuple[int, int]:
-    """(vision tower, aligner) parameters of a Qwen-VL family's vision_config, as transformers
-    builds the modules (tests/test_vision.py counts the built ones); (0, 0) for other families."""
+    """(vision tower, aligner) parameters of a Qwen-VL family's or GLM-4V's vision_config, as
+    transformers builds the modules (tests/test_vision.py counts the built ones); (0, 0) for other
+    families."""
+    if family == "glm4v":
+        return _glm4v_tower_params(vision)
     try:
         if family == "qwen2_vl":  # LayerNorms with biases, a 2-matrix MLP of mlp_ratio
             h, depth, ratio = int(vision["embed_dim"]), int(vision["depth"]), float(vision.get("mlp_ratio", 4))
@@ -299,6 +307,24 @@ def vision_tower_params(family: str, vision: dict[str, Any]) -> tuple[int, int]:
         tower += int(vision.get("num_position_embeddings", 0)) * h
         aligner += len(vision.get("deepstack_visual_indexes") or []) * (2 * merged + merger)
     return tower, aligner
+
+
+def _glm4v_tower_params(vision: dict[str, Any]) -> tuple[int, int]:
+    """GLM-4V's tower (a position embedding per patch of image_size, a biased patch embedding,
+    blocks of RMSNorms, a qkv and a bias-free projection and SwiGLU MLP out_hidden_size wide, a
+    biased downsampling convolution of the merged patches) and its aligner (the patch merger: a
+    projection, a LayerNorm and a SwiGLU MLP intermediate_size wide, bias-free)."""
+    try:
+        h, depth, i = int(vision["hidden_size"]), int(vision["depth"]), int(vision["intermediate_size"])
+        out, patch = int(vision["out_hidden_size"]), int(vision.get("patch_size", 14))
+        merge, temporal = int(vision.get("spatial_merge_size", 2)), int(vision.get("temporal_patch_size", 2))
+        channels, positions = int(vision.get("in_channels", 3)), (int(vision.get("image_size", 336)) // patch) ** 2
+        qkv_bias = 3 * h if vision.get("attention_bias") else 0
+    except (KeyError, TypeError, ValueError):
+        return 0, 0
+    block = 2 * h + 3 * h * h + qkv_bias + h * h + 3 * h * out
+    tower = positions * h + channels * temporal * patch * patch * h + h + depth * block + 2 * h + h * out * merge ** 2 + out
+    return tower, out * out + 2 * out + 3 * out * i
 
 
 def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
@@ -353,6 +379,7 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         qk_norm=model_type in QK_NORM_TYPES,
         norms_per_layer=4 if model_type in FOUR_NORM_TYPES else 2,
         fused_projections=model_type in FUSED_TYPES,
+        fused_mlp=model_type in FUSED_MLP_TYPES,
         q_lora_rank=_int(cfg, "q_lora_rank", default=0) if kv_lora else 0,
         kv_lora_rank=kv_lora,
         qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", default=0) if kv_lora else 0,
