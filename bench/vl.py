@@ -35,7 +35,9 @@ from throughput import ROOT, estimated_gib, torchrun_argv  # noqa: E402
 HF = Path(__file__).resolve().parent / "hf_vl.py"
 # A family's (image start, image end, image placeholder, video placeholder) tokens: an image part
 # renders as start + placeholder + end, and the processor repeats the placeholder.
-VISION_TOKENS = {"glm4v": ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>")}
+VISION_TOKENS = {"glm4v": ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>"),
+                 # InternVL's template renders the placeholder alone: its processor adds <img> and </img>
+                 "internvl": ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")}
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -68,28 +70,35 @@ SHAPES = {
 
 def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tuple[int, int],
                    dtype: str = "float32", device: str | None = None) -> Path:
-    """A Qwen-VL family or GLM-4V model with random weights (seeded) from `text` and `vision` config
-    fields, the demo tokenizer plus the family's image tokens and a chat template that renders image
-    parts, and its image processor (the PIL backend, which needs no torchvision) within `pixels` (min,
-    max); built on `device` (default: the GPU where there is one)."""
+    """A Qwen-VL family, GLM-4V or InternVL model with random weights (seeded) from `text` and
+    `vision` config fields, the demo tokenizer plus the family's image tokens and a chat template that
+    renders image parts, and its image processor (the PIL backend, which needs no torchvision) within
+    `pixels` (min, max; InternVL: tiles of the tower's image_size, at most `pixels[1]` // its area of
+    them); built on `device` (default: the GPU where there is one)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokens = VISION_TOKENS.get(family, QWEN_VISION_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    tokenizer.chat_template = vl_template(*tokens[:3])
+    tokenizer.chat_template = vl_template(*(("", "", tokens[2]) if family == "internvl" else tokens[:3]))
     tokenizer.save_pretrained(out)
-    processor = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
-    processor(patch_size=vision["patch_size"], size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}
-              ).save_pretrained(out)
+    if family == "internvl":
+        side = vision["image_size"][0]
+        GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
+                                 max_patches=max(1, pixels[1] // side ** 2)).save_pretrained(out)
+    else:
+        processor = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
+        processor(patch_size=vision["patch_size"], size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}
+                  ).save_pretrained(out)
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(tokens))
     text = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, **text}
-    ids = (dict(image_start_token_id=start, image_end_token_id=end) if family == "glm4v" else
-           dict(vision_start_token_id=start, vision_end_token_id=end))
+    ids = ({} if family == "internvl" else dict(image_start_token_id=start, image_end_token_id=end)
+           if family == "glm4v" else dict(vision_start_token_id=start, vision_end_token_id=end))
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
                                   video_token_id=video, tie_word_embeddings=True, **ids)
     torch.manual_seed(0)

@@ -142,8 +142,12 @@ class Loaded:
     @property
     def adapted_vision(self) -> bool:
         """Whether a LoRA model has adapters in its vision tower or aligner."""
-        return self.base is None and self.images is not None and any(
-            "lora_" in name and ".visual." in name for name, _ in self.tuned.named_parameters())
+        if self.base is not None or self.images is None:
+            return False
+        from launcher.vision import vision_parts
+
+        vit, aligner, _ = vision_parts(self.tuned)
+        return any("lora_" in name for part in vit + aligner for name, _ in part.named_parameters())
 
     def model(self, which: str):
         """The separate module answering as `which` (a LoRA checkpoint's base is its own rows of a
@@ -260,7 +264,6 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
               **({"cancelled": True} if cancelled() else {})})
 
     rows = [ids for ids, _ in prompts]
-    image_token = loaded.images.token_id if loaded.images is not None else None
 
     def media(of: list[int]) -> dict:
         """The pixels of rows `of`'s images, in row order, as the model takes them."""
@@ -278,13 +281,13 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
             with loaded.tuned.disable_adapter() if model == "base" else contextlib.nullcontext():
                 generate_rows(loaded.tuned, tokenizer, [rows[row]], request, loaded.device,
                               lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled,
-                              media=media([row]), image_token=image_token)
+                              media=media([row]), images=loaded.images)
         return
     if loaded.base is None:
         adapter = loaded.tuned.active_adapter
         generate_rows(loaded.tuned, tokenizer, rows, request, loaded.device, on_text, on_end, cancelled,
                       adapter_names=["__base__" if model == "base" else adapter for model in models],
-                      media=media(list(range(len(rows)))), image_token=image_token)
+                      media=media(list(range(len(rows)))), images=loaded.images)
         return
     errors: list[BaseException] = []
 
@@ -292,7 +295,7 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
         try:
             generate_rows(loaded.model(models[row]), tokenizer, [rows[row]], request, loaded.device,
                           lambda _, text: on_text(row, text), lambda _, tokens: on_end(row, tokens), cancelled,
-                          media=media([row]), image_token=image_token)
+                          media=media([row]), images=loaded.images)
         except BaseException as exc:  # noqa: BLE001 - raised again below, on the serving thread
             errors.append(exc)
 
@@ -363,10 +366,11 @@ class Cancelled(StoppingCriteria):
 def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, device: torch.device,
                   on_text: Callable[[int, str], None], on_end: Callable[[int, int], None],
                   cancelled: Callable[[], bool], adapter_names: list[str] | None = None, media: dict | None = None,
-                  image_token: int | None = None) -> None:
+                  images=None) -> None:
     """`model.generate` over the prompts `rows` (left-padded into one batch), each row's text and
     end handed over as they come (`RowStreamer`), until `cancelled()`. `media`: the rows' images'
-    pixel inputs, whose placeholder tokens (`image_token`) the token types mark, as in training."""
+    pixel inputs, with what the model takes beside them (`images`, launcher.vision.Images: the
+    token types of Qwen's placeholders), as in training."""
     width = max(map(len, rows))
     # Without a pad token, the end token pads (as transformers does): a real token never ends a row.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -378,7 +382,7 @@ def generate_rows(model, tokenizer, rows: list[list[int]], request: Request, dev
     # A row's pad token ends it too: generate pads the rows that have finished.
     streamer = RowStreamer(tokenizer, len(rows), {*stopping["eos_token_id"], pad}, on_text, on_end)
     if media:
-        media = {**{k: v.to(device) for k, v in media.items()}, "mm_token_type_ids": (input_ids == image_token).int()}
+        media = {**{k: v.to(device) for k, v in media.items()}, **images.inputs(input_ids)}
     with torch.no_grad():
         model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=request.max_new_tokens, **(media or {}),
                        streamer=streamer, pad_token_id=pad, **stopping, **sampling,

@@ -91,7 +91,7 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
         ids = full
     if paths:
         ids, labels = expand_images(record.where, ids, labels, paths, images)
-        if len(ids) > max_length and images.token_id in ids[max_length:]:
+        if len(ids) > max_length and not images.ids.isdisjoint(ids[max_length:]):
             return None  # an image cut off: its pixels would not match its tokens
     ids, labels = ids[:max_length], labels[:max_length]
     return Sample(ids, labels, paths) if any(label != IGNORE for label in labels[1:]) else None
@@ -99,17 +99,17 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
 
 def expand_images(where: str, ids: list[int], labels: list[int], paths: list[str], images
                   ) -> tuple[list[int], list[int]]:
-    """Each image's placeholder token repeated once per visual token of the image (unlabelled); the
-    chat worker's prompts too."""
+    """Each image's placeholder token repeated once per visual token of the image (unlabelled;
+    InternVL's run between its start and end tokens); the chat worker's prompts too."""
     at = [i for i, token in enumerate(ids) if token == images.token_id]
     if len(at) != len(paths):
         raise DataError(f"{where}: the chat template renders {len(at)} image placeholder(s) for {len(paths)} "
                         "image(s); check its <image> tags and that the model's template takes image parts")
     out_ids, out_labels, start = [], [], 0
     for i, path in zip(at, paths):
-        count = images.tokens(where, path)
-        out_ids += ids[start:i] + [images.token_id] * count
-        out_labels += labels[start:i] + [IGNORE] * count
+        run = images.placeholder(images.tokens(where, path))
+        out_ids += ids[start:i] + run
+        out_labels += labels[start:i] + [IGNORE] * len(run)
         start = i + 1
     return out_ids + ids[start:], out_labels + labels[start:]
 
@@ -250,7 +250,7 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
     of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly).
     `media` (`launcher.vision.Images`): the rows' images as the model's pixel inputs, and no
-    position ids (a vision-language model places its image tokens itself)."""
+    position ids where the model places its image tokens itself (its multimodal rope)."""
     import torch
 
     width = pad_to or max(len(r.input_ids) for r in rows)
@@ -266,10 +266,12 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
     if media is not None:
-        # the model places its image tokens itself (multimodal rope), from the token types the
-        # processor would give: 1 at image tokens (transformers 5.24 computes none without them)
-        del batch["position_ids"]
-        batch["mm_token_type_ids"] = (batch["input_ids"] == media.token_id).int()
+        # Qwen's and GLM-4V's models place their image tokens themselves (multimodal rope), from the
+        # token types the processor would give (transformers 5.24 computes none without them)
+        extra = media.inputs(batch["input_ids"])
+        if extra:
+            del batch["position_ids"]
+        batch.update(extra)
         images = [(path, count) for r in rows for path, count in zip(r.images, media.runs(r.input_ids))]
         if images:
             batch.update(media.pixels(images))

@@ -1,13 +1,15 @@
 """Vision-language models (transformers' image-text-to-text models): the image side of their data.
 
 A record's `<image>` tags become image parts of its messages, which the model's chat template
-renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`); each
-image's placeholder token is then repeated once per visual token the model gives that image, as
-the model's processor does: the image processor's patch count for the image's size (read from the
-file's header when tokenizing, so the cache holds the final ids), over the merge of patches into
-tokens. The pixels are decoded and processed per micro-batch. The processor class itself is not
-used: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video processor
-lookup fails), while the image processor falls back to its PIL backend."""
+renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`, InternVL's
+`<IMG_CONTEXT>`); each image's placeholder token is then repeated once per visual token the model
+gives that image, as the model's processor does: the image processor's patch count for the image's
+size (read from the file's header when tokenizing, so the cache holds the final ids), over the
+merge of patches into tokens (Qwen's and GLM-4V's); for InternVL its tiles' count times each tile's
+tokens, the run between `<img>` and `</img>`. The pixels are decoded and processed per micro-batch.
+The processor class itself is not used: transformers 5.24 cannot build a Qwen2-VL processor without
+torchvision (its video processor lookup fails), while the image processor falls back to its PIL
+backend."""
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +19,7 @@ import re
 import torch
 
 from backend.job.errors import UserError
-from backend.job.modelcfg import VISION_FAMILIES
+from backend.job.modelcfg import TILED_FAMILIES, VISION_FAMILIES
 from backend.job.records import IMAGE_TAG, DataError, open_image, shown_image
 
 ORIENTATION = 0x0112  # the EXIF tag
@@ -63,6 +65,9 @@ def image_processor(source: str, max_pixels: int | None = None):
     processor = AutoImageProcessor.from_pretrained(source)
     if not max_pixels:
         return processor
+    if "longest_edge" not in processor.size:
+        raise UserError(f"max_pixels: {type(processor).__name__} cuts images into tiles of a fixed size; it takes no "
+                        "pixel bound (its max_patches caps the tiles)")
     frames = getattr(processor, "temporal_patch_size", 1) if type(processor).__name__.startswith("Glm4v") else 1
     return AutoImageProcessor.from_pretrained(source, size={"shortest_edge": processor.size["shortest_edge"],
                                                             "longest_edge": max_pixels * frames})
@@ -87,6 +92,9 @@ def with_image_parts(messages: list[dict]) -> list[dict]:
     return out
 
 
+TILE_BOUNDS = ("<img>", "</img>")
+
+
 class Images:
     """The model's image processor (`max_pixels` caps an image's size) and image placeholder token."""
 
@@ -97,6 +105,32 @@ class Images:
         self.processor = image_processor(model_dir, max_pixels)
         self.token_id = config.image_token_id
         self.merge = getattr(self.processor, "merge_size", 1)
+        self.tiled = config.model_type in TILED_FAMILIES
+        self.bounds: tuple[int, ...] = ()
+        """The tokens around an image's run that the processor adds (InternVL's `<img>`, `</img>`)."""
+        if self.tiled:
+            from transformers import AutoTokenizer
+
+            vision = config.vision_config
+            side, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (vision.image_size, vision.patch_size))
+            self.per_tile = round((side // patch) ** 2 * config.downsample_ratio ** 2)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.bounds = tuple(tokenizer.convert_tokens_to_ids(list(TILE_BOUNDS)))
+            if tokenizer.unk_token_id in self.bounds or None in self.bounds:
+                raise UserError(f"model: {model_dir}'s tokenizer has no {' and '.join(TILE_BOUNDS)} tokens, which "
+                                f"{config.model_type} puts around each image's visual tokens")
+        self.ids = {self.token_id, *self.bounds}
+        """Every token an image's run takes."""
+
+    def placeholder(self, count: int) -> list[int]:
+        """An image's tokens for `count` visual tokens."""
+        run = [self.token_id] * count
+        return [self.bounds[0], *run, self.bounds[1]] if self.bounds else run
+
+    def inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model takes beside the pixels: Qwen's and GLM-4V's token types, from which
+        transformers 5.24 computes their multimodal rope (InternVL places image tokens as text)."""
+        return {} if self.tiled else {"mm_token_type_ids": (input_ids == self.token_id).int()}
 
     def digest(self) -> str:
         """What the visual token counts depend on (the tokenized cache's key)."""
@@ -113,9 +147,10 @@ class Images:
             if turned:  # shown turned a quarter (`pixels` turns it)
                 width, height = height, width
         try:
-            return self.processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
+            patches = self.processor.get_number_of_image_patches(height, width, {})
         except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
             raise DataError(f"{where}: image {shown_image(path)}: {exc}") from None
+        return patches * self.per_tile if self.tiled else patches // self.merge ** 2
 
     def pixels(self, images: list[tuple[str, int]], where: str = "training data") -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
@@ -131,12 +166,17 @@ class Images:
                 except OSError as exc:  # a truncated or corrupt file fails when its pixels are read
                     raise DataError(f"{where}: image {shown_image(path)} cannot be decoded ({exc})") from None
         out = self.processor(images=decoded, return_tensors="pt")
-        grid = out["image_grid_thw"]
-        for (path, tokens), thw in zip(images, grid.tolist()):
-            if thw[0] * thw[1] * thw[2] // self.merge ** 2 != tokens:
+        if self.tiled:
+            counts = [int(n) * self.per_tile for n in out["num_patches"]]
+        else:
+            counts = [t * h * w // self.merge ** 2 for t, h, w in out["image_grid_thw"].tolist()]
+        for (path, tokens), count in zip(images, counts):
+            if count != tokens:
                 raise DataError(f"{where}: image {shown_image(path)} is not the size it had when the data was tokenized; "
                                 "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        if self.tiled:
+            return {"pixel_values": out["pixel_values"]}
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def runs(self, ids: list[int]) -> list[int]:
         """The lengths of the image placeholder runs in `ids`: each image's token count, in order."""
@@ -151,10 +191,12 @@ class Images:
 
 
 def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:
-    """(vision tower, aligner, language model) of a Qwen-family vision-language model: the
-    `visual` module less its mergers, its mergers (patch merger, and Qwen3-VL's deepstack ones),
-    and the language model with its head."""
+    """(vision tower, aligner, language model) of a vision-language model: Qwen's and GLM-4V's
+    `visual` module less its mergers, its mergers (patch merger, and Qwen3-VL's deepstack ones);
+    InternVL's `vision_tower` and its `multi_modal_projector`; and the language model with its head."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base.model, "visual"):
+        return [base.model.vision_tower], [base.model.multi_modal_projector], [base.model.language_model, base.lm_head]
     visual = base.model.visual
     aligner = [m for name in ("merger", "deepstack_merger_list") if (m := getattr(visual, name, None)) is not None]
     vit = [m for m in visual.children() if all(m is not a for a in aligner)]

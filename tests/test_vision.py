@@ -15,7 +15,7 @@ from launcher.data import IGNORE, Batches, encode, one_per_row
 from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "internvl"])
 def tiny_vl(request, tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -47,16 +47,29 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
         assert all(label == IGNORE for label in sample.labels[at:at + runs[0]])
         answer = tokenizer.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE])
         assert answer.startswith(record.data["messages"][1]["content"])
-    assert images.runs(samples[0].input_ids) != images.runs(samples[1].input_ids)  # 56 and 84 px wide
+    if images.tiled:  # InternVL's tiles follow an image's aspect ratio: a wide one takes more of them
+        from PIL import Image
+
+        Image.new("RGB", (168, 56)).save(tmp_path / "wide.png")
+        assert images.tokens("", str(tmp_path / "wide.png")) > images.runs(samples[0].input_ids)[0]
+        at = samples[0].input_ids.index(images.token_id)  # the run between the image's start and end tokens
+        assert (samples[0].input_ids[at - 1], samples[0].input_ids[at + runs[0]]) == images.bounds
+    else:
+        assert images.runs(samples[0].input_ids) != images.runs(samples[1].input_ids)  # 56 and 84 px wide
     batches = Batches(lambda members: [samples[m] for m in members], one_per_row(4), 4, 1, 1, 0,
                       tokenizer.pad_token_id, False, 96)
     batches.media = images
     batch, _, _ = batches.batch_of([0, 1, 2, 3])
-    assert "position_ids" not in batch  # the model places its image tokens itself (its multimodal rope)
-    assert batch["mm_token_type_ids"].tolist() == (batch["input_ids"] == images.token_id).int().tolist()
-    grids = batch["image_grid_thw"]
-    assert (grids.prod(-1) // images.merge ** 2).tolist() == [images.runs(s.input_ids)[0] for s in samples]
-    assert batch["pixel_values"].shape[0] == grids.prod(-1).sum()
+    counts = [images.runs(s.input_ids)[0] for s in samples]
+    if images.tiled:  # image tokens placed as text: positions as for text, no token types
+        assert "position_ids" in batch and "mm_token_type_ids" not in batch
+        assert batch["pixel_values"].shape[0] == sum(count // images.per_tile for count in counts)
+    else:
+        assert "position_ids" not in batch  # the model places its image tokens itself (its multimodal rope)
+        assert batch["mm_token_type_ids"].tolist() == (batch["input_ids"] == images.token_id).int().tolist()
+        grids = batch["image_grid_thw"]
+        assert (grids.prod(-1) // images.merge ** 2).tolist() == counts
+        assert batch["pixel_values"].shape[0] == grids.prod(-1).sum()
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
     with torch.no_grad():
         seen = model(**batch).loss
@@ -64,7 +77,7 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
         # transformers 5.24 computes the multimodal rope only from the token types (as the processor
         # gives them): without, Qwen2.5-VL places image tokens as text, Qwen3-VL refuses
         try:
-            unplaced = model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).loss
+            unplaced = None if images.tiled else model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).loss
         except ValueError:
             unplaced = None
     assert abs(seen - blank) > 1e-4  # the pixels reach the loss
@@ -134,8 +147,9 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
                        (5, r"an <image> tag after the last assistant answer \(message 3\)")):
         with pytest.raises(DataError, match=f":{i + 1}: {message}"):
             encode(Record(f"{where}:{i + 1}", more[i], str(data)), tokenizer, 96, Persona(images=True), images)
-    with pytest.raises(DataError, match=r"thin.png: absolute aspect ratio must be smaller than 200"):
-        encode(Record(f"{where}:2", more[1], str(data)), tokenizer, 96, Persona(images=True), images)
+    if not images.tiled:  # InternVL's processor tiles any shape (validation refuses it all the same)
+        with pytest.raises(DataError, match=r"thin.png: absolute aspect ratio must be smaller than 200"):
+            encode(Record(f"{where}:2", more[1], str(data)), tokenizer, 96, Persona(images=True), images)
     # an image replaced by a larger one after tokenizing (the cache holds the old count) stops the run by path
     replaced = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
     Image.new("RGB", (168, 168)).save(data / "0.png")
@@ -153,6 +167,7 @@ def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny
     from transformers import AutoModelForImageTextToText
 
     from launcher.model import add_lora
+    from launcher.vision import vision_parts
 
     base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
     # GLM-4V's language model has one gate_up_proj where its tower has gate_proj and up_proj
@@ -166,14 +181,18 @@ def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny
         if targets != ["all-linear"]:
             assert {n.rsplit(".", 1)[-1] for n in adapted} == set(targets) & named
     # ms-swift's rule: the parts that train get adapters; every linear layer of them, nothing else
-    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
-    for frozen, where in ((dict(freeze_vit=False, freeze_aligner=False), (".visual.", ".language_model.")),
-                         (dict(freeze_llm=True, freeze_aligner=False), (".visual.merger.", ".visual.deepstack_merger"))):
+    vit, aligner, llm = vision_parts(base)
+    linear = {part: {n for module in modules for n, m in base.named_modules()
+                     if isinstance(m, torch.nn.Linear) and any(m is sub for sub in module.modules())}
+              for part, modules in (("vit", vit), ("aligner", aligner), ("llm", llm[:1]))}
+    assert linear["vit"] and linear["aligner"] and linear["llm"]
+    for frozen, parts in ((dict(freeze_vit=False, freeze_aligner=False), ("vit", "aligner", "llm")),
+                          (dict(freeze_llm=True, freeze_aligner=False), ("aligner",))):
         model = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
                          JobSpec(model="m", dataset=["d"], **frozen))
         adapted = {n.split(".base_layer")[0].removeprefix("base_model.model.")
                    for n, m in model.named_modules() if n.endswith(".base_layer")}
-        assert adapted == {n for n in linear if any(w in n for w in where) and "lm_head" not in n}, (frozen, sorted(adapted))
+        assert adapted == set().union(*(linear[part] for part in parts)), (frozen, sorted(adapted))
 
 
 def test_vit_lr_and_aligner_lr_put_the_tower_and_the_aligner_in_groups_of_their_own(tiny_vl):
@@ -191,7 +210,8 @@ def test_vit_lr_and_aligner_lr_put_the_tower_and_the_aligner_in_groups_of_their_
     job = dict(model="m", dataset=["d"], train_type="full", learning_rate=1e-4, weight_decay=0.1)
     assert [len(g["params"]) for g in param_groups(model, JobSpec(**job))] == [
         sum(p.ndim >= 2 for p in model.parameters()), sum(p.ndim < 2 for p in model.parameters())]
-    model.model.visual.blocks[0].requires_grad_(False)  # what trains only
+    frozen = next(m for part in vision_parts(model)[0] for m in part.modules() if isinstance(m, torch.nn.Linear))
+    frozen.requires_grad_(False)  # what trains only
     spec = JobSpec(**job, freeze_vit=False, vit_lr=1e-6, freeze_aligner=False, aligner_lr=1e-3)
     for holder in (model, torch.nn.ModuleDict({"module": model})):
         groups = param_groups(holder, spec)
@@ -200,7 +220,7 @@ def test_vit_lr_and_aligner_lr_put_the_tower_and_the_aligner_in_groups_of_their_
         decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
         assert {rate[id(p)] for p in vit if p.requires_grad} == {1e-6}
         assert {rate[id(p)] for p in aligner} == {1e-3} and {rate[id(p)] for p in llm} == {1e-4}
-        assert all(id(p) not in rate for p in model.model.visual.blocks[0].parameters())
+        assert all(id(p) not in rate for p in frozen.parameters())
         assert all(decay[i] == (0.1 if p.ndim >= 2 else 0.0) for p in model.parameters() if (i := id(p)) in decay)
 
 
@@ -222,6 +242,10 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert refused(vit_lr=1e-5)["vit_lr"].startswith("the vision tower is frozen (freeze_vit)")
     assert refused(train_type="full", aligner_lr=1e-5)["aligner_lr"].startswith("the aligner is frozen (freeze_aligner)")
     assert refused(train_type="full", freeze_vit=False, vit_lr=1e-5, freeze_aligner=False, aligner_lr=1e-4) == {}
+    # InternVL's tiles have a fixed size: no pixel bound to set
+    capped = refused(max_pixels=56 * 56)
+    assert (capped["max_pixels"].startswith("internvl's image processor cuts images into tiles") if "internvl" in
+            str(tiny_vl) else capped == {}), capped
     # a text model's job names the image records it cannot read, by file:line
     text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
             if p.field == "dataset[0]"][0]
@@ -400,18 +424,20 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
 
 
 @pytest.mark.e2e
-def test_glm4v_trains_on_images_on_ddp_and_fsdp2_and_its_lora_exports(tmp_path, tmp_path_factory):
-    """GLM-4V (its tower, merger and language model as transformers builds them on Qwen2-VL's rope):
-    LoRA on two DDP ranks lowers the loss and exports with its image processor, and the export's
-    loss on an image record is below the base model's; full fine-tuning of the language model on
-    FSDP2 (the tower in units of its own) trains DDP's losses."""
+@pytest.mark.parametrize("family", ["glm4v", "internvl"])
+def test_glm4v_and_internvl_train_on_images_on_ddp_and_fsdp2_and_their_lora_exports(tmp_path, tmp_path_factory, family):
+    """GLM-4V (its tower, merger and language model as transformers builds them on Qwen2-VL's rope)
+    and InternVL (tiles, its image runs between <img> and </img>, placed as text): LoRA on two DDP
+    ranks lowers the loss and exports with its image processor, and the export's loss on an image
+    record is below the base model's; full fine-tuning of the language model on FSDP2 (the tower in
+    units of its own) trains DDP's losses."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from launcher.export import export
     from launcher.vision import Images
 
-    model_dir = build_tiny_vl_model(tmp_path_factory.mktemp("glm4v-e2e"), "glm4v")
+    model_dir = build_tiny_vl_model(tmp_path_factory.mktemp(f"{family}-e2e"), family)
     data = colour_images(tmp_path / "data", 32)
     common = dict(model=str(model_dir), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
                   lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
@@ -489,8 +515,9 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
     assert thumb.format == "PNG" and max(thumb.size) <= 96
     prompt = "".join(text for text, trained in first["segments"] if not trained)
     config = AutoConfig.from_pretrained(tiny_vl)  # GLM-4V names its image's bounds image_start/end
-    start, end = tokenizer.convert_ids_to_tokens([getattr(config, "vision_start_token_id", None) or config.image_start_token_id,
-                                                  getattr(config, "vision_end_token_id", None) or config.image_end_token_id])
+    start, end = tokenizer.convert_ids_to_tokens(list(images.bounds) if images.tiled else [
+        getattr(config, "vision_start_token_id", None) or config.image_start_token_id,
+        getattr(config, "vision_end_token_id", None) or config.image_end_token_id])
     placeholder = tokenizer.convert_ids_to_tokens(images.token_id)
     tokens = images.tokens("", str(tmp_path / "data" / "0.png"))
     assert f"{start}{placeholder}×{tokens}{end}What colour is it?" in prompt
@@ -508,12 +535,24 @@ def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
 
     from launcher.vision import save_image_processor
 
+    from backend.job.errors import UserError
+
     save_image_processor(str(tiny_vl), tmp_path / "as-is")
+    if "internvl" in str(tiny_vl):  # its tiles have a fixed size: a pixel bound is refused by name
+        with pytest.raises(UserError, match="max_pixels: GotOcr2ImageProcessorPil cuts images into tiles"):
+            save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
+        return
     save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
     as_is, capped = (AutoImageProcessor.from_pretrained(tmp_path / name) for name in ("as-is", "capped"))
     assert as_is.size == AutoImageProcessor.from_pretrained(tiny_vl).size
     patches = [p.get_number_of_image_patches(448, 448, {}) for p in (as_is, capped)]
     assert patches[1] <= (56 // capped.patch_size) ** 2 < patches[0]  # a large image shown at most 56x56
+
+
+def tower(model):
+    """The module a model runs its images through: Qwen's and GLM-4V's `visual`, InternVL's `vision_tower`."""
+    inner = (model.get_base_model() if hasattr(model, "get_base_model") else model).model
+    return inner.visual if hasattr(inner, "visual") else inner.vision_tower
 
 
 def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_tower(tmp_path, tiny_vl):
@@ -538,7 +577,7 @@ def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_towe
     tuned, base = (AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval() for _ in range(2))
     seen = []
     for model in (tuned, base):
-        model.model.visual.register_forward_hook(lambda module, args, out: seen.append(module))
+        tower(model).register_forward_hook(lambda module, args, out: seen.append(module))
     loaded = Loaded(tuned, base, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None}, images)
     ask = [{"role": "user", "content": "<image>What colour is it?", "images": [uri]}]
 
@@ -547,11 +586,14 @@ def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_towe
         answer(to, parse_request(request_line("1", [("base", messages), ("tuned", messages)], 3, 0.0)), events.append)
         return {e["model"]: e for e in events if e["type"] == "done"}
 
+    def inputs_shape(module, args, kwargs, out):  # InternVL's tower takes pixel_values by name
+        seen.append((args or tuple(kwargs.values()))[0].shape)
+
     done = reply(ask)
     visual = images.tokens("test", uri)
     plain = reply([{"role": "user", "content": "What colour is it?"}])
     # once each (the prompt; not again per new token), on threads of their own
-    assert visual > 1 and sorted(map(id, seen)) == sorted(map(id, (tuned.model.visual, base.model.visual)))
+    assert visual > 1 and sorted(map(id, seen)) == sorted(map(id, (tower(tuned), tower(base))))
     # the image's placeholder (one token when the template renders it) becomes its visual tokens
     assert {e["prompt_tokens"] for e in done.values()} == {plain["base"]["prompt_tokens"] + 2 + visual}, (done, plain)
 
@@ -560,20 +602,22 @@ def test_the_chat_worker_answers_about_an_uploaded_image_through_the_vision_towe
 
     lora = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
                     JobSpec(model="m", dataset=["d"])).eval()
-    lora.base_model.model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    tower(lora).register_forward_hook(inputs_shape, with_kwargs=True)
     seen.clear()
     batched = reply(ask, Loaded(lora, None, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None},
                                 images))
     assert {e["prompt_tokens"] for e in batched.values()} == {done["base"]["prompt_tokens"]}
-    assert len(seen) == 1 and seen[0][0] == 2 * visual * images.merge ** 2, seen  # both rows' patches
+    # both rows' patches (InternVL's tower: both rows' tiles)
+    rows = 2 * (visual // images.per_tile if images.tiled else visual * images.merge ** 2)
+    assert len(seen) == 1 and seen[0][0] == rows, seen
 
     # LoRA in the tower too: peft's per-row adapters cannot split the tower's patch rows, so the
     # base (adapter off) and the fine-tuned model answer one after the other, each seeing the image
-    tower = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
-                     JobSpec(model="m", dataset=["d"], freeze_vit=False)).eval()
-    tower.base_model.model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    adapted = add_lora(AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32),
+                       JobSpec(model="m", dataset=["d"], freeze_vit=False)).eval()
+    tower(adapted).register_forward_hook(inputs_shape, with_kwargs=True)
     seen.clear()
-    alone = reply(ask, Loaded(tower, None, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None},
+    alone = reply(ask, Loaded(adapted, None, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None},
                               images))
     assert {e["prompt_tokens"] for e in alone.values()} == {done["base"]["prompt_tokens"]} and len(seen) == 2
     # "<image>" written in a message without images (an answer about the tag) stays text

@@ -41,9 +41,9 @@ def build_tiny_model(out: Path, family: str = "qwen2", **shape) -> Path:
 
 
 def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
-    """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL or GLM-4V (2 vision blocks 32 wide, 2 language layers 64
-    wide; random, seeded) as bench/vl.py builds its shapes, its image processor limited to 16 patches
-    of 28 px (Qwen3-VL: 16 px patches, as its own)."""
+    """A tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V or InternVL (2 vision blocks 32 wide, 2 language
+    layers 64 wide; random, seeded) as bench/vl.py builds its shapes, its image processor limited to
+    16 patches of 28 px (Qwen3-VL: 16 px patches, as its own; InternVL: 4 tiles of 56 px)."""
     from vl import build_vl_model
 
     patch = 16 if family == "qwen3_vl" else 14
@@ -60,10 +60,13 @@ def build_tiny_vl_model(out: Path, family: str = "qwen2_5_vl") -> Path:
     elif family == "qwen3_vl":
         text.update(head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
         vision.update(deepstack_visual_indexes=[1], num_position_embeddings=64)
-    else:  # glm4v: rotary on half of each head (GLM-4.1V's partial_rotary_factor), its 3-D sections
+    elif family == "glm4v":  # rotary on half of each head (GLM-4.1V's partial_rotary_factor), its 3-D sections
         text.update(partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
                                                                 "partial_rotary_factor": 0.5})
         vision.update(image_size=56)
+    else:  # internvl: tiles of 56 px (16 patches, 4 tokens after its pixel shuffle), a Qwen2 language model
+        vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                      image_size=[56, 56], patch_size=[14, 14])
     # GLM-4V's processor bounds an image's pixels times its temporal patch (an image is two frames):
     # twice the bounds give it the others' sizes
     frames = 2 if family == "glm4v" else 1

@@ -28,10 +28,14 @@ from backend.job.jsonfile import read_json
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 BUNDLED_DIR = ASSETS / "model_configs"
 # Model types whose attention projections q/k/v carry a bias although config.json does not say so.
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "internvl")
 """The vision-language model types the worker trains: their image placeholder is one token repeated
 per visual token, placed by the model's multimodal rope from the image's patch grid (Qwen's, and
-GLM-4V's, which transformers builds on Qwen2-VL's)."""
+GLM-4V's, which transformers builds on Qwen2-VL's), or as text between an image's start and end
+tokens, a fixed count per tile of the image (InternVL's, transformers' `-hf` checkpoints)."""
+TILED_FAMILIES = ("internvl",)
+"""Of VISION_FAMILIES, those whose images are cut into tiles, each a fixed number of visual tokens
+between the image's start and end tokens, placed as text (no multimodal rope)."""
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
 # Gemma-2/3 and GLM-4V layers norm before and after both attention and the MLP.
@@ -271,12 +275,14 @@ def _with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**MODEL_TYPE_DEFAULTS.get(cfg.get("model_type"), {}), **cfg}
 
 
-def vision_tower_params(family: str, vision: dict[str, Any]) -> tuple[int, int]:
-    """(vision tower, aligner) parameters of a Qwen-VL family's or GLM-4V's vision_config, as
-    transformers builds the modules (tests/test_vision.py counts the built ones); (0, 0) for other
-    families."""
+def vision_tower_params(family: str, vision: dict[str, Any], outer: dict[str, Any] | None = None) -> tuple[int, int]:
+    """(vision tower, aligner) parameters of a Qwen-VL family's, GLM-4V's or InternVL's
+    vision_config (InternVL's aligner reads the `outer` config too), as transformers builds the
+    modules (tests/test_vision.py counts the built ones); (0, 0) for other families."""
     if family == "glm4v":
         return _glm4v_tower_params(vision)
+    if family == "internvl":
+        return _internvl_tower_params(vision, outer or {})
     try:
         if family == "qwen2_vl":  # LayerNorms with biases, a 2-matrix MLP of mlp_ratio
             h, depth, ratio = int(vision["embed_dim"]), int(vision["depth"]), float(vision.get("mlp_ratio", 4))
@@ -327,12 +333,37 @@ def _glm4v_tower_params(vision: dict[str, Any]) -> tuple[int, int]:
     return tower, out * out + 2 * out + 3 * out * i
 
 
+def _internvl_tower_params(vision: dict[str, Any], outer: dict[str, Any]) -> tuple[int, int]:
+    """InternVL's tower (a class token, a biased patch embedding, a position embedding per patch of
+    image_size and the class token's, layers of q/k/v (biased with attention_bias), a biased
+    projection, q/k norms with use_qk_norm, a biased 2-matrix MLP, two norms of norm_type and two
+    layer scales; a final LayerNorm unless use_mean_pooling) and its projector (a LayerNorm and two
+    biased linear layers from the pixel-shuffled features to the language model's width)."""
+    try:
+        h, depth, i = int(vision["hidden_size"]), int(vision["num_hidden_layers"]), int(vision["intermediate_size"])
+        side, patch = (int(v[0] if isinstance(v, (list, tuple)) else v)
+                       for v in (vision.get("image_size", 448), vision.get("patch_size", 14)))
+        channels = int(vision.get("num_channels", 3))
+        shuffled = h * int(1 / float(outer.get("downsample_ratio", 0.5))) ** 2
+        text = int(outer["text_config"]["hidden_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0, 0
+    norm = 2 * h if vision.get("norm_type", "layer_norm") == "layer_norm" else h
+    layer = (3 * h * h + (3 * h if vision.get("attention_bias") else 0) + h * h + h
+             + (2 * h if vision.get("use_qk_norm") else 0) + 2 * h * i + i + h + 2 * norm + 2 * h)
+    tower = (h + channels * patch * patch * h + h + depth * layer
+             + (h if vision.get("use_mask_token") else 0)
+             + ((side // patch) ** 2 + 1) * h * bool(vision.get("use_absolute_position_embeddings", True))
+             + (0 if vision.get("use_mean_pooling", True) else 2 * h))
+    return tower, 2 * shuffled + shuffled * text + text + text * text + text
+
+
 def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
     """Read the shape out of a config.json mapping (language-model part for multimodal configs)."""
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json is not a JSON object")
     outer_type = str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else ""
-    vision, aligner = vision_tower_params(outer_type, cfg.get("vision_config") or {})
+    vision, aligner = vision_tower_params(outer_type, cfg.get("vision_config") or {}, cfg)
     cfg = _with_defaults(cfg)
     model_type = str(cfg.get("model_type", ""))
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")

@@ -25,7 +25,7 @@ from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
-from backend.job.modelcfg import VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
+from backend.job.modelcfg import TILED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
 from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
@@ -283,6 +283,9 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
         ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
         if _set(getattr(spec, field))]
+    if spec.max_pixels and model.multimodal_type in TILED_FAMILIES:
+        out.append(Problem("max_pixels", f"{model.multimodal_type}'s image processor cuts images into tiles of a fixed "
+                                         "size; it takes no pixel bound (its max_patches caps the tiles): leave it empty"))
     if spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
         out.append(Problem("freeze_llm", "with freeze_vit and freeze_aligner too, nothing trains"))
     out += [Problem(field, f"the {part} is frozen ({freeze}): turn {freeze} off to train it at this rate, or leave "
