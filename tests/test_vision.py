@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -349,10 +350,9 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     (two ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
     lower loss than the base model."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     from launcher.export import export
-    from launcher.vision import Images
 
     data = colour_images(tmp_path / "data", 32)
     common = dict(model=str(tiny_qwen25_vl), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
@@ -409,18 +409,30 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     assert not torch.equal(before["model.language_model.layers.0.mlp.up_proj.weight"],
                            after["model.language_model.layers.0.mlp.up_proj.weight"])
 
+    assert_the_export_answers_better(lora, tiny_qwen25_vl, data, tmp_path)
+    shutil.rmtree(tmp_path / "cache")
+
+
+def assert_the_export_answers_better(lora: Path, base_dir: Path, data: str, tmp_path: Path) -> None:
+    """The LoRA run's export loads with its image processor (saved beside the weights) and its loss on
+    the data's first image record is below the base model's."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from launcher.export import export
+    from launcher.vision import Images
+
     out = export(lora, None, tmp_path / "exported")["out"]
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-    exported = Images(out, model.config)  # its image processor, saved beside the weights
-    sample = encode(Record(f"{data}:1", json.loads(open(data).readline()), str(tmp_path / "data")),
+    exported = Images(out, model.config)
+    sample = encode(Record(f"{data}:1", json.loads(open(data).readline()), str(Path(data).parent)),
                     AutoTokenizer.from_pretrained(out), 96, Persona(images=True), exported)
     batch = Batches(lambda members: [sample], one_per_row(1), 1, 1, 1, 0, 0, False, 96)
     batch.media = exported
     inputs, _, _ = batch.batch_of([0])
-    base = AutoModelForImageTextToText.from_pretrained(tiny_qwen25_vl, dtype=torch.float32)
+    base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
     with torch.no_grad():
         assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
-    shutil.rmtree(tmp_path / "cache")
 
 
 @pytest.mark.e2e
@@ -431,12 +443,6 @@ def test_glm4v_and_internvl_train_on_images_on_ddp_and_fsdp2_and_their_lora_expo
     ranks lowers the loss and exports with its image processor, and the export's loss on an image
     record is below the base model's; full fine-tuning of the language model on FSDP2 (the tower in
     units of its own) trains DDP's losses."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
-    from launcher.export import export
-    from launcher.vision import Images
-
     model_dir = build_tiny_vl_model(tmp_path_factory.mktemp(f"{family}-e2e"), family)
     data = colour_images(tmp_path / "data", 32)
     common = dict(model=str(model_dir), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
@@ -453,17 +459,7 @@ def test_glm4v_and_internvl_train_on_images_on_ddp_and_fsdp2_and_their_lora_expo
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
     for step, value in losses(fsdp).items():
         assert value == pytest.approx(losses(ddp)[step], rel=1e-4), step
-    out = export(lora, None, tmp_path / "exported")["out"]
-    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-    exported = Images(out, model.config)
-    sample = encode(Record(f"{data}:1", json.loads(open(data).readline()), str(tmp_path / "data")),
-                    AutoTokenizer.from_pretrained(out), 96, Persona(images=True), exported)
-    batch = Batches(lambda members: [sample], one_per_row(1), 1, 1, 1, 0, 0, False, 96)
-    batch.media = exported
-    inputs, _, _ = batch.batch_of([0])
-    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        assert float(model(**inputs).loss) < float(base(**inputs).loss) - 0.2
+    assert_the_export_answers_better(lora, model_dir, data, tmp_path)
 
 
 def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds_them(tiny_vl):
