@@ -24,7 +24,8 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 from studio_server import REPO, Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
 from worker import unloadable_model  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+# the full flow took 349 s in a CI run at load 7 on 2 cores
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 RUN_TIMEOUT_MS = 150_000
 DEMO_TIMEOUT_MS = 240_000  # this test's 300 demo steps: about 20 s on two idle cores, more beside the suite's other worker
@@ -329,8 +330,10 @@ def test_a_failed_run_without_a_checkpoint_offers_to_run_again(studio, tmp_path)
         shot(page, "failed-no-checkpoint")
         resume.click()
         # The line comes once the new attempt is launched: at load 8 the studio's queue took over 60 s.
-        expect(page.locator("#monitor-action")).to_contain_text("No checkpoint", timeout=RUN_TIMEOUT_MS)
-        expect(page.locator("#monitor-action")).to_contain_text("from step 0")
+        # One look at the whole line: the Monitor clears it once the new attempt has failed (a settled
+        # state), which on a loaded machine came between two looks at it.
+        expect(page.locator("#monitor-action")).to_contain_text(re.compile("No checkpoint .* from step 0"),
+                                                                timeout=RUN_TIMEOUT_MS)
         expect(status).to_contain_text(re.compile(r"failed · run \S+ · attempt 2"), timeout=RUN_TIMEOUT_MS)
         expect(resume).to_have_text("▶ Run again")
         shot(page, "failed-again")
