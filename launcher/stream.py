@@ -167,9 +167,11 @@ class StreamBatches:
             buffer = [_sample(*entry) for entry in state["buffer"]]
             records, dropped, stream_state = int(state["records"]), int(state["dropped"]), state["stream"]
             # a position written before records were skipped has neither
-            skipped, first = int(state.get("skipped", 0)), [str(m) for m in state.get("skipped_first", [])]
+            skipped, first = int(state.get("skipped", 0)), state.get("skipped_first", [])
             if not isinstance(stream_state, dict):
                 raise TypeError("stream is not a mapping")
+            if not (isinstance(first, list) and all(isinstance(m, str) for m in first)):
+                raise TypeError("skipped_first is not a list of messages")
         except DataError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

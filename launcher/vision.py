@@ -52,14 +52,19 @@ def auto_class(path: str):
 def save_image_processor(source: str, out, max_pixels: int | None = None) -> None:
     """A vision-language model's image processor saved beside its export (from_pretrained reads it
     there), with the `max_pixels` it was trained with."""
-    if model_config(source) is not None:
-        image_processor(source, max_pixels).save_pretrained(out)
+    config = model_config(source)
+    if config is not None:
+        image_processor(source, config, max_pixels).save_pretrained(out)
 
 
-def image_processor(source: str, max_pixels: int | None = None):
+FRAME_BOUNDED = ("glm4v",)
+"""Families whose image processor bounds an image's pixels times its temporal patch (an image as
+that many frames)."""
+
+
+def image_processor(source: str, config, max_pixels: int | None = None):
     """The model's image processor, an image's pixels bounded by `max_pixels` where given: its size's
-    longest_edge, which GLM-4V's processor applies to an image as its two temporal frames (so
-    there it is `max_pixels` x temporal_patch_size)."""
+    longest_edge (FRAME_BOUNDED families: times the temporal patch)."""
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(source)
@@ -68,7 +73,7 @@ def image_processor(source: str, max_pixels: int | None = None):
     if "longest_edge" not in processor.size:
         raise UserError(f"max_pixels: {type(processor).__name__} cuts images into tiles of a fixed size; it takes no "
                         "pixel bound (its max_patches caps the tiles)")
-    frames = getattr(processor, "temporal_patch_size", 1) if type(processor).__name__.startswith("Glm4v") else 1
+    frames = processor.temporal_patch_size if config.model_type in FRAME_BOUNDED else 1
     return AutoImageProcessor.from_pretrained(source, size={"shortest_edge": processor.size["shortest_edge"],
                                                             "longest_edge": max_pixels * frames})
 
@@ -102,7 +107,7 @@ class Images:
         if config.model_type not in VISION_FAMILIES:
             raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
                             f"(it does {', '.join(VISION_FAMILIES)})")
-        self.processor = image_processor(model_dir, max_pixels)
+        self.processor = image_processor(model_dir, config, max_pixels)
         self.token_id = config.image_token_id
         self.merge = getattr(self.processor, "merge_size", 1)
         self.tiled = config.model_type in TILED_FAMILIES

@@ -181,6 +181,9 @@ def test_strict_off_skips_a_streamed_record_it_cannot_encode_counts_it_and_keeps
     (tmp_path / "data-rank0.json").write_text(json.dumps(old))
     load_position(again, 3, tmp_path, rank=0)
     assert again.skipped == 0
+    (tmp_path / "data-rank0.json").write_text(json.dumps({**old, "skipped": 1, "skipped_first": "a string"}))
+    with pytest.raises(DataError, match="is not a stream position .*skipped_first is not a list of messages"):
+        load_position(again, 3, tmp_path, rank=0)
     # strict on stops at the first; a line that is not JSON stops either way
     stopped = StreamBatches(open_stream(job([str(path)]), tokenizer, 0, 1), 1, 2, 1, tokenizer.pad_token_id, False, 64)
     assert stopped.step(0) and stopped.step(1) is None and stopped.error.startswith(f"{path}:3: ")

@@ -523,6 +523,20 @@ def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens
     assert page.count("<img ") == 1 and "example.com" not in page
 
 
+def test_an_internvl_whose_tokenizer_has_no_image_bounds_is_refused_by_name(tmp_path):
+    """A tokenizer from another tool without InternVL's <img> and </img>: the visual tokens would have
+    no bounds the model was trained with; refused naming the model directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from backend.job.errors import UserError
+    from launcher.vision import Images
+
+    model = build_tiny_vl_model(tmp_path / "internvl", "internvl")
+    AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model").save_pretrained(model)  # no image tokens
+    with pytest.raises(UserError, match=f"model: {model}'s tokenizer has no <img> and </img> tokens"):
+        Images(str(model), AutoConfig.from_pretrained(model))
+
+
 def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
     """The image processor saved beside an export limits images to the run's max_pixels, so the
     exported model is shown images as it was trained on them (GLM-4V's processor too, whose bound
