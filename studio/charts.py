@@ -79,6 +79,8 @@ class SeriesBuffer:
     """The run's state when last drawn."""
     restart: tuple[str, bool] | None = None
     """The Monitor's resume button (label, enabled) when last drawn."""
+    estimate: tuple[int, dict | None] | None = None
+    """(attempts, the memory estimate the latest of them was planned with): read once an attempt."""
     points: dict[tuple, list[Point]] = field(default_factory=dict)
     max_points: int = MAX_POINTS
     drawn: dict[str, str] = field(default_factory=dict)

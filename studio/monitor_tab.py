@@ -141,7 +141,10 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             p = progress or {}
             shown["progress"] = progress_html(p.get("step"), p.get("max_steps"), p.get("eta_s"), run.state, p.get("data"))
             if changed:
-                figs = figures(buf, smoothing, x_axis, manager.memory_estimate(run_id))
+                # an attempt's plan is made once: read until it has one, then again for the next attempt
+                if buf.estimate is None or buf.estimate[0] != run.attempts or buf.estimate[1] is None:
+                    buf.estimate = (run.attempts, manager.memory_estimate(run_id))
+                figs = figures(buf, smoothing, x_axis, buf.estimate[1])
                 hidden_when_empty = ("preference", "experts", "stages", "util_heatmap", "power", "rank_memory")
                 shown.update({name: figs[name] for name in CHARTS if name not in hidden_when_empty})
                 for name in hidden_when_empty:
