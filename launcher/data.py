@@ -250,7 +250,8 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
     of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly).
     `media` (`launcher.vision.Images`): the rows' images as the model's pixel inputs, and no
-    position ids where the model places its image tokens itself (its multimodal rope)."""
+    position ids where the model places its image tokens itself (its multimodal rope), but for packed
+    rows, whose samples' positions it cannot tell apart (`Images.packed_positions`)."""
     import torch
 
     width = pad_to or max(len(r.input_ids) for r in rows)
@@ -266,15 +267,19 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
     if media is not None:
-        # Qwen's and GLM-4V's models place their image tokens themselves (multimodal rope), from the
-        # token types the processor would give (transformers 5.24 computes none without them)
-        extra = media.inputs(batch["input_ids"])
-        if extra:
-            del batch["position_ids"]
-        batch.update(extra)
         images = [(path, count) for r in rows for path, count in zip(r.images, media.runs(r.input_ids))]
         if images:
             batch.update(media.pixels(images))
+        # Qwen's and GLM-4V's models place their image tokens themselves (multimodal rope), from the
+        # token types the processor would give (transformers 5.24 computes none without them); packed
+        # rows are placed here, sample by sample, as the model would place each alone
+        extra = media.inputs(batch["input_ids"])
+        if extra and packed:
+            batch["position_ids"] = media.packed_positions(batch["input_ids"], batch["position_ids"],
+                                                           batch.get("image_grid_thw"))
+        elif extra:
+            del batch["position_ids"]
+        batch.update(extra)
     return batch
 
 

@@ -185,6 +185,8 @@ class Trainer:
         self.model_config = getattr(model, "config", None)
         # A vision-language model's image side: its images' token counts when tokenizing, pixels per micro-batch.
         self.images = Images(spec.model, self.model_config, spec.max_pixels) if is_vision(self.model_config) else None
+        if self.images:
+            self.images.bind(model)
         # the language model's (a vision-language model's FLOPs and buckets are counted on it: its tower is small)
         language = getattr(self.model_config, "text_config", None) or self.model_config
         self._pair_sources: list[tuple[data.Batches, Tokenized, np.ndarray]] = []  # made by _batches

@@ -126,6 +126,15 @@ class Images:
                                 f"{config.model_type} puts around each image's visual tokens")
         self.ids = {self.token_id, *self.bounds}
         """Every token an image's run takes."""
+        self.rope_index = None
+        """The model's multimodal rope (Qwen's and GLM-4V's `get_rope_index`; `bind`): packed rows' positions."""
+
+    def bind(self, model) -> None:
+        """Takes the model's own multimodal rope, by which packed rows place each sample's image tokens
+        (InternVL places them as text and has none)."""
+        if not self.tiled:
+            self.rope_index = next(module.get_rope_index for module in model.modules()
+                                   if callable(getattr(type(module), "get_rope_index", None)))
 
     def placeholder(self, count: int) -> list[int]:
         """An image's tokens for `count` visual tokens."""
@@ -136,6 +145,28 @@ class Images:
         """What the model takes beside the pixels: Qwen's and GLM-4V's token types, from which
         transformers 5.24 computes their multimodal rope (InternVL places image tokens as text)."""
         return {} if self.tiled else {"mm_token_type_ids": (input_ids == self.token_id).int()}
+
+    def packed_positions(self, input_ids: torch.Tensor, text_positions: torch.Tensor,
+                         grids: torch.Tensor | None) -> torch.Tensor:
+        """Positions of packed rows (samples end to end, `text_positions` restarting at 0 with each) as
+        transformers' Qwen-VL and GLM-4V language models take them, (4, rows, width): the text positions,
+        from which the block-diagonal mask is built, over each sample's multimodal rope computed by the
+        model on that sample alone (a padding tail is a sample of text). `grids`: the rows' images'
+        `image_grid_thw`, in order."""
+        segments = [(row, int(start), int(end))
+                    for row, positions in enumerate(text_positions)
+                    for start, end in zip(*_runs_from_zeros(positions))]
+        longest = max(end - start for _, start, end in segments)
+        ids = torch.zeros(len(segments), longest, dtype=input_ids.dtype)
+        mask = torch.zeros(len(segments), longest, dtype=torch.long)
+        for i, (row, start, end) in enumerate(segments):
+            ids[i, :end - start], mask[i, :end - start] = input_ids[row, start:end], 1
+        rope, _ = self.rope_index(ids, mm_token_type_ids=self.inputs(ids)["mm_token_type_ids"] * mask,
+                                  image_grid_thw=grids, attention_mask=mask)
+        out = torch.zeros(3, *input_ids.shape, dtype=rope.dtype)
+        for i, (row, start, end) in enumerate(segments):
+            out[:, row, start:end] = rope[:, i, :end - start]
+        return torch.cat([text_positions[None].to(out.dtype), out])
 
     def digest(self) -> str:
         """What the visual token counts depend on (the tokenized cache's key)."""
@@ -193,6 +224,12 @@ class Images:
                 out.append(run)
                 run = 0
         return out
+
+
+def _runs_from_zeros(positions: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(starts, ends) of the runs of a row's positions, each starting at 0."""
+    starts = (positions == 0).nonzero().flatten().tolist()
+    return starts, starts[1:] + [len(positions)]
 
 
 def vision_parts(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:

@@ -85,6 +85,59 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
     assert unplaced is None or abs(seen - unplaced) > 1e-4  # and the image tokens their 2-D positions
 
 
+def test_packed_image_records_give_every_sample_the_logits_it_has_alone(tmp_path, tiny_vl):
+    """Packing (and padding_free's one row) with images: three image records of different sizes and a
+    text record in one row, a padding tail after them; each sample's logits are those of its own padded
+    row, so no sample sees another and every image token keeps its own multimodal position."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    from launcher.data import collate, flattened, pack, unpacked
+    from launcher.vision import Images
+
+    data = colour_images(tmp_path / "data", 3)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    records = [Record(f"{data}:{i + 1}", json.loads(line), str(tmp_path / "data")) for i, line in enumerate(open(data))]
+    records.append(Record(f"{data}:4", {"messages": [{"role": "user", "content": "Name a colour."},
+                                                     {"role": "assistant", "content": "green"}]}, str(tmp_path)))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    media = Images(str(tiny_vl), AutoConfig.from_pretrained(tiny_vl))
+    media.bind(model)
+    samples = [encode(r, tokenizer, 200, Persona(images=True), media) for r in records]
+    row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
+    packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
+    alone = collate(unpacked(samples), tokenizer.pad_token_id, False, media=media)
+    assert collate([flattened(unpacked(samples))], tokenizer.pad_token_id, True, media=media)["position_ids"].shape[0] \
+        == (1 if media.tiled else 4)
+    with torch.no_grad():
+        together = model(**packed, use_cache=False).logits[0]
+        apart = model(**alone, use_cache=False).logits
+    at, order = 0, _data_order(row, samples)
+    assert sorted(order) == [0, 1, 2, 3]
+    for i in order:
+        n = len(samples[i])
+        assert torch.allclose(together[at:at + n], apart[i, :n], atol=2e-5), (records[i].where, media.tiled)
+        at += n
+    # the model's own positions for the packed row (no sample boundaries) would differ: the test can fail
+    if not media.tiled:
+        with torch.no_grad():
+            unbounded = model(**{k: v for k, v in packed.items() if k != "position_ids"}, use_cache=False).logits[0]
+        assert not torch.allclose(unbounded[:at], together[:at], atol=2e-5)
+
+
+def _data_order(row, samples) -> list[int]:
+    """Which samples a packed row holds, in its order (matched by their token ids)."""
+    out, at = [], 0
+    while at < len(row.input_ids):
+        match = next((i for i, s in enumerate(samples) if i not in out and row.input_ids[at:at + len(s)] == s.input_ids),
+                     None)
+        if match is None:
+            break
+        out.append(match)
+        at += len(samples[match])
+    return out
+
+
 def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, images):
     from transformers import AutoTokenizer
 
@@ -234,7 +287,8 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
 
     assert refused() == {}
     assert refused(train_type="full", fsdp="full_shard") == {} and refused(train_type="full", deepspeed="zero2") == {}
-    assert refused(packing=True)["packing"].startswith("not with a vision-language model yet")
+    assert refused(packing=True) == {} and refused(padding_free=True) == {}
+    assert refused(torch_compile=True)["torch_compile"].startswith("not with a vision-language model yet")
     assert "not with a vision-language model yet" in refused(deepspeed="zero2", sequence_parallel_size=2)[
         "sequence_parallel_size"]
     assert refused(freeze_vit=False) == {} and refused(freeze_llm=True, freeze_aligner=False) == {}
@@ -346,8 +400,8 @@ def tiny_qwen25_vl(tmp_path_factory):
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_and_exports(tmp_path, tiny_qwen25_vl):
     """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
-    loss falls; full fine-tuning of the language model (the merger at its own aligner_lr) on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
-    (two ranks each, reading the same shards); the LoRA export loads with its image processor and, on an image record, has a
+    loss falls, packed too; full fine-tuning of the language model (the merger at its own aligner_lr) on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
+    (two ranks each, reading the same shards), as FSDP2 with padding_free does; the LoRA export loads with its image processor and, on an image record, has a
     lower loss than the base model."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -369,6 +423,10 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
                 aligner_lr=1e-20)
     ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
     fsdp, zero2, zero3 = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3"
+    # padding_free: a micro-batch's samples end to end in one row, each by its own multimodal positions
+    padfree = tmp_path / "padding-free"
+    packed = write_run(tmp_path / "packed", **common, train_type="lora", packing=True, per_device_train_batch_size=2,
+                       learning_rate=5e-2, max_steps=8, save_strategy="no")
     # half the records without an image, to train on or to evaluate: FSDP2 would hang its ranks in the
     # vision tower, so the run stops first
     texts = tmp_path / "data" / "mixed.jsonl"
@@ -379,6 +437,9 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
                              planned(zero2, **{**full, "save_strategy": "steps"}, save_steps=3,
                                      per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
                              planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2),
+                             planned(padfree, **full, per_device_train_batch_size=2, fsdp="full_shard",
+                                     nproc_per_node=2, padding_free=True),
+                             dict(run_dir=packed),
                              planned(tmp_path / "mixed", **{**full, "dataset": [str(texts)]},
                                      per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
                              planned(tmp_path / "mixed-val", **full, val_dataset=[str(texts)], eval_steps=3,
@@ -388,11 +449,12 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     for proc, field, engine in ((mixed, "dataset", "FSDP2"), (mixed_val, "val_dataset", "ZeRO-3")):
         assert proc.returncode != 0 and f"{field}: 16 records have no image beside 16 that do: on this engine (" \
             in proc.log and engine in proc.log, proc.log[-3000:]
-    curve = losses(lora)
-    assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
+    for run in (lora, packed):
+        curve = losses(run)
+        assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, (run.name, curve)
     ready = [e for e in events(lora, 0, "data") if e.get("phase") == "ready"][0]
     assert (ready["skipped"], [m.split(": ")[0] for m in ready["skipped_first"]]) == (2, [f"{skipping}:33", f"{skipping}:34"])
-    for run in (fsdp, zero2, zero3):
+    for run in (fsdp, zero2, zero3, padfree):
         for step, value in losses(run).items():
             assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
     trained = {e["step"] for e in events(fsdp, 0, "train")}

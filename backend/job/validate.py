@@ -279,7 +279,6 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
     out = [Problem(field, f"not with a vision-language model yet: {why}; turn it off") for field, why in (
         (capabilities.TP, "not tested"), (capabilities.PP, "its stages split the language model only"),
         (capabilities.CP, "not tested"), (capabilities.SP, "not tested"), (capabilities.EP, "not tested"),
-        ("packing", "images are placed by each sample's own positions"), ("padding_free", "as packing"),
         ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
         ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
         if _set(getattr(spec, field))]
