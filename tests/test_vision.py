@@ -288,6 +288,10 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert refused() == {}
     assert refused(train_type="full", fsdp="full_shard") == {} and refused(train_type="full", deepspeed="zero2") == {}
     assert refused(packing=True) == {} and refused(padding_free=True) == {}
+    # transformers' TP plans split the language model, but Qwen3-VL's its embedding alone
+    assert refused(tensor_model_parallel_size=2) == ({} if "qwen3_vl" not in str(tiny_vl) else {
+        "tensor_model_parallel_size": "transformers' TP plan for qwen3_vl shards its embedding alone: every rank would "
+                                      "hold and compute every layer; leave TP at 1"})
     assert refused(torch_compile=True)["torch_compile"].startswith("not with a vision-language model yet")
     assert "not with a vision-language model yet" in refused(deepspeed="zero2", sequence_parallel_size=2)[
         "sequence_parallel_size"]
@@ -499,12 +503,12 @@ def assert_the_export_answers_better(lora: Path, base_dir: Path, data: str, tmp_
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("family", ["glm4v", "internvl"])
-def test_glm4v_and_internvl_train_on_images_on_ddp_and_fsdp2_and_their_lora_exports(tmp_path, tmp_path_factory, family):
+def test_glm4v_and_internvl_train_on_images_on_ddp_fsdp2_and_tp_and_their_lora_exports(tmp_path, tmp_path_factory, family):
     """GLM-4V (its tower, merger and language model as transformers builds them on Qwen2-VL's rope)
     and InternVL (tiles, its image runs between <img> and </img>, placed as text): LoRA on two DDP
     ranks lowers the loss and exports with its image processor, and the export's loss on an image
     record is below the base model's; full fine-tuning of the language model on FSDP2 (the tower in
-    units of its own) trains DDP's losses."""
+    units of its own) trains DDP's losses; under TP=2 (full for GLM-4V, LoRA for InternVL) one rank's."""
     model_dir = build_tiny_vl_model(tmp_path_factory.mktemp(f"{family}-e2e"), family)
     data = colour_images(tmp_path / "data", 32)
     common = dict(model=str(model_dir), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
@@ -514,13 +518,22 @@ def test_glm4v_and_internvl_train_on_images_on_ddp_and_fsdp2_and_their_lora_expo
     full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no",
                 per_device_train_batch_size=2)
     ddp, fsdp = write_run(tmp_path / "ddp", **full), tmp_path / "fsdp2"
+    # TP=2 (the language model split by its TP plan, the tower whole on both ranks) against one rank:
+    # GLM-4V's fused gate_up under full fine-tuning, InternVL's Qwen2 plan under LoRA
+    split = {**full, "train_type": "full" if family == "glm4v" else "lora"}
+    one, tp = tmp_path / "one", tmp_path / "tp2"
     for proc in run_workers([dict(run_dir=lora), dict(run_dir=ddp),
-                             planned(fsdp, **full, fsdp="full_shard", nproc_per_node=2)], 400):
+                             planned(fsdp, **full, fsdp="full_shard", nproc_per_node=2),
+                             planned(one, **split, nproc_per_node=1),
+                             planned(tp, **split, nproc_per_node=2, tensor_model_parallel_size=2)], 400):
         assert proc.returncode == 0, proc.log[-4000:]
     curve = losses(lora)
     assert sorted(curve) == list(range(1, 9)) and curve[8] < curve[1] - 0.3, curve
-    for step, value in losses(fsdp).items():
-        assert value == pytest.approx(losses(ddp)[step], rel=1e-4), step
+    for run, baseline in ((fsdp, ddp), (tp, one)):
+        assert sorted(losses(run)) == [1, 2, 3]
+        for step, value in losses(run).items():
+            assert value == pytest.approx(losses(baseline)[step], rel=1e-4), (run.name, step)
+    assert losses(one)[3] < losses(one)[1]
     assert_the_export_answers_better(lora, model_dir, data, tmp_path)
 
 
@@ -529,7 +542,7 @@ def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds
     model's (Qwen2-VL's too, from a config); full fine-tuning trains what the freezes leave."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from backend.job.memory import trainable_params
+    from backend.job.memory import estimate_memory, trainable_params
     from backend.job.modelcfg import parse_model_config
     from launcher.vision import vision_parts
 
@@ -547,6 +560,12 @@ def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds
         assert trainable_params(JobSpec(**job), parsed) == built[2]
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_aligner=False), parsed) == sum(built)
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_llm=True), parsed) == built[0]
+        # TP plans split the language model: the tower and aligner are whole on every TP rank
+        states = lambda **f: estimate_memory(JobSpec(**job, freeze_vit=False, freeze_aligner=False,  # noqa: E731
+                                                     nproc_per_node=2, **f), parsed, device="cpu")
+        one, tp = states(), states(tensor_model_parallel_size=2)
+        for part in ("gradients_gib", "optimizer_gib"):
+            assert getattr(tp, part) == pytest.approx(getattr(one, part) * (built[2] / 2 + built[0] + built[1]) / sum(built))
 
 
 def test_the_data_preview_shows_an_image_records_thumbnail_and_its_visual_tokens(tmp_path, tiny_vl, images):

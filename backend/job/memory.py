@@ -137,10 +137,17 @@ def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
     """Full fine-tuning: every parameter (a vision-language model's parts that freeze_vit,
     freeze_aligner and freeze_llm leave). LoRA: r x (in + out) per adapter, as peft builds them."""
     if spec.train_type == "full":
-        return sum(count for count, frozen in ((model.param_count(), spec.freeze_llm and model.vision_tower),
-                                               (model.vision_params, spec.freeze_vit),
-                                               (model.aligner_params, spec.freeze_aligner)) if not frozen)
+        return (0 if spec.freeze_llm and model.vision_tower else model.param_count()) + trainable_outside_llm(spec, model)
     return sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
+
+
+def trainable_outside_llm(spec: JobSpec, model: ModelConfig) -> int:
+    """Of `trainable_params`, those of a vision tower and aligner (full fine-tuning with them unfrozen;
+    LoRA adapters on them are not counted yet)."""
+    if spec.train_type != "full":
+        return 0
+    return sum(count for count, frozen in ((model.vision_params, spec.freeze_vit),
+                                           (model.aligner_params, spec.freeze_aligner)) if not frozen)
 
 
 # Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
@@ -309,15 +316,18 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     `device="cpu"` (gloo ranks) leaves out the CUDA context and workspaces. `zero`: the job's
     DeepSpeed settings where the caller has them, so a user JSON is not read again."""
     layout = layout or compute_layout(spec)
-    total = model.param_count() + model.vision_params + model.aligner_params
     trainable = trainable_params(spec, model)
     model_parallel = layout.tp * layout.pp
     # transformers' EP lays the experts over the same FSDP x TP ranks as the dense weights (EP groups
     # of whole experts, each sharded over the rest), so a rank stores 1/(TP x FSDP) of both; what EP
-    # changes is what FSDP gathers for a layer: only the rank's own experts (`_Sizes.ep`).
-    local = total / model_parallel
+    # changes is what FSDP gathers for a layer: only the rank's own experts (`_Sizes.ep`). TP plans
+    # cover the language model: a vision tower and aligner are whole on every TP rank.
+    whole = model.vision_params + model.aligner_params
+    whole_trainable = trainable_outside_llm(spec, model)
+    total = model.param_count() + whole
+    local = model.param_count() / model_parallel + whole
     shard = max(1, layout.world // model_parallel)
-    sizes = _Sizes(local=local, trainable=trainable * local / total, shard=shard,
+    sizes = _Sizes(local=local, trainable=(trainable - whole_trainable) / model_parallel + whole_trainable, shard=shard,
                    width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp, ep=layout.ep)
     if spec.deepspeed:
         zero = zero or zero_settings(spec)
@@ -343,7 +353,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
             plan = None if spec.deepspeed else fsdp_plan(spec)
             sharded = zero.stage == 3 if spec.deepspeed else plan is not None and not plan.replicate
             on_host = bool(spec.deepspeed and sharded and zero.offload_param)
-            reference = total * sizes.width / model_parallel / (sizes.shard if sharded else 1)
+            reference = local * sizes.width / (sizes.shard if sharded else 1)
             if on_host:
                 offloaded += reference
             else:
@@ -358,7 +368,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
                          "two sequences")
     if layout.tp > 1:
         notes.append(f"tensor parallel TP={layout.tp}: weights, gradients, optimizer states and most activations "
-                     f"divided by {layout.tp}")
+                     f"divided by {layout.tp}" + (" (the vision tower and aligner whole on every rank)" if whole else ""))
     if layout.ep > 1 and model.is_moe:
         notes.append(f"expert parallel EP={layout.ep}: each rank runs {model.num_experts // layout.ep} of the "
                      f"{model.num_experts} experts of a MoE layer and gathers only their weights; stored states are "

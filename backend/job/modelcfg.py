@@ -36,6 +36,9 @@ tokens, a fixed count per tile of the image (InternVL's, transformers' `-hf` che
 TILED_FAMILIES = ("internvl",)
 """Of VISION_FAMILIES, those whose images are cut into tiles, each a fixed number of visual tokens
 between the image's start and end tokens, placed as text (no multimodal rope)."""
+TP_UNPLANNED_FAMILIES = ("qwen3_vl",)
+"""Of VISION_FAMILIES, those whose language model transformers 5.24 gives a TP plan of its embedding
+alone: under TP every rank would hold and compute every decoder layer."""
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text", "glm4v_text")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
 # Gemma-2/3 and GLM-4V layers norm before and after both attention and the MLP.

@@ -25,7 +25,7 @@ from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
-from backend.job.modelcfg import TILED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
+from backend.job.modelcfg import TILED_FAMILIES, TP_UNPLANNED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
 from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
@@ -277,11 +277,14 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         return [Problem("model", f"{model.multimodal_type or 'this'} vision-language model: the worker trains "
                                  f"{', '.join(VISION_FAMILIES)} so far (their images' token layout)")]
     out = [Problem(field, f"not with a vision-language model yet: {why}; turn it off") for field, why in (
-        (capabilities.TP, "not tested"), (capabilities.PP, "its stages split the language model only"),
+        (capabilities.PP, "its stages split the language model only"),
         (capabilities.CP, "not tested"), (capabilities.SP, "not tested"), (capabilities.EP, "not tested"),
         ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
         ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
         if _set(getattr(spec, field))]
+    if _set(spec.tensor_model_parallel_size) and model.multimodal_type in TP_UNPLANNED_FAMILIES:
+        out.append(Problem(capabilities.TP, f"transformers' TP plan for {model.multimodal_type} shards its embedding alone: "
+                                            "every rank would hold and compute every layer; leave TP at 1"))
     if spec.max_pixels and model.multimodal_type in TILED_FAMILIES:
         out.append(Problem("max_pixels", f"{model.multimodal_type}'s image processor cuts images into tiles of a fixed "
                                          "size; it takes no pixel bound (its max_patches caps the tiles): leave it empty"))

@@ -55,6 +55,10 @@ class TPEngine(FSDPEngine):
         # LoRA adapters come after that wrapping: FSDP2 does not know them, so their (small)
         # gradients are averaged over the data-parallel ranks here.
         self._dp_group = _dp_group(base, plan) if spec.train_type == "lora" and plan.dp > 1 else None
+        if plan.tp > 1 and not _sharded_layers(base):
+            raise ConfigError(f"tensor_model_parallel_size: transformers' TP plan for {model.config.model_type} shards "
+                              f"none of its layers (its plan: {getattr(text, 'base_model_tp_plan', None)}): every rank "
+                              "would hold and compute the whole model; leave TP at 1")
         self._partial = _partial_over_tp(base) if plan.tp > 1 else []
         self._tp_group = base._device_mesh["tp"].get_group() if self._partial else None
 
@@ -76,6 +80,14 @@ class TPEngine(FSDPEngine):
         if self._partial:
             _sum_grads(self._partial, self._tp_group)
         return super().step()
+
+
+def _sharded_layers(base) -> bool:
+    """Whether TP split any decoder layer's weights (a plan of the embedding alone splits none)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return any(isinstance(p, DTensor) and any(isinstance(x, Shard) for x in p.placements)
+               for name, p in base.named_parameters() if ".layers." in name)
 
 
 # transformers 5.24's "replicated_with_grad_allreduce" (Qwen3's per-head q_norm and k_norm under TP)
