@@ -95,7 +95,7 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
 
 
 def preview(spec, tokenizer, images=None) -> dict:
-    persona = Persona.of(spec, images is not None)
+    persona = Persona.of(spec, images is not None, images is not None and images.tiled)
     datasets = [dataset_preview(entry, spec, tokenizer, persona, images) for entry in spec.dataset]
     kept = np.array([min(n, spec.max_length) for d in datasets for n in d["lengths"] if n > 1], dtype=np.int64)
     packed_fill = row_fill = None

@@ -297,7 +297,8 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any], i
             fingerprint=key, gen_kwargs={
                 "parts": list(range(parts)), "n_parts": parts, "entries": tuple(spec.dataset),
                 "tokenizer": tokenizer, "max_length": spec.max_length, "seed": spec.seed,
-                "max_record_bytes": spec.max_record_bytes, "persona": Persona.of(spec, images is not None),
+                "max_record_bytes": spec.max_record_bytes,
+                "persona": Persona.of(spec, images is not None, images is not None and images.tiled),
                 "images": images, "strict": spec.strict})
         error = _first_error(built)
         if error is not None:

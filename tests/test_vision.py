@@ -201,9 +201,13 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
                        (5, r"an <image> tag after the last assistant answer \(message 3\)")):
         with pytest.raises(DataError, match=f":{i + 1}: {message}"):
             encode(Record(f"{where}:{i + 1}", more[i], str(data)), tokenizer, 96, Persona(images=True), images)
-    if not images.tiled:  # InternVL's processor tiles any shape (validation refuses it all the same)
+    if not images.tiled:
         with pytest.raises(DataError, match=r"thin.png: absolute aspect ratio must be smaller than 200"):
             encode(Record(f"{where}:2", more[1], str(data)), tokenizer, 96, Persona(images=True), images)
+    else:  # InternVL's processor tiles any shape: validation takes it, the worker counts its tiles
+        tiled = Persona(images=True, tiled=True)
+        assert [p for p in sample_problems(str(data / "more.jsonl"), 1 << 20, tiled) if "thin.png" in p] == []
+        assert images.tokens(where, str(data / "thin.png")) > images.per_tile
     # an image replaced by a larger one after tokenizing (the cache holds the old count) stops the run by path
     replaced = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
     Image.new("RGB", (168, 168)).save(data / "0.png")

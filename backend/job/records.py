@@ -318,11 +318,13 @@ class Persona:
     """Every record is a preference pair (`rlhf_type`): a prompt with a chosen and a rejected answer."""
     images: bool = False
     """The model reads images (a vision-language model): a record's `images` go where its `<image>` tags are."""
+    tiled: bool = False
+    """Its image processor cuts images into tiles of a fixed size (InternVL's), whatever their aspect ratio."""
 
     @classmethod
-    def of(cls, spec, images: bool = False) -> "Persona":
+    def of(cls, spec, images: bool = False, tiled: bool = False) -> "Persona":
         return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()),
-                   spec.rlhf_type is not None, images)
+                   spec.rlhf_type is not None, images, tiled)
 
     def renamed(self, record: Record) -> Record:
         """The record with the job's `columns` renamed, as every reader of it sees it (the worker,
@@ -643,17 +645,18 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
         to_messages(record, persona)
         if persona.images and isinstance(record.data, dict) and record.data.get("images"):
             for path in record_images(record):
-                verify_image(record.where, path)
+                verify_image(record.where, path, bounded=not persona.tiled)
 
 
 MAX_IMAGE_RATIO = 200
 """The longest side over the shortest that Qwen-VL's image processors take (their smart_resize)."""
 
 
-def verify_image(where: str, path: str) -> None:
+def verify_image(where: str, path: str, bounded: bool = True) -> None:
     """Raise a DataError naming the record and the file if `path` (or an inline image) is not a
     whole image PIL decodes (missing, not a regular file, not an image, truncated, past PIL's
-    decompression-bomb limit) or has a side over MAX_IMAGE_RATIO times the other."""
+    decompression-bomb limit) or, `bounded` (the processor is not a tiling one), has a side over
+    MAX_IMAGE_RATIO times the other."""
     shown = shown_image(path)
     with open_image(where, path) as image:
         try:
@@ -662,7 +665,7 @@ def verify_image(where: str, path: str) -> None:
             raise DataError(f"{where}: image {shown} is not a whole image PIL can read ({type(exc).__name__}: "
                             f"{exc})") from None
         width, height = image.size
-    if max(width, height) > MAX_IMAGE_RATIO * min(width, height):
+    if bounded and max(width, height) > MAX_IMAGE_RATIO * min(width, height):
         raise DataError(f"{where}: image {shown} is {width}x{height}: a side over {MAX_IMAGE_RATIO} times the other, "
                         "which the model's image processor refuses")
 

@@ -264,6 +264,8 @@ def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
     return tuple(dir_problems(field, path))
 
 
+_SPLIT_ROWS = ("each rank would hold a slice of every row, while the model places each image's features in that "
+               "image's tokens across the whole row")
 
 
 def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
@@ -278,9 +280,12 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
                                  f"{', '.join(VISION_FAMILIES)} so far (their images' token layout)")]
     out = [Problem(field, f"not with a vision-language model yet: {why}; turn it off") for field, why in (
         (capabilities.PP, "its stages split the language model only"),
-        (capabilities.CP, "not tested"), (capabilities.SP, "not tested"), (capabilities.EP, "not tested"),
-        ("streaming", "images are counted when the data is tokenized"), ("rlhf_type", "not tested"),
-        ("torch_compile", "not tested"), ("use_liger_kernel", "not tested"), ("tiled_mlp", "not tested"))
+        (capabilities.CP, _SPLIT_ROWS), (capabilities.SP, _SPLIT_ROWS),
+        (capabilities.EP, "none of the vision-language families it trains has experts"),
+        ("streaming", "images are counted when the data is tokenized"),
+        ("rlhf_type", "preference pairs with images are not read yet"), ("torch_compile", "not run with one yet"),
+        ("use_liger_kernel", "its kernels have not run with one (liger-kernel 0.8.5's Qwen2.5-VL patch fails to import "
+                             "under transformers 5.24)"), ("tiled_mlp", "not run with one yet"))
         if _set(getattr(spec, field))]
     if _set(spec.tensor_model_parallel_size) and model.multimodal_type in TP_UNPLANNED_FAMILIES:
         out.append(Problem(capabilities.TP, f"transformers' TP plan for {model.multimodal_type} shards its embedding alone: "
@@ -302,11 +307,12 @@ def _set(value) -> bool:
     return value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
 
 
-def _dataset_rules(spec: JobSpec, images: bool = False) -> list[Problem]:
+def _dataset_rules(spec: JobSpec, images: bool = False, tiled: bool = False) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
     usually is mounted here too), so a bad record shows before launch instead of after it.
-    `images`: the model is a vision-language model (its records may carry images)."""
-    persona = records.Persona.of(spec, images)
+    `images`: the model is a vision-language model (its records may carry images); `tiled`: one that
+    cuts them into tiles."""
+    persona = records.Persona.of(spec, images, tiled)
     out = []
     for field, i, item in _data_entries(spec):
         found = records.sampled(item, spec.max_record_bytes, persona)
@@ -395,7 +401,8 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
                 memory_note = (f"unknown; no config.json found for `{spec.model}` (a local directory, a bundled config "
                               "or the hub cache).")
     # a model whose config cannot be read here may read images: the worker, which loads it, decides
-    problems += _dataset_rules(spec, model is None or model.vision_tower)
+    problems += _dataset_rules(spec, model is None or model.vision_tower,
+                               model is not None and model.multimodal_type in TILED_FAMILIES)
     memory = None
     if model is not None:
         trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains
