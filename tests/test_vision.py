@@ -13,7 +13,8 @@ from backend.job.records import DataError, Persona, Record, sample_problems
 from backend.job.spec import JobSpec
 from backend.job.validate import errors, validate
 from launcher.data import IGNORE, Batches, encode, one_per_row
-from worker import ROOT, build_tiny_vl_model, colour_images, events, losses, planned, run_workers, write_run
+from worker import (ROOT, assert_resumes_the_same, build_tiny_vl_model, colour_images, events, losses, planned,
+                    run_workers, write_run)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "internvl"])
@@ -408,8 +409,8 @@ def tiny_qwen25_vl(tmp_path_factory):
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_and_exports(tmp_path, tiny_qwen25_vl):
     """LoRA (the language model's linear layers; the tower and merger frozen) on two DDP ranks: the
-    loss falls, packed too; full fine-tuning of the language model (the merger at its own aligner_lr) on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
-    (two ranks each, reading the same shards), as FSDP2 with padding_free does; the LoRA export loads with its image processor and, on an image record, has a
+    loss falls, packed too, and a resume from step 4 trains its losses; full fine-tuning of the language model (the merger at its own aligner_lr) on FSDP2, ZeRO-2 and ZeRO-3 trains DDP's losses
+    (two ranks each, reading the same shards), as FSDP2 with padding_free does (ZeRO-2's resumed from step 2 too); the LoRA export loads with its image processor and, on an image record, has a
     lower loss than the base model."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -424,14 +425,17 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
     (tmp_path / "data" / "cut.png").write_bytes((tmp_path / "data" / "0.png").read_bytes()[:60])
     skipping.write_text(open(data).read() + "".join(
         json.dumps({**json.loads(open(data).readline()), "images": [name]}) + "\n" for name in ("gone.png", "cut.png")))
-    lora = write_run(tmp_path / "lora", **{**common, "dataset": [str(skipping)]}, strict=False, train_type="lora",
-                     per_device_train_batch_size=4, learning_rate=5e-2, max_steps=8, save_steps=8)
+    lora_job = dict(**{**common, "dataset": [str(skipping)]}, strict=False, train_type="lora",
+                    per_device_train_batch_size=4, learning_rate=5e-2, max_steps=8, save_steps=4)
+    lora = write_run(tmp_path / "lora", **lora_job)
     # the aligner in the optimizer at a rate that leaves it as it was (aligner_lr honoured on each engine)
     full = dict(**common, train_type="full", learning_rate=3e-3, max_steps=3, save_strategy="no", freeze_aligner=False,
                 aligner_lr=1e-20)
     ddp = write_run(tmp_path / "ddp", **full, per_device_train_batch_size=2)
     fsdp, zero2, zero3 = tmp_path / "fsdp2", tmp_path / "zero2", tmp_path / "zero3"
+    zero2_job = dict(**{**full, "save_strategy": "steps"}, save_steps=2, per_device_train_batch_size=2, deepspeed="zero2")
     # padding_free: a micro-batch's samples end to end in one row, each by its own multimodal positions
+    # (and without gradient checkpointing, which every other run here has)
     padfree = tmp_path / "padding-free"
     packed = write_run(tmp_path / "packed", **common, train_type="lora", packing=True, per_device_train_batch_size=2,
                        learning_rate=5e-2, max_steps=8, save_strategy="no")
@@ -442,11 +446,10 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
                              for i, line in enumerate(open(data))))
     *trained_runs, mixed, mixed_val = run_workers([dict(run_dir=lora), dict(run_dir=ddp),
                              planned(fsdp, **full, per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
-                             planned(zero2, **{**full, "save_strategy": "steps"}, save_steps=3,
-                                     per_device_train_batch_size=2, deepspeed="zero2", nproc_per_node=2),
+                             planned(zero2, **zero2_job, nproc_per_node=2),
                              planned(zero3, **full, per_device_train_batch_size=2, deepspeed="zero3", nproc_per_node=2),
                              planned(padfree, **full, per_device_train_batch_size=2, fsdp="full_shard",
-                                     nproc_per_node=2, padding_free=True),
+                                     nproc_per_node=2, padding_free=True, gradient_checkpointing=False),
                              dict(run_dir=packed),
                              planned(tmp_path / "mixed", **{**full, "dataset": [str(texts)]},
                                      per_device_train_batch_size=2, fsdp="full_shard", nproc_per_node=2),
@@ -467,6 +470,10 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
             assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
     trained = {e["step"] for e in events(fsdp, 0, "train")}
     assert trained == {1, 2, 3}
+    # resumed: LoRA on DDP from its step-4 checkpoint (the skipped records skipped again), full
+    # fine-tuning on ZeRO-2 from step 2, each on the losses of the run it resumes
+    assert_resumes_the_same(lora, write_run(tmp_path / "lora-resumed", **lora_job), 2, 4, 8)
+    assert_resumes_the_same(zero2, write_run(tmp_path / "zero2-resumed", **zero2_job), 2, 2, 3)
     # ZeRO-2's full checkpoint (saved under transformers' checkpoint names) exports: the language model
     # trained, the vision tower as it was (freeze_vit), the aligner too (aligner_lr)
     full_export = export(zero2, None, tmp_path / "zero2-export")["out"]
