@@ -13,8 +13,8 @@ from studio.charts import (MAX_POINTS, MONITOR_SERIES, X_AXES, SeriesBuffer, fig
                            training_figures)
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, restart_button, restart_message, run_picker,
-                             status_md, usage_line)
+from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, outlives_the_attempt, restart_button,
+                             restart_message, run_picker, status_md, usage_line)
 
 TICK_S = 2.0
 LOG_TICK_S = 4.0
@@ -23,7 +23,8 @@ FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "preference", "experts", "stages", "util_heatmap", "util_lines", "memory", "power",
           "collective", "rank_memory")
 TRAINING_CHARTS = ("loss", "lr", "throughput")
-# States after which an action line ("Resuming …") has been overtaken by the status line above it.
+# States after which an action line ("Resuming …") has been overtaken by the status line above it
+# (but for one the status line does not repeat: `outlives_the_attempt`).
 SETTLED = ("running", "succeeded", "failed")
 # Opening the log shows its newest lines (Gradio's autoscroll follows later updates only); after
 # the frame that draws the new text, so that its height is known.
@@ -106,7 +107,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         except Exception as exc:  # noqa: BLE001 - shown on the page, logged on the server
             return gr.update(label=user_message("Listing runs", exc))
 
-    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str) -> dict:
+    def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str, action: str | None) -> dict:
         from backend.runs.lifecycle import ACTIVE, attempt_history
         out: dict = {}
         if not run_id:
@@ -130,7 +131,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                 # this one back in the picker (it did, under load).
                 out[c["run"]] = gr.update(choices=run_picker(manager.runs(), run_id, ACTIVE)[0])
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
-                if run.state in SETTLED:
+                if run.state in SETTLED and not outlives_the_attempt(action):
                     out[c["action"]] = ""
                 buf.state = run.state
             # Read on every tick of a stopped or failed run: its last checkpoint's event may land after the state.
@@ -156,7 +157,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         out[c["buffer"]] = buf
         return out
 
-    tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"], c["x_axis"]],
+    tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"], c["x_axis"], c["action"]],
                    outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
                             c["action"], c["buffer"]], show_progress="hidden")
     c["timer"].tick(trigger_mode="always_last", **tick_io)
