@@ -60,7 +60,7 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
     the records' `images`."""
     record = persona.renamed(record)
     if persona.pairs:
-        return _pair(record, tokenizer, max_length, persona)
+        return _pair(record, tokenizer, max_length, persona, images)
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
     messages, text = to_messages(record, persona)
@@ -114,10 +114,16 @@ def expand_images(where: str, ids: list[int], labels: list[int], paths: list[str
     return out_ids + ids[start:], out_labels + labels[start:]
 
 
-def _pair(record: Record, tokenizer, max_length: int, persona: Persona) -> Pair | None:
+def _pair(record: Record, tokenizer, max_length: int, persona: Persona, images=None) -> Pair | None:
     """The prompt rendered once, each answer after it (labels on the answer and its end-of-turn
-    tokens only), each truncated to max_length; None when either answer is cut away entirely."""
+    tokens only), each truncated to max_length; None when either answer is cut away entirely (or an
+    image of the prompt is). `images`: `encode`'s; the prompt's images are in both rows."""
     prompt, chosen, rejected = to_pair(record, persona)
+    paths = record_images(record) if persona.images and record.data.get("images") else []
+    if paths:
+        from launcher.vision import with_image_parts
+
+        prompt = with_image_parts(prompt)
     asked = render(tokenizer, prompt, add_generation_prompt=True)
     samples = []
     for answer in (chosen, rejected):
@@ -125,10 +131,15 @@ def _pair(record: Record, tokenizer, max_length: int, persona: Persona) -> Pair 
         if full[:len(asked)] != asked:
             raise DataError(f"{record.where}: the chat template does not render conversations prefix-stably; "
                             "cannot locate the answer tokens")
-        ids, labels = full[:max_length], ([IGNORE] * len(asked) + full[len(asked):])[:max_length]
+        ids, labels = full, [IGNORE] * len(asked) + full[len(asked):]
+        if paths:
+            ids, labels = expand_images(record.where, ids, labels, paths, images)
+            if len(ids) > max_length and not images.ids.isdisjoint(ids[max_length:]):
+                return None
+        ids, labels = ids[:max_length], labels[:max_length]
         if not any(label != IGNORE for label in labels[1:]):
             return None
-        samples.append(Sample(ids, labels))
+        samples.append(Sample(ids, labels, paths))
     return Pair(*samples)
 
 

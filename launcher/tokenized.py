@@ -150,7 +150,7 @@ class Tokenized:
             ids, labels, rejected_ids, rejected_labels, images = (
                 column[0].as_py() for column in self._batches[at].slice(row - int(self._offsets[at]), 1).columns)
             sample = Sample(ids, labels, images)
-            out.append(Pair(sample, Sample(rejected_ids, rejected_labels)) if rejected_ids else sample)
+            out.append(Pair(sample, Sample(rejected_ids, rejected_labels, images)) if rejected_ids else sample)
         return out
 
 

@@ -139,6 +139,60 @@ def _data_order(row, samples) -> list[int]:
     return out
 
 
+def colour_pairs(directory: Path, count: int) -> str:
+    """`colour_images` as preference pairs (ms-swift's messages + rejected_response): the image's colour
+    chosen, the next colour's name rejected."""
+    from worker import COLOURS
+
+    names = list(COLOURS)
+    data = colour_images(directory, count)
+    records = [json.loads(line) for line in open(data)]
+    for record in records:
+        record["rejected_response"] = names[(names.index(record["messages"][1]["content"]) + 1) % len(names)]
+    (directory / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(directory / "pairs.jsonl")
+
+
+def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_problems(tmp_path, tiny_vl, images):
+    """A pair's images are in its prompt: both rows take each image's visual tokens and the micro-batch
+    its pixels twice (chosen rows, then rejected ones); a tag in an answer or a count that does not match
+    is named by file:line; a pair without images in a vision-language job is read as text."""
+    from transformers import AutoTokenizer
+
+    data = colour_pairs(tmp_path / "data", 2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
+    pairs = Persona(images=True, pairs=True)
+    records = [Record(f"{data}:{i + 1}", json.loads(line), str(tmp_path / "data")) for i, line in enumerate(open(data))]
+    encoded = [encode(r, tokenizer, 200, pairs, images) for r in records]
+    for pair, record in zip(encoded, records):
+        path = str(tmp_path / "data" / record.data["images"][0])
+        for row in (pair.chosen, pair.rejected):
+            assert row.images == [path] and images.runs(row.input_ids) == [images.tokens(record.where, path)]
+        answer = lambda row: tokenizer.decode([t for t, l in zip(row.input_ids, row.labels) if l != IGNORE])  # noqa: E731
+        assert answer(pair.chosen).startswith(record.data["messages"][1]["content"])
+        assert answer(pair.rejected).startswith(record.data["rejected_response"])
+    batches = Batches(lambda members: [encoded[m] for m in members], one_per_row(2), 2, 1, 1, 0,
+                      tokenizer.pad_token_id, False, 200, pairs=True)
+    batches.media = images
+    batch, _, _ = batches.batch_of([0, 1])
+    assert batch["input_ids"].shape[0] == 4
+    if not images.tiled:
+        counts = [images.runs(p.chosen.input_ids)[0] for p in encoded] * 2  # chosen rows, then rejected rows
+        assert (batch["image_grid_thw"].prod(-1) // images.merge ** 2).tolist() == counts
+    good = records[0].data
+    bad = [{**good, "rejected_response": "<image>red"},
+           {**good, "images": good["images"] * 2},
+           {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "red"}],
+            "rejected_response": "blue"}]
+    (tmp_path / "data" / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    where = tmp_path / "data" / "bad.jsonl"
+    assert sample_problems(str(where), 1 << 20, pairs)[:2] == [
+        f"{where}:1: an <image> tag in the rejected answer: a pair's images go in its prompt, which both answers follow",
+        f"{where}:2: 1 <image> tag(s) in its prompt and 2 image(s): each image needs a <image> tag where it goes"]
+    text = encode(Record(f"{where}:3", bad[2], str(tmp_path)), tokenizer, 200, pairs, images)
+    assert text.chosen.images == [] and images.runs(text.chosen.input_ids) == []
+
+
 def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, images):
     from transformers import AutoTokenizer
 
@@ -488,6 +542,31 @@ def test_a_vision_language_model_trains_on_images_on_every_data_parallel_engine_
 
     assert_the_export_answers_better(lora, tiny_qwen25_vl, data, tmp_path)
     shutil.rmtree(tmp_path / "cache")
+
+
+@pytest.mark.e2e
+def test_dpo_on_image_pairs_learns_which_colour_the_image_shows(tmp_path, tiny_qwen25_vl):
+    """DPO on pairs whose prompt holds an image (the colour named chosen, another rejected): LoRA on two
+    DDP ranks (the reference the model with its adapters off) raises the reward accuracy above 0.9;
+    full fine-tuning on FSDP2 from precomputed reference log-probs (a pass over the pairs' pixels
+    first) widens the margins."""
+    data = colour_pairs(tmp_path / "data", 32)
+    common = dict(model=str(tiny_qwen25_vl), dataset=[data], rlhf_type="dpo", beta=0.1, max_length=96, logging_steps=1,
+                  torch_dtype="float32", lora_dropout=0.0, warmup_ratio=0.0, save_strategy="no",
+                  per_device_train_batch_size=4, dataset_cache_dir=str(tmp_path / "cache"))
+    lora = write_run(tmp_path / "lora", **common, train_type="lora", learning_rate=5e-2, max_steps=12)
+    full = tmp_path / "full"
+    for proc in run_workers([dict(run_dir=lora),
+                             planned(full, **common, train_type="full", learning_rate=3e-3, max_steps=4,
+                                     fsdp="full_shard", precompute_ref_log_probs=True, nproc_per_node=2)], 400):
+        assert proc.returncode == 0, proc.log[-4000:]
+    trained = {e["step"]: e for e in events(lora, 0, "train")}
+    assert sorted(trained) == list(range(1, 13))
+    assert trained[1]["rewards_margins"] == pytest.approx(0, abs=0.05)
+    assert sum(trained[s]["rewards_accuracies"] for s in (10, 11, 12)) / 3 > 0.9, trained
+    assert "reference log-probs of 32 pairs computed" in (full / "logs" / "local.log").read_text()
+    margins = [e["rewards_margins"] for e in sorted(events(full, 0, "train"), key=lambda e: e["step"])]
+    assert len(margins) == 4 and margins[-1] > margins[0], margins
 
 
 def assert_the_export_answers_better(lora: Path, base_dir: Path, data: str, tmp_path: Path) -> None:

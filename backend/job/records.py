@@ -551,7 +551,7 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     data, where = record.data, record.where
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record)
+    _text_only(record, persona.images)
     if "rejected_response" in data:
         conversation = _chat(record, data.get("messages", data.get("conversations")))
         if conversation[-1]["role"] != "assistant":
@@ -579,7 +579,22 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
         raise DataError(f"{where}: the rejected answer is empty")
     if chosen == rejected:
         raise DataError(f"{where}: the chosen and rejected answers are the same: the pair teaches nothing")
+    if persona.images:
+        _pair_images(record, prompt, chosen, rejected)
     return persona.apply(where, prompt), persona.fill(where, chosen), persona.fill(where, rejected)
+
+
+def _pair_images(record: Record, prompt: list[dict[str, str]], chosen: str, rejected: str) -> None:
+    """A pair's images go in its prompt (both answers are about them), one `<image>` tag each."""
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        if IMAGE_TAG in answer:
+            raise DataError(f"{record.where}: an {IMAGE_TAG} tag in the {name} answer: a pair's images go in its "
+                            "prompt, which both answers follow")
+    count = len(record_images(record)) if record.data.get("images") is not None else 0
+    tags = sum(m["content"].count(IMAGE_TAG) for m in prompt)
+    if tags != count:
+        raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its prompt and {count} image(s): each image "
+                        f"needs a {IMAGE_TAG} tag where it goes")
 
 
 def _answer(where: str, field: str, value: Any) -> str:
@@ -641,11 +656,12 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
         to_pair(record, persona)
     elif is_pretokenized(record):
         pretokenized(record)
+        return
     else:
         to_messages(record, persona)
-        if persona.images and isinstance(record.data, dict) and record.data.get("images"):
-            for path in record_images(record):
-                verify_image(record.where, path, bounded=not persona.tiled)
+    if persona.images and isinstance(record.data, dict) and record.data.get("images"):
+        for path in record_images(record):
+            verify_image(record.where, path, bounded=not persona.tiled)
 
 
 MAX_IMAGE_RATIO = 200
