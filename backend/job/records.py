@@ -388,11 +388,7 @@ def _content(record: Record, images: bool = False) -> tuple[list[dict[str, str]]
         if messages is None:
             raise DataError(f"{record.where}: images need a conversation ('messages') whose <image> tags say where "
                             "they go")
-        count = len(record_images(record)) if data.get("images") is not None else 0
-        tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
-        if tags != count:
-            raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its messages and {count} image(s): each "
-                            f"image needs a {IMAGE_TAG} tag where it goes")
+        _one_tag_per_image(record, messages, "messages")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         for i, m in enumerate(messages):
             if IMAGE_TAG in m["content"] and (m["role"] == "assistant" or i > last):
@@ -590,10 +586,14 @@ def _pair_images(record: Record, prompt: list[dict[str, str]], chosen: str, reje
         if IMAGE_TAG in answer:
             raise DataError(f"{record.where}: an {IMAGE_TAG} tag in the {name} answer: a pair's images go in its "
                             "prompt, which both answers follow")
+    _one_tag_per_image(record, prompt, "prompt")
+
+
+def _one_tag_per_image(record: Record, messages: list[dict[str, str]], named: str) -> None:
     count = len(record_images(record)) if record.data.get("images") is not None else 0
-    tags = sum(m["content"].count(IMAGE_TAG) for m in prompt)
+    tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
     if tags != count:
-        raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its prompt and {count} image(s): each image "
+        raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its {named} and {count} image(s): each image "
                         f"needs a {IMAGE_TAG} tag where it goes")
 
 

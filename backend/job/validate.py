@@ -25,7 +25,8 @@ from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
-from backend.job.modelcfg import TILED_FAMILIES, TP_UNPLANNED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError, find_model_config
+from backend.job.modelcfg import (TILED_FAMILIES, TP_UNPLANNED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError,
+                                  find_model_config)
 from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
