@@ -92,8 +92,8 @@ def test_long_sequences_on_small_gpus_are_advised_to_split_or_recompute_them():
 
 
 def test_on_one_gpu_with_room_the_engine_measured_fastest_comes_first():
-    """One rank has no traffic: what orders the engines is their measured speed (ENGINE_EFFICIENCY),
-    not the memory they save; ZeRO-3 is advised only below the engines that ran faster."""
+    """One rank has no traffic: what orders the engines is their measured speed (ENGINE_EFFICIENCY,
+    LoRA's own), not the memory they save; ZeRO-3 is advised only below the engines that ran faster."""
     spec = job(train_type="full", max_length=2048, per_device_train_batch_size=1, gradient_accumulation_steps=16,
                nproc_per_node=1)
     advice = advise(spec, shape("qwen2.5-1.5b"), parse_hostfile_text("n1 slots=1 gpu_mem_gib=141\n"),
@@ -103,6 +103,10 @@ def test_on_one_gpu_with_room_the_engine_measured_fastest_comes_first():
     for row in advice.rows:
         first.setdefault(row.engine, row)
     assert first["ZeRO-3"].tokens_per_s < first["DDP"].tokens_per_s * 0.6 < first["FSDP2"].tokens_per_s
+    # LoRA ran faster on FSDP2 than on DDP (LORA_ENGINE_EFFICIENCY): it comes first there
+    lora = advise(spec.model_copy(update={"train_type": "lora"}), shape("qwen2.5-1.5b"),
+                  parse_hostfile_text("n1 slots=1 gpu_mem_gib=141\n"), Hardware(gpu_mem_gib=141), top=50)
+    assert lora.rows[0].engine == "FSDP2"
 
 
 def parts(spec: JobSpec, hosts: str = "n1 slots=8\n", **hardware) -> dict[str, float]:

@@ -22,7 +22,8 @@ The cost model (`_step_seconds`), per optimizer step:
             FLOPs per token: 6 x the matmul parameters (4 x for LoRA: no weight gradients) + 12 x
             layers x hidden x sequence for attention; checkpointing adds a forward (2 x params + 4 x
             layers x hidden x sequence). MFU is BASE_MFU (from bench/results' H200 runs of the worker), times
-            the engine's ENGINE_EFFICIENCY, times LIGER_SPEEDUP with Liger in full fine-tuning, times
+            the engine's ENGINE_EFFICIENCY (LoRA: LORA_ENGINE_EFFICIENCY), times LIGER_SPEEDUP with Liger
+            in full fine-tuning, times
             how full a micro-batch's tokens keep the GPU (HALF_TOKENS).
   data parallel  the trainable gradients' all-reduce (ZeRO-2: reduce-scatter + all-gather, the
             same bytes) over the ranks that are not TP or PP peers (DP x SP x CP), at the bandwidth
@@ -73,9 +74,15 @@ What sets them apart is each engine's own work (DeepSpeed's hooks around every m
 not traffic: two ranks over NVLink are a few per cent of those steps by the model below. ZeRO-1 is
 taken as ZeRO-2 (DeepSpeed's same optimizer code; not measured apart), offload as ZeRO-3 with its
 PCIe traffic on top."""
+LORA_ENGINE_EFFICIENCY = {**ENGINE_EFFICIENCY, "FSDP2": 1.17}
+"""LoRA's: FSDP2 ran LoRA faster than DDP on one H100 (the Qwen2.5-1.5B shape at 4096 tokens, 4 a
+micro-batch, Liger: FSDP2 43,700 tokens/s, DDP 37,448; bench/results/h100-lora-engines.jsonl), as it
+did on the Llama-3.2-3B shape at 8192 (1.13x with Liger, 1.08x without; h100-advisor-1.jsonl). Why is
+not established. The other engines as full fine-tuning's: not measured with LoRA."""
 LIGER_SPEEDUP = 1.15
 """Liger's fused kernels in full fine-tuning: 1.15-1.20x the tokens/s of the same stock HF run without
-(../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none."""
+(../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none
+(at 8192 tokens Liger made LoRA 1.3x faster, h100-advisor-1.jsonl: not modelled yet)."""
 BASE_MFU = 0.44 / LIGER_SPEEDUP
 """The worker's model FLOPs utilisation without Liger or compile: with Liger, eager, full fine-tuning
 of the Qwen2.5-1.5B and Llama-3.2-1B shapes on one H200 measured 0.42-0.47
@@ -252,7 +259,8 @@ def _step_seconds(spec: JobSpec, model: ModelConfig, layout: Layout, hw: Hardwar
     # not above the measured MFU: larger micro-batches than the benchmarks' are not extrapolated
     fill = min(1.0, (micro_tokens / (micro_tokens + HALF_TOKENS)) / (FULL_TOKENS / (FULL_TOKENS + HALF_TOKENS)))
     liger = LIGER_SPEEDUP if spec.use_liger_kernel and spec.train_type == "full" else 1.0
-    mfu = BASE_MFU * ENGINE_EFFICIENCY[engine_of(spec)] * liger * fill
+    engines = LORA_ENGINE_EFFICIENCY if spec.train_type == "lora" else ENGINE_EFFICIENCY
+    mfu = BASE_MFU * engines[engine_of(spec)] * liger * fill
     step_tokens = global_batch * tokens
     compute = (step_tokens * per_token / (layout.world * hw.peak_tflops * 1e12 * mfu)
                + MICRO_BATCH_S * spec.gradient_accumulation_steps)
