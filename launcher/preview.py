@@ -15,6 +15,7 @@ import itertools
 import json
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -69,7 +70,8 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
            "samples": [], "error": None}
     try:
         if spec.streaming and source.is_local:  # what training reads first, and no count of a file of any size
-            records = (decode_streamed(where, raw) for where, raw in streamed_entries(source, spec.max_record_bytes))
+            base = str(Path(source.name).parent)
+            records = (decode_streamed(where, raw, base) for where, raw in streamed_entries(source, spec.max_record_bytes))
         else:
             out["count"] = selected_count(source, spec.max_record_bytes, spec.seed)
             records = (record for _, record in positioned_records(source, 0, 1, spec.seed, spec.max_record_bytes))

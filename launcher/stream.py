@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from backend.job.records import DataError, Persona, Source, decode_streamed, parse_source, streamed_entries
+from backend.job.records import (DataError, Persona, Source, check_record, decode_streamed, parse_source,
+                                 streamed_entries)
 from launcher.data import Pair, Row, Sample, encode, micro_batch, pack_plan, packed_row, padded_row
 from launcher.tokenized import NAMED_SKIPS
 
@@ -28,12 +29,13 @@ STATE = "data-rank{rank}.json"
 """A rank's position in the stream, in each checkpoint (JSON: a checkpoint runs no code it reads)."""
 
 
-def open_stream(spec, tokenizer, dp_rank: int, dp_size: int):
+def open_stream(spec, tokenizer, dp_rank: int, dp_size: int, images=None):
     """The records of data-parallel rank `dp_rank`, tokenized as they are read: rows of
     input_ids, labels (both empty where truncation left no response), error (a bad record's
     message, which ends the run naming its file and line when the rank reaches it) and skipped
     (`strict` off: why a record that cannot be encoded is passed over, as the tokenized cache
-    does; a record that is not JSON, or a file that cannot be read, is still an error)."""
+    does; a record that is not JSON, or a file that cannot be read, is still an error). `images`: a
+    vision-language model's `launcher.vision.Images` (each record's images counted as it is read)."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
@@ -52,15 +54,17 @@ def open_stream(spec, tokenizer, dp_rank: int, dp_size: int):
     # map sees the records' indices before the split, so it passes over the others' itself.
     stepped = dp_size > 1 and stream.num_shards % dp_size != 0
     stream = split_dataset_by_node(stream, rank=dp_rank, world_size=dp_size)
-    return stream.map(_encoded, with_indices=True, remove_columns=["where", "raw"], features=_features(), fn_kwargs={
-        "tokenizer": tokenizer, "max_length": spec.max_length, "persona": Persona.of(spec),
+    return stream.map(_encoded, with_indices=True, remove_columns=["where", "raw", "base"], features=_features(), fn_kwargs={
+        "tokenizer": tokenizer, "max_length": spec.max_length, "images": images,
+        "persona": Persona.of(spec, images is not None, images is not None and images.tiled),
         "mine": (dp_rank, dp_size) if stepped else None, "strict": spec.strict})
 
 
 def _raw_features():
     from datasets import Features, Value
 
-    return Features({"where": Value("string"), "raw": Value("binary"), "error": Value("string")})
+    # base: a local file's directory, where its records' relative image paths lead
+    return Features({"where": Value("string"), "raw": Value("binary"), "base": Value("string"), "error": Value("string")})
 
 
 def _features():
@@ -68,19 +72,20 @@ def _features():
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32")),
-                     "error": Value("string"), "skipped": Value("string")})
+                     "images": Sequence(Value("string")), "error": Value("string"), "skipped": Value("string")})
 
 
 def _local_rows(sources: tuple[tuple[str, int | None], ...], max_record_bytes: int):
     """The local files' records in turn, `name#N`'s first N of its file."""
     for name, limit in sources:
+        base = str(Path(name).parent)
         try:
             for count, (where, raw) in enumerate(streamed_entries(Source(name), max_record_bytes), 1):
-                yield {"where": where, "raw": raw, "error": None}
+                yield {"where": where, "raw": raw, "base": base, "error": None}
                 if count == limit:
                     break
         except DataError as exc:  # a line too long, a parquet file that cannot be read: named where met
-            yield {"where": name, "raw": b"", "error": str(exc)}
+            yield {"where": name, "raw": b"", "base": base, "error": str(exc)}
 
 
 def _hub(source):
@@ -94,29 +99,31 @@ def _hub(source):
     def as_raw(record: dict, index: int) -> dict:
         where = f"{source.name}[{index}]"
         try:
-            return {"where": where, "raw": json.dumps(record, ensure_ascii=False).encode(), "error": None}
+            return {"where": where, "raw": json.dumps(record, ensure_ascii=False).encode(), "base": "", "error": None}
         except (TypeError, ValueError) as exc:
-            return {"where": where, "raw": b"", "error": f"{where}: a value that is not JSON text ({exc})"}
-    ds = ds.map(as_raw, with_indices=True).select_columns(["where", "raw", "error"])
+            return {"where": where, "raw": b"", "base": "", "error": f"{where}: a value that is not JSON text ({exc})"}
+    ds = ds.map(as_raw, with_indices=True).select_columns(["where", "raw", "base", "error"])
     return ds if source.limit is None else ds.take(source.limit)  # the first N: a stream is not shuffled
 
 
 def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona,
-             mine: tuple[int, int] | None, strict: bool = True) -> dict[str, Any]:
+             mine: tuple[int, int] | None, strict: bool = True, images=None) -> dict[str, Any]:
     """A record's tokens (a preference pair's chosen answer, and its rejected one in the `rejected_`
-    columns); all empty where it is another rank's or truncation left no answer."""
-    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "error": None,
-             "skipped": None}
+    columns) and image files; all empty where it is another rank's or truncation left no answer."""
+    empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "images": [],
+             "error": None, "skipped": None}
     if mine is not None and index % mine[1] != mine[0]:
         return empty  # another rank's: dropped by the split
     if row["error"]:
         return {**empty, "error": row["error"]}
     try:
-        record = decode_streamed(row["where"], row["raw"])
+        record = decode_streamed(row["where"], row["raw"], row["base"])
     except DataError as exc:  # not JSON: no record to skip, as the tokenized cache has it
         return {**empty, "error": str(exc)}
     try:
-        sample = encode(record, tokenizer, max_length, persona)
+        if not strict and persona.images:  # the training steps decode them: a damaged one fails here
+            check_record(record, persona)
+        sample = encode(record, tokenizer, max_length, persona, images)
     except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
         failure = str(exc) if isinstance(exc, DataError) else f"{record.where}: {type(exc).__name__}: {exc}"
         return {**empty, "error" if strict else "skipped": failure}
@@ -124,8 +131,9 @@ def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona
         return empty
     if isinstance(sample, Pair):
         return {**empty, "input_ids": sample.chosen.input_ids, "labels": sample.chosen.labels,
-                "rejected_input_ids": sample.rejected.input_ids, "rejected_labels": sample.rejected.labels}
-    return {**empty, "input_ids": sample.input_ids, "labels": sample.labels}
+                "rejected_input_ids": sample.rejected.input_ids, "rejected_labels": sample.rejected.labels,
+                "images": sample.chosen.images}
+    return {**empty, "input_ids": sample.input_ids, "labels": sample.labels, "images": sample.images}
 
 
 class StreamBatches:
@@ -148,6 +156,8 @@ class StreamBatches:
         self._iterator = None
         self._next_step = 0
         self._positions: dict[int, dict] = {}
+        self.media = None
+        """A vision-language model's `launcher.vision.Images`: the micro-batches' pixel inputs."""
 
     # ---- position ----------------------------------------------------------------------
 
@@ -206,7 +216,8 @@ class StreamBatches:
             return None
         if groups is None:
             return None
-        return [micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple, self.flat) for rows in groups]
+        return [micro_batch(rows, self.pad_id, self.packed, self.max_length, self.multiple, self.flat, self.media)
+                for rows in groups]
 
     def _draw(self) -> Sample | None:
         if self._iterator is None:
@@ -222,7 +233,8 @@ class StreamBatches:
                     log.warning("data: a record skipped (strict is off): %s", row["skipped"])
                 continue
             if row["input_ids"]:
-                return _sample(row["input_ids"], row["labels"], row["rejected_input_ids"], row["rejected_labels"])
+                return _sample(row["input_ids"], row["labels"], row["rejected_input_ids"], row["rejected_labels"],
+                               row["images"])
             self.dropped += 1
         return None
 
@@ -259,18 +271,22 @@ class StreamBatches:
         return [rows[start:start + self.micro_batch] for start in range(0, need, self.micro_batch)]
 
 
-def _sample(ids, labels, rejected_ids=(), rejected_labels=()) -> Sample | Pair:
-    """A streamed or kept sample: a pair where it has a rejected answer. Every token an integer
-    (a position file is read back through this)."""
-    sample = Sample([int(t) for t in ids], [int(t) for t in labels])
-    return Pair(sample, Sample([int(t) for t in rejected_ids], [int(t) for t in rejected_labels])) if rejected_ids \
-        else sample
+def _sample(ids, labels, rejected_ids=(), rejected_labels=(), images=()) -> Sample | Pair:
+    """A streamed or kept sample: a pair where it has a rejected answer (its images in both rows).
+    Every token an integer, every image a path or inline image (a position file is read back
+    through this)."""
+    if not all(isinstance(image, str) for image in images):
+        raise TypeError("an image is not a path")
+    sample = Sample([int(t) for t in ids], [int(t) for t in labels], list(images))
+    return Pair(sample, Sample([int(t) for t in rejected_ids], [int(t) for t in rejected_labels], list(images))) \
+        if rejected_ids else sample
 
 
 def _entry(sample: Sample | Pair) -> list:
     if isinstance(sample, Pair):
-        return [sample.chosen.input_ids, sample.chosen.labels, sample.rejected.input_ids, sample.rejected.labels]
-    return [sample.input_ids, sample.labels]
+        return [sample.chosen.input_ids, sample.chosen.labels, sample.rejected.input_ids, sample.rejected.labels,
+                sample.chosen.images]
+    return [sample.input_ids, sample.labels, [], [], sample.images]
 
 
 def save_position(batches: StreamBatches, step: int, directory: Path, rank: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.job.capabilities import seq_multiple, transformers_plan
+from backend.job.capabilities import seq_multiple, tower_in_collectives, transformers_plan
 from backend.job.dsconfig import zero_settings
 from backend.job.errors import UserError
 from backend.job.limits import collective_timeout_s
@@ -292,8 +292,7 @@ class Trainer:
 
         spec = self.spec
         zero = zero_settings(spec)
-        sharded = bool(spec.fsdp) or (zero is not None and zero.stage == 3) or (spec.train_type == "full"
-                                                                              and not spec.deepspeed)
+        sharded = tower_in_collectives(spec, zero.stage if zero else None)
         counts = pc.list_value_length(tokenized.table.column("images")).to_numpy(zero_copy_only=False)[mine]
         (with_images, without), _ = self.dist.all_reduce([float((counts > 0).sum()), float((counts == 0).sum())], "sum")
         if not (with_images and without) or self.dist.world_size == 1:  # one rank waits for no other
@@ -327,14 +326,16 @@ class Trainer:
         spec, d = self.spec, self.dist
         failure, val = None, None
         try:
-            stream = open_stream(spec, self.tokenizer, d.dp_rank, d.dp_size)
+            stream = open_stream(spec, self.tokenizer, d.dp_rank, d.dp_size, self.images)
             if spec.val_dataset and spec.evaluates:
                 with DataHeartbeat(self.events):
                     val = self._shard(open_tokenized(spec.model_copy(update={"dataset": spec.val_dataset}),
-                                                     self.tokenizer, dataset_cache_dir(spec, self.run_dir)))
+                                                     self.tokenizer, dataset_cache_dir(spec, self.run_dir), self.images))
         except data.DataError as exc:
             failure = exc
         self._stop_for_data_errors(failure, "could not open the data")
+        if self.images is not None and val is not None:  # evaluation runs the tower through the same collectives
+            self._refuse_mixed_images(val[0], val[1], "val_dataset", trains=False)
         self.stream_ready = dict(phase="ready", streaming=True, val_samples=len(val[1]) if val else 0)
         """The `data` event of the stream, sent again with the records skipped so far where they grow (`_log`)."""
         self.events.emit("data", **self.stream_ready)
@@ -343,6 +344,7 @@ class Trainer:
         batches = StreamBatches(stream, d.dp_size, spec.per_device_train_batch_size, spec.gradient_accumulation_steps,
                                 self.tokenizer.pad_token_id, spec.packing, spec.max_length, seq_multiple(spec),
                                 spec.padding_free)
+        batches.media = self.images
         return batches, Plan(spec.max_steps, spec.max_steps), self._validation(val)
 
     def _precompute_reference(self, model: torch.nn.Module) -> None:

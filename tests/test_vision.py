@@ -348,6 +348,12 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert refused() == {}
     assert refused(train_type="full", fsdp="full_shard") == {} and refused(train_type="full", deepspeed="zero2") == {}
     assert refused(packing=True) == {} and refused(padding_free=True) == {}
+    # streamed records are not read before launch: only where a micro-batch without an image is safe
+    assert refused(streaming=True, max_steps=4) == {} and refused(streaming=True, max_steps=4, nproc_per_node=1,
+                                                                  fsdp="full_shard") == {}
+    for engine in ({"fsdp": "full_shard"}, {"train_type": "full"}, {"deepspeed": "zero3"}, {"freeze_vit": False}):
+        assert refused(streaming=True, max_steps=4, **engine)["streaming"].startswith(
+            "with a vision-language model on several ranks only where a micro-batch without an image is safe"), engine
     # transformers' TP plans split the language model, but Qwen3-VL's its embedding alone
     assert refused(tensor_model_parallel_size=2) == ({} if "qwen3_vl" not in str(tiny_vl) else {
         "tensor_model_parallel_size": "transformers' TP plan for qwen3_vl shards its embedding alone: every rank would "
@@ -568,6 +574,29 @@ def test_dpo_on_image_pairs_learns_which_colour_the_image_shows(tmp_path, tiny_q
     assert "reference log-probs of 32 pairs computed" in (full / "logs" / "local.log").read_text()
     margins = [e["rewards_margins"] for e in sorted(events(full, 0, "train"), key=lambda e: e["step"])]
     assert len(margins) == 4 and margins[-1] > margins[0], margins
+
+
+@pytest.mark.e2e
+def test_streamed_image_records_train_skip_and_resume_with_their_images(tmp_path, tiny_qwen25_vl):
+    """streaming with images: LoRA on two DDP ranks reads the records as it trains, each image counted
+    as its record is read; a record whose image is missing is skipped and counted (strict off); the
+    stream's position, with its buffered samples' images, resumes at step 3 with the same losses."""
+    data = Path(colour_images(tmp_path / "data", 24))
+    lines = data.read_text().splitlines()
+    lines.insert(2, json.dumps({**json.loads(lines[0]), "images": ["gone.png"]}))  # line 3, read in the first step
+    data.write_text("\n".join(lines) + "\n")
+    job = dict(model=str(tiny_qwen25_vl), dataset=[str(data)], streaming=True, strict=False, max_steps=5, save_steps=3,
+               max_length=96, logging_steps=1, torch_dtype="float32", lora_dropout=0.0, warmup_ratio=0.0,
+               train_type="lora", learning_rate=5e-2, per_device_train_batch_size=2)
+    run = write_run(tmp_path / "streamed", **job)
+    proc, = run_workers([dict(run_dir=run)], 300)
+    assert proc.returncode == 0, proc.log[-4000:]
+    curve = losses(run)
+    assert sorted(curve) == [1, 2, 3, 4, 5] and curve[5] < curve[1], curve
+    skipped = [e for e in events(run, 0, "data") if e.get("skipped")] + [e for e in events(run, 1, "data")
+                                                                         if e.get("skipped")]
+    assert skipped and "gone.png not found" in skipped[-1]["skipped_first"][0], skipped
+    assert_resumes_the_same(run, write_run(tmp_path / "resumed", **job), 2, 3, 5)
 
 
 def assert_the_export_answers_better(lora: Path, base_dir: Path, data: str, tmp_path: Path) -> None:

@@ -74,6 +74,13 @@ def seq_multiple(spec: JobSpec) -> int:
     return spec.sequence_parallel_size * (2 * cp * 32 if cp > 1 else 1)
 
 
+def tower_in_collectives(spec: JobSpec, zero_stage: int | None) -> bool:
+    """Whether the ranks run a vision-language model's tower through collectives every micro-batch
+    (FSDP2's and ZeRO-3's gathers; full fine-tuning without DeepSpeed runs on FSDP2, DDP's layout
+    too): a micro-batch without an image skips the tower, and the other ranks wait in it."""
+    return bool(spec.fsdp) or zero_stage == 3 or (spec.train_type == "full" and not spec.deepspeed)
+
+
 def world_problems(spec: JobSpec, world: int) -> list[Problem]:
     """The worker's own check of its world size (the validator checks the layout before launch):
     TP x SP x CP x PP consecutive ranks form one group, so they must divide the ranks torchrun

@@ -236,8 +236,9 @@ def streamed_entries(source: Source, max_record_bytes: int) -> Iterator[tuple[st
         yield where, _json_bytes(where, record)
 
 
-def decode_streamed(where: str, raw: bytes) -> Record:
-    return Record(where, _decoded_line(where, raw))
+def decode_streamed(where: str, raw: bytes, base: str = "") -> Record:
+    """`base`: the directory of the file it came from (its relative image paths lead there)."""
+    return Record(where, _decoded_line(where, raw), base)
 
 
 def _json_bytes(where: str, record: Any) -> bytes:

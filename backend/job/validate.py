@@ -269,7 +269,7 @@ _SPLIT_ROWS = ("each rank would hold a slice of every row, while the model place
                "image's tokens across the whole row")
 
 
-def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
+def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = None) -> list[Problem]:
     """A vision-language model on what its training has been run with: DDP, DeepSpeed ZeRO and FSDP2,
     LoRA or full fine-tuning of the parts freeze_vit / freeze_aligner / freeze_llm leave;
     the rest refused by name. A text model names the vision fields it ignores."""
@@ -283,11 +283,18 @@ def _vision_rules(spec: JobSpec, model: ModelConfig) -> list[Problem]:
         (capabilities.PP, "its stages split the language model only"),
         (capabilities.CP, _SPLIT_ROWS), (capabilities.SP, _SPLIT_ROWS),
         (capabilities.EP, "none of the vision-language families it trains has experts"),
-        ("streaming", "images are counted when the data is tokenized"),
         ("torch_compile", "not run with one yet"),
         ("use_liger_kernel", "its kernels have not run with one (liger-kernel 0.8.5's Qwen2.5-VL patch fails to import "
                              "under transformers 5.24)"), ("tiled_mlp", "not run with one yet"))
         if _set(getattr(spec, field))]
+    if spec.streaming and spec.nnodes * spec.nproc_per_node > 1 and (
+            capabilities.tower_in_collectives(spec, zero_stage) or not (spec.freeze_vit and spec.freeze_aligner)):
+        # a stream's records are not read before launch: one micro-batch without an image cannot be ruled out
+        out.append(Problem("streaming", "with a vision-language model on several ranks only where a micro-batch "
+                                        "without an image is safe: LoRA on DDP or ZeRO-0/1/2, full fine-tuning on "
+                                        "ZeRO-0/1/2, with freeze_vit and freeze_aligner on (FSDP2, ZeRO-3 and full "
+                                        "fine-tuning's DDP layout would leave the other ranks waiting in the vision "
+                                        "tower; a training tower's gradients would miss the reduction)"))
     if _set(spec.tensor_model_parallel_size) and model.multimodal_type in TP_UNPLANNED_FAMILIES:
         out.append(Problem(capabilities.TP, f"transformers' TP plan for {model.multimodal_type} shards its embedding alone: "
                                             "every rank would hold and compute every layer; leave TP at 1"))
@@ -408,7 +415,7 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
     if model is not None:
         trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains
         problems += _model_rules(trained, model, layout.world)
-        problems += _vision_rules(spec, model)
+        problems += _vision_rules(spec, model, ZeroSettings.of(ds_config).stage if ds_config else None)
         if ds_error:
             memory_note = f"not estimated: {ds_error}"
         else:
