@@ -152,7 +152,9 @@ def test_bad_data_and_damaged_positions_are_named(tmp_path, tokenizer):
     with pytest.raises(DataError, match="holds no stream position for rank 1"):
         load_position(other, 0, tmp_path, rank=1)
     for crafted in ('["a list"]', '{"dp_size": 2, "stream": 5, "records": 0, "dropped": 0, "buffer": []}',
-                    '{"dp_size": 2, "stream": {}, "records": 0, "dropped": 0, "buffer": [["x", []]]}', "{"):
+                    '{"dp_size": 2, "stream": {}, "records": 0, "dropped": 0, "buffer": [["x", []]]}', "{",
+                    # a buffered sample's images must be paths (or inline images), nothing else
+                    '{"dp_size": 2, "stream": {}, "records": 0, "dropped": 0, "buffer": [[[1], [1], [], [], [7]]]}'):
         (tmp_path / "data-rank0.json").write_text(crafted)
         with pytest.raises(DataError, match=f"resume: {tmp_path / 'data-rank0.json'}"):
             load_position(StreamBatches(open_stream(job([str(bad)]), tokenizer, 0, 2), 2, 1, 1, 0, False, 64),
