@@ -1,7 +1,7 @@
 """The memory estimate against every recorded GPU measurement: each row of bench/results/ that
 holds a worker run's measured peak (allocated memory, without the CUDA context), its job rebuilt as
 the benchmark that measured it wrote it (bench/layout_memory.py, bench/throughput.py, bench/dpo.py,
-bench/vl.py), and backend.job.memory's estimate for that job now.
+bench/vl.py, bench/advisor.py), and backend.job.memory's estimate for that job now.
 tests/test_memory_calibration.py holds the estimate to these rows; this prints the table:
 
     python bench/calibration.py
@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import advisor  # noqa: E402
 import dpo  # noqa: E402
 import layout_memory  # noqa: E402
 import vl  # noqa: E402
@@ -53,6 +54,12 @@ def _job(row: dict) -> tuple[str, int, dict] | None:
         ranks, fields = layout_memory.LAYOUTS[row["layout"]]
         return row["shape"], ranks, job_spec(Path("model"), Path("data.jsonl"), row["seq"], 1, 4, liger=False,
                                              gradient_checkpointing=True, **fields)
+    if "job" in row and "fields" in row:  # bench/advisor.py: its job as the user gave it, the advisor's fields over it
+        if "peak_mem_gib" not in row:
+            return None
+        shape, train_type, seq, global_batch = advisor.JOBS[row["job"]]
+        return shape, 1, {**job_spec(Path("model"), Path("data.jsonl"), seq, 1, 4, lora=train_type == "lora",
+                                     liger=False, gradient_accumulation_steps=global_batch), **row["fields"]}
     if row.get("source") != "swift-studio" or "peak_mem_gib" not in row or row.get("mixed_lengths"):
         return None
     if str(row.get("deepspeed", "")).endswith(".json"):  # a config file of the machine it ran on
@@ -84,7 +91,9 @@ def recorded_cases(results: Path = RESULTS) -> list[Case]:
                 run_dir.mkdir()
                 (run_dir / "job.yaml").write_text(yaml.safe_dump(job))
                 row = json.loads(line)
-                cases.append(Case(f"{path.name}:{number}", row.get("name") or row.get("layout") or _label(row),
+                label = (f"{row['job']} #{row['rank']} {row['engine']}" if "job" in row else
+                         row.get("name") or row.get("layout") or _label(row))
+                cases.append(Case(f"{path.name}:{number}", label,
                                   row.get("peak_mem_gib", row.get("peak_gib_rank0")),
                                   estimated_gib(run_dir, shape, ranks, vl.vl_config(shape) if shape in vl.SHAPES else None)))
     return cases
