@@ -192,6 +192,27 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
         f"{where}:2: 1 <image> tag(s) in its prompt and 2 image(s): each image needs a <image> tag where it goes"]
     text = encode(Record(f"{where}:3", bad[2], str(tmp_path)), tokenizer, 200, pairs, images)
     assert text.chosen.images == [] and images.runs(text.chosen.input_ids) == []
+    # padding_free: the micro-batch's chosen rows, then its rejected rows, end to end in one row, each
+    # by its own positions: every row's logits are those it has padded
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.vision import Images
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32).eval()
+    media = Images(str(tiny_vl), model.config)
+    media.bind(model)
+    flat = Batches(lambda members: [encoded[m] for m in members], one_per_row(2), 2, 1, 1, 0,
+                   tokenizer.pad_token_id, False, 200, pairs=True, flat=True)
+    flat.media = batches.media = media
+    (padded, _, _), (together, _, _) = batches.batch_of([0, 1]), flat.batch_of([0, 1])
+    with torch.no_grad():
+        apart, joined = model(**padded, use_cache=False).logits, model(**together, use_cache=False).logits[0]
+    at = 0
+    for row, sample in enumerate([p.chosen for p in encoded] + [p.rejected for p in encoded]):
+        n = len(sample.input_ids)
+        assert torch.allclose(joined[at:at + n], apart[row, :n], atol=2e-5), row
+        at += n
 
 
 def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, images):
