@@ -13,7 +13,7 @@ from studio.charts import (MAX_POINTS, MONITOR_SERIES, X_AXES, SeriesBuffer, fig
                            training_figures)
 from studio.context import Studio
 from studio.errors import user_message
-from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, outlives_the_attempt, restart_button,
+from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, overtaken_by_status, restart_button,
                              restart_message, run_picker, status_md, usage_line)
 
 TICK_S = 2.0
@@ -23,8 +23,7 @@ FULL_LOG_LINES = 100_000
 CHARTS = ("loss", "lr", "throughput", "preference", "experts", "stages", "util_heatmap", "util_lines", "memory", "power",
           "collective", "rank_memory")
 TRAINING_CHARTS = ("loss", "lr", "throughput")
-# States after which an action line ("Resuming …") has been overtaken by the status line above it
-# (but for one the status line does not repeat: `outlives_the_attempt`).
+# States after which an action line ("Resuming …") has been overtaken by the status line above it.
 SETTLED = ("running", "succeeded", "failed")
 # Opening the log shows its newest lines (Gradio's autoscroll follows later updates only); after
 # the frame that draws the new text, so that its height is known.
@@ -131,9 +130,11 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                 # this one back in the picker (it did, under load).
                 out[c["run"]] = gr.update(choices=run_picker(manager.runs(), run_id, ACTIVE)[0])
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
-                if run.state in SETTLED and not outlives_the_attempt(action):
-                    out[c["action"]] = ""
                 buf.state = run.state
+            # On every tick, not only when the state changes: a tick may have read the page before the
+            # line was written, and must not clear a line it did not see.
+            if run.state in SETTLED and overtaken_by_status(action):
+                out[c["action"]] = ""
             # Read on every tick of a stopped or failed run: its last checkpoint's event may land after the state.
             restart = restart_button(run.state, manager.checkpoints(run_id) if run.state in RESTARTABLE else [])
             if restart != buf.restart:

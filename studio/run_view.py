@@ -143,22 +143,22 @@ def restart_button(state: str, checkpoints: list[tuple[int, str]]) -> tuple[str,
     return (RESUME_LABEL if checkpoints else RUN_AGAIN_LABEL), True
 
 
-NO_CHECKPOINT = "No checkpoint of"
+RESUMING = "Resuming"
 
 
 def restart_message(run_id: str, checkpoints: list[tuple[int, str]]) -> str:
     """What the resume button just started (checkpoints newest first, as RunManager lists them)."""
     if checkpoints:
-        return f"Resuming `{run_id}` from the checkpoint of step {checkpoints[0][0]}…"
-    return (f"{NO_CHECKPOINT} `{run_id}` exists, so it cannot resume: running it again from step 0 "
+        return f"{RESUMING} `{run_id}` from the checkpoint of step {checkpoints[0][0]}…"
+    return (f"No checkpoint of `{run_id}` exists, so it cannot resume: running it again from step 0 "
             "as a new attempt…")
 
 
-def outlives_the_attempt(action: str | None) -> bool:
-    """Whether an action line says what the status line will not once the new attempt runs: a resume
-    from a checkpoint is named there ("Resumed from the checkpoint of step N"), a run again from step
-    0 is not, so its line stays."""
-    return bool(action) and action.startswith(NO_CHECKPOINT)
+def overtaken_by_status(action: str | None) -> bool:
+    """Whether an action line says only what the status line says once the new attempt has settled:
+    a resume from a checkpoint ("Resumed from the checkpoint of step N" there). A run again from step
+    0, which the status line does not mention, and a stop's report stay."""
+    return bool(action) and action.startswith(RESUMING)
 
 
 def run_rows(runs: list[Any], summaries: dict[str, dict], usages: dict[str, Usage] | None = None,

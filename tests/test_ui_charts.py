@@ -9,7 +9,7 @@ import pytest
 from studio.access import AccessError, check_bind, load_auth
 from studio.charts import (STEP_SERIES, SeriesBuffer, downsample, ema, figures, heatmap_grid, overlay_figure,
                            progress_html, run_curve, stepped, with_gaps)
-from studio.run_view import (RESUME_LABEL, RUN_AGAIN_LABEL, alerts_md, config_diff, outlives_the_attempt,
+from studio.run_view import (RESUME_LABEL, RUN_AGAIN_LABEL, alerts_md, config_diff, overtaken_by_status,
                              restart_button, restart_message, status_md)
 
 NO = -1
@@ -227,8 +227,8 @@ def test_resume_button_says_run_again_without_a_checkpoint():
     assert "step 40" in restart_message("r1", [(40, "/r/checkpoint-40"), (20, "/r/checkpoint-20")])
     assert "No checkpoint" in restart_message("r1", []) and "step 0" in restart_message("r1", [])
     # the status line names a resumed checkpoint, not a run again from step 0: only that line stays
-    assert outlives_the_attempt(restart_message("r1", [])) and not outlives_the_attempt(restart_message("r1", [(4, "p")]))
-    assert not outlives_the_attempt(None) and not outlives_the_attempt("")
+    assert overtaken_by_status(restart_message("r1", [(4, "p")])) and not overtaken_by_status(restart_message("r1", []))
+    assert not overtaken_by_status(None) and not overtaken_by_status("")
 
 
 def test_progress_bar_and_eta():
