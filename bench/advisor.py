@@ -74,6 +74,13 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
     return round(cov / spread, 3) if spread else None
 
 
+def user_job(model_dir: Path, data: Path, train_type: str, seq: int, global_batch: int, steps: int,
+             dtype: str = "bfloat16") -> dict:
+    """A job of JOBS as a user would start it (one sample a micro-batch); the advisor varies the rest."""
+    return job_spec(model_dir, data, seq, 1, steps, lora=train_type == "lora", liger=False, dtype=dtype,
+                    gradient_accumulation_steps=global_batch)
+
+
 def out_of_memory(error: str) -> bool:
     return "out of memory" in error.lower() or "OutOfMemoryError" in error
 
@@ -90,9 +97,7 @@ class Bench(Compared):
         model_dir = build_model_dir(shape, self.work / f"model-{shape}", dtype)
         data = self.work / f"{name}.jsonl"
         write_tokens(data, global_batch * (self.steps + 1), seq, SHAPES[shape]["vocab_size"])
-        # The job as a user would start it (one sample a micro-batch); the advisor varies the rest.
-        base = job_spec(model_dir, data, seq, 1, self.steps, lora=train_type == "lora", liger=False, dtype=dtype,
-                        gradient_accumulation_steps=global_batch)
+        base = user_job(model_dir, data, train_type, seq, global_batch, self.steps, dtype)
         hardware = Hardware(gpu_mem_gib=80.0) if self.smoke else Hardware(gpu_mem_gib=gpu_mem_gib())
         advice = advise(JobSpec(**base), parse_model_config(SHAPES[shape], shape), None, hardware,
                         tokens_per_sample=seq, top=10**6)

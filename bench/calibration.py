@@ -58,8 +58,8 @@ def _job(row: dict) -> tuple[str, int, dict] | None:
         if "peak_mem_gib" not in row:
             return None
         shape, train_type, seq, global_batch = advisor.JOBS[row["job"]]
-        return shape, 1, {**job_spec(Path("model"), Path("data.jsonl"), seq, 1, 4, lora=train_type == "lora",
-                                     liger=False, gradient_accumulation_steps=global_batch), **row["fields"]}
+        return shape, 1, {**advisor.user_job(Path("model"), Path("data.jsonl"), train_type, seq, global_batch, 4),
+                          **row["fields"]}
     if row.get("source") != "swift-studio" or "peak_mem_gib" not in row or row.get("mixed_lengths"):
         return None
     if str(row.get("deepspeed", "")).endswith(".json"):  # a config file of the machine it ran on

@@ -13,7 +13,7 @@ Parts:
   full   full fine-tuning under DeepSpeed ZeRO-3 on one GPU: TRL (its reference a second model
          prepared by DeepSpeed) with and without Liger, ours (the frozen copy partitioned as the policy)
          as it is and with Liger's kernels.
-  compiled  TRL LoRA with the Trainer's torch_compile against ours compiled (of this call's runs).
+  compiled  TRL LoRA with the Trainer's torch_compile (and eager) against ours compiled (of this call's runs).
   again  the fastest configuration of each side of lora and full once more, ours first (against drift).
   precompute  full ZeRO-3 with precompute_ref_log_probs on both sides (no reference forward per step).
   ranks  ours, full DPO on ZeRO-3 and on FSDP2 (learning rate 1e-8: every record is one pair, which
@@ -151,9 +151,12 @@ class Bench(Compared):
 
     def compiled(self, bsz: int) -> None:
         """TRL with the Trainer's torch_compile (not among its documented DPO speed settings; run so the
-        compiled LoRA comparison is also made compiled against compiled)."""
+        compiled LoRA comparison is also made compiled against compiled), and eager if the lora part has
+        not run it: TRL's best of the two is the baseline."""
         ours = [r for r in self.done if r.get("name") in ("lora-compile", "lora-compile-2") and "error" not in r]
-        theirs = [self.trl(bsz, lora=True, compile=True)]
+        eager = [r for r in self.done if r.get("source") == "trl" and r.get("lora") and not r.get("liger")
+                 and not r.get("compile") and "error" not in r]
+        theirs = [self.trl(bsz, lora=True, compile=True)] + (eager or [self.trl(bsz, lora=True)])
         self.versus(f"DPO LoRA, both with torch_compile: {self.shape} {self.seq}-token pairs x{bsz}",
                     ours or [self.ours("lora-compile", bsz, True, torch_compile=True)], theirs, 1.25)
 

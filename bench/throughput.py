@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -240,11 +241,22 @@ def run_error(run_dir: Path, output: str) -> str:
 
 
 def _first_error(output: str) -> str:
-    """The worker's own error line (torchrun's summary at the end says only that a rank failed)."""
+    """The worker's own error (torchrun's summary at the end says only that a rank failed): where it
+    was first reported, and the exception a rank raised, which a deep traceback puts far below."""
     lines = output.splitlines()
     hits = [i for i, line in enumerate(lines)
             if ("error" in line.lower() or "Traceback" in line) and "Warning" not in line]
-    return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:] if hits else output[-2000:]
+    if not hits:
+        return output[-2000:]
+    raised = [i for i, line in enumerate(lines) if RAISED.match(line)]
+    head = "\n".join(lines[hits[0]:hits[0] + 12])
+    if raised and raised[-1] >= hits[0] + 12:
+        return (head[:1000] + "\n...\n" + "\n".join(lines[raised[-1]:raised[-1] + 6]))[-2000:]
+    return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:]
+
+
+# The line a rank's uncaught exception ends its traceback with ("[rank0]: torch.OutOfMemoryError: ...").
+RAISED = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b(?<!ChildFailedError)")
 
 
 def gpu_env(devices: str | None) -> dict:
