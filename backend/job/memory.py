@@ -9,7 +9,8 @@ Model states follow what the worker's engines do (launcher/engines), in bytes pe
 bf16/fp16 compute and AdamW:
     DeepSpeed  weights 2, gradients 2 (16-bit) + 4 (fp32), optimizer 4 (fp32 master) + 8 (Adam):
                ZeRO-1 shards the fp32 gradients and the optimizer, ZeRO-2 all gradients, as
-               DeepSpeed's ZeRO-2 estimator counts (2 + 18/N).
+               DeepSpeed's ZeRO-2 estimator counts (2 + 18/N); the gradients come after the
+               activations' peak (the 16-bit ones in backward, only with one micro-batch a step).
                ZeRO-3 holds 16/N between steps: weights 2, its 16-bit gradient partition 2
                (allocated at start), fp32 master 4, Adam 8. step() adds 6 bytes per element of one
                optimizer sub-group (sub_group_size elements of the rank's partition, flattened in
@@ -106,6 +107,8 @@ class _Site(NamedTuple):
     linear: bool = True
     """An nn.Linear (peft's lora.Linear keeps a dropout copy of its input); False for a parameter
     peft wraps (lora.ParamWrapper, which takes no dropout): the router and the stacked experts."""
+    attention: bool = False
+    """One of the attention's linear layers (q, k, v, o)."""
 
 
 def _lora_sites(spec: JobSpec, model: ModelConfig) -> list[_Site]:
@@ -117,7 +120,9 @@ def _lora_sites(spec: JobSpec, model: ModelConfig) -> list[_Site]:
         wanted = {name for name, _, _ in linears} | renamed.keys()
     else:
         wanted = set(spec.target_modules)
-    sites = [_Site(lin.fan_in, lin.fan_out, count) for name, lin, count in linears if name in wanted and name not in renamed]
+    attention = model.attention_linears()
+    sites = [_Site(lin.fan_in, lin.fan_out, count, attention=name in attention)
+             for name, lin, count in linears if name in wanted and name not in renamed]
     mapped = [renamed[name] for name in wanted if name in renamed]
     if "router" in mapped:
         sites.append(_Site(model.router().fan_in, model.router().fan_out, model.moe_layers, linear=False))
@@ -150,6 +155,12 @@ def trainable_outside_llm(spec: JobSpec, model: ModelConfig) -> int:
                                            (model.aligner_params, spec.freeze_aligner)) if not frozen)
 
 
+def _casts_adapter_inputs(spec: JobSpec) -> bool:
+    """LoRA's fp32 adapters on a 16-bit base under autocast (DDP and TP keep the base in the compute
+    dtype, launcher.model.master_dtype); DeepSpeed and FSDP2 run adapters and base in one dtype."""
+    return spec.torch_dtype != "float32" and not spec.deepspeed and not spec.fsdp
+
+
 # Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
 # gradient. Measured on an H200 with transformers' loss (bench/memory_estimate.py): ~12 bytes.
 LOGIT_BYTES = 12
@@ -164,18 +175,33 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     if model.is_moe:
         mlp_width = model.experts_per_token * model.moe_intermediate_size + model.shared_expert_intermediate_size
     width = 2 if spec.torch_dtype != "float32" else 4
-    # Per token and layer: norms, residual, q/attn-out/o inputs (~6h), k and v, and the SwiGLU
-    # gate/up/activation/product (4 x intermediate). SDPA/flash attention keep no s x s matrix.
-    mlp = 4 * mlp_width
+    q = model.num_heads * model.head_dim
+    # Per token and layer, in values of the compute dtype, what autograd keeps (counted with saved-
+    # tensor hooks on the CPU, tests/test_memory.py). Each RMSNorm its input: a fused norm (Liger's
+    # kernel; inductor's under torch_compile, which recomputes the casts) the residual itself;
+    # transformers' norm an fp32 copy (two values' bytes) and, where the norm's weight trains, its
+    # 16-bit normalised output. Attention: its input, q, k, v and its output (o_proj's input is a
+    # view of it; SDPA/flash keep no s x s matrix); the MLP's input; SwiGLU's gate and up and their
+    # product (down_proj's input), and unfused also the activation.
+    fused = spec.use_liger_kernel or spec.torch_compile
+    norm_keeps = 1 if fused or width == 4 else (3 if spec.train_type == "full" else 2)
+    norms = norm_keeps * (model.norms_per_layer * h + ((q + kv) if model.qk_norm else 0))
+    mlp = (3 if fused and not model.is_moe else 4) * mlp_width
     tile = 0.0
     if spec.tiled_mlp:
         # TiledMLP keeps its input and, in backward, that input's gradient (2h per token); the
         # SwiGLU intermediates exist for one tile of ~h tokens at a time (launcher.longseq.tile_count).
         mlp, tile = 2 * h, width * spec.per_device_train_batch_size * h * 4 * mlp_width / layout.tp
-    per_layer = width * (6 * h + 2 * kv + mlp)
-    if spec.train_type == "lora" and spec.lora_dropout > 0:
-        # peft applies dropout to each adapted layer's input separately and keeps the copy.
-        per_layer += width * sum(s.fan_in * s.count for s in _lora_sites(spec, model) if s.linear) / model.num_layers
+    per_layer = width * (norms + 2 * h + 2 * q + 2 * kv + mlp)
+    if spec.train_type == "lora" and (spec.lora_dropout > 0 or _casts_adapter_inputs(spec)):
+        # Each adapted layer keeps its own copy of its input (peft's dropout output, or the 16-bit
+        # copy autocast makes of the fp32 copy peft makes for fp32 adapters), where the layers
+        # reading one tensor (q, k, v; gate, up) would keep it once: the inputs above that only
+        # the adapters keep (attention's, the MLP's, the SwiGLU product) are these copies. A tiled
+        # MLP's adapters keep theirs for one tile.
+        sites = [s for s in _lora_sites(spec, model) if s.linear and (s.attention or not spec.tiled_mlp)]
+        copies = sum(s.fan_in * s.count for s in sites) / model.num_layers
+        per_layer += width * max(0.0, copies - (h if spec.tiled_mlp else 2 * h + mlp_width))
     per_layer /= layout.tp
     # Under checkpointing, the backward of the recomputed layer holds its activations' gradients
     # beside them: ~7h per token for attention, norms and residual, ~2 x intermediate for the
@@ -195,6 +221,11 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     # all of them: the TP plans gather lm_head's output for the loss (transformers' colwise_gather_output;
     # measured, bench/results/h200-layout-memory.jsonl).
     logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES
+    if spec.rlhf_type:
+        # A preference loss reads the logits (Liger's norms and SwiGLU only, no fused loss): kept in the
+        # compute dtype with their gradient; one row at a time recomputes its float32 copy and
+        # log-softmax in backward, with their gradients (launcher.preference.sequence_logps).
+        logits = (tokens * 2 * width + spec.max_length / (layout.cp * layout.sp) * 16) * model.vocab_size
     if layout.pp == 1:
         return kept(1) + logits, on_host
     # 1F1B: the first stage holds the activations of min(PP, micro-batches) micro-batches before its
@@ -238,10 +269,12 @@ def _deepspeed_states(spec: JobSpec, model: ModelConfig, s: _Sizes, zero: ZeroSe
         transient = (s.width + 4 * mixed) * min(STAGE3_SUB_GROUP, s.trainable / n)
         grads = s.width * s.trainable / n + transient
     else:
-        # 16-bit gradients until reduce-scattered (ZeRO-2), fp32 gradient partition (ZeRO-1).
-        # DeepSpeed allocates them and its buckets up front: no overlap with activations.
-        transient = 0.0
-        grads = 2 * s.trainable / n2 + 4 * s.trainable / n1 if mixed else 4 * s.trainable / n2
+        # 16-bit gradients (ZeRO-2: the rank's partition), filled in the first backward as its
+        # activations are freed and kept through the step's later micro-batches; the fp32 gradient
+        # partition, made in step() once the activations are gone (DeepSpeed 0.19's stage_1_and_2.py).
+        fp32 = 4 * s.trainable / n1 if mixed else 0.0
+        grads = 2 * s.trainable / n2 + fp32 if mixed else 4 * s.trainable / n2
+        transient = grads if spec.gradient_accumulation_steps == 1 else fp32
     offloaded = 0.0
     if zero.offload_optimizer:
         offloaded, grads, optim, transient = grads + optim, 0.0, 0.0, 0.0
