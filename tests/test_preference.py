@@ -371,9 +371,9 @@ def test_orpo_equals_trls_orpo_trainer_as_ms_swift_runs_it(tmp_path, tiny_model,
 @pytest.mark.e2e
 def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, tiny_model):
     """Two ranks, DPO with LoRA (the adapters off as the reference) on DDP and on ZeRO-3, and full
-    fine-tuning on FSDP2 (a frozen copy, sharded as the policy), on ZeRO-3 (partitioned) and on ZeRO-1 (whole), SimPO and ORPO
+    fine-tuning on FSDP2 (a frozen copy, sharded as the policy), on ZeRO-3 (partitioned) and on ZeRO-0 (whole), SimPO and ORPO
     (on ZeRO-2; none), LoRA DPO on streamed pairs: the reward accuracy rises above 0.9, ZeRO-3 trains
-    DDP's and FSDP2's losses, ZeRO-1 FSDP2's, a resume (and a streamed run's resume) trains the same losses, the result
+    DDP's and FSDP2's losses, ZeRO-0 FSDP2's, a resume (and a streamed run's resume) trains the same losses, the result
     exports."""
     data = preference_pairs(tmp_path / "pairs.jsonl", 64)
     common = dict(model=str(tiny_model), dataset=[data], rlhf_type="dpo", beta=0.5, max_length=48,
@@ -386,7 +386,8 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
                       learning_rate=1e-2, max_steps=6)
     orpo = tmp_path / "orpo"  # on ZeRO-2, as ms-swift's ORPO example runs
     zero3_full = tmp_path / "zero3-full"  # the frozen reference partitioned by DeepSpeed as the policy
-    zero1_full = tmp_path / "zero1-full"  # the optimizer sharded, the frozen reference whole on each rank
+    # DeepSpeed's engine without a ZeRO optimizer (ZeRO-1 and 2 share the one ORPO runs), the reference whole
+    zero0_full = tmp_path / "zero0-full"
     streamed = write_run(tmp_path / "streamed", **{**common, "save_steps": 2}, train_type="lora", learning_rate=1e-2,
                          max_steps=4, streaming=True)
     flat = write_run(tmp_path / "flat", **common, train_type="lora", learning_rate=1e-2, max_steps=2, padding_free=True,
@@ -401,8 +402,8 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
                                  deepspeed="zero3", nproc_per_node=2),
                          planned(zero3_full, **common, train_type="full", learning_rate=1e-3, max_steps=2,
                                  deepspeed="zero3", nproc_per_node=2),
-                         planned(zero1_full, **common, train_type="full", learning_rate=1e-3, max_steps=2,
-                                 deepspeed="zero1", nproc_per_node=2)], 400)
+                         planned(zero0_full, **common, train_type="full", learning_rate=1e-3, max_steps=2,
+                                 deepspeed="zero0", nproc_per_node=2)], 400)
     for proc in procs:
         assert proc.returncode == 0, proc.log[-4000:]
     zero3_full_log = procs[-2].log
@@ -443,7 +444,7 @@ def test_a_dpo_run_learns_the_preference_resumes_exactly_and_exports(tmp_path, t
     held, whole = map(int, re.search(r"reference partitioned by ZeRO-3: (\d+) of its (\d+) parameters on this rank",
                                      zero3_full_log).groups())
     assert whole / 2 <= held < 0.6 * whole
-    for run in (zero3_full, zero1_full):
+    for run in (zero3_full, zero0_full):
         assert sorted(losses(run)) == [1, 2]
         for step, value in losses(run).items():
             assert value == pytest.approx(losses(full)[step], rel=2e-4), (run.name, step)
