@@ -767,14 +767,17 @@ def assert_layout_trains_alike(tmp_path, common: dict, jobs: dict, layout, field
 
 
 @pytest.mark.e2e
-def test_dpo_under_tensor_parallel_trains_as_one_rank(tmp_path, tiny_model):
-    """transformers' TP=2 on two ranks (the head's output gathered on both): DPO with LoRA (the
-    reference is the adapters off) and full DPO with precomputed reference log-probs train the
-    losses and rewards of one rank; full DPO with a live frozen copy under TP is refused by name."""
+def test_dpo_under_tensor_parallel_by_data_parallel_trains_as_data_parallel(tmp_path, tiny_model):
+    """transformers' TP=2 by two data-parallel replicas on four ranks (the head's output gathered in
+    each TP pair) against DDP on two: DPO with LoRA (the reference is the adapters off; the adapters'
+    gradients averaged over the replicas, which the engine once looked up in a mesh without them) and
+    full DPO with precomputed reference log-probs train the same losses and rewards; full DPO with a
+    live frozen copy under TP is refused by name."""
     common = dict(LAYOUT_JOB, model=str(tiny_model), dataset=[preference_pairs(tmp_path / "pairs.jsonl", 32)],
                   per_device_train_batch_size=4)
     jobs = {"lora": LAYOUT_KINDS["lora"], "full": dict(LAYOUT_KINDS["full"], precompute_ref_log_probs=True)}
-    assert_layout_trains_alike(tmp_path, common, jobs, lambda n, _: dict(nproc_per_node=n, tensor_model_parallel_size=n))
+    assert_layout_trains_alike(tmp_path, common, jobs,
+                               lambda n, _: dict(nproc_per_node=2 * n, tensor_model_parallel_size=n))
     refused = {p.field: p.message for p in validate(JobSpec(**common, train_type="full", nproc_per_node=2,
                                                             tensor_model_parallel_size=2)) if p.severity == "error"}
     assert "tensor parallel with full-parameter DPO takes the reference from precompute_ref_log_probs" in \
