@@ -244,8 +244,9 @@ def _first_error(output: str) -> str:
     """The worker's own error (torchrun's summary at the end says only that a rank failed): where it
     was first reported, and the exception a rank raised, which a deep traceback puts far below."""
     lines = output.splitlines()
-    hits = [i for i, line in enumerate(lines)
-            if ("error" in line.lower() or "Traceback" in line) and "Warning" not in line]
+    # A traceback where there is one (a tokenizer's warning may say "errors" long before it)
+    hits = [i for i, line in enumerate(lines) if "Traceback" in line] or \
+        [i for i, line in enumerate(lines) if "error" in line.lower() and "Warning" not in line]
     if not hits:
         return output[-2000:]
     raised = [i for i, line in enumerate(lines) if RAISED.match(line)]
