@@ -368,3 +368,48 @@ def test_activations_per_layer_are_what_autograd_keeps(train_type, engine):
     estimated = (activations(3) - activations(1)) / 2 / 512
     measured = _saved_bytes_per_token_and_layer(train_type, autocast_adapters=not engine)
     assert estimated == pytest.approx(measured, rel=0.03)
+
+
+def test_a_training_vision_towers_activations_are_what_autograd_keeps():
+    """A Qwen2.5-VL tower fine-tuned with the model (freeze_vit off): the estimate's activations per
+    patch and block against autograd's saved tensors of the tower's forward on the CPU (bf16; the
+    differences of 1 and 3 blocks and of 16 x 16 and 32 x 32 patches); a frozen tower keeps none."""
+    import torch
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from backend.job.modelcfg import parse_model_config
+
+    vision = dict(hidden_size=128, intermediate_size=352, num_heads=4, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112)
+
+    def saved(depth: int, side: int) -> int:
+        torch.manual_seed(0)
+        config = Qwen2_5_VLVisionConfig(**vision, depth=depth, fullatt_block_indexes=[depth - 1])
+        config._attn_implementation = "sdpa"
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config).to(torch.bfloat16)
+        params = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            tower(torch.randn(side * side, 3 * 2 * 14 * 14, dtype=torch.bfloat16), grid_thw=torch.tensor([[1, side, side]]))
+        return sum(kept.values())
+
+    def estimated(depth: int, side: int, **fields) -> float:
+        model = parse_model_config({**SAVED_SHAPE, "model_type": "qwen2_5_vl", "num_hidden_layers": 2,
+                                    "vision_config": {**vision, "depth": depth}})
+        spec = JobSpec(model="m", dataset=["d"], train_type="full", max_length=4096, per_device_train_batch_size=1,
+                       gradient_checkpointing=False, max_pixels=side * side * 14 * 14, **fields)
+        return estimate_memory(spec, model, device="cpu").activations_gib * GIB
+
+    def per_patch_and_block(count) -> float:
+        return (count(3, 32) - count(3, 16) - count(1, 32) + count(1, 16)) / 2 / (32 * 32 - 16 * 16)
+
+    assert per_patch_and_block(lambda d, s: estimated(d, s, freeze_vit=False)) == \
+        pytest.approx(per_patch_and_block(saved), rel=0.03)
+    assert estimated(3, 32) == estimated(1, 16)  # freeze_vit and freeze_aligner: the tower keeps nothing

@@ -680,11 +680,13 @@ def test_glm4v_and_internvl_train_on_images_on_ddp_fsdp2_and_tp_and_their_lora_e
 
 def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds_them(tiny_vl):
     """modelcfg's count of a Qwen-VL family's vision tower, aligner and language model is the built
-    model's (Qwen2-VL's too, from a config); full fine-tuning trains what the freezes leave."""
+    model's (Qwen2-VL's too, from a config); full fine-tuning trains what the freezes leave, LoRA the
+    tower's adapters peft builds."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from backend.job.memory import estimate_memory, trainable_params
     from backend.job.modelcfg import parse_model_config
+    from launcher.model import add_lora
     from launcher.vision import vision_parts
 
     qwen2 = AutoConfig.for_model(
@@ -701,6 +703,14 @@ def test_the_estimate_counts_the_vision_tower_and_aligner_as_transformers_builds
         assert trainable_params(JobSpec(**job), parsed) == built[2]
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_aligner=False), parsed) == sum(built)
         assert trainable_params(JobSpec(**job, freeze_vit=False, freeze_llm=True), parsed) == built[0]
+        # LoRA with the tower unfrozen: the adapters peft puts on its blocks' linear layers
+        lora = dict(model="m", dataset=["d"], train_type="lora", lora_rank=8)
+        base = AutoModelForImageTextToText.from_config(config)
+        vit = vision_parts(base)[0]
+        add_lora(base, JobSpec(**lora, freeze_vit=False))
+        tower_adapters = sum(p.numel() for m in vit for n, p in m.named_parameters() if "lora_" in n)
+        assert trainable_params(JobSpec(**lora, freeze_vit=False), parsed) - \
+            trainable_params(JobSpec(**lora), parsed) == tower_adapters > 0, config.model_type
         # TP plans split the language model: the tower and aligner are whole on every TP rank
         states = lambda **f: estimate_memory(JobSpec(**job, freeze_vit=False, freeze_aligner=False,  # noqa: E731
                                                      nproc_per_node=2, **f), parsed, device="cpu")

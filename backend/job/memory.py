@@ -143,14 +143,22 @@ def trainable_params(spec: JobSpec, model: ModelConfig) -> int:
     freeze_aligner and freeze_llm leave). LoRA: r x (in + out) per adapter, as peft builds them."""
     if spec.train_type == "full":
         return (0 if spec.freeze_llm and model.vision_tower else model.param_count()) + trainable_outside_llm(spec, model)
-    return sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
+    return (sum(s.count * s.ranks * spec.lora_rank * (s.fan_in + s.fan_out) for s in _lora_sites(spec, model))
+            + trainable_outside_llm(spec, model))
 
 
 def trainable_outside_llm(spec: JobSpec, model: ModelConfig) -> int:
-    """Of `trainable_params`, those of a vision tower and aligner (full fine-tuning with them unfrozen;
-    LoRA adapters on them are not counted yet)."""
+    """Of `trainable_params`, those of a vision tower and aligner: with them unfrozen, all of theirs
+    under full fine-tuning; under LoRA the adapters on the tower blocks' linear layers (the aligner's
+    few are left out)."""
     if spec.train_type != "full":
-        return 0
+        shape = model.vision_shape
+        if spec.freeze_vit or shape is None:
+            return 0
+        h, i = shape.width, shape.mlp_width
+        # qkv (h -> 3h) or q, k and v, the projection, and the MLP's gate and up (h -> i) and down, or fc1 and fc2
+        linears = (4 * h if shape.fused_qkv else 6 * h) + 2 * h + (3 if shape.gated else 2) * (h + i)
+        return shape.layers * spec.lora_rank * linears
     return sum(count for count, frozen in ((model.vision_params, spec.freeze_vit),
                                            (model.aligner_params, spec.freeze_aligner)) if not frozen)
 
@@ -159,6 +167,30 @@ def _casts_adapter_inputs(spec: JobSpec) -> bool:
     """LoRA's fp32 adapters on a 16-bit base under autocast (DDP and TP keep the base in the compute
     dtype, launcher.model.master_dtype); DeepSpeed and FSDP2 run adapters and base in one dtype."""
     return spec.torch_dtype != "float32" and not spec.deepspeed and not spec.fsdp
+
+
+def _tower_activation_bytes(spec: JobSpec, model: ModelConfig) -> float:
+    """What a vision tower keeps for backward for one micro-batch where it trains (a frozen tower's
+    forward keeps nothing): each block as a decoder layer keeps its own (with nine values of the width
+    for attention: its input, q, k, v, output and the copies its window attention makes; counted with
+    saved-tensor hooks on Qwen2.5-VL's tower, tests/test_memory.py), the patches' pixels and the
+    aligner's ~7 values of the width; freeze_vit with freeze_aligner off, the aligner's alone. A row's
+    patches: one image of max_pixels, else as many as fill max_length with visual tokens."""
+    shape = model.vision_shape
+    if shape is None or (spec.freeze_vit and spec.freeze_aligner):
+        return 0.0
+    width = 2 if spec.torch_dtype != "float32" else 4
+    patches = shape.patches_per_token * spec.max_length
+    if spec.max_pixels:
+        patches = min(patches, spec.max_pixels // shape.patch_side ** 2)
+    patches *= spec.per_device_train_batch_size
+    h, aligner = shape.width, 7 * shape.width
+    if spec.freeze_vit:
+        return width * patches * aligner
+    norm_keeps = 3 if spec.train_type == "full" and width == 2 else (2 if width == 2 else 1)
+    block = 2 * norm_keeps * h + 9 * h + (4 if shape.gated else 2) * shape.mlp_width
+    blocks = shape.layers * h + block if spec.gradient_checkpointing else shape.layers * block
+    return width * patches * (blocks + shape.patch_values + aligner)
 
 
 # Per token and vocabulary entry: the logits (compute dtype), their fp32 copy, log-softmax and its
@@ -415,10 +447,14 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
         notes.append("the language model only: its vision tower is not counted (a family whose tower's size is "
                      "not known here)")
     elif model.vision_tower:
+        trains = not (spec.freeze_vit and spec.freeze_aligner) and model.vision_shape is not None
         notes.append(f"vision tower {model.vision_params / 1e6:.0f}M and aligner {model.aligner_params / 1e6:.1f}M "
-                     "parameters counted; images take their visual tokens of max_length (their own activations in "
-                     "the tower are not counted)")
+                     "parameters counted; images take their visual tokens of max_length" + (
+                         f"; the {'aligner' if spec.freeze_vit else 'tower'}'s activations for "
+                         + ("one image of max_pixels" if spec.max_pixels else "visual tokens filling max_length")
+                         + " a sample" if trains else " (a frozen tower keeps no activations)"))
     activations, activations_on_host = _activation_bytes(spec, model, layout)
+    activations += _tower_activation_bytes(spec, model)  # whole on every TP rank, as its weights
     if spec.padding_free and spec.attn_impl not in ("flash_attention_2", "flash_attention_3", "flex_attention"):
         # transformers builds one boolean mask over the whole flattened row for sdpa and eager
         row = spec.per_device_train_batch_size * spec.max_length  # (pairs: already doubled above)

@@ -93,6 +93,24 @@ class Linear(NamedTuple):
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """What a vision tower keeps for backward per patch, where it trains (backend.job.memory)."""
+
+    width: int
+    layers: int
+    mlp_width: int
+    gated: bool
+    """A SwiGLU MLP (gate, up, down); else two matrices (fc1, fc2)."""
+    fused_qkv: bool
+    """q, k and v in one linear layer (InternVL's are three)."""
+    patch_values: int
+    """Pixel values of one patch (channels x temporal patch x patch side squared)."""
+    patch_side: int
+    patches_per_token: int
+    """Patches merged into one of the language model's visual tokens."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     hidden_size: int
@@ -137,6 +155,8 @@ class ModelConfig:
     """The vision tower's parameters (a Qwen-VL family's; 0 where the config's family is not known)."""
     aligner_params: int = 0
     """The aligner's (the patch mergers into the language model)."""
+    vision_shape: VisionShape | None = None
+    """The tower's shape for its activations (None where the family is not known)."""
     max_position_embeddings: int = 0
     """The longest context the model was trained for; 0 when the config does not say."""
     rope_scaling: str = ""
@@ -318,6 +338,32 @@ def vision_tower_params(family: str, vision: dict[str, Any], outer: dict[str, An
     return tower, aligner
 
 
+def vision_tower_shape(family: str, vision: dict[str, Any], outer: dict[str, Any] | None = None) -> VisionShape | None:
+    """The tower's VisionShape from a vision_config of a family vision_tower_params reads; None else."""
+    try:
+        if family == "internvl":
+            h, layers, i = int(vision["hidden_size"]), int(vision["num_hidden_layers"]), int(vision["intermediate_size"])
+            patch = vision.get("patch_size", 14)
+            side = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+            merge, temporal, gated = int(1 / float((outer or {}).get("downsample_ratio", 0.5))), 1, False
+        elif family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"):
+            layers, side = int(vision["depth"]), int(vision.get("patch_size", 14))
+            if family == "qwen2_vl":
+                h = int(vision["embed_dim"])
+                i = int(h * float(vision.get("mlp_ratio", 4)))
+            else:  # GLM-4V's blocks' SwiGLU is out_hidden_size wide
+                h = int(vision["hidden_size"])
+                i = int(vision["out_hidden_size"] if family == "glm4v" else vision["intermediate_size"])
+            merge, temporal = int(vision.get("spatial_merge_size", 2)), int(vision.get("temporal_patch_size", 2))
+            gated = family in ("qwen2_5_vl", "glm4v")
+        else:
+            return None
+        channels = int(vision.get("in_chans", vision.get("in_channels", vision.get("num_channels", 3))))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return VisionShape(width=h, layers=layers, mlp_width=i, gated=gated, fused_qkv=family != "internvl", patch_values=channels * temporal * side * side, patch_side=side, patches_per_token=merge * merge)
+
+
 def _glm4v_tower_params(vision: dict[str, Any]) -> tuple[int, int]:
     """GLM-4V's tower (a position embedding per patch of image_size, a biased patch embedding,
     blocks of RMSNorms, a qkv and a bias-free projection and SwiGLU MLP out_hidden_size wide, a
@@ -367,6 +413,7 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         raise ModelConfigError("config.json is not a JSON object")
     outer_type = str(cfg.get("model_type", "")) if isinstance(cfg.get("vision_config"), dict) else ""
     vision, aligner = vision_tower_params(outer_type, cfg.get("vision_config") or {}, cfg)
+    shape = vision_tower_shape(outer_type, cfg.get("vision_config") or {}, cfg)
     cfg = _with_defaults(cfg)
     model_type = str(cfg.get("model_type", ""))
     hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
@@ -422,6 +469,7 @@ def parse_model_config(cfg: dict[str, Any], source: str = "") -> ModelConfig:
         multimodal_type=outer_type,
         vision_params=vision,
         aligner_params=aligner,
+        vision_shape=shape,
         max_position_embeddings=_int(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", default=0),
         rope_scaling=_rope_scaling(cfg),
         **dict(zip(("sliding_window", "attention_chunk", "other_mixers"), sequence_mixing(cfg))),
