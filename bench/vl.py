@@ -12,6 +12,8 @@ Parts:
          with and without Liger's kernels against ours; the target compares the fastest of each side,
          and their peak memory, and the memory estimate against our peak.
   textonly  ours, the lora part's job with each image's tokens as text: the tower's share of the peak.
+  tower  ours, LoRA with freeze_vit off against the tower frozen (half the micro-batch): the estimate of
+         a training tower's activations and adapters.
   ranks  ours, LoRA under DeepSpeed ZeRO-3: 2 ranks sharing the GPU (each its own NCCL host) against 1
          rank with the same global batch, every record the same sample (each data-parallel rank reads
          its own shard in its own order, so distinct samples would make different steps), losses by step.
@@ -237,7 +239,20 @@ class Bench(Compared):
                        "text_tokens_per_sample": text["tokens_per_sample"], "estimated_gib": image["estimated_gib"]})
 
 
-PARTS = ("lora", "ranks", "textonly")
+    def tower(self, bsz: int) -> None:
+        """The memory estimate of a training tower: LoRA with freeze_vit off (adapters on the tower's
+        blocks, their activations kept) against the same job with the tower frozen, half the lora
+        part's micro-batch (the tower's activations would not fit an H100 beside the rest)."""
+        frozen = self.ours("tower-frozen", bsz // 2)
+        trained = self.ours("tower-lora", bsz // 2, freeze_vit=False)
+        if "error" not in frozen and "error" not in trained:
+            self.emit({"target": "VL LoRA: the tower trained vs frozen", "peak_gib": trained["peak_mem_gib"],
+                       "frozen_peak_gib": frozen["peak_mem_gib"], "estimated_gib": trained["estimated_gib"],
+                       "frozen_estimated_gib": frozen["estimated_gib"],
+                       "estimate_error": round(trained["estimated_gib"] / trained["peak_mem_gib"] - 1, 3)})
+
+
+PARTS = ("lora", "ranks", "textonly", "tower")
 
 
 def main() -> int:
