@@ -123,10 +123,8 @@ def _sum_grads(params: list, group) -> None:
 def _dp_group(base, plan: TransformersPlan):
     """The process group of this rank's data-parallel peers (the ranks that hold the same TP shard).
     The model's `_device_mesh` is transformers' (pp, fsdp, tp) slice, without the replicas' dimension:
-    the whole mesh is its mesh manager's."""
-    dims = tuple(name for name, size in (("dp_replicate", plan.replicate), ("fsdp", plan.fsdp)) if size > 1)
-    mesh = base._mesh_manager.get_mesh(dims)
-    return (mesh._flatten() if len(dims) > 1 else mesh).get_group()
+    the whole mesh is its mesh manager's. A plan shards or replicates, never both (transformers_plan)."""
+    return base._mesh_manager.get_mesh("fsdp" if plan.fsdp > 1 else "dp_replicate").get_group()
 
 
 def _average_grads(params: list, group) -> None:
