@@ -312,6 +312,24 @@ SAVED_SHAPE = dict(model_type="llama", hidden_size=256, intermediate_size=704, n
                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024)
 
 
+def _kept_bytes(module, forward) -> int:
+    """Bytes autograd keeps for backward while `forward()` runs: each storage once, `module`'s
+    parameters left out."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values())
+
+
 def _saved_bytes_per_token_and_layer(train_type: str, autocast_adapters: bool) -> float:
     """What autograd keeps for backward, per token and decoder layer, counted with saved-tensor hooks
     (each storage once, parameters left out) on a bf16 Llama: the difference of 1 and 3 layers, and
@@ -331,20 +349,9 @@ def _saved_bytes_per_token_and_layer(train_type: str, autocast_adapters: bool) -
             if not autocast_adapters:
                 for p in model.parameters():
                     p.data = p.data.to(torch.bfloat16)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        body = model.get_decoder()
         hidden = model.get_input_embeddings()(torch.randint(0, 128, (1, tokens))).detach().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_adapters), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            body(inputs_embeds=hidden)
-        return sum(kept.values())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_adapters):
+            return _kept_bytes(model, lambda: model.get_decoder()(inputs_embeds=hidden))
 
     per_token = [(saved(layers, 512) - saved(layers, 256)) / 256 for layers in (1, 3)]
     return (per_token[1] - per_token[0]) / 2
@@ -388,17 +395,8 @@ def test_a_training_vision_towers_activations_are_what_autograd_keeps():
         config = Qwen2_5_VLVisionConfig(**vision, depth=depth, fullatt_block_indexes=[depth - 1])
         config._attn_implementation = "sdpa"
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config).to(torch.bfloat16)
-        params = {p.untyped_storage().data_ptr() for p in tower.parameters()}
-        kept = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            tower(torch.randn(side * side, 3 * 2 * 14 * 14, dtype=torch.bfloat16), grid_thw=torch.tensor([[1, side, side]]))
-        return sum(kept.values())
+        pixels = torch.randn(side * side, 3 * 2 * 14 * 14, dtype=torch.bfloat16)
+        return _kept_bytes(tower, lambda: tower(pixels, grid_thw=torch.tensor([[1, side, side]])))
 
     def estimated(depth: int, side: int, **fields) -> float:
         model = parse_model_config({**SAVED_SHAPE, "model_type": "qwen2_5_vl", "num_hidden_layers": 2,
