@@ -240,6 +240,10 @@ def run_error(run_dir: Path, output: str) -> str:
     return min(ended)[1][-2000:] if ended else _first_error(output)
 
 
+# The line a rank's uncaught exception ends its traceback with ("[rank0]: torch.OutOfMemoryError: ...").
+RAISED = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b(?<!ChildFailedError)")
+
+
 def _first_error(output: str) -> str:
     """The worker's own error (torchrun's summary at the end says only that a rank failed): where it
     was first reported, and the exception a rank raised, which a deep traceback puts far below."""
@@ -255,9 +259,6 @@ def _first_error(output: str) -> str:
         return (head[:1000] + "\n...\n" + "\n".join(lines[raised[-1]:raised[-1] + 6]))[-2000:]
     return "\n".join(lines[hits[0]:hits[0] + 30])[-2000:]
 
-
-# The line a rank's uncaught exception ends its traceback with ("[rank0]: torch.OutOfMemoryError: ...").
-RAISED = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b(?<!ChildFailedError)")
 
 
 def gpu_env(devices: str | None) -> dict:

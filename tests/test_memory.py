@@ -411,3 +411,19 @@ def test_a_training_vision_towers_activations_are_what_autograd_keeps():
     assert per_patch_and_block(lambda d, s: estimated(d, s, freeze_vit=False)) == \
         pytest.approx(per_patch_and_block(saved), rel=0.03)
     assert estimated(3, 32) == estimated(1, 16)  # freeze_vit and freeze_aligner: the tower keeps nothing
+
+
+@pytest.mark.parametrize("broken", [{"patch_size": 0}, {"depth": -3}, {"spatial_merge_size": 0}, {"depth": "many"},
+                                    {"hidden_size": None}])
+def test_a_crafted_vision_config_leaves_the_towers_activations_uncounted_not_the_estimate_broken(broken):
+    """A config.json from elsewhere with a tower of no patch, negative depth or values that are no
+    numbers: the tower's activations are not counted (no shape), and the estimate still answers."""
+    from backend.job.modelcfg import parse_model_config
+
+    vision = dict(hidden_size=128, intermediate_size=352, num_heads=4, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, depth=3)
+    model = parse_model_config({**SAVED_SHAPE, "model_type": "qwen2_5_vl", "num_hidden_layers": 2,
+                                "vision_config": {**vision, **broken}})
+    assert model.vision_shape is None
+    spec = JobSpec(model="m", dataset=["d"], train_type="full", freeze_vit=False, max_pixels=448 * 448)
+    assert estimate_memory(spec, model, device="cpu").activations_gib > 0

@@ -163,10 +163,24 @@ def trainable_outside_llm(spec: JobSpec, model: ModelConfig) -> int:
                                            (model.aligner_params, spec.freeze_aligner)) if not frozen)
 
 
+def _value_bytes(spec: JobSpec) -> int:
+    """Bytes of one value in the compute dtype."""
+    return 4 if spec.torch_dtype == "float32" else 2
+
+
+def _norm_keeps(spec: JobSpec, fused: bool, trains: bool) -> int:
+    """Values of its width an RMSNorm keeps for backward: a fused norm (Liger's; inductor's under
+    torch_compile, which recomputes the casts), or any in float32, the residual itself; transformers'
+    in 16 bits an fp32 copy (two values' bytes) and, where its weight `trains`, its normalised output."""
+    if fused or _value_bytes(spec) == 4:
+        return 1
+    return 3 if trains else 2
+
+
 def _casts_adapter_inputs(spec: JobSpec) -> bool:
     """LoRA's fp32 adapters on a 16-bit base under autocast (DDP and TP keep the base in the compute
     dtype, launcher.model.master_dtype); DeepSpeed and FSDP2 run adapters and base in one dtype."""
-    return spec.torch_dtype != "float32" and not spec.deepspeed and not spec.fsdp
+    return _value_bytes(spec) == 2 and not spec.deepspeed and not spec.fsdp
 
 
 def _tower_activation_bytes(spec: JobSpec, model: ModelConfig) -> float:
@@ -179,7 +193,7 @@ def _tower_activation_bytes(spec: JobSpec, model: ModelConfig) -> float:
     shape = model.vision_shape
     if shape is None or (spec.freeze_vit and spec.freeze_aligner):
         return 0.0
-    width = 2 if spec.torch_dtype != "float32" else 4
+    width = _value_bytes(spec)
     patches = shape.patches_per_token * spec.max_length
     if spec.max_pixels:
         patches = min(patches, spec.max_pixels // shape.patch_side ** 2)
@@ -187,8 +201,7 @@ def _tower_activation_bytes(spec: JobSpec, model: ModelConfig) -> float:
     h, aligner = shape.width, 7 * shape.width
     if spec.freeze_vit:
         return width * patches * aligner
-    norm_keeps = 3 if spec.train_type == "full" and width == 2 else (2 if width == 2 else 1)
-    block = 2 * norm_keeps * h + 9 * h + (4 if shape.gated else 2) * shape.mlp_width
+    block = 2 * _norm_keeps(spec, fused=False, trains=spec.train_type == "full") * h + 9 * h + (4 if shape.gated else 2) * shape.mlp_width
     blocks = shape.layers * h + block if spec.gradient_checkpointing else shape.layers * block
     return width * patches * (blocks + shape.patch_values + aligner)
 
@@ -206,18 +219,16 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     mlp_width = model.intermediate_size
     if model.is_moe:
         mlp_width = model.experts_per_token * model.moe_intermediate_size + model.shared_expert_intermediate_size
-    width = 2 if spec.torch_dtype != "float32" else 4
+    width = _value_bytes(spec)
     q = model.num_heads * model.head_dim
     # Per token and layer, in values of the compute dtype, what autograd keeps (counted with saved-
-    # tensor hooks on the CPU, tests/test_memory.py). Each RMSNorm its input: a fused norm (Liger's
-    # kernel; inductor's under torch_compile, which recomputes the casts) the residual itself;
-    # transformers' norm an fp32 copy (two values' bytes) and, where the norm's weight trains, its
-    # 16-bit normalised output. Attention: its input, q, k, v and its output (o_proj's input is a
-    # view of it; SDPA/flash keep no s x s matrix); the MLP's input; SwiGLU's gate and up and their
-    # product (down_proj's input), and unfused also the activation.
+    # tensor hooks on the CPU, tests/test_memory.py): each norm what `_norm_keeps` says. Attention:
+    # its input, q, k, v and its output (o_proj's input is a view of it; SDPA/flash keep no s x s
+    # matrix); the MLP's input; SwiGLU's gate and up and their product (down_proj's input), and
+    # unfused also the activation.
     fused = spec.use_liger_kernel or spec.torch_compile
-    norm_keeps = 1 if fused or width == 4 else (3 if spec.train_type == "full" else 2)
-    norms = norm_keeps * (model.norms_per_layer * h + ((q + kv) if model.qk_norm else 0))
+    norms = _norm_keeps(spec, fused, trains=spec.train_type == "full") * (
+        model.norms_per_layer * h + ((q + kv) if model.qk_norm else 0))
     mlp = (3 if fused and not model.is_moe else 4) * mlp_width
     tile = 0.0
     if spec.tiled_mlp:
@@ -393,7 +404,7 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
     local = model.param_count() / model_parallel + whole
     shard = max(1, layout.world // model_parallel)
     sizes = _Sizes(local=local, trainable=(trainable - whole_trainable) / model_parallel + whole_trainable, shard=shard,
-                   width=4 if spec.torch_dtype == "float32" else 2, tp=layout.tp, ep=layout.ep)
+                   width=_value_bytes(spec), tp=layout.tp, ep=layout.ep)
     if spec.deepspeed:
         zero = zero or zero_settings(spec)
         states = _deepspeed_states(spec, model, sizes, zero)

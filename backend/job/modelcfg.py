@@ -361,6 +361,8 @@ def vision_tower_shape(family: str, vision: dict[str, Any], outer: dict[str, Any
         channels = int(vision.get("in_chans", vision.get("in_channels", vision.get("num_channels", 3))))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
+    if min(h, layers, i, side, merge, temporal, channels) <= 0:  # a crafted or broken config: no shape to count
+        return None
     return VisionShape(width=h, layers=layers, mlp_width=i, gated=gated, fused_qkv=family != "internvl",
                        patch_values=channels * temporal * side * side, patch_side=side, patches_per_token=merge * merge)
 
