@@ -15,7 +15,8 @@ Parts:
          as it is and with Liger's kernels.
   compiled  TRL LoRA with the Trainer's torch_compile (and eager) against ours compiled (of this call's runs).
   again  the fastest configuration of each side of lora and full once more, ours first (against drift).
-  precompute  full ZeRO-3 with precompute_ref_log_probs on both sides (no reference forward per step).
+  precompute  full ZeRO-3 with precompute_ref_log_probs on both sides (no reference forward per step);
+         ours as it is and with Liger's kernels.
   ranks  ours, full DPO on ZeRO-3 and on FSDP2 (learning rate 1e-8: every record is one pair, which
          1e-5 fitted in one step; the line says if the loss still reached ~0): the losses of 2 ranks sharing the GPU (each its own
          NCCL host, as bench/layout_memory.py runs them) against 1 rank with the same global batch. Every
@@ -169,7 +170,9 @@ class Bench(Compared):
                     [self.trl(bsz, lora=False, zero3=True)], 1.10)
 
     def precompute(self, bsz: int) -> None:
-        ours = [self.ours("full-zero3-precompute", bsz, False, deepspeed="zero3", precompute_ref_log_probs=True)]
+        ours = [self.ours("full-zero3-precompute", bsz, False, deepspeed="zero3", precompute_ref_log_probs=True)] + (
+            [] if self.smoke else [self.ours("full-zero3-precompute-liger", bsz, False, deepspeed="zero3",
+                                             precompute_ref_log_probs=True, use_liger_kernel=True)])
         self.versus(f"DPO full ZeRO-3 with precompute_ref_log_probs on both: {self.shape} {self.seq}-token pairs "
                     f"x{bsz}", ours, [self.trl(bsz, lora=False, zero3=True, precompute=True)], 1.10)
 

@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--compile", action="store_true", help="the Trainer's torch_compile")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="print torch.profiler's kernel table (ROWS rows) of the steps after --warm, as "
+                             "bench/profile_step.py does for ours")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -88,7 +91,10 @@ def main() -> None:
                 for p, c, r in zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])]
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    if args.profile:
+        profiled(trainer, args.warm, args.steps - args.warm, args.profile)
+    else:
+        trainer.train()
     step_s = (timer.ended - timer.started) / timer.timed
     tokens_per_step = sum(per_pair) / len(per_pair) * args.bsz * int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -99,6 +105,24 @@ def main() -> None:
                               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
                               losses=[round(h["loss"], 5) for h in trainer.state.log_history if "loss" in h])),
               flush=True)
+
+
+def profiled(trainer, warm: int, active: int, rows: int) -> None:
+    """`trainer.train()` under torch.profiler, its steps after `warm` recorded; rank 0 prints the table
+    (profiled steps are slower: compare kernel times, not the step time)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    class Step(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            prof.step()
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=warm, active=active, repeat=1)) as prof:
+        trainer.add_callback(Step())
+        trainer.train()
+    if int(os.environ.get("RANK", "0")) == 0:
+        sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
 
 
 if __name__ == "__main__":

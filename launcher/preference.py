@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from launcher.data import IGNORE
 
@@ -40,18 +39,10 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
     `shifted`: labels[i] is what logits[i] predicts (a Ulysses slice's labels, shifted over the whole row).
     `flat` (padding_free): the rows hold answers end to end, each a run of labelled tokens between
     unlabelled ones (its prompt, or the first token of the next sample); each run's sums, in order."""
-    if not shifted:
-        logits, labels = logits[:, :-1], labels[:, 1:]
+    if not shifted:  # the last position predicts nothing: the logits stay whole, their gradient too
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
     mask = labels != IGNORE
-    # log_softmax at the labels, row by row in float32: the whole (rows x tokens x vocabulary) of
-    # log-probabilities is never held at once. With gradients each row is recomputed in backward,
-    # so autograd keeps only the logits, not a float32 copy of them (for a micro-batch of 16
-    # 1024-token rows and a 152K vocabulary that copy was 10 GiB).
-    rows = [_row_logps(row, torch.where(m, lab, 0)) if not row.requires_grad else
-            torch.utils.checkpoint.checkpoint(_row_logps, row, torch.where(m, lab, 0), use_reentrant=False,
-                                              preserve_rng_state=False)
-            for row, lab, m in zip(logits, labels, mask)]
-    token_logps = torch.stack(rows) * mask
+    token_logps = TokenLogps.apply(logits, torch.where(mask, labels, 0)) * mask
     if not flat:
         return token_logps.sum(-1), mask.sum(-1)
     starts = mask & ~F.pad(mask[:, :-1], (1, 0), value=False)
@@ -59,6 +50,37 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = F
     count = int(starts.sum())  # waits for the device, as flash-attention's varlen lengths do
     return (token_logps.new_zeros(count).index_add(0, runs, token_logps[mask]),
             torch.bincount(runs, minlength=count))
+
+
+class TokenLogps(torch.autograd.Function):
+    """Each position's float32 log-prob of its label, from 16-bit logits (rows x tokens x vocabulary)
+    one row at a time: the float32 log-softmax of a row lives only while its labels' entries are
+    picked, and backward computes the row's softmax again, writing its gradient straight into the
+    logits' dtype. So autograd keeps the logits alone, not a float32 copy (for a micro-batch of 16
+    1024-token rows and a 152K vocabulary that copy was 10 GiB), and each row takes one fused
+    kernel forward and two backward (TRL's bf16 log-softmax takes as many; a float32 logsumexp
+    recomputed under checkpointing took ~4x the memory traffic: bench/profile_step.py)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        picked = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        for row, (row_logits, row_labels) in enumerate(zip(logits, labels)):
+            picked[row] = torch.log_softmax(row_logits, -1, dtype=torch.float32).gather(-1, row_labels[:, None])[:, 0]
+        ctx.save_for_backward(logits, labels)
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # d log p(label) / d logits = onehot(label) - softmax(logits)
+        logits, labels = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for row, (row_logits, row_labels) in enumerate(zip(logits, labels)):
+            probs = torch.softmax(row_logits, -1, dtype=torch.float32)
+            scale = grad[row, :, None].float()
+            at_label = (1 - probs.gather(-1, row_labels[:, None])) * scale
+            torch.mul(probs, -scale, out=out[row])
+            out[row].scatter_(-1, row_labels[:, None], at_label.to(out.dtype))
+        return out, None
 
 
 def group_logps(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +99,6 @@ def _summed(values: torch.Tensor, group) -> torch.Tensor:
 
     dist.all_reduce(values, group=group)
     return values
-
-
-def _row_logps(row: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    row = row.float()
-    return torch.gather(row, -1, labels.unsqueeze(-1)).squeeze(-1) - row.logsumexp(-1)
 
 
 def preference_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
@@ -141,18 +158,20 @@ class PreferenceLoss:
         self.spec = spec
         self.references: list[torch.Tensor] = []
         self.totals: torch.Tensor | None = None
-        self.sp = None  # the engine's Ulysses group (UlyssesSP): each rank holds a slice of every row
+        # the engine's `sequence_group` (Ulysses SP, ring CP): each rank holds a part of every row
+        self.sequence_group = None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None = None,
                  **_) -> torch.Tensor:
         spec = self.spec
-        if self.sp is None:
+        group = self.sequence_group
+        if group is None:
             logps, tokens = sequence_logps(logits, labels, flat=spec.padding_free)
             if len(logps) % 2:  # padding_free: a row's answers are told apart by their runs of labels alone
                 raise RuntimeError(f"padding_free: {len(logps)} answers in a micro-batch of pairs; each pair's answer "
                                    "should be one run of labelled tokens")
         else:
-            logps, tokens = group_logps(logits, shift_labels, self.sp.group)
+            logps, tokens = group_logps(logits, shift_labels, group.group)
         chosen, rejected = logps.chunk(2)
         chosen_tokens, rejected_tokens = tokens.chunk(2)
         # Rows that only fill a micro-batch to its size (evaluation's last one) carry no labels.
@@ -172,9 +191,9 @@ class PreferenceLoss:
             losses = reference_free_losses(chosen, rejected, spec)
             weight = 1.0 if spec.rlhf_type == "orpo" else spec.cpo_alpha or None
         loss = losses[real].mean() + (weight * nll if weight is not None else 0)
-        if self.sp is not None:
+        if group is not None:
             # Every rank of the group holds the whole loss; the engine adds up the ranks' shares.
-            loss = loss / self.sp.size
+            loss = loss / group.size
         if not torch.is_grad_enabled():  # an evaluation: its loss is reported on its own
             return loss
         with torch.no_grad():
@@ -253,18 +272,17 @@ class Reference:
         return self.policy.disable_adapter() if self.lora else nullcontext()
 
     @torch.no_grad()
-    def logps(self, batch: dict, context=None, sp=None) -> torch.Tensor:
+    def logps(self, batch: dict, context=None, group=None) -> torch.Tensor:
         """`context`: the engine's forward context (`Engine.forward_context`), so the reference
-        computes as the policy's forward does; `sp`: the engine's Ulysses group (`Engine.sp`),
-        whose attention takes this rank's slice of each row."""
-        if sp is not None:
-            batch, _ = sp.shard(batch)
-        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-        with context or nullcontext(), self.adapters_off():
-            logits = (self.policy if self.frozen is None else self.frozen)(**inputs, use_cache=False).logits
-        if sp is None:
-            return sequence_logps(logits, batch["labels"], flat=self.flat)[0]
-        return group_logps(logits, batch["shift_labels"], sp.group)[0]
+        computes as the policy's forward does; `group`: the engine's `sequence_group` (Ulysses SP,
+        ring CP), whose ranks each run their part of every row."""
+        with group.sharded(batch) if group is not None else nullcontext(batch) as part:
+            inputs = {k: v for k, v in part.items() if k not in ("labels", "shift_labels")}
+            with context or nullcontext(), self.adapters_off():
+                logits = (self.policy if self.frozen is None else self.frozen)(**inputs, use_cache=False).logits
+            if group is None:
+                return sequence_logps(logits, part["labels"], flat=self.flat)[0]
+            return group_logps(logits, part["shift_labels"], group.group)[0]
 
 
 # ---- precomputed reference log-probs (precompute_ref_log_probs) ------------------------------------

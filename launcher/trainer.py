@@ -207,7 +207,7 @@ class Trainer:
                               else Reference.of(model, spec, DTYPES[spec.torch_dtype]))
         self.engine = build_engine(model, spec, self.dist, self.plan.max_steps, ds_config)
         if self.preference:
-            self.preference.sp = self.engine.sp
+            self.preference.sequence_group = self.engine.sequence_group
         if self.reference:
             self.reference.place(self.engine, self.dist.device)
         if self.reference and spec.precompute_ref_log_probs:

@@ -16,7 +16,7 @@ from backend.job.modelcfg import parse_model_config, sequence_mixing
 from backend.job.spec import JobSpec
 from backend.job.validate import validate
 from worker import (ROOT, assert_same_eval, assert_same_export, assert_timing_from_every_rank, events,
-                    losses, run_ok, run_worker, torchrun_argv, write_run)
+                    losses, preference_pairs, run_ok, run_worker, torchrun_argv, write_run)
 
 DATA = str(ROOT / "assets" / "demo" / "train.jsonl") + "#128"
 STEPS = 20
@@ -164,6 +164,51 @@ for row in range(2):
     got = sorted((p, i, l) for ids_, pos_, lab_ in parts for p, i, l in zip(pos_[row], ids_[row], lab_[row]))
     assert got == list(zip(range(16), ids[row].tolist(), shift[row].tolist())), row
 assert local_pos[0].tolist() == ([0, 1, 2, 3, 12, 13, 14, 15] if rank == 0 else [4, 5, 6, 7, 8, 9, 10, 11])
+
+# DPO on the same rows (two pairs: chosen rows, then rejected): the reference's log-probs through the
+# ring's chunks, the loss's shares and their gradients, and the reward sums, against one rank.
+from types import SimpleNamespace
+from backend.job.spec import JobSpec
+from launcher.engines.cp import RingCP
+from launcher.preference import PreferenceLoss, Reference
+
+class Scorer(torch.nn.Module):
+    """Logits from the token and its position, so chunks cut unlike their positions score otherwise."""
+    def __init__(self, seed):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(50, 50, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, input_ids, position_ids, labels=None, shift_labels=None, **_):
+        logits = self.table[input_ids] * (1 + position_ids[..., None] / 10)
+        loss = None if labels is None else self.loss_function(logits, labels, shift_labels=shift_labels)
+        return SimpleNamespace(loss=loss, logits=logits)
+
+ring = RingCP.__new__(RingCP)
+ring.mesh = mesh
+dpo = JobSpec(model="m", dataset=["d"], rlhf_type="dpo", beta=0.5, rpo_alpha=0.3)
+results = {}
+for name, group in (("ring", ring), ("plain", None)):
+    policy, frozen = Scorer(1), Scorer(2)
+    policy.loss_function = PreferenceLoss(dpo)
+    policy.loss_function.sequence_group = group
+    reference = Reference(policy, lora=False, frozen=frozen).logps({k: v.clone() for k, v in batch.items()}, None, group)
+    policy.loss_function.expect(reference)
+    if group is None:
+        loss = policy(batch["input_ids"], batch["position_ids"], labels=labels).loss
+        (loss * 0.5).backward()
+        grad = policy.table.grad
+    else:
+        loss = ring_forward_backward(policy, {k: v.clone() for k, v in batch.items()}, mesh, scale=0.5)
+        grad = policy.table.grad.clone()
+        dist.all_reduce(grad)
+        grad /= 2  # FSDP2's average over the group
+    results[name] = (reference, loss.detach(), grad, policy.loss_function.take())
+(ring_ref, ring_loss, ring_grad, ring_sums), (ref, plain_loss, plain_grad, sums) = results["ring"], results["plain"]
+torch.testing.assert_close(ring_ref, ref)
+torch.testing.assert_close(ring_loss, plain_loss)
+torch.testing.assert_close(ring_grad, plain_grad)
+assert ring_grad.abs().sum() > 0
+assert ring_sums == __import__("pytest").approx(sums, rel=1e-5), (ring_sums, sums)
 print("ok", flush=True)
 dist.destroy_process_group()
 # As the worker ends: gloo's objects destroyed in the interpreter's teardown can abort a rank
@@ -177,7 +222,9 @@ leave(0)
 @pytest.mark.e2e
 def test_ring_sharding_and_loss_arithmetic_on_two_ranks(tmp_path):
     """torch's own head-tail sharding of the buffers (run for real on gloo) and this worker's loss
-    share and gradient factor, with a model that needs no attention (the ring's is CUDA-only)."""
+    share and gradient factor, with a model that needs no attention (the ring's is CUDA-only); and
+    DPO's: the reference's log-probs, the loss, its gradients and the reward sums of the chunks
+    equal one rank's."""
     import subprocess
 
     from worker import torchrun, worker_env
@@ -309,3 +356,28 @@ def test_cp2_bf16_with_gradient_checkpointing_follows_one_rank(tmp_path, tiny_mo
     plain = trained(tmp_path / "plain", 1, tmp_path, **spec_fields)
     for step, value in losses(cp).items():
         assert value == pytest.approx(losses(plain)[step], rel=2e-2), step
+
+
+@gpu
+@pytest.mark.e2e
+def test_cp2_dpo_trains_as_one_rank(tmp_path, mha):
+    """DPO under ring CP=2 (each rank holds a head and a tail chunk of every row; the pairs' log-prob
+    sums added over the group, the reference run through the ring on the same chunks): LoRA (its
+    adapters off), full DPO with a frozen copy (sharded by FSDP2) and full DPO from precomputed
+    log-probs train the losses, rewards, log-probs and eval losses of one rank."""
+    common = job(mha["llama"], dataset=[preference_pairs(tmp_path / "pairs.jsonl", 40)], rlhf_type="dpo", beta=0.5,
+                 max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, split_dataset_ratio=0.2,
+                 eval_steps=2, warmup_ratio=0.0)
+    kinds = {"lora": dict(train_type="lora", learning_rate=1e-2), "full": dict(train_type="full", learning_rate=1e-3),
+             "precomputed": dict(train_type="full", learning_rate=1e-3, precompute_ref_log_probs=True)}
+    for kind, fields in kinds.items():
+        one, two = (trained(tmp_path / f"{kind}-{n}", n, tmp_path, **{**common, **fields},
+                            dataset_cache_dir=str(tmp_path / f"{kind}-{n}-cache"), **({CP: 2} if n == 2 else {}))
+                    for n in (1, 2))
+        base, ring = (events(run, 0, "train") for run in (one, two))
+        assert [e["step"] for e in ring] == [1, 2, 3, 4], kind
+        for a, b in zip(base, ring):
+            for field in ("loss", "rewards_margins", "logps_chosen", "logps_rejected"):
+                assert b[field] == pytest.approx(a[field], rel=2e-4, abs=1e-5), (kind, a["step"], field)
+        assert ring[-1]["rewards_margins"] != 0, kind
+        assert_same_eval(two, one, [2, 4])

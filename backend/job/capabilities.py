@@ -332,7 +332,8 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
     sequences' tokens to the experts and back), pipeline parallel (a micro-batch's chosen and rejected
     rows go down the pipeline together, so the loss is the last stage's; the reference is a
     forward-only pass of the same schedule), where no frozen copy of the TP- or EP-sharded or split
-    model is needed, and DeepSpeed's Ulysses SP (each row's log-prob sums added over the SP group)."""
+    model is needed, DeepSpeed's Ulysses SP and ring CP (each row's log-prob sums added over the
+    group that holds its parts; the reference's forward runs on the same parts)."""
     if spec.rlhf_type is None:
         return [Problem(field, "ignored: only preference training (rlhf_type dpo) has a reference model", "warning")
                 for field in ("ref_model", "precompute_ref_log_probs") if getattr(spec, field)]
@@ -350,11 +351,6 @@ def _preference_problems(spec: JobSpec) -> list[Problem]:
                                          ("pipeline_model_parallel_size", "pipeline parallel"))
                      if getattr(spec, field) > 1 and spec.rlhf_type == "dpo" and spec.train_type == "full" and (
                          spec.ref_model or not spec.precompute_ref_log_probs)]
-    if spec.context_parallel_size > 1:
-        problems.append(Problem("context_parallel_size", f"context parallel is not combined with rlhf_type "
-                                f"{spec.rlhf_type} yet: each pair's log-probs are summed over whole sequences on one "
-                                "rank, one Ulysses group or a pipeline's last stage; use DDP, DeepSpeed ZeRO (with "
-                                "sequence_parallel_size), FSDP2, tensor, expert or pipeline parallel"))
     if spec.packing:
         problems.append(Problem("packing", f"rlhf_type {spec.rlhf_type} keeps each micro-batch's pairs together: "
                                            "turn packing off (padding_free puts them end to end without padding)"))

@@ -266,8 +266,11 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     logits = 0.0 if spec.use_liger_kernel else tokens * model.vocab_size * LOGIT_BYTES
     if spec.rlhf_type:
         # A preference loss reads the logits (Liger's norms and SwiGLU only, no fused loss): kept in the
-        # compute dtype with their gradient; one row at a time recomputes its float32 copy and
-        # log-softmax in backward, with their gradients (launcher.preference.sequence_logps).
+        # compute dtype with their gradient, and one row at a time has its float32 log-softmax
+        # (forward) or softmax (backward) besides, with the kernels' float32 temporaries
+        # (launcher.preference.TokenLogps): 16 bytes an entry of one row, fitted to the peaks of the
+        # ten DPO runs of bench/results/h100-dpo-7.jsonl (seven within 1%; the log-softmax's 4 bytes
+        # alone left the one-rank runs 3% low).
         logits = (tokens * 2 * width + spec.max_length / (layout.cp * layout.sp) * 16) * model.vocab_size
     if layout.pp == 1:
         return kept(1) + logits, on_host

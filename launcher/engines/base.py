@@ -19,7 +19,7 @@ class Engine:
 
     name = "engine"
     #: the Ulysses sequence-parallel group's sharding (launcher.engines.zero.UlyssesSP) where the
-    #: engine runs one: another forward of the model (preference training's reference) goes through it too
+    #: engine runs one
     sp = None
     #: whether a checkpoint can be loaded with a different world size
     reshards = True
@@ -39,6 +39,14 @@ class Engine:
         engine's forward: whole on this rank's device unless the engine shards it."""
         return module.to(device)
 
+    @property
+    def sequence_group(self):
+        """The group whose ranks each hold a part of every row, where the engine runs one (Ulysses SP,
+        ring CP: `.group`, `.size`, and `.sharded(batch)`, a context giving this rank's part): a
+        preference loss adds its parts' log-prob sums over it, and another forward of the model
+        (preference training's reference) runs on this rank's part through it."""
+        return self.sp
+
     def forward_context(self):
         """The context the engine's forward runs in (DDP's autocast), for another forward of the
         same model to compute as it does (preference training's reference)."""
@@ -46,8 +54,8 @@ class Engine:
 
     def reference_logps(self, reference, batches: list[dict]) -> list[torch.Tensor]:
         """Each micro-batch's reference log-probs (preference training's `Reference`), computed as
-        this engine runs a forward: in its forward context and its Ulysses group."""
-        return [reference.logps(batch, self.forward_context(), self.sp) for batch in batches]
+        this engine runs a forward: in its forward context, on this rank's part of each row."""
+        return [reference.logps(batch, self.forward_context(), self.sequence_group) for batch in batches]
 
     def reference_done(self) -> None:
         """No more `reference_logps` this run (the precomputed ones are kept): what served them can go."""

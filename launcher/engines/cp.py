@@ -5,6 +5,8 @@ around them; the rest of the model runs on the local chunks. The parameters are 
 ranks, so checkpoints are the plain FSDP2 ones and reshard onto any layout."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from backend.job.capabilities import CP, ring_kernel_problems, ring_model_problems
@@ -30,7 +32,20 @@ class RingCP:
         size = spec.context_parallel_size
         # The CP dimension innermost: a group is consecutive ranks (backend.job.capabilities.same_data_ranks).
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size), mesh_dim_names=("dp", CP))[CP]
-        _drop_masks(layers)
+        drop_masks(layers)
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    def sharded(self, batch: dict):
+        """`ring_sharded` over this group: another forward of the model (preference training's
+        reference) runs inside, on this rank's chunks."""
+        return ring_sharded(self.mesh, batch)
 
     def forward_backward(self, model, batch: dict, scale: float) -> torch.Tensor:
         return ring_forward_backward(model, batch, self.mesh, scale)
@@ -39,24 +54,34 @@ class RingCP:
         return ring_forward_backward(model, batch, self.mesh, None)
 
 
+@contextmanager
+def ring_sharded(mesh, batch: dict):
+    """This rank's chunks of a micro-batch (input_ids, position_ids, and its labels shifted over the
+    whole rows first: a chunk's last token predicts the next chunk's first), as the forward inside
+    the context sees them; torch's `context_parallel` makes SDPA the ring's within it (a backward
+    too)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
+    ids, positions = batch["input_ids"].clone(), batch["position_ids"].clone()
+    buffers = [ids, labels, positions]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+        yield {"input_ids": ids, "position_ids": positions, "labels": labels, "shift_labels": labels}
+
+
 def ring_forward_backward(model, batch: dict, mesh, scale: float | None) -> torch.Tensor:
     """Forward and backward of this rank's chunks of a micro-batch under torch's `context_parallel`
     over `mesh` (the CP group), `scale` times its share of the loss (None: forward only, for
     evaluation); returns the micro-batch's whole mean token loss. The share is the sum of the
     chunk's token losses over the group's count of predicted tokens, so the group's shares add up to
-    the mean; FSDP2 averages gradients over all ranks, DP x CP, hence the factor CP."""
+    the mean; FSDP2 averages gradients over all ranks, DP x CP, hence the factor CP. A preference
+    loss makes its shares itself (`launcher.preference.PreferenceLoss`, over `RingCP.group`)."""
     import torch.distributed as dist
-    from torch.distributed.tensor.experimental import context_parallel
 
-    # Shift over the whole sequence first: a chunk's last token predicts the next chunk's first.
-    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
-    predicted = (labels != -100).sum().clamp(min=1)  # of the whole rows: every rank of the group has them
-    ids, positions = batch["input_ids"].clone(), batch["position_ids"].clone()
-    buffers = [ids, labels, positions]
-    # Sharded in place; backward runs inside too, its attention is the ring's as well.
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
-        share = group_share(model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels,
-                                  num_items_in_batch=predicted), balancing_weight(model), mesh.size())
+    # of the whole rows (every rank of the group has them), after the shift
+    predicted = (batch["labels"][:, 1:] != -100).sum().clamp(min=1)
+    with ring_sharded(mesh, batch) as local:  # sharded in place; backward runs inside too
+        share = group_share(model(**local, num_items_in_batch=predicted), balancing_weight(model), mesh.size())
         if scale is not None:
             (share * mesh.size() * scale).backward()
     full = share.detach().clone()
@@ -64,7 +89,7 @@ def ring_forward_backward(model, batch: dict, mesh, scale: float | None) -> torc
     return full
 
 
-def _drop_masks(layers: list) -> None:
+def drop_masks(layers: list) -> None:
     """Ring attention takes no mask, only causality (torch refuses SDPA with one): transformers
     builds one from the chunks' position ids (they jump from the head to the tail chunk, which it
     reads as packed samples), so every attention module is called with none and `is_causal` instead,

@@ -29,6 +29,8 @@ DCP_DIR = "dcp"
 class FSDPEngine(TorchOptimizerEngine):
     name = "fsdp"
     reshards = True
+    #: ring context parallel (launcher.engines.cp.RingCP) where the job runs it
+    cp = None
 
     def __init__(self, model, spec, dist, total_steps: int, plan: FsdpPlan):
         self.spec = spec
@@ -58,7 +60,6 @@ class FSDPEngine(TorchOptimizerEngine):
         self.scheduler = make_scheduler(self.optimizer, spec, total_steps)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulation = spec.gradient_accumulation_steps
-        self.cp = None
         if spec.context_parallel_size > 1:
             from launcher.engines.cp import RingCP
 
@@ -70,10 +71,19 @@ class FSDPEngine(TorchOptimizerEngine):
         kwargs = {**self._shard_kwargs, "reshard_after_forward": True}
         if "offload_policy" not in kwargs:
             module.to(device)
-        for layer in decoder_layers(module):
+        layers = decoder_layers(module)
+        if self.cp:
+            from launcher.engines.cp import drop_masks
+
+            drop_masks(layers)  # its attention is the ring's too
+        for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(module, **kwargs)
         return module
+
+    @property
+    def sequence_group(self):
+        return self.cp
 
     def forward_backward(self, batch: dict, sync: bool) -> torch.Tensor:
         # Reduce-scatter only on the last micro-batch; earlier ones accumulate unsharded grads.

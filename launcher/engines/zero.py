@@ -4,6 +4,7 @@ parallel (DeepSpeed's ALST for HF models)."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -157,6 +158,12 @@ class UlyssesSP:
         predicted = (local["labels"] != -100).sum()
         dist.all_reduce(predicted, group=self.group)
         return local, predicted
+
+    @contextmanager
+    def sharded(self, batch: dict):
+        """`shard`'s slice, as `RingCP.sharded` gives its chunks: another forward of the model
+        (preference training's reference) runs on it."""
+        yield self.shard(batch)[0]
 
     def loss(self, engine, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the micro-batch's mean token loss, the whole mean)."""
