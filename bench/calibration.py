@@ -21,7 +21,7 @@ import advisor  # noqa: E402
 import dpo  # noqa: E402
 import layout_memory  # noqa: E402
 import vl  # noqa: E402
-from throughput import estimated_gib, job_spec  # noqa: E402
+from throughput import SHAPES, estimated_gib, job_spec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What a throughput or DPO row records beside its job's own fields.
@@ -42,6 +42,15 @@ class Case:
     def error(self) -> float:
         """Estimate over measurement, less one: +0.10 is 10% high."""
         return self.estimate_gib / self.measured_gib - 1
+
+
+def _config(shape: str, row: dict) -> dict | None:
+    """The model's config.json where the row's run did not use its shape's own: bench/dpo.py's
+    pipeline rows ("pp-...") ran the shape with its output layer untied from the embedding (a
+    pipeline refuses a tied one), so each stage of two holds one of the two."""
+    if row.get("source") == "swift-studio" and str(row.get("name", "")).startswith("pp-"):
+        return {**SHAPES[shape], "tie_word_embeddings": False}
+    return vl.vl_config(shape) if shape in vl.SHAPES else None
 
 
 def _job(row: dict) -> tuple[str, int, dict] | None:
@@ -95,7 +104,7 @@ def recorded_cases(results: Path = RESULTS) -> list[Case]:
                          row.get("name") or row.get("layout") or _label(row))
                 cases.append(Case(f"{path.name}:{number}", label,
                                   row.get("peak_mem_gib", row.get("peak_gib_rank0")),
-                                  estimated_gib(run_dir, shape, ranks, vl.vl_config(shape) if shape in vl.SHAPES else None)))
+                                  estimated_gib(run_dir, shape, ranks, _config(shape, row))))
     return cases
 
 

@@ -23,8 +23,6 @@ CALIBRATION_FILES = ("h200-layout-memory.jsonl", "h200-dpo-1.jsonl", "h100-dpo-2
 KNOWN_MISSES = {
     "h200-long-context-8b.jsonl:20": (-0.113, "torch_compile with checkpointing keeps more than eager at 64K, not fitted"),
     "h200-long-context-8b.jsonl:25": (-0.129, "torch_compile at 128K, as above"),
-    "h100-dpo-2.jsonl:11": (-0.129, "full DPO under pipeline parallel, per stage of two: low, the cause not yet found"),
-    "h100-dpo-7.jsonl:15": (-0.128, "the same run again, with the log-prob kernels of TokenLogps"),
 }
 TOLERANCE = 0.10
 DRIFT = 0.02  # how far a known miss may move before the test asks for a look
