@@ -238,7 +238,6 @@ class Bench(Compared):
                        "text_peak_gib": text["peak_mem_gib"], "tokens_per_sample": image["tokens_per_sample"],
                        "text_tokens_per_sample": text["tokens_per_sample"], "estimated_gib": image["estimated_gib"]})
 
-
     def tower(self, bsz: int) -> None:
         """The memory estimate of a training tower: LoRA with freeze_vit off (adapters on the tower's
         blocks, their activations kept) against the same job with the tower frozen, half the lora

@@ -103,6 +103,37 @@ def test_windows_chunks_and_other_sequence_mixers_are_refused():
     assert "mamba layers" in refused({**base, "model_type": "jamba"}, 1024)[0]
 
 
+def test_a_reference_model_the_ring_cannot_run_is_refused_by_name(tmp_path):
+    """Under ring CP, DPO's ref_model runs through the ring as the policy does: one with a sliding
+    window shorter than max_length is refused before launch (validate) and by the worker's engine
+    (`ring_refusals`, which the policy's RingCP uses too), naming ref_model."""
+    import json
+
+    from transformers import LlamaConfig, MistralConfig
+
+    from launcher.engines.cp import ring_refusals
+
+    windowed = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                    num_hidden_layers=2, vocab_size=256, sliding_window=16)
+    policy, reference = tmp_path / "policy", tmp_path / "ref"
+    for directory, config in ((policy, {"model_type": "llama", **windowed, "sliding_window": None}),
+                              (reference, {"model_type": "mistral", **windowed})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    job = spec(model=str(policy), rlhf_type="dpo", train_type="full", ref_model=str(reference), nproc_per_node=2)
+    refused = [p.message for p in validate(job, Cluster(nodes=(node("a", "cuda"),), source="t"))
+               if p.field == "ref_model"]
+    assert any(m.startswith(f"as the reference under {CP} > 1, {CP}: the model attends over a sliding window of 16 "
+                            "tokens") for m in refused), refused
+    mistral, llama = MistralConfig(**windowed), LlamaConfig(**{**windowed, "sliding_window": None})
+    for config in (mistral, llama):
+        config._attn_implementation = "sdpa"
+    assert any("sliding window of 16 tokens" in line for line in ring_refusals(mistral, job))
+    assert ring_refusals(llama, job) == []
+    llama._attn_implementation = "eager"
+    assert ring_refusals(llama, job) == [f"attn_impl: eager with {CP} > 1: ring attention replaces SDPA only"]
+
+
 def test_the_world_check_names_the_dimension_that_breaks_it():
     from backend.job.capabilities import world_problems
 

@@ -155,6 +155,11 @@ def _model_rules(spec: JobSpec, model: ModelConfig, world: int) -> list[Problem]
                 out.append(Problem("ref_model", f"its vocabulary of {reference.vocab_size} tokens is not the model's "
                                                 f"{model.vocab_size}: DPO compares both models' log-probs of the same "
                                                 "tokens; give a reference with the model's tokenizer"))
+            if reference is not None:  # under ring CP the reference runs through the ring as the model does
+                out += [Problem("ref_model", f"as the reference under {CP} > 1, {p.field}: {p.message}") for p in
+                        capabilities.ring_model_problems(spec, reference.sliding_window, reference.attention_chunk,
+                                                         reference.other_mixers)
+                        + capabilities.ring_kernel_problems(spec, reference.num_heads, reference.num_kv_heads)]
     return out
 
 

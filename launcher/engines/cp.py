@@ -21,14 +21,8 @@ class RingCP:
         fully_shard renames their classes)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        config = model.config
-        heads = config.num_attention_heads
-        refused = (ring_model_problems(spec, *sequence_mixing(config.to_dict()))
-                   + ring_kernel_problems(spec, heads, getattr(config, "num_key_value_heads", None) or heads))
-        if refused:
-            raise ConfigError("\n".join(f"{p.field}: {p.message}" for p in refused))
-        if config._attn_implementation != "sdpa":
-            raise ConfigError(f"attn_impl: {config._attn_implementation} with {CP} > 1: ring attention replaces SDPA only")
+        if refused := ring_refusals(model.config, spec):
+            raise ConfigError("\n".join(refused))
         size = spec.context_parallel_size
         # The CP dimension innermost: a group is consecutive ranks (backend.job.capabilities.same_data_ranks).
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size), mesh_dim_names=("dp", CP))[CP]
@@ -52,6 +46,19 @@ class RingCP:
 
     def evaluate(self, model, batch: dict) -> torch.Tensor:
         return ring_forward_backward(model, batch, self.mesh, None)
+
+
+def ring_refusals(config, spec) -> list[str]:
+    """Why torch's ring cannot run a model of this transformers `config` for the job ("field:
+    message" lines): a window, chunk or other sequence mixer; grouped-query heads in float32; an
+    attention that is not SDPA (the ring replaces SDPA only)."""
+    heads = config.num_attention_heads
+    refused = [f"{p.field}: {p.message}" for p in
+               ring_model_problems(spec, *sequence_mixing(config.to_dict()))
+               + ring_kernel_problems(spec, heads, getattr(config, "num_key_value_heads", None) or heads)]
+    if config._attn_implementation != "sdpa":
+        refused.append(f"attn_impl: {config._attn_implementation} with {CP} > 1: ring attention replaces SDPA only")
+    return refused
 
 
 @contextmanager

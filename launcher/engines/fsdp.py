@@ -17,8 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from backend.job.capabilities import FsdpPlan
+from backend.job.capabilities import CP, FsdpPlan
 from launcher import checkpoint
+from launcher.config import ConfigError
 from launcher.engines.base import (TorchOptimizerEngine, checkpoint_part, evaluating, make_optimizer, make_scheduler,
                                    reduce_dtype, save_pretrained)
 from launcher.model import DTYPES, decoder_layers
@@ -72,10 +73,12 @@ class FSDPEngine(TorchOptimizerEngine):
         if "offload_policy" not in kwargs:
             module.to(device)
         layers = decoder_layers(module)
-        if self.cp:
-            from launcher.engines.cp import drop_masks
+        if self.cp:  # its attention is the ring's too: a ref_model the ring cannot run is refused
+            from launcher.engines.cp import drop_masks, ring_refusals
 
-            drop_masks(layers)  # its attention is the ring's too
+            if refused := ring_refusals(module.config, self.spec):
+                raise ConfigError("\n".join(f"ref_model: as the reference under {CP} > 1, {line}" for line in refused))
+            drop_masks(layers)
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(module, **kwargs)
