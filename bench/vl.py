@@ -9,8 +9,12 @@ the Qwen2.5-VL-3B shape with random weights (bf16), Qwen2-VL's image processor, 
 Parts:
   lora   LoRA r16 on the language model's linear layers, vision tower and aligner frozen (ms-swift's
          freeze_vit / freeze_aligner defaults; peft's targets named the same on the HF side): HF Trainer
-         with and without Liger's kernels against ours; the target compares the fastest of each side,
+         with and without Liger's kernels against ours eager and with torch_compile (their losses by
+         step compared); the target compares the fastest of each side,
          and their peak memory, and the memory estimate against our peak.
+  tp     ours, LoRA with the language model under transformers' TP plan: 2 ranks sharing the GPU
+         against 1 rank, the same micro-batch, losses by step.
+  packed ours, LoRA with packing against the same records unpacked: tokens/s, peaks, estimates.
   textonly  ours, the lora part's job with each image's tokens as text: the tower's share of the peak.
   tower  ours, LoRA with freeze_vit off against the tower frozen (half the micro-batch): the estimate of
          a training tower's activations and adapters.
@@ -158,9 +162,10 @@ def vl_config(shape: str) -> dict:
 def our_job(model: Path, data: Path, seq: int, max_pixels: int, bsz: int, steps: int, dtype: str, **fields) -> dict:
     """LoRA r16 on the language model (ms-swift's freeze_vit / freeze_aligner defaults), every step
     logged, no checkpoints, no activation recomputation (the HF side runs without)."""
-    return dict(model=str(model), dataset=[str(data)], train_type="lora", max_length=seq, max_pixels=max_pixels,
-                per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-4,
-                torch_dtype=dtype, gradient_checkpointing=False, lora_rank=16, lora_alpha=32, lora_dropout=0.0, **fields)
+    return {**dict(model=str(model), dataset=[str(data)], train_type="lora", max_length=seq, max_pixels=max_pixels,
+                   per_device_train_batch_size=bsz, max_steps=steps, logging_steps=1, save_strategy="no",
+                   learning_rate=1e-4, torch_dtype=dtype, gradient_checkpointing=False, lora_rank=16, lora_alpha=32,
+                   lora_dropout=0.0), **fields}
 
 
 class Bench(Compared):
@@ -188,8 +193,10 @@ class Bench(Compared):
                              "--max-pixels", str(self.pixels[1]), *["--liger"] * liger)
         return self.baseline(argv, dict(source="hf+peft", liger=liger))
 
-    def ours(self, name: str, bsz: int, nproc: int = 1, same: bool = False, text_only: bool = False, **fields) -> dict:
-        data = self.data(bsz * nproc * (self.steps + 1), same, text_only)
+    def ours(self, name: str, bsz: int, nproc: int = 1, same: bool = False, text_only: bool = False,
+             data_bsz: int | None = None, **fields) -> dict:
+        """`data_bsz`: the records a step reads, where a row packs several (default `bsz`)."""
+        data = self.data((data_bsz or bsz) * nproc * (self.steps + 1), same, text_only)
         spec = our_job(self.model, data, self.seq, self.pixels[1], bsz, self.steps, self.dtype, **fields)
         timing, train = self.worker(name, spec, nproc)
         row = dict(source="swift-studio", name=name, nproc=nproc, seq=self.seq, bsz=bsz, **fields)
@@ -197,13 +204,17 @@ class Bench(Compared):
             return self.emit({**row, **timing})
         tokens = timing.pop("tokens_per_step")
         config = json.loads((self.model / "config.json").read_text())
-        return self.emit({**row, **timing, "tokens_per_sample": tokens / (bsz * nproc),
+        return self.emit({**row, **timing, "tokens_per_sample": tokens / ((data_bsz or bsz) * nproc // fields.get("tensor_model_parallel_size", 1)),
                           "estimated_gib": estimated_gib(self.work / name, self.shape, nproc, config),
                           "losses": [e["loss"] for e in train]})
 
     def lora(self, bsz: int) -> None:
         theirs = [self.hf(bsz, liger) for liger in ([False] if self.smoke else [True, False])]
-        ours = [self.ours("lora", bsz)]
+        ours = [self.ours("lora", bsz)] + ([] if self.smoke else [self.ours("lora-compiled", bsz, torch_compile=True)])
+        if len(ours) == 2 and not any("error" in r for r in ours):
+            eager, compiled = ours
+            self.emit({"target": "VL LoRA: torch_compile's losses vs eager's, by step", "max_rel_loss_diff": float(
+                f"{max(abs(a - b) / abs(a) for a, b in zip(eager['losses'], compiled['losses'])):.3g}")})
         ok = [r for r in ours if "error" not in r], [r for r in theirs if "error" not in r]
         if not all(ok):
             self.emit({"target": "VL LoRA", "ratio": None, "why": "a side has no run"})
@@ -218,15 +229,37 @@ class Bench(Compared):
                    "estimate_error": round(best_ours["estimated_gib"] / best_ours["peak_mem_gib"] - 1, 3)})
 
     def ranks(self, bsz: int) -> None:
-        one = self.ours("ranks-zero3-1", bsz, same=True, deepspeed="zero3")
-        two = self.ours("ranks-zero3-2", bsz // 2, nproc=2, same=True, deepspeed="zero3")
+        self.same_losses("VL LoRA ZeRO-3: 2 ranks x {half} vs 1 rank x {bsz}, by step", bsz,
+                         self.ours("ranks-zero3-1", bsz, same=True, deepspeed="zero3"),
+                         self.ours("ranks-zero3-2", bsz // 2, nproc=2, same=True, deepspeed="zero3"))
+
+    def tp(self, bsz: int) -> None:
+        """transformers' TP plan for the language model on 2 ranks sharing the GPU (one data-parallel
+        rank: the same micro-batch) against 1 rank."""
+        self.same_losses("VL LoRA TP=2 x {bsz} vs 1 rank x {bsz}, by step", bsz, self.ours("tp-1", bsz, same=True),
+                         self.ours("tp-2", bsz, nproc=2, same=True, tensor_model_parallel_size=2))
+
+    def same_losses(self, target: str, bsz: int, one: dict, two: dict) -> None:
+        """Two runs of the same records' steps: their losses by step."""
+        target = target.format(bsz=bsz, half=bsz // 2)
         if "error" in one or "error" in two:
-            self.emit({"target": "VL LoRA ZeRO-3: 2 ranks' losses vs 1 rank's", "met": False})
+            self.emit({"target": target, "met": False})
             return
         worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(one["losses"], two["losses"]))
-        self.emit({"target": f"VL LoRA ZeRO-3: 2 ranks x {bsz // 2} vs 1 rank x {bsz}, by step",
-                   "max_rel_loss_diff": float(f"{worst:.3g}"), "one": one["losses"], "two": two["losses"]})
+        self.emit({"target": target, "max_rel_loss_diff": float(f"{worst:.3g}"), "one": one["losses"],
+                   "two": two["losses"]})
 
+    def packed(self, bsz: int) -> None:
+        """Packing's rows (images' tokens and rope positions per sample), one row of `bsz` times the
+        sequence length, against `bsz` rows of the same records unpacked, each with its memory estimate."""
+        plain = self.ours("unpacked", bsz)
+        packed = self.ours("packed", 1, packing=True, max_length=bsz * self.seq, data_bsz=bsz)
+        if "error" not in plain and "error" not in packed:
+            self.emit({"target": f"VL LoRA x {bsz}: packed vs unpacked", "speedup": round(
+                packed["tokens_per_s"] / plain["tokens_per_s"], 3), **{
+                f"{name}_{key}": row[key] for name, row in (("packed", packed), ("unpacked", plain))
+                for key in ("tokens_per_s", "peak_mem_gib", "estimated_gib")}, "estimate_error": round(
+                packed["estimated_gib"] / packed["peak_mem_gib"] - 1, 3)})
 
     def textonly(self, bsz: int) -> None:
         """Where the memory goes: ours on the same model with each image's tokens as text (the tower
@@ -251,7 +284,7 @@ class Bench(Compared):
                        "estimate_error": round(trained["estimated_gib"] / trained["peak_mem_gib"] - 1, 3)})
 
 
-PARTS = ("lora", "ranks", "textonly", "tower")
+PARTS = ("lora", "ranks", "tp", "packed", "textonly", "tower")
 
 
 def main() -> int:
@@ -265,7 +298,7 @@ def main() -> int:
         with open(args.out, "w") as out:
             bench = Bench(work, steps, warm, out, args.smoke, args.answer_chars)
             for part in parts:
-                getattr(bench, part)(args.ranks_bsz if part == "ranks" else (2 if args.smoke else args.bsz))
+                getattr(bench, part)(args.ranks_bsz if part in ("ranks", "tp", "packed") else (2 if args.smoke else args.bsz))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -208,9 +208,20 @@ def prepare(spec, distributed_config=None):
     model.train()
     if spec.torch_compile:
         # One compiled graph serves every layer (same code, parameters passed as inputs).
-        for layer in decoder_layers(model):
+        for layer in compiled_layers(model):
             layer.compile()
     return tokenizer, model
+
+
+def compiled_layers(model) -> list[torch.nn.Module]:
+    """The layers torch_compile compiles: the decoder layers; a vision-language model's language
+    model's only, as its tower's blocks see another patch count and window layout every batch (a
+    recompile each)."""
+    layers = decoder_layers(model)
+    if not is_vision(model.config):
+        return layers
+    language = {id(m) for m in vision_parts(model)[2][0].modules()}
+    return [layer for layer in layers if id(layer) in language]
 
 
 def matmul_params(config) -> int:

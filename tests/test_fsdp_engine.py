@@ -41,3 +41,21 @@ def test_full_shard_keeps_only_the_last_layer_gathered_for_backward(one_rank, re
     assert sharded == ([True, True, False] if reshard else [False, False, False])
     loss.backward()
     assert torch.isfinite(engine.step())
+
+
+def test_no_optimizer_group_mixes_dtensors_and_plain_tensors(one_rank):
+    """CUDA's fused AdamW takes a group in one call and refuses DTensors beside plain tensors: LoRA
+    under TP failed so on an H100 (the adapters of a sharded layer are DTensors on one side only).
+    Each group is one kind, split as before by rate and decay."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from launcher.engines.base import param_groups
+
+    model = torch.nn.Module()
+    model.lora_a = torch.nn.Parameter(torch.ones(4, 4))
+    model.lora_b = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)]))
+    model.norm = torch.nn.Parameter(torch.ones(4))
+    groups = param_groups(model, JobSpec(model="m", dataset=["d.jsonl"], weight_decay=0.1))
+    assert [[isinstance(p, DTensor) for p in g["params"]] for g in groups] == [[False], [True], [False]]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0] and all("lr" not in g for g in groups)

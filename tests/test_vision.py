@@ -330,6 +330,25 @@ def test_lora_adapts_the_language_model_only_whatever_its_targets_are_named(tiny
         assert adapted == set().union(*(linear[part] for part in parts)), (frozen, sorted(adapted))
 
 
+def test_torch_compile_compiles_the_language_models_layers_only(tiny_vl):
+    """Every decoder layer of the language model, LoRA-wrapped or not, and no block of the vision
+    tower (each batch brings it another patch count: a recompile each)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.model import add_lora, compiled_layers, decoder_layers
+    from launcher.vision import vision_parts
+
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+    for model in (base, add_lora(base, JobSpec(model="m", dataset=["d"]))):
+        vit, _, llm = vision_parts(model)
+        inside = lambda modules: {id(m) for part in modules for m in part.modules()}  # noqa: E731
+        layers = compiled_layers(model)
+        assert len(layers) == 2 and {id(layer) for layer in layers} <= inside(llm[:1])
+        assert not {id(layer) for layer in layers} & inside(vit)
+        assert len(decoder_layers(model)) > len(layers)  # the tower's blocks are decoder layers to FSDP2
+
+
 def test_vit_lr_and_aligner_lr_put_the_tower_and_the_aligner_in_groups_of_their_own(tiny_vl):
     """ms-swift's optimizer groups: the vision tower at vit_lr, the aligner at aligner_lr, the rest at
     learning_rate (first: its rate is the one logged), each split by weight decay; nothing set: the
@@ -379,7 +398,7 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     assert refused(tensor_model_parallel_size=2) == ({} if "qwen3_vl" not in str(tiny_vl) else {
         "tensor_model_parallel_size": "transformers' TP plan for qwen3_vl shards its embedding alone: every rank would "
                                       "hold and compute every layer; leave TP at 1"})
-    assert refused(torch_compile=True)["torch_compile"].startswith("not with a vision-language model yet")
+    assert refused(torch_compile=True) == {}
     assert "not with a vision-language model yet" in refused(deepspeed="zero2", sequence_parallel_size=2)[
         "sequence_parallel_size"]
     assert refused(freeze_vit=False) == {} and refused(freeze_llm=True, freeze_aligner=False) == {}

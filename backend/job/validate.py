@@ -288,7 +288,6 @@ def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = No
         (capabilities.PP, "its stages split the language model only"),
         (capabilities.CP, _SPLIT_ROWS), (capabilities.SP, _SPLIT_ROWS),
         (capabilities.EP, "none of the vision-language families it trains has experts"),
-        ("torch_compile", "not run with one yet"),
         ("use_liger_kernel", "its kernels have not run with one (liger-kernel 0.8.5's Qwen2.5-VL patch fails to import "
                              "under transformers 5.24)"), ("tiled_mlp", "not run with one yet"))
         if _set(getattr(spec, field))]

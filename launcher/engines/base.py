@@ -180,15 +180,19 @@ def reduce_dtype(spec) -> torch.dtype:
 def param_groups(model, spec) -> list[dict]:
     """Decay matrices, not biases and norms (the usual AdamW practice); a vision-language model's
     tower and aligner in groups of their own where vit_lr / aligner_lr set their rate. The job's
-    learning_rate comes first where anything trains at it: the first group's rate is the one logged."""
+    learning_rate comes first where anything trains at it: the first group's rate is the one logged.
+    A group holds DTensors or plain tensors, not both: CUDA's fused AdamW takes a group in one call and
+    refuses a mix (LoRA under TP: the adapters of a sharded layer are DTensors on one side only)."""
+    from torch.distributed.tensor import DTensor
+
     own_lr = part_learning_rates(model, spec)
-    grouped: dict[tuple[float, bool], list] = {(spec.learning_rate, True): []}
+    grouped: dict[tuple[float, bool, bool], list] = {(spec.learning_rate, True, False): []}
     for p in model.parameters():
         if p.requires_grad:
-            grouped.setdefault((own_lr.get(id(p), spec.learning_rate), p.ndim >= 2), []).append(p)
+            grouped.setdefault((own_lr.get(id(p), spec.learning_rate), p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
     return [{"params": params, "weight_decay": spec.weight_decay if decay else 0.0,
              **({"lr": lr} if lr != spec.learning_rate else {})}
-            for (lr, decay), params in grouped.items() if params]
+            for (lr, decay, _), params in grouped.items() if params]
 
 
 def make_optimizer(model, spec, device: torch.device):
