@@ -28,7 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED = {"source", "model", "seq", "bsz", "lora", "liger", "nproc", "mixed_lengths", "agent", "wall_s", "step_s",
             "tokens_per_s", "estimated_gib", "useful_tokens_per_s", "mfu", "peak_mem_gib", "moe_aux_loss",
             "moe_max_expert_share", "name", "tokens_per_pair", "losses", "margins", "logps_chosen",
-            "rewards_accuracies", "transformers", "tokens_per_sample"}
+            "rewards_accuracies", "transformers", "tokens_per_sample", "shape"}
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,10 @@ def _job(row: dict) -> tuple[str, int, dict] | None:
     if str(row.get("deepspeed", "")).endswith(".json"):  # a config file of the machine it ran on
         return None
     fields = {k: v for k, v in row.items() if k not in MEASURED}
-    if "tokens_per_sample" in row:  # bench/vl.py
-        return "qwen2.5-vl-3b", row["nproc"], vl.our_job(Path("model"), Path("images.jsonl"), row["seq"],
-                                                         vl.SHAPES["qwen2.5-vl-3b"][3][1], row["bsz"], 10, "bfloat16",
-                                                         **fields)
+    if "tokens_per_sample" in row:  # bench/vl.py (its rows before the Qwen3-VL shape name none)
+        shape = row.get("shape", "qwen2.5-vl-3b")
+        return shape, row["nproc"], vl.our_job(Path("model"), Path("images.jsonl"), row["seq"], vl.SHAPES[shape][3][1],
+                                               row["bsz"], 10, "bfloat16", **fields)
     if "name" in row:  # bench/dpo.py
         if row["name"].startswith("spread-"):  # Bench.padding_free's pairs of many lengths
             return None

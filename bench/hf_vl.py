@@ -54,6 +54,8 @@ class Collator:
         texts = ["".join(piece if i == 0 else PAD * next(visual) + piece for i, piece in enumerate(text.split(PAD)))
                  for text in texts]
         batch = {**self.tokenizer(texts, padding=True, return_tensors="pt"), **pixels}
+        # which tokens are an image's (1), as the processor returns them: Qwen3-VL's rope reads them
+        batch["mm_token_type_ids"] = (batch["input_ids"] == self.tokenizer.convert_tokens_to_ids(PAD)).int()
         labels = batch["input_ids"].clone()
         labels[batch["attention_mask"] == 0] = -100
         n = len(self.answer)

@@ -1,9 +1,11 @@
 """A vision-language model on the worker against HF Trainer + peft (bench/hf_vl.py) in the same call:
 the Qwen2.5-VL-3B shape with random weights (bf16), Qwen2-VL's image processor, images of 448x448
-(256 visual tokens each) with long answers, issue 33's targets.
+(256 visual tokens each) with long answers, issue 33's targets; or the Qwen3-VL-4B shape (196 visual
+tokens an image).
 
     python bench/vl.py --out vl.jsonl                    # GPU: every part
     python bench/vl.py --parts lora --steps 10 --warm 3  # one part
+    python bench/vl.py --parts lora --shape qwen3-vl-4b  # the other family
     python bench/vl.py --smoke                           # CPU, a tiny model: the pipeline end to end
 
 Parts:
@@ -64,6 +66,16 @@ SHAPES = {
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
                       (56 * 56, 448 * 448)),
+    # Qwen3-VL-4B's widths: 16 px patches (a 448x448 image: 196 visual tokens), deepstack mergers
+    "qwen3-vl-4b": ("qwen3_vl",
+                    dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=5000000.0,
+                         max_position_embeddings=262144,
+                         rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+                    dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                         deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
+                    (64 * 64, 448 * 448)),
     "smoke": ("qwen2_5_vl",
               dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=4096,
@@ -169,11 +181,12 @@ def our_job(model: Path, data: Path, seq: int, max_pixels: int, bsz: int, steps:
 
 
 class Bench(Compared):
-    def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool, answer_chars: int):
+    def __init__(self, work: Path, steps: int, warm: int, out, smoke: bool, answer_chars: int, shape: str):
         super().__init__(work, steps, warm, out, smoke)
         self.dtype = "float32" if smoke else "bfloat16"
-        self.shape = "smoke" if smoke else "qwen2.5-vl-3b"
+        self.shape = "smoke" if smoke else shape
         family, text, vision, self.pixels = SHAPES[self.shape]
+        self.merged_patch = vision["patch_size"] * vision["spatial_merge_size"]  # an image's side per visual token
         self.side = 112 if smoke else 448
         self.seq = 256 if smoke else 1024
         self.answer_chars = 100 if smoke else answer_chars
@@ -184,7 +197,7 @@ class Bench(Compared):
         directory = self.work / f"images-{n}{'-same' if same else ''}{'-text' if text_only else ''}"
         if directory.exists():
             return directory / "images.jsonl"
-        visual = (self.side // 28) ** 2  # tokens of a side x side image (14 px patches, 2 x 2 merged)
+        visual = (self.side // self.merged_patch) ** 2  # tokens of a side x side image
         return write_images(directory, n, self.side, self.answer_chars, same, int(visual / 1.1) if text_only else 0)
 
     def hf(self, bsz: int, liger: bool) -> dict:
@@ -199,7 +212,7 @@ class Bench(Compared):
         data = self.data((data_bsz or bsz) * nproc * (self.steps + 1), same, text_only)
         spec = our_job(self.model, data, self.seq, self.pixels[1], bsz, self.steps, self.dtype, **fields)
         timing, train = self.worker(name, spec, nproc)
-        row = dict(source="swift-studio", name=name, nproc=nproc, seq=self.seq, bsz=bsz, **fields)
+        row = dict(source="swift-studio", name=name, shape=self.shape, nproc=nproc, seq=self.seq, bsz=bsz, **fields)
         if "error" in timing:
             return self.emit({**row, **timing})
         tokens = timing.pop("tokens_per_step")
@@ -290,13 +303,14 @@ PARTS = ("lora", "ranks", "tp", "packed", "textonly", "tower")
 def main() -> int:
     parser = driver_parser(__doc__, PARTS, ",".join(PARTS))
     parser.add_argument("--answer-chars", type=int, default=480, help="about how long an answer is (460-680 tokens)")
+    parser.add_argument("--shape", default="qwen2.5-vl-3b", choices=[name for name in SHAPES if name != "smoke"])
     args = parser.parse_args()
     parts = parts_of(parser, args, PARTS)
     work = Path(tempfile.mkdtemp(prefix="vl-bench-"))
     steps, warm = (4, 1) if args.smoke else (args.steps, args.warm)
     try:
         with open(args.out, "w") as out:
-            bench = Bench(work, steps, warm, out, args.smoke, args.answer_chars)
+            bench = Bench(work, steps, warm, out, args.smoke, args.answer_chars, args.shape)
             for part in parts:
                 getattr(bench, part)(args.ranks_bsz if part in ("ranks", "tp", "packed") else (2 if args.smoke else args.bsz))
     finally:

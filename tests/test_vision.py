@@ -339,8 +339,10 @@ def test_torch_compile_compiles_the_language_models_layers_only(tiny_vl):
     from launcher.model import add_lora, compiled_layers, decoder_layers
     from launcher.vision import vision_parts
 
-    base = AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
-    for model in (base, add_lora(base, JobSpec(model="m", dataset=["d"]))):
+    def load():
+        return AutoModelForImageTextToText.from_pretrained(tiny_vl, dtype=torch.float32)
+
+    for model in (load(), add_lora(load(), JobSpec(model="m", dataset=["d"]))):
         vit, _, llm = vision_parts(model)
         inside = lambda modules: {id(m) for part in modules for m in part.modules()}  # noqa: E731
         layers = compiled_layers(model)
