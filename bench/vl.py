@@ -217,7 +217,8 @@ class Bench(Compared):
             return self.emit({**row, **timing})
         tokens = timing.pop("tokens_per_step")
         config = json.loads((self.model / "config.json").read_text())
-        return self.emit({**row, **timing, "tokens_per_sample": tokens / ((data_bsz or bsz) * nproc // fields.get("tensor_model_parallel_size", 1)),
+        samples = (data_bsz or bsz) * nproc // fields.get("tensor_model_parallel_size", 1)  # TP ranks share theirs
+        return self.emit({**row, **timing, "tokens_per_sample": tokens / samples,
                           "estimated_gib": estimated_gib(self.work / name, self.shape, nproc, config),
                           "losses": [e["loss"] for e in train]})
 
