@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_dpo import Timer, baseline_parser  # noqa: E402
+from trl_dpo import Timer, baseline_parser, profiled  # noqa: E402
 
 # freeze_vit / freeze_aligner: the adapters on the language model's linear layers alone
 PAD = "<|image_pad|>"
@@ -95,7 +95,10 @@ def main() -> None:
     trainer = Trainer(model=model, args=config, train_dataset=records, data_collator=collate, callbacks=[timer])
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    if args.profile:
+        profiled(trainer, args.warm, args.steps - args.warm, args.profile)
+    else:
+        trainer.train()
     step_s = (timer.ended - timer.started) / timer.timed
     tokens_per_step = sum(tokens) / len(tokens) * args.bsz * int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:

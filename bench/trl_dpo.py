@@ -35,7 +35,7 @@ class Timer(TrainerCallback):
 
 def baseline_parser(doc: str, data: str) -> argparse.ArgumentParser:
     """The arguments every stock baseline takes (this one and bench/hf_vl.py): the model directory,
-    the data file (named `data`), sizes, steps and the stock speed switches."""
+    the data file (named `data`), sizes, steps, the stock speed switches and the profiler."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument(data)
@@ -45,6 +45,9 @@ def baseline_parser(doc: str, data: str) -> argparse.ArgumentParser:
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="print torch.profiler's kernel table (ROWS rows) of the steps after --warm, as "
+                             "bench/profile_step.py does for ours")
     return parser
 
 
@@ -64,9 +67,6 @@ def main() -> None:
     parser.add_argument("--precompute", action="store_true", help="precompute_ref_log_probs")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--compile", action="store_true", help="the Trainer's torch_compile")
-    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="print torch.profiler's kernel table (ROWS rows) of the steps after --warm, as "
-                             "bench/profile_step.py does for ours")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -122,7 +122,11 @@ def profiled(trainer, warm: int, active: int, rows: int) -> None:
         trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
+        averages = prof.key_averages()
+        print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
+        if torch.cuda.is_available():  # set against the step's wall time: how much of it the GPU was busy
+            busy = sum(e.self_device_time_total for e in averages) / active / 1e6
+            print(f"GPU kernel time a profiled step: {busy:.4f} s", flush=True)
 
 
 if __name__ == "__main__":

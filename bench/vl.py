@@ -3,7 +3,7 @@ the Qwen2.5-VL-3B shape with random weights (bf16), Qwen2-VL's image processor, 
 (256 visual tokens each) with long answers, issue 33's targets; or the Qwen3-VL-4B shape (196 visual
 tokens an image).
 
-    python bench/vl.py --out vl.jsonl                    # GPU: every part
+    python bench/vl.py --out vl.jsonl                    # GPU: every part but profile
     python bench/vl.py --parts lora --steps 10 --warm 3  # one part
     python bench/vl.py --parts lora --shape qwen3-vl-4b  # the other family
     python bench/vl.py --smoke                           # CPU, a tiny model: the pipeline end to end
@@ -20,6 +20,7 @@ Parts:
   textonly  ours, the lora part's job with each image's tokens as text: the tower's share of the peak.
   tower  ours, LoRA with freeze_vit off against the tower frozen (half the micro-batch): the estimate of
          a training tower's activations and adapters.
+  profile  HF's side of the lora part under torch.profiler: its kernel table and GPU time a step.
   ranks  ours, LoRA under DeepSpeed ZeRO-3: 2 ranks sharing the GPU (each its own NCCL host) against 1
          rank with the same global batch, every record the same sample (each data-parallel rank reads
          its own shard in its own order, so distinct samples would make different steps), losses by step.
@@ -29,8 +30,10 @@ Tokens/s count every non-padding token of a micro-batch, the visual placeholders
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -200,11 +203,20 @@ class Bench(Compared):
         visual = (self.side // self.merged_patch) ** 2  # tokens of a side x side image
         return write_images(directory, n, self.side, self.answer_chars, same, int(visual / 1.1) if text_only else 0)
 
-    def hf(self, bsz: int, liger: bool) -> dict:
-        argv = torchrun_argv(1, str(HF), str(self.model), str(self.data(bsz * (self.steps + 1))), "--seq", str(self.seq),
+    def hf_argv(self, bsz: int, liger: bool) -> list[str]:
+        return torchrun_argv(1, str(HF), str(self.model), str(self.data(bsz * (self.steps + 1))), "--seq", str(self.seq),
                              "--bsz", str(bsz), "--steps", str(self.steps), "--warm", str(self.warm),
                              "--max-pixels", str(self.pixels[1]), *["--liger"] * liger)
-        return self.baseline(argv, dict(source="hf+peft", liger=liger))
+
+    def hf(self, bsz: int, liger: bool) -> dict:
+        return self.baseline(self.hf_argv(bsz, liger), dict(source="hf+peft", liger=liger))
+
+    def profile(self, bsz: int) -> None:
+        """HF's side of the lora part (without Liger) under torch.profiler: its kernel table and GPU
+        time a step, printed (where its step's time goes; profiled steps run slower)."""
+        proc = subprocess.run(self.hf_argv(bsz, liger=False) + ["--profile", "30"], capture_output=True, text=True,
+                              env={**os.environ, "TMPDIR": str(self.work)})
+        print(proc.stdout[-30000:] if proc.returncode == 0 else proc.stderr[-5000:], flush=True)
 
     def ours(self, name: str, bsz: int, nproc: int = 1, same: bool = False, text_only: bool = False,
              data_bsz: int | None = None, **fields) -> dict:
@@ -298,11 +310,11 @@ class Bench(Compared):
                        "estimate_error": round(trained["estimated_gib"] / trained["peak_mem_gib"] - 1, 3)})
 
 
-PARTS = ("lora", "ranks", "tp", "packed", "textonly", "tower")
+PARTS = ("lora", "ranks", "tp", "packed", "textonly", "tower", "profile")
 
 
 def main() -> int:
-    parser = driver_parser(__doc__, PARTS, ",".join(PARTS))
+    parser = driver_parser(__doc__, PARTS, ",".join(p for p in PARTS if p != "profile"))
     parser.add_argument("--answer-chars", type=int, default=480, help="about how long an answer is (460-680 tokens)")
     parser.add_argument("--shape", default="qwen2.5-vl-3b", choices=[name for name in SHAPES if name != "smoke"])
     args = parser.parse_args()
