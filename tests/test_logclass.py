@@ -152,6 +152,7 @@ PEER_LOST = """\
     ("  traceback : Signal 9 (SIGKILL) received by PID 4242", lc.KILLED),
     ("[rank2]: ValueError: boom", lc.PYTHON_EXCEPTION),
     ("RuntimeError: Connection reset by peer", lc.PEER_LOST),
+    ("[rank1]: torch.distributed.DistNetworkError: failed to recv, got 0 bytes", lc.PEER_LOST),
     ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", lc.RENDEZVOUS_FAILED),
     ("/usr/bin/python3: No module named launcher.train", lc.COMMAND_NOT_FOUND),
     ("bash: line 1: torchrun: command not found", lc.COMMAND_NOT_FOUND),
@@ -170,6 +171,17 @@ def test_classify_line(line, kind):
     "W1130 07:01:40.512000 2941 site-packages/torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1294] "
     "The node 'n1_2941_0' has failed to shutdown the rendezvous '20261130-070051-17ee29' due to an error of type "
     "RendezvousConnectionError.",
+    # ... and the lost store connection it logs before that, with its C++ backtrace (seen at the end
+    # of tests/test_recovery.py's restarted run, which then raised a "peer lost" alert on success)
+    "[W1206 15:59:38.231945559 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3, "
+    "addr=[::ffff:127.0.0.1]:37888, remote=[::ffff:127.0.0.2]:63889): Failed to recv, got 0 bytes. Connection was "
+    "likely closed. Did the remote server shutdown or crash?",
+    "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent "
+    "call first):",
+    "frame #2: c10::DistNetworkError::DistNetworkError(c10::SourceLocation, std::__cxx11::basic_string<char, "
+    "std::char_traits<char>, std::allocator<char> >) + 0x72 (0x7f8711b7b022 in /tmp/venv/lib/python3.11/"
+    "site-packages/torch/lib/libc10.so)",
+    "[rank0]: frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)",
 ])
 def test_ordinary_lines_are_not_causes(line):
     assert lc.classify_line(line) is None

@@ -91,6 +91,10 @@ _STOP_SIGNALS = (2, 15)
 # torchrun's warning when a node leaves after its workers ended and the node holding the
 # rendezvous store has already gone: a race at the end of a run, not a failure (exit codes decide).
 _RENDEZVOUS_SHUTDOWN = re.compile(r"has failed to shutdown the rendezvous")
+# A frame of a C++ backtrace that torch prints under a message (`frame #2: c10::DistNetworkError::
+# DistNetworkError(...)`): it names the exception's constructor, not what went wrong. Before the
+# rendezvous warning above, torchrun logs the store connection it lost with such a backtrace.
+_CPP_FRAME = re.compile(r"^frame #\d+: ")
 # The worker's own last line (launcher.train.error_line); older workers wrote no type for user errors.
 _WORKER_LINE = re.compile(r"^\s*\[rank(\d+)\] error: (?:([A-Za-z_]\w*): )?(.*)$")
 # A rank that stopped because another rank reported its own error first (launcher.trainer.PeerFailed).
@@ -205,6 +209,8 @@ def classify_line(line: str) -> Cause | None:
     m = _RANK_PREFIX.match(text)
     rank = int(m.group(1)) if m else None
     body = (text[m.end():] if m else text).strip()
+    if _CPP_FRAME.match(body):
+        return None
     for kind, pattern in _PATTERNS:
         if pattern.search(text):
             return Cause(kind, body[:300], rank=rank)
