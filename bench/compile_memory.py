@@ -1,4 +1,4 @@
-"""What gradient checkpointing keeps with and without torch_compile: one process, the worker's own
+"""What gradient checkpointing keeps with and without torch_compile: no torchrun, the worker's own
 model preparation (launcher.model.prepare) under the DDP engine's autocast, a Llama-3.1-8B-wide
 model with a few layers, LoRA r16 on every linear layer with Liger (the long-context rows of
 bench/results/h200-long-context-8b.jsonl). A run is three forward+backward passes of one sequence
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,10 @@ from throughput import SHAPES, build_model_dir, job_spec  # noqa: E402
 GIB = 1024 ** 3
 
 
-def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str, checkpointing: bool) -> dict:
+VARIANTS = ("eager", "compiled", "compiled-no-pointwise-autotune")
+
+
+def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str) -> dict:
     import torch
 
     compiled = variant != "eager"
@@ -48,7 +52,7 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str, ch
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     fields = job_spec(model_dir, model_dir / "unused.jsonl", seq, 1, 3, lora=True, liger=cuda,
-                      gradient_checkpointing=checkpointing, torch_compile=compiled, target_modules=["all-linear"])
+                      gradient_checkpointing=True, torch_compile=compiled, target_modules=["all-linear"])
     spec, problems = parse_spec(fields)
     assert spec is not None, problems
     config = {**SHAPES[shape], "num_hidden_layers": layers}
@@ -56,7 +60,7 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str, ch
     _, model = prepare(spec)
     model.to(device)
     ids = torch.randint(0, config["vocab_size"], (1, seq), device=device)
-    row = dict(shape=shape, layers=layers, seq=seq, variant=variant, gradient_checkpointing=checkpointing,
+    row = dict(shape=shape, layers=layers, seq=seq, variant=variant,
                estimated_activations_gib=round(estimate.activations_gib, 3))
     peaks = []
     for step in range(3):
@@ -85,8 +89,7 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str, ch
 def one_run(model_dir: Path, shape: str, layers: int, seq: int, variant: str) -> str:
     """One measurement in a process of its own (compiled graphs and the allocator's cache of one
     run must not count in the next); a failed run is a row with its error."""
-    run = json.dumps(dict(model_dir=str(model_dir), shape=shape, layers=layers, seq=seq, variant=variant,
-                          checkpointing=True))
+    run = json.dumps(dict(model_dir=str(model_dir), shape=shape, layers=layers, seq=seq, variant=variant))
     proc = subprocess.run([sys.executable, __file__, "--run", run], capture_output=True, text=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and rows:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: the pipeline end to end")
     parser.add_argument("--layers", default="2,4")
     parser.add_argument("--seqs", default="8192,16384")
-    parser.add_argument("--variants", default="eager,compiled", help="eager, compiled, compiled-no-pointwise-autotune; each with checkpointing")
+    parser.add_argument("--variants", default="eager,compiled", help=", ".join(VARIANTS) + "; each with checkpointing")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -111,16 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [64] if args.smoke else [int(s) for s in args.seqs.split(",")]
     layers = [2] if args.smoke else [int(n) for n in args.layers.split(",")]
     variants = ["eager"] if args.smoke else args.variants.split(",")
-    with tempfile.TemporaryDirectory() as work:
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (of {', '.join(VARIANTS)})")
+    # a new file, written as each row comes (an earlier run's rows are not mixed in)
+    with open(args.out or os.devnull, "w") as out, tempfile.TemporaryDirectory() as work:
         for n in layers:
             model_dir = build_model_dir(shape, Path(work) / f"model-{n}", "bfloat16", num_hidden_layers=n)
             for seq in seqs:
                 for variant in variants:
                     line = one_run(model_dir, shape, n, seq, variant)
                     print(line, flush=True)
-                    if args.out:
-                        with open(args.out, "a") as out:
-                            out.write(line + "\n")
+                    out.write(line + "\n")
+                    out.flush()
     return 0
 
 
