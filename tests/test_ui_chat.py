@@ -186,7 +186,9 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
             # the message's image is drawn from the file the studio serves: late on a loaded machine
             expect(page.locator(f"#{chatbot} .message.user img")).to_have_count(1, timeout=30_000)
             expect(page.locator(f"#{chatbot} .message.user").last).to_contain_text("What colour is it?")
-        expect(page.locator("#chat-image img")).to_have_count(0)  # sent with the message
+        # sent with the message: the box empties with the exchange's last update, which can come after the
+        # notes above on a loaded machine (5 s were once too few in CI)
+        expect(page.locator("#chat-image img")).to_have_count(0, timeout=30_000)
         shot(page, "image")
 
         page.locator("#chat-clear").click()
