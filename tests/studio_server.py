@@ -123,6 +123,16 @@ def open_studio(browser, url: str):
     return page
 
 
+def reload_studio(page, commands: str = "torch.distributed.run") -> None:
+    """`page.reload()`, then open_studio's wait for the load events, the command preview showing
+    `commands`: a click during them waited out its 60 s once on a loaded 2-core machine (element
+    visible and stable, the click never dispatched)."""
+    from playwright.sync_api import expect
+
+    page.reload()
+    expect(page.locator("#train-commands")).to_contain_text(commands, timeout=60_000)
+
+
 def record_requests(page) -> list[str]:
     urls: list[str] = []
     page.on("request", lambda request: urls.append(request.url))

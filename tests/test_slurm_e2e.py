@@ -312,7 +312,7 @@ def test_the_studio_submits_to_a_slurm_partition(slurm_cluster, tmp_path, capsys
     pytest.importorskip("playwright")
     from playwright.sync_api import expect, sync_playwright
 
-    from studio_server import Shots, launch_browser, open_studio, start_studio
+    from studio_server import Shots, launch_browser, open_studio, reload_studio, start_studio
 
     studio = start_studio(tmp_path / "studio")
     shot = Shots("slurm")
@@ -362,7 +362,7 @@ def test_the_studio_submits_to_a_slurm_partition(slurm_cluster, tmp_path, capsys
             assert list((run_dir / "slurm").glob("attempt-1.sbatch")), sorted(run_dir.iterdir())
             assert (run_dir / "checkpoint-6" / "complete").exists()
 
-            page.reload()
+            reload_studio(page, "#SBATCH --partition=debug")  # the target is kept
             page.get_by_role("tab", name="Cluster").click()
             expect(page.locator("#cluster-target input[value='Slurm partition']")).to_be_checked(timeout=15000)
             browser.close()

@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("playwright")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from studio_server import Shots, foreign_requests, launch_browser, open_studio, start_studio  # noqa: E402
+from studio_server import (Shots, foreign_requests, launch_browser, open_studio, reload_studio,  # noqa: E402
+                           start_studio)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -324,7 +325,7 @@ def test_cluster_tab_hostfile_errors_and_nodes(own_studio, own_page):
     page.locator("#cluster-price input").press("Enter")
     settings = studio.root / "data" / "swift-studio" / "settings.json"
     until(lambda: settings.is_file() and '"price_per_gpu_hour": 2.5' in settings.read_text(), timeout=15)
-    page.reload()
+    reload_studio(page)
     page.get_by_role("tab", name="Cluster").click()
     expect(page.locator("#cluster-price input")).to_have_value("2.5", timeout=15000)
     expect(page.locator("#cluster-summary")).to_contain_text("2 node(s) · 16 GPUs", timeout=15000)
