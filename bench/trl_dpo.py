@@ -125,7 +125,10 @@ def profiled(trainer, warm: int, active: int, rows: int) -> None:
         averages = prof.key_averages()
         print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=90), flush=True)
         if torch.cuda.is_available():  # set against the step's wall time: how much of it the GPU was busy
-            busy = sum(e.self_device_time_total for e in averages) / active / 1e6
+            # the kernels' own time, as the table's "Self CUDA time total" sums it: the operators
+            # that launch them and the ProfilerStep annotations count the same time again
+            busy = sum(e.self_device_time_total for e in averages
+                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / active / 1e6
             print(f"GPU kernel time a profiled step: {busy:.4f} s", flush=True)
 
 
