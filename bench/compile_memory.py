@@ -9,6 +9,7 @@ lengths separate what every layer keeps from what one recomputed layer's backwar
 
     python bench/compile_memory.py --out compile-memory.jsonl          # GPU: 2 and 4 layers, 8K and 16K
     python bench/compile_memory.py --layers 32 --seqs 16384 --variants compiled,compiled-no-pointwise-autotune
+    python bench/compile_memory.py --layers 8,16,32 --seqs 16384 --snapshot   # what is live at the peak
     python bench/compile_memory.py --smoke                             # CPU, a tiny shape
 """
 from __future__ import annotations
@@ -31,7 +32,45 @@ GIB = 1024 ** 3
 VARIANTS = ("eager", "compiled", "compiled-no-pointwise-autotune")
 
 
-def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str) -> dict:
+def live_at_peak(trace: list[dict], top: int = 12) -> dict:
+    """The blocks allocated at the highest point of one device's allocator trace (torch.cuda.memory's
+    recorded history), summed by size and by the innermost Python frame that allocated them (none:
+    autograd's engine thread, i.e. an eager backward op)."""
+    live, total, peak, peak_at = {}, 0, -1, 0
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and live.pop(event["addr"], None) is not None:
+            total -= event["size"]
+        if total > peak:
+            peak, peak_at = total, i
+    live = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+
+    def summed(key) -> dict:
+        sums: dict[str, int] = {}
+        for event in live.values():
+            sums[key(event)] = sums.get(key(event), 0) + event["size"]
+        ranked = sorted(sums.items(), key=lambda kv: -kv[1])[:top]
+        return {k: round(v / GIB, 3) for k, v in ranked}
+
+    def frame(event) -> str:
+        frames = event.get("frames") or []
+        if not frames:
+            return "(no python frame)"
+        f = frames[0]
+        return f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+
+    return dict(traced_peak_gib=round(peak / GIB, 3), blocks=len(live),
+                by_size_mib=summed(lambda e: str(round(e["size"] / 2 ** 20))), by_frame=summed(frame))
+
+
+def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str, snapshot: bool = False) -> dict:
     import torch
 
     compiled = variant != "eager"
@@ -69,6 +108,8 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str) ->
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
+            if snapshot and step == 2:
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         with autocast(device, spec.torch_dtype):
             loss = model(input_ids=ids, labels=ids).loss
         if cuda:
@@ -78,6 +119,10 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str) ->
         if cuda:
             torch.cuda.synchronize()
             peaks.append(round((torch.cuda.max_memory_allocated() - before) / GIB, 3))
+    if cuda and snapshot:
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        row["live_at_last_peak"] = live_at_peak(trace)
     if cuda:
         row.update(before_gib=round(before / GIB, 3), kept_after_forward_gib=round((after_forward - before) / GIB, 3),
                    forward_peak_gib=round((forward_peak - before) / GIB, 3), peak_above_gib_by_step=peaks,
@@ -86,10 +131,11 @@ def measure(model_dir: Path, shape: str, layers: int, seq: int, variant: str) ->
     return row
 
 
-def one_run(model_dir: Path, shape: str, layers: int, seq: int, variant: str) -> str:
+def one_run(model_dir: Path, shape: str, layers: int, seq: int, variant: str, snapshot: bool) -> str:
     """One measurement in a process of its own (compiled graphs and the allocator's cache of one
     run must not count in the next); a failed run is a row with its error."""
-    run = json.dumps(dict(model_dir=str(model_dir), shape=shape, layers=layers, seq=seq, variant=variant))
+    run = json.dumps(dict(model_dir=str(model_dir), shape=shape, layers=layers, seq=seq, variant=variant,
+                          snapshot=snapshot))
     proc = subprocess.run([sys.executable, __file__, "--run", run], capture_output=True, text=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0 and rows:
@@ -104,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", default="8192,16384")
     parser.add_argument("--variants", default="eager,compiled", help=", ".join(VARIANTS) + "; each with checkpointing")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--snapshot", action="store_true",
+                        help="the last pass's allocator history: what is live at its peak, by size and frame")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
@@ -123,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = build_model_dir(shape, Path(work) / f"model-{n}", "bfloat16", num_hidden_layers=n)
             for seq in seqs:
                 for variant in variants:
-                    line = one_run(model_dir, shape, n, seq, variant)
+                    line = one_run(model_dir, shape, n, seq, variant, args.snapshot)
                     print(line, flush=True)
                     out.write(line + "\n")
                     out.flush()
