@@ -21,10 +21,7 @@ CALIBRATION_FILES = ("h200-layout-memory.jsonl", "h200-dpo-1.jsonl", "h100-dpo-2
                      "h100-dpo-7.jsonl", "h100-dpo-8.jsonl", "h100-advisor-3.jsonl", "h100-vl-6.jsonl",
                      "h100-vl-7.jsonl", "h100-vl-8.jsonl", "h100-vl-9.jsonl")
 # Recorded row: (the estimate's error there, why it misses). docs/benchmarks.md has the table.
-KNOWN_MISSES = {
-    "h200-long-context-8b.jsonl:20": (-0.113, "torch_compile with checkpointing keeps more than eager at 64K, not fitted"),
-    "h200-long-context-8b.jsonl:25": (-0.129, "torch_compile at 128K, as above"),
-}
+KNOWN_MISSES: dict[str, tuple[float, str]] = {}
 TOLERANCE = 0.10
 DRIFT = 0.02  # how far a known miss may move before the test asks for a look
 

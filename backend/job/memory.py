@@ -251,6 +251,13 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     # SwiGLU (one tile's under TiledMLP). Fitted to LoRA on the Llama-3.1-8B shape at 16K-128K, with
     # and without tiling and offload, on an H200 (bench/results/h200-long-context-8b.jsonl).
     backward = tokens * width * (7 * h + (0 if spec.tiled_mlp else 2 * mlp_width)) / layout.tp
+    if spec.torch_compile and spec.train_type == "lora" and not spec.tiled_mlp and not model.is_moe:
+        # inductor's backward of a LoRA-adapted dense layer holds five more values of the SwiGLU's
+        # width and five fewer of the model's than eager's at its peak: the allocator's blocks live
+        # there (bench/compile_memory.py --snapshot, bench/results/h100-compile-memory-3.jsonl; the
+        # Llama-3.1-8B shape, 32 layers at 16K). Full fine-tuning's (a Llama-3.2-1B FSDP row is +4%
+        # without this) and a MoE layer's are not measured.
+        backward += tokens * width * 5 * (mlp_width - h) / layout.tp
     layers_here = model.num_layers / layout.pp
     inputs = tokens * layers_here * width * h  # what checkpointing keeps: each layer's input
     on_host = inputs if spec.gradient_checkpointing and spec.activation_cpu_offload else 0.0
