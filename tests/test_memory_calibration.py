@@ -38,3 +38,24 @@ def test_the_estimate_holds_every_calibrated_gpu_measurement():
             wrong.append(f"{case.where} {case.name}: estimate {case.estimate_gib:.2f} GiB vs measured "
                          f"{case.measured_gib:.2f} ({case.error:+.1%}, allowed ±{limit:.0%}{'; ' + why if why else ''})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_compile_probe_counts_what_is_live_at_its_traces_highest_point():
+    """bench/compile_memory.py --snapshot: the blocks live at the allocator trace's peak, by size and
+    by allocating frame; a block freed before the peak, or allocated before the trace began and freed
+    in it, is not counted."""
+    from compile_memory import GIB, live_at_peak
+
+    at = dict(filename="/x/modeling.py", line=3, name="forward")
+    trace = [dict(action="free_completed", addr=9, size=4 * GIB),  # allocated before the trace
+             dict(action="alloc", addr=1, size=GIB, frames=[at]),
+             dict(action="alloc", addr=2, size=GIB // 2),
+             dict(action="free_requested", addr=1, size=GIB),
+             dict(action="free_completed", addr=1, size=GIB),
+             dict(action="alloc", addr=3, size=GIB, frames=[]),
+             dict(action="alloc", addr=4, size=GIB // 4, frames=[at]),  # the peak: 1.75 GiB
+             dict(action="free_completed", addr=3, size=GIB),
+             dict(action="alloc", addr=5, size=GIB // 2, frames=[at])]
+    assert live_at_peak(trace) == dict(traced_peak_gib=1.75, blocks=3,
+                                       by_size_mib={"1024": 1.0, "512": 0.5, "256": 0.25},
+                                       by_frame={"(no python frame)": 1.5, "modeling.py:3:forward": 0.25})
