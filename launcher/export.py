@@ -38,9 +38,9 @@ def full_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if state:
         return state
     if (ckpt / "engine").is_dir():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from launcher.engines.zero import TAG, pickled_classes  # first: it imports deepspeed without mlflow
 
-        from launcher.engines.zero import TAG, pickled_classes
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # zero_to_fp32 reads DeepSpeed's files with weights_only=False.
         with checkpoint.safe_torch_load(ckpt / TAG, pickled_classes()):

@@ -2,7 +2,10 @@
 event lines and the checkpoint layout must follow docs/architecture.md."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +65,28 @@ def test_engine_trains(tmp_path, tiny_model, name, extra):
         assert (ckpt / file).is_file(), file
     if extra["train_type"] == "lora":
         assert (ckpt / "model" / "adapter_model.safetensors").is_file()
+
+
+MLFLOW_PROBE = """import json, sys
+{imports}
+import deepspeed.autotuning.autotuner as autotuner
+seen = ["mlflow" in sys.modules, autotuner.has_mlflow]
+import mlflow
+print(json.dumps(seen + [mlflow.__name__]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="the test extra installs mlflow")
+def test_the_worker_imports_deepspeed_without_mlflow():
+    """DeepSpeed's autotuner imports mlflow whenever it is installed, about 1 s of every DeepSpeed
+    rank's start; launcher.engines.zero imports deepspeed with mlflow hidden, and mlflow imports
+    after that as before. Were DeepSpeed's own import fixed, the first assertion would fail and
+    mlflow_hidden could go."""
+    def probe(imports: str) -> list:
+        proc = subprocess.run([sys.executable, "-c", MLFLOW_PROBE.format(imports=imports)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert probe("import deepspeed") == [True, True, "mlflow"]
+    assert probe("import launcher.engines.zero") == [False, False, "mlflow"]

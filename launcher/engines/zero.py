@@ -4,6 +4,7 @@ parallel (DeepSpeed's ALST for HF models)."""
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +20,29 @@ TAG = "engine"  # sub-directory of the checkpoint that holds DeepSpeed's own fil
 log = logging.getLogger(__name__)
 
 
+@contextmanager
+def mlflow_hidden():
+    """`import mlflow` fails inside, as for a missing package; outside, it works as before.
+
+    DeepSpeed's runtime config imports its autotuner, which imports mlflow whenever it is installed
+    (deepspeed/autotuning/autotuner.py, for the autotuning launcher, which the worker never runs):
+    0.96 s of `import deepspeed`'s 1.16 s on a 2-core machine, in every rank. The autotuner catches
+    the failure (its `has_mlflow` is then False). Pinned by tests/test_worker_engines.py."""
+    if "mlflow" in sys.modules:  # imported already: nothing to save
+        yield
+        return
+    sys.modules["mlflow"] = None
+    try:
+        yield
+    finally:
+        if sys.modules.get("mlflow", ...) is None:
+            del sys.modules["mlflow"]
+
+
+with mlflow_hidden():
+    import deepspeed
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
     # ZeRO partitions optimizer state by data-parallel rank; loading it onto another world size
@@ -29,8 +53,6 @@ class DeepSpeedEngine(Engine):
         self.spec = spec
         zero = config.get("zero_optimization", {})
         self.stage = int(zero.get("stage", 0))
-        import deepspeed
-
         offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
         optimizer = None
         if "optimizer" not in config:
@@ -71,8 +93,6 @@ class DeepSpeedEngine(Engine):
         gathered layer by layer for the forward. Below ZeRO-3, whole on this rank."""
         if self.stage < 3:
             return module.to(device)
-        import deepspeed
-
         config = dict(self._frozen_config)
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
         # With Ulysses the data-parallel ranks are world / SP: the batch sizes of the config say so.
@@ -129,7 +149,6 @@ class UlyssesSP:
     batches) runs its slice of every sequence through the rest of the model."""
 
     def __init__(self, model, spec):
-        import deepspeed
         import torch.distributed as dist
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
@@ -194,6 +213,4 @@ def _gathered(params, stage: int):
 
     if stage < 3 or not params:
         return contextlib.nullcontext()
-    import deepspeed
-
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
