@@ -23,10 +23,8 @@ def tile_count(seq_len: int, hidden_size: int) -> int:
 
 def tile_mlps(layers: list[torch.nn.Module], hidden_size: int) -> None:
     """Each layer's `mlp` forward, as it is (Liger's or LoRA-adapted), run by TiledMLP."""
-    from launcher.engines.zero import mlflow_hidden
-
-    with mlflow_hidden():
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    import launcher.engines.zero  # noqa: F401  first: it imports deepspeed without mlflow
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     for i, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)

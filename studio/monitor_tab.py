@@ -17,6 +17,13 @@ from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, overtaken_by_
                              restart_message, run_picker, status_md, usage_line)
 
 TICK_S = 2.0
+# A run that has ended changes only when someone resumes it: the tab then reads it this often. Each
+# tick costs the browser Gradio's per-event work whatever it redraws (bench/monitor_idle.py: an idle
+# Monitor took 18% of a core at 2 s).
+IDLE_TICK_S = 10.0
+# A run's last events (its final checkpoint, each rank's end) can land a few ticks after its state:
+# the fast tick goes on this long after the run ended.
+SETTLE_S = 20.0
 LOG_TICK_S = 4.0
 LOG_LINES = 60
 FULL_LOG_LINES = 100_000
@@ -92,6 +99,11 @@ def build() -> dict[str, Any]:
     return c
 
 
+def tick_interval(ended: bool, ended_at: float | None, now: float) -> float:
+    """Seconds between the Monitor's reads of a run: fast until SETTLE_S after it ended."""
+    return IDLE_TICK_S if ended and (ended_at is None or now - ended_at >= SETTLE_S) else TICK_S
+
+
 def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_run: gr.Dropdown) -> None:
     charts = [c[name] for name in CHARTS]
 
@@ -107,10 +119,12 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
             return gr.update(label=user_message("Listing runs", exc))
 
     def tick(run_id: str | None, buf: SeriesBuffer, smoothing: float, x_axis: str, action: str | None) -> dict:
-        from backend.runs.lifecycle import ACTIVE, attempt_history
+        from backend.runs.lifecycle import ACTIVE, FINAL, attempt_history
         out: dict = {}
         if not run_id:
             out[c["status"]] = "No run yet: launch one from the Train tab."
+            out.update({c[name]: value for name, value in buf.changes({"timer": IDLE_TICK_S}).items()})
+            out[c["buffer"]] = buf
             return out
         shown: dict[str, Any] = {}  # what the page shows of the run: sent only where it changed
         try:
@@ -131,6 +145,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
                 out[c["run"]] = gr.update(choices=run_picker(manager.runs(), run_id, ACTIVE)[0])
                 out[c["stop"]] = gr.update(interactive=run.state in ACTIVE)
                 buf.state = run.state
+            shown["timer"] = tick_interval(run.state in FINAL, run.ended_at, time.time())
             # On every tick, not only when the state changes: a tick may have read the page before the
             # line was written, and must not clear a line it did not see.
             if run.state in SETTLED and overtaken_by_status(action):
@@ -160,7 +175,7 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
 
     tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"], c["x_axis"], c["action"]],
                    outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
-                            c["action"], c["buffer"]], show_progress="hidden")
+                            c["action"], c["timer"], c["buffer"]], show_progress="hidden")
     c["timer"].tick(trigger_mode="always_last", **tick_io)
     # Only the user's pick: handlers set the picker too (every page load, the launch), and reading
     # the run then would draw charts for a tab that may be hidden; opening the Monitor catches up.
@@ -251,7 +266,8 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
         return gr.update(visible=True, value=text, label=f"Full log of {node}")
 
     c["stop"].click(on_stop, [c["run"]], [c["action"]])
-    c["resume"].click(on_resume, [c["run"]], [c["action"]])
+    # A resumed run is active again: read it now, which also brings back the fast tick.
+    c["resume"].click(on_resume, [c["run"]], [c["action"]]).then(**tick_io)
     c["full_log"].click(on_full_log, [c["run"], c["log_node"]], [c["log_full"]])
     c["export"].click(lambda run_id: (gr.update(selected="export"), choices(run_id)), [c["run"]], [tabs, export_run])
     c["choices"] = choices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 from pathlib import Path
 
 from worker import ROOT
@@ -33,9 +34,23 @@ def package_of(module: str) -> str | None:
     return None
 
 
+def parse(path: Path) -> ast.Module:
+    """ast.parse with the garbage collector paused: a collection inside it can run a finalizer that
+    logs a traceback (asyncio's "Task exception was never retrieved"), which Python 3.11 prints by
+    parsing source itself, and the parse inside the parse failed the outer one's depth check in a
+    CI run (SystemError: AST constructor recursion depth mismatch; cpython gh-106905)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(), str(path))
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def imports(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -346,3 +346,17 @@ def test_a_tick_resends_only_what_changed():
                          "power": {"__type__": "update", "value": fig([5.0]), "visible": True}})
     assert set(again) == {"loss", "power"}
     assert set(SeriesBuffer(run_id="r").changes(first)) == {"status", "loss", "power"}
+
+
+def test_the_monitor_reads_an_ended_run_slowly_once_its_last_events_had_time_to_land():
+    """A run that is checking, launching or running is read every TICK_S; one that ended is read
+    every IDLE_TICK_S once SETTLE_S have passed since it ended (its final checkpoint's event can land
+    after its state). An ended run without an end time (written before there was one) is idle."""
+    from studio.monitor_tab import IDLE_TICK_S, SETTLE_S, TICK_S, tick_interval
+
+    assert IDLE_TICK_S > TICK_S
+    assert tick_interval(False, None, 1000.0) == TICK_S
+    assert tick_interval(False, 10.0, 1000.0) == TICK_S  # a resumed run's old end time is cleared, but may linger
+    assert tick_interval(True, 1000.0 - SETTLE_S + 1, 1000.0) == TICK_S
+    assert tick_interval(True, 1000.0 - SETTLE_S, 1000.0) == IDLE_TICK_S
+    assert tick_interval(True, None, 1000.0) == IDLE_TICK_S

@@ -12,9 +12,10 @@ import base64
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import asyncssh
 
@@ -24,6 +25,20 @@ COMMAND_TIMEOUT_S = 60.0     # default for one remote command
 KEEPALIVE_INTERVAL_S = 5.0   # SSH-level keepalives on idle connections ...
 KEEPALIVE_COUNT_MAX = 3      # ... a connection is dead after this many go unanswered
 KNOWN_HOSTS_ENV = "SWIFT_STUDIO_KNOWN_HOSTS"
+
+
+T = TypeVar("T")
+
+
+async def within(work: Awaitable[T], timeout_s: float) -> T:
+    """`asyncio.wait_for(work, timeout_s)` for work on a node's shell, whose own failure is taken
+    also when the caller is cancelled meanwhile. Python 3.10 and 3.11's wait_for cancels the work
+    and leaves what it then raises (a shell closed under it: Unreachable) unread, and asyncio logs
+    it with its traceback when the task is collected; in 3.11 printing that traceback parses source,
+    which inside another parse (a garbage collection during `ast.parse`) raised SystemError there."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.wait_for(task, timeout_s)
 
 
 def default_known_hosts() -> Path:

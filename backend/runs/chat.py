@@ -92,7 +92,7 @@ class ChatSession:
         stream = await shell.stream(command, stdin=True)
         lines = aiter(stream)
         try:
-            event = await asyncio.wait_for(_next_event(lines), ready_timeout_s)
+            event = await ssh.within(_next_event(lines), ready_timeout_s)
         except asyncio.TimeoutError:
             await stream.close()
             raise ChatError(f"{where}: the chat worker did not load the model within {ready_timeout_s:.0f} s "
@@ -173,7 +173,7 @@ class ChatSession:
             # the next message does not wait for the rest of this answer.
             if self.ended is None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._stream.write(cancel_line(rid)), 10)
+                    await ssh.within(self._stream.write(cancel_line(rid)), 10)
             raise
 
     async def close(self) -> None:

@@ -127,8 +127,8 @@ async def ask_flight_recorders(pool: Pool, shells: Sequence[tuple[Node, str | No
     request = f"{run_id}@{time.time():.6f}"
 
     async def write(node: Node, setup: str | None) -> None:
-        await asyncio.wait_for(launch.write_files(pool, node, setup, run_dir, {flight.REQUEST: request + "\n"}),
-                               PROBE_TIMEOUT_S)
+        await ssh.within(launch.write_files(pool, node, setup, run_dir, {flight.REQUEST: request + "\n"}),
+                         PROBE_TIMEOUT_S)
 
     written = await asyncio.gather(*(write(node, setup) for node, setup in shells), return_exceptions=True)
     if all(isinstance(w, BaseException) for w in written):
@@ -212,9 +212,8 @@ class AttemptWatcher:
     async def _probe(self, n: NodeWatch) -> None:
         asked = time.time()
         try:
-            alive, code = await asyncio.wait_for(
-                launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir),
-                PROBE_TIMEOUT_S)
+            alive, code = await ssh.within(launch.probe(self.pool, n.started.node, n.started.pgid, self.run_dir),
+                                           PROBE_TIMEOUT_S)
         except (ssh.NodeError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ssh.Unreachable):
                 # A slow answer keeps the connection (keepalives find dead ones); a lost one is reopened.
