@@ -152,13 +152,28 @@ def run_worker(run_dir: Path, nproc: int = 2, resume: str | None = None, timeout
     return run_workers([dict(run_dir=run_dir, nproc=nproc, resume=resume, argv=argv, env=env)], timeout)[0]
 
 
+# Ranks the runs of one run_workers call keep in flight at most (a launch larger than this runs alone).
+RANK_SLOTS = os.cpu_count() or 2
+
+
+def launch_ranks(launch: dict) -> int:
+    argv = launch.get("argv") or []
+    return int(argv[argv.index("--nproc_per_node") + 1]) if "--nproc_per_node" in argv else launch.get("nproc", 2)
+
+
 def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    """Each launch (run_worker's arguments) started at once, then each waited for: runs that do not
-    depend on each other share the machine's cores (a one-rank run leaves one of two idle, and a
-    worker spends most of a short run importing). Each process has `.log`, its run's log."""
-    procs = []
+    """The launches (run_worker's arguments), in order, each started once the ranks still running
+    and its own fit in RANK_SLOTS (or nothing else runs), each given `timeout` seconds from its start.
+    Runs that do not depend on each other fill the machine's cores (a one-rank run leaves one of two
+    idle), but no more: ten two-rank DPO runs started at once on two cores took 237 CPU-seconds
+    (tests/test_preference.py's first e2e test), 204 with at most two ranks in flight. Each process
+    has `.log`, its run's log."""
+    procs: list[subprocess.Popen] = []
     try:
         for launch in launches:
+            ranks = launch_ranks(launch)
+            while (busy := sum(p.ranks for p in procs if p.poll() is None)) and busy + ranks > RANK_SLOTS:
+                wait_some(procs)
             run_dir = launch["run_dir"]
             log = run_dir / "logs" / "local.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -167,20 +182,24 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
                                                                             launch.get("resume")),
                                         cwd=ROOT, env={**worker_env(), **(launch.get("env") or {})},
                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            proc.log_path = log
+            proc.log_path, proc.ranks, proc.deadline = log, ranks, time.monotonic() + timeout
             procs.append(proc)
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # killed below; its returncode says so
+        while any(p.poll() is None for p in procs):
+            wait_some(procs)
     finally:
         for proc in procs:
             kill_tree(proc)
     for proc in procs:
         proc.log = proc.log_path.read_text()
     return procs
+
+
+def wait_some(procs: list[subprocess.Popen]) -> None:
+    """A moment's wait; a run past its deadline is killed (its returncode says so)."""
+    time.sleep(0.1)
+    for proc in procs:
+        if proc.poll() is None and time.monotonic() > proc.deadline:
+            kill_tree(proc)
 
 
 # Prepended to a probe script: each rank writes its outcome to a file of its own (their prints
