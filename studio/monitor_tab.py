@@ -17,9 +17,9 @@ from studio.run_view import (RESTARTABLE, RESUME_LABEL, alerts_md, overtaken_by_
                              restart_message, run_picker, status_md, usage_line)
 
 TICK_S = 2.0
-# A run that has ended changes only when someone resumes it: the tab then reads it this often. Each
-# tick costs the browser Gradio's per-event work whatever it redraws (bench/monitor_idle.py: an idle
-# Monitor took 18% of a core at 2 s).
+# With no run, or a run that ended (it changes only when someone resumes it), the tab reads this often.
+# Each tick costs the browser Gradio's per-event work whatever it redraws (bench/monitor_idle.py: an
+# idle Monitor took 24% of a core at 2 s, 11-12% at 10 s).
 IDLE_TICK_S = 10.0
 # A run's last events (its final checkpoint, each rank's end) can land a few ticks after its state:
 # the fast tick goes on this long after the run ended.

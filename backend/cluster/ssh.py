@@ -34,8 +34,9 @@ async def within(work: Awaitable[T], timeout_s: float) -> T:
     """`asyncio.wait_for(work, timeout_s)` for work on a node's shell, whose own failure is taken
     also when the caller is cancelled meanwhile. Python 3.10 and 3.11's wait_for cancels the work
     and leaves what it then raises (a shell closed under it: Unreachable) unread, and asyncio logs
-    it with its traceback when the task is collected; in 3.11 printing that traceback parses source,
-    which inside another parse (a garbage collection during `ast.parse`) raised SystemError there."""
+    it with its traceback when the task is collected. Python 3.11 prints a traceback by parsing
+    source: collected during an `ast.parse`, that parse inside a parse raised SystemError in a CI
+    run (cpython gh-106905)."""
     task = asyncio.ensure_future(work)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return await asyncio.wait_for(task, timeout_s)
