@@ -46,3 +46,24 @@ def test_two_workers_run_each_unit_whole_the_longest_first(tmp_path):
     assert sorted(first.values()) == ["browser", "test_recovery.py"], first  # both workers had work, longest first
     browser = [(name, int(i)) for _, name, i in ran if name in BROWSER_FILES]
     assert browser == sorted(browser)  # one after another, in file order
+
+
+def test_run_workers_keeps_the_ranks_in_flight_within_the_cores_and_times_each_run_from_its_start(tmp_path):
+    """Launches of RANK_SLOTS ranks each run one after another, in order; a run past its own timeout
+    is killed, and the runs after it still start."""
+    import time
+
+    from worker import RANK_SLOTS, run_workers
+
+    def launch(name: str, seconds: float) -> dict:
+        script = f"import time; open({str(tmp_path / name)!r}, 'w').write(f'{{time.time()}} '); time.sleep({seconds}); " \
+                 f"open({str(tmp_path / name)!r}, 'a').write(f'{{time.time()}}')"
+        return dict(run_dir=tmp_path / f"run-{name}", argv=[sys.executable, "-c", script], nproc=RANK_SLOTS)
+
+    started = time.monotonic()
+    first, second, third = run_workers([launch("a", 0.3), launch("b", 30), launch("c", 0.3)], timeout=3)
+    assert time.monotonic() - started < 20
+    assert first.returncode == 0 and third.returncode == 0 and second.returncode != 0
+    a, c = ([float(t) for t in (tmp_path / n).read_text().split()] for n in "ac")
+    b_start = float((tmp_path / "b").read_text().split()[0])
+    assert a[1] <= b_start and b_start + 3 <= c[0] + 0.5  # b began after a ended; c after b was stopped

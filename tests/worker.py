@@ -165,8 +165,8 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
     """The launches (run_worker's arguments), in order, each started once the ranks still running
     and its own fit in RANK_SLOTS (or nothing else runs), each given `timeout` seconds from its start.
     Runs that do not depend on each other fill the machine's cores (a one-rank run leaves one of two
-    idle), but no more: ten two-rank DPO runs started at once on two cores took 237 CPU-seconds
-    (tests/test_preference.py's first e2e test), 204 with at most two ranks in flight. Each process
+    idle), but no more: ten two-rank DPO runs started at once on two cores took 233-237 CPU-seconds
+    (tests/test_preference.py's first e2e test), 180 with at most two ranks in flight. Each process
     has `.log`, its run's log."""
     procs: list[subprocess.Popen] = []
     try:
