@@ -6,8 +6,14 @@ measured configuration, the pick above all, ran out of memory.
     python bench/advisor.py --out advisor.jsonl                        # GPU: the three jobs
     python bench/advisor.py --jobs qwen2.5-0.5b-full-4k --runs 8       # one job, at most 8 configurations
     python bench/advisor.py --smoke                                    # CPU, a tiny model: the pipeline end to end
+    python bench/advisor.py --jobs llama3.2-3b-lora-8k --rows 0:12 --out a.jsonl   # rows 0..11 of the advisor's
+    python bench/advisor.py --jobs llama3.2-3b-lora-8k --rows 12:24 --out b.jsonl  # order, then the rest
+    python bench/advisor.py --merge a.jsonl b.jsonl                    # one job line over both
 
---runs N measures every configuration when the advisor gives at most N; otherwise its first N - N//2
+--rows splits a job too long for one device call (600 s) over calls on the same warm machine; --merge
+refuses lines from different hosts or GPUs, rows measured twice, and rows of a job the files miss.
+
+Without --rows, --runs N measures every configuration when the advisor gives at most N; otherwise its first N - N//2
 by prediction and N//2 spread evenly over the rest, the slowest predicted included (each job's line
 says how many of how many). A row line per run: the advisor's rank, fields and predictions beside the
 measured tokens/s and peak; then the job's line: the pick's tokens/s over the best measured (target
@@ -18,6 +24,7 @@ global batch of the job's per step; `--steps` steps a run, the first `--warm` un
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -88,7 +95,8 @@ def out_of_memory(error: str) -> bool:
 class Bench(Compared):
     run_timeout_s: float | None = None
 
-    def job(self, name: str, shape: str, train_type: str, seq: int, global_batch: int, runs: int) -> None:
+    def job(self, name: str, shape: str, train_type: str, seq: int, global_batch: int, runs: int,
+            row_range: range | None = None) -> None:
         from backend.job.advisor import Hardware, advise
         from backend.job.modelcfg import parse_model_config
         from backend.job.spec import JobSpec
@@ -103,13 +111,14 @@ class Bench(Compared):
                         tokens_per_sample=seq, top=10**6)
         # Liger's Triton kernels do not run on the CPU
         rows = [r for r in advice.rows if not (self.smoke and r.fields.get("use_liger_kernel"))]
-        measured = []
-        for index in chosen(len(rows), runs):
+        measured, where = [], machine()
+        picked = chosen(len(rows), runs) if row_range is None else [i for i in row_range if i < len(rows)]
+        for index in picked:
             row = rows[index]
             spec = {**base, **row.fields}
             timing, _ = self.worker(f"{name}-{index}", spec, 1, timeout_s=self.run_timeout_s)
             timing.pop("tokens_per_step", None)
-            line = {"job": name, "rank": index, "engine": row.engine, "fields": row.fields,
+            line = {"job": name, "rank": index, **where, "engine": row.engine, "fields": row.fields,
                     "predicted_tokens_per_s": round(row.tokens_per_s), "predicted_memory_gib": round(row.memory_gib, 2),
                     **timing}
             if "error" in timing:
@@ -117,21 +126,85 @@ class Bench(Compared):
             else:
                 line["estimated_gib"] = estimated_gib(self.work / f"{name}-{index}", shape, 1)
             measured.append(self.emit(line))
-        ran = [m for m in measured if "error" not in m]
-        best = max(ran, key=lambda m: m["tokens_per_s"], default=None)
-        pick = measured[0] if measured else None
-        ratio = (round(pick["tokens_per_s"] / best["tokens_per_s"], 3)
-                 if pick and best and "error" not in pick else None)
-        self.emit({"target": f"{name}: the advisor's first pick vs the best measured", "job": name,
-                   "enumerated": len(rows), "measured": len(measured), "summary": advice.summary(),
-                   "pick": pick and {k: pick[k] for k in ("engine", "fields")}, "best": best and {
-                       k: best[k] for k in ("rank", "engine", "fields", "tokens_per_s")},
-                   "ratio": ratio, "goal": TARGET,
-                   "met": ratio is not None and ratio >= TARGET and not pick.get("out_of_memory"),
-                   "out_of_memory": [m["rank"] for m in measured if m.get("out_of_memory")],
-                   "failed": [m["rank"] for m in measured if "error" in m and not m.get("out_of_memory")],
-                   "rank_correlation": rank_correlation([m["predicted_tokens_per_s"] for m in ran],
-                                                        [m["tokens_per_s"] for m in ran])})
+        self.emit(job_line(name, len(rows), advice.summary(), measured, where))
+
+
+def machine() -> dict:
+    """Which machine measured: lines merged from several calls must share it."""
+    import socket
+
+    import torch
+
+    return {"host": socket.gethostname(),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+
+
+def job_line(name: str, enumerated: int, summary: str, measured: list[dict], where: dict) -> dict:
+    """The job's verdict over its measured rows (the advisor's order: row 0 is its first pick)."""
+    ran = [m for m in measured if "error" not in m]
+    best = max(ran, key=lambda m: m["tokens_per_s"], default=None)
+    pick = next((m for m in measured if m["rank"] == 0), None)
+    ratio = (round(pick["tokens_per_s"] / best["tokens_per_s"], 3)
+             if pick and best and "error" not in pick else None)
+    return {"target": f"{name}: the advisor's first pick vs the best measured", "job": name, **where,
+            "enumerated": enumerated, "measured": len(measured), "rows": sorted(m["rank"] for m in measured),
+            "summary": summary, "pick": pick and {k: pick[k] for k in ("engine", "fields")},
+            "best": best and {k: best[k] for k in ("rank", "engine", "fields", "tokens_per_s")},
+            "ratio": ratio, "goal": TARGET,
+            "met": ratio is not None and ratio >= TARGET and not pick.get("out_of_memory"),
+            "out_of_memory": [m["rank"] for m in measured if m.get("out_of_memory")],
+            "failed": [m["rank"] for m in measured if "error" in m and not m.get("out_of_memory")],
+            "rank_correlation": rank_correlation([m["predicted_tokens_per_s"] for m in ran],
+                                                 [m["tokens_per_s"] for m in ran])}
+
+
+def merged(paths: list[Path]) -> list[dict]:
+    """One job line per job over the row lines of `paths` (calls of --rows on one machine). Raises
+    ValueError naming the file and line of what cannot be merged."""
+    rows: dict[str, dict[int, tuple[str, dict]]] = {}
+    jobs: dict[str, dict] = {}
+    first_seen: dict[str, tuple[str, dict]] = {}
+    for path in paths:
+        for number, text in enumerate(path.read_text().splitlines(), 1):
+            where = f"{path}:{number}"
+            try:
+                line = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"{where}: not a JSON line ({e})") from None
+            if not isinstance(line, dict):
+                raise ValueError(f"{where}: not a line of bench/advisor.py (a JSON object)")
+            there, first = first_seen.setdefault(line.get("job"), (where, line))
+            for key in ("host", "device"):
+                if line.get(key) != first.get(key):
+                    raise ValueError(f"{where}: {key} {line.get(key)!r}, but {there} has {first.get(key)!r}: "
+                                     "the lines of one job must come from one machine")
+            if "target" in line:
+                jobs.setdefault(line["job"], line)
+            elif "rank" in line:
+                seen = rows.setdefault(line["job"], {})
+                if line["rank"] in seen:
+                    raise ValueError(f"{where}: row {line['rank']} of {line['job']} again (first at {seen[line['rank']][0]})")
+                seen[line["rank"]] = (where, line)
+    out = []
+    for name, by_rank in rows.items():
+        if name not in jobs:
+            raise ValueError(f"{name}: row lines without the job's line (no call of it finished)")
+        first = jobs[name]
+        out.append(job_line(name, first["enumerated"], first["summary"],
+                            [line for _, (_, line) in sorted(by_rank.items())],
+                            {"host": first.get("host"), "device": first.get("device")}))
+    return out
+
+
+def row_range(text: str) -> range:
+    start, _, stop = text.partition(":")
+    try:
+        bounds = range(int(start), int(stop))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: START:STOP, two whole numbers") from None
+    if bounds.start < 0 or not bounds:
+        raise argparse.ArgumentTypeError(f"{text!r}: 0 <= START < STOP")
+    return bounds
 
 
 def gpu_mem_gib() -> float:
@@ -147,9 +220,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=150, help="seconds a run may take before it is stopped")
+    parser.add_argument("--rows", type=row_range, help="START:STOP: the advisor's rows START..STOP-1 (not --runs)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSONL", help="job lines over these files' rows")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     parser.add_argument("--out", type=Path, default=Path("/dev/null"))
     args = parser.parse_args()
+    if args.merge:
+        try:
+            lines = merged(args.merge)
+        except (OSError, ValueError) as e:
+            parser.error(f"--merge: {e}")
+        with open(args.out, "w") as out:
+            for line in lines:
+                print(json.dumps(line))
+                out.write(json.dumps(line) + "\n")
+        return 0
     names = args.jobs.split(",")
     unknown = set(names) - set(JOBS)
     if unknown:
@@ -162,9 +247,9 @@ def main() -> int:
             bench = Bench(work, 4 if args.smoke else args.steps, 1 if args.smoke else args.warm, out, args.smoke)
             bench.run_timeout_s = args.run_timeout
             if args.smoke:
-                bench.job("smoke", *SMOKE_JOB, min(args.runs, 3))
+                bench.job("smoke", *SMOKE_JOB, min(args.runs, 3), args.rows)
             for name in [] if args.smoke else names:
-                bench.job(name, *JOBS[name], args.runs)
+                bench.job(name, *JOBS[name], args.runs, args.rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

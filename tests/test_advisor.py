@@ -220,3 +220,37 @@ def test_the_mean_sample_length_is_of_what_trains_and_skips_datasets_the_preview
                                                {"error": "x.jsonl:3: bad", "lengths": [1]}, {"error": None, "lengths": []}]}
     assert mean_tokens(result) == (100 + 2048) / 2
     assert mean_tokens({"max_length": 8, "datasets": [{"error": None, "lengths": None}]}) is None
+
+
+def test_the_benchmark_merges_a_jobs_rows_from_calls_on_one_machine_only(tmp_path):
+    """bench/advisor.py --rows splits a job over device calls; --merge judges the pick over all of them
+    and refuses what would make the verdict wrong: another machine, a row twice, a call cut short."""
+    from advisor import merged
+
+    where = {"host": "gpu-7", "device": "NVIDIA H100 80GB HBM3"}
+
+    def row(rank: int, tokens_per_s: float) -> dict:
+        return {"job": "j", "rank": rank, **where, "engine": "DDP", "fields": {},
+                "predicted_tokens_per_s": 100 - rank, "tokens_per_s": tokens_per_s}
+
+    def job_line(**changed) -> dict:
+        return {"target": "j", "job": "j", **where, "enumerated": 3, "summary": "3 considered", **changed}
+
+    def write(name: str, *lines: dict):
+        (tmp_path / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return tmp_path / name
+
+    first = write("a.jsonl", row(0, 90.0), row(1, 100.0), job_line())
+    rest = write("b.jsonl", row(2, 50.0), job_line())
+    [line] = merged([first, rest])
+    assert (line["rows"], line["ratio"], line["best"]["rank"], line["met"]) == ([0, 1, 2], 0.9, 1, True)
+    assert line["rank_correlation"] == 0.5 and line["host"] == "gpu-7"
+
+    elsewhere = write("c.jsonl", {**row(2, 50.0), "host": "gpu-8"})  # a call cut short on another machine
+    with pytest.raises(ValueError, match=r"c.jsonl:1: host 'gpu-8', but .*a.jsonl:1 has 'gpu-7'"):
+        merged([first, elsewhere])
+    with pytest.raises(ValueError, match=r"b.jsonl:1: row 2 of j again \(first at .*b.jsonl:1\)"):
+        merged([first, rest, rest])
+    cut_short = write("d.jsonl", row(2, 50.0))
+    with pytest.raises(ValueError, match="j: row lines without the job's line \\(no call of it finished\\)"):
+        merged([cut_short])
