@@ -243,7 +243,8 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
                 try:
                     page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=60_000)
                 except PlaywrightTimeout:  # say what the page showed
-                    raise AssertionError(f"{chart}: {page.evaluate(TRACES_JS, chart)}; status: "
+                    raise AssertionError(f"{chart}: {page.evaluate(TRACES_JS, chart)}; picked: "
+                                         f"{page.locator('#monitor-run input').input_value()!r}; status: "
                                          f"{page.locator('#monitor-status').inner_text()!r}; action: "
                                          f"{page.locator('#monitor-action').inner_text()!r}") from None
             # the rank's peak memory, a bar (on CPUs its resident set: no per-GPU estimate is drawn)
