@@ -11,7 +11,8 @@ measured configuration, the pick above all, ran out of memory.
     python bench/advisor.py --merge a.jsonl b.jsonl                    # one job line over both
 
 --rows splits a job too long for one device call (600 s) over calls on the same warm machine; --merge
-refuses lines from different hosts or GPUs, rows measured twice, and rows of a job the files miss.
+refuses lines from different hosts or GPUs, rows measured twice or beyond the job's, rows of a job no
+call finished, and an --out that is one of its inputs.
 
 Without --rows, --runs N measures every configuration when the advisor gives at most N; otherwise its first N - N//2
 by prediction and N//2 spread evenly over the rest, the slowest predicted included (each job's line
@@ -171,8 +172,9 @@ def merged(paths: list[Path]) -> list[dict]:
                 line = json.loads(text)
             except ValueError as e:
                 raise ValueError(f"{where}: not a JSON line ({e})") from None
-            if not isinstance(line, dict):
-                raise ValueError(f"{where}: not a line of bench/advisor.py (a JSON object)")
+            if not (isinstance(line, dict) and isinstance(line.get("job"), str)
+                    and ("target" in line or isinstance(line.get("rank"), int))):
+                raise ValueError(f"{where}: not a line of bench/advisor.py (a row's or a job's JSON object)")
             there, first = first_seen.setdefault(line.get("job"), (where, line))
             for key in ("host", "device"):
                 if line.get(key) != first.get(key):
@@ -183,13 +185,18 @@ def merged(paths: list[Path]) -> list[dict]:
             elif "rank" in line:
                 seen = rows.setdefault(line["job"], {})
                 if line["rank"] in seen:
-                    raise ValueError(f"{where}: row {line['rank']} of {line['job']} again (first at {seen[line['rank']][0]})")
+                    raise ValueError(f"{where}: row {line['rank']} of {line['job']} again "
+                                     f"(first at {seen[line['rank']][0]})")
                 seen[line["rank"]] = (where, line)
     out = []
     for name, by_rank in rows.items():
         if name not in jobs:
             raise ValueError(f"{name}: row lines without the job's line (no call of it finished)")
         first = jobs[name]
+        beyond = [rank for rank in by_rank if not 0 <= rank < first["enumerated"]]
+        if beyond:
+            raise ValueError(f"{by_rank[beyond[0]][0]}: row {beyond[0]} of {name}, "
+                             f"which has rows 0-{first['enumerated'] - 1}")
         out.append(job_line(name, first["enumerated"], first["summary"],
                             [line for _, (_, line) in sorted(by_rank.items())],
                             {"host": first.get("host"), "device": first.get("device")}))
@@ -226,6 +233,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/dev/null"))
     args = parser.parse_args()
     if args.merge:
+        if args.out.resolve() in {path.resolve() for path in args.merge}:
+            parser.error(f"--out {args.out} is one of the files --merge reads: it would be overwritten")
         try:
             lines = merged(args.merge)
         except (OSError, ValueError) as e:

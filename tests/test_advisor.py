@@ -4,6 +4,7 @@ parts each answer to what they model; `swift-studio plan --advise` prints the sa
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 
@@ -251,6 +252,31 @@ def test_the_benchmark_merges_a_jobs_rows_from_calls_on_one_machine_only(tmp_pat
         merged([first, elsewhere])
     with pytest.raises(ValueError, match=r"b.jsonl:1: row 2 of j again \(first at .*b.jsonl:1\)"):
         merged([first, rest, rest])
+    beyond = write("e.jsonl", row(3, 50.0), job_line())  # a row the job does not have
+    with pytest.raises(ValueError, match=r"e.jsonl:1: row 3 of j, which has rows 0-2"):
+        merged([first, beyond])
+    crafted = write("f.jsonl", {"job": "j", "rank": "0"})
+    with pytest.raises(ValueError, match=r"f.jsonl:1: not a line of bench/advisor.py"):
+        merged([crafted])
     cut_short = write("d.jsonl", row(2, 50.0))
     with pytest.raises(ValueError, match="j: row lines without the job's line \\(no call of it finished\\)"):
         merged([cut_short])
+
+
+def test_the_benchmark_refuses_bad_row_slices_and_a_merge_written_over_its_input(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from advisor import main as bench_main
+    from advisor import row_range
+
+    assert row_range("12:24") == range(12, 24)
+    for bad in ("3:1", "2:2", "-1:4", "a:b", "12"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            row_range(bad)
+    kept = tmp_path / "a.jsonl"
+    kept.write_text('{"job": "j", "rank": 0}\n')
+    monkeypatch.setattr(sys, "argv", ["advisor.py", "--merge", str(kept), "--out", str(kept)])
+    with pytest.raises(SystemExit):
+        bench_main()
+    assert "is one of the files --merge reads" in capsys.readouterr().err
+    assert kept.read_text() == '{"job": "j", "rank": 0}\n'
