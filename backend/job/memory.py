@@ -262,10 +262,13 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     inputs = tokens * layers_here * width * h  # what checkpointing keeps: each layer's input
     on_host = inputs if spec.gradient_checkpointing and spec.activation_cpu_offload else 0.0
 
-    def kept(in_flight: float) -> float:
+    def kept(in_flight: float, logits: float = 0.0) -> float:
         if spec.gradient_checkpointing:
-            return (inputs - on_host) * in_flight + tokens * per_layer + tile + backward  # + one layer recomputed
-        return tokens * layers_here * per_layer * in_flight + tile
+            # The loss's logits are freed before the last layer is recomputed: the peak is the
+            # larger of the two beside the layers' inputs (a 3B LoRA row at 8K without Liger was 10% high
+            # with their sum, bench/results/h100-advisor-5a.jsonl).
+            return (inputs - on_host) * in_flight + max(logits, tokens * per_layer + tile + backward)
+        return tokens * layers_here * per_layer * in_flight + tile + logits
 
     # Liger's fused linear-cross-entropy never materialises the logits. Under TP every rank holds
     # all of them: the TP plans gather lm_head's output for the loss (transformers' colwise_gather_output;
@@ -280,13 +283,13 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
         # alone left the one-rank runs 3% low).
         logits = (tokens * 2 * width + spec.max_length / (layout.cp * layout.sp) * 16) * model.vocab_size
     if layout.pp == 1:
-        return kept(1) + logits, on_host
+        return kept(1, logits), on_host
     # 1F1B: the first stage holds the activations of min(PP, micro-batches) micro-batches before its
     # first backward, the last stage one micro-batch and the logits; interleaving keeps Megatron's
     # factor 1 + (PP - 1) / (PP x virtual stages) more on the first (Narayanan et al., 2021).
     pp, virtual = layout.pp, spec.virtual_pipeline_model_parallel_size
     first = min(pp, spec.gradient_accumulation_steps) * (1 + (pp - 1) / (pp * virtual) if virtual > 1 else 1)
-    return max(kept(first), kept(1) + logits), on_host * first
+    return max(kept(first), kept(1, logits)), on_host * first
 
 
 @dataclass(frozen=True)
