@@ -126,6 +126,8 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
     with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
         model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()  # as throughput.build_model_dir: the measured runs are other processes
     return out
 
 
