@@ -78,7 +78,10 @@ LORA_ENGINE_EFFICIENCY = {**ENGINE_EFFICIENCY, "FSDP2": 1.17}
 """LoRA's: FSDP2 ran LoRA faster than DDP on one H100 (the Qwen2.5-1.5B shape at 4096 tokens, 4 a
 micro-batch, Liger: FSDP2 43,700 tokens/s, DDP 37,448; bench/results/h100-lora-engines.jsonl), as it
 did on the Llama-3.2-3B shape at 8192 (1.13x with Liger, 1.08x without; h100-advisor-1.jsonl). Why is
-not established. The other engines as full fine-tuning's: not measured with LoRA."""
+not established. The other engines as full fine-tuning's: on the held-out 3B job (h100-advisor-5*.jsonl,
+Liger, 2 a micro-batch) ZeRO-1/2 ran LoRA at 1.16x DDP's speed (0.90x here) and ZeRO-3 at 0.51x (0.53x),
+not taken from there, that job being held out; bench/plans/lora-engines.jsonl's ZeRO rows measure them
+on this calibration job."""
 LIGER_SPEEDUP = 1.15
 """Liger's fused kernels in full fine-tuning: 1.15-1.20x the tokens/s of the same stock HF run without
 (../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none
