@@ -24,7 +24,7 @@ TOLERANCE = 0.10  # docs/benchmarks.md has the table
 # Rows the estimate misses by more than TOLERANCE (the target is none): the error range each
 # is held to, and why. One-rank ZeRO-3, checkpointing, Liger, 8 x 8K tokens of the 3B LoRA job: +11.8%,
 # high: the gathered layer DeepSpeed's estimator counts (4 bytes x the 394M-parameter embedding, 1.47
-# GiB) measured 0.2-0.5 GiB over the job's ZeRO-2 rows, and the checkpointed activations of 64K tokens
+# GiB) measured 0.2-1.1 GiB over the job's ZeRO-2 rows, and the checkpointed activations of 64K tokens
 # are 1.7 GiB high as in those rows (+6.8%). Counting the gathered layer in bf16 brought this row
 # within 10% and the two-rank ZeRO-3 rows 1-3 points lower (-9.1% for h100-vl-1.jsonl:6): not made.
 KNOWN_MISSES = {"h100-advisor-5b.jsonl:9": (0.10, 0.13)}
