@@ -69,8 +69,8 @@ def tagged(run_id: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def wait_for(what: str, check, timeout: float):
-    return until(check, timeout, every=0.3, name=what)
+def wait_for(what: str, check, timeout: float, why=None):
+    return until(check, timeout, every=0.3, name=what, why=why)
 
 
 def latest_event(run_dir: Path, etype: str) -> dict | None:
@@ -113,7 +113,13 @@ def test_slurm_run_requeue_stop_and_resume(slurm_cluster, tiny_model, tmp_path):
         job_id = json.loads(first.slurm_json)["job_id"]
         assert job_id and m.nodes_of(run_id) == ["localhost"]
         # The agent's lines reach the store through the run directory: training progress is seen.
-        wait_for("step 4 in the telemetry", lambda: (m.progress(run_id) or {}).get("step", 0) >= 4, 60)
+        def seen() -> str:
+            log = run_dir / "logs" / "localhost.log"
+            return (f"run {m.run(run_id).state}; progress {m.progress(run_id)}; event files "
+                    f"{sorted(p.name for p in (run_dir / 'events').glob('*'))}; "
+                    f"the workers' log ends {log.read_text()[-1500:] if log.exists() else None!r}")
+
+        wait_for("step 4 in the telemetry", lambda: (m.progress(run_id) or {}).get("step", 0) >= 4, 60, why=seen)
 
         # Slurm's own recovery: a requeued job (as after a node failure) starts the script again,
         # which resumes from the checkpoint the workers wrote on the requeue's SIGTERM. Slurm holds a

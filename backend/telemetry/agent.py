@@ -204,7 +204,7 @@ class RunProcs:
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     flight_files: dict[int, Path] = field(default_factory=dict)  # rank -> where its flight recorder dumps
     environ_denied: bool = False
-    _examined: set[int] = field(default_factory=set)  # pids whose environment was read already
+    _workers: set[int] = field(default_factory=set)  # pids whose environment named their rank
 
     def pgid(self) -> int | None:
         try:
@@ -240,9 +240,8 @@ class RunProcs:
                 todo += children.get(pid, ())
         self.pids = pids
         for pid in candidates:
-            if pid in self._examined:
+            if pid in self._workers:
                 continue
-            self._examined.add(pid)
             try:
                 env = psutil.Process(pid).environ()
             except psutil.AccessDenied:
@@ -251,11 +250,15 @@ class RunProcs:
             except psutil.Error:
                 continue
             if "RANK" not in env or "LOCAL_RANK" not in env:
+                # Read again on the next pass: a worker caught between torchrun's fork and its exec
+                # still has torchrun's environment. Passed over for good, it was never tailed: the
+                # likely cause of a loaded suite run whose Slurm job stored rank 1's events, not rank 0's.
                 continue
             try:
                 rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
             except ValueError:
                 continue
+            self._workers.add(pid)
             self.ranks[rank] = {"rank": rank, "local_rank": local, "pid": pid, "gpu": _gpu_of(env, local, self.gpus)}
             # PyTorch's flight recorder writes `<prefix><rank>` on a collective timeout
             self.flight_files[rank] = Path(env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", FLIGHT_PREFIX) + str(rank))
