@@ -89,7 +89,7 @@ def build_model_dir(shape: str, out: Path, dtype: str, **overrides) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     # The measured runs are other processes on this GPU: weights left in this process's cache (7.4 GiB
-    # for the 3B shape) made rows out of memory that fit.
+    # for the 3B shape) made runs that fit run out of memory.
     del model
     torch.cuda.empty_cache()
     AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model").save_pretrained(out)
