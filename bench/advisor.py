@@ -233,7 +233,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("/dev/null"))
     args = parser.parse_args()
     if args.merge:
-        if args.out.resolve() in {path.resolve() for path in args.merge}:
+        # the same file by another name too (a symbolic or hard link)
+        if args.out.exists() and any(path.exists() and args.out.samefile(path) for path in args.merge):
             parser.error(f"--out {args.out} is one of the files --merge reads: it would be overwritten")
         try:
             lines = merged(args.merge)

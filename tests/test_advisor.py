@@ -275,8 +275,11 @@ def test_the_benchmark_refuses_bad_row_slices_and_a_merge_written_over_its_input
             row_range(bad)
     kept = tmp_path / "a.jsonl"
     kept.write_text('{"job": "j", "rank": 0}\n')
-    monkeypatch.setattr(sys, "argv", ["advisor.py", "--merge", str(kept), "--out", str(kept)])
-    with pytest.raises(SystemExit):
-        bench_main()
-    assert "is one of the files --merge reads" in capsys.readouterr().err
-    assert kept.read_text() == '{"job": "j", "rank": 0}\n'
+    (tmp_path / "hard.jsonl").hardlink_to(kept)
+    (tmp_path / "soft.jsonl").symlink_to(kept)
+    for out in (kept, tmp_path / "hard.jsonl", tmp_path / "soft.jsonl"):
+        monkeypatch.setattr(sys, "argv", ["advisor.py", "--merge", str(kept), "--out", str(out)])
+        with pytest.raises(SystemExit):
+            bench_main()
+        assert "is one of the files --merge reads" in capsys.readouterr().err, out
+        assert kept.read_text() == '{"job": "j", "rank": 0}\n'

@@ -187,13 +187,14 @@ def test_a_stopped_rank_is_reported_when_stopped_and_again_when_it_goes_on(tmp_p
     assert by_kind(rest, "rank_state") == []  # nothing changed after that
 
 
-# torchrun's part: fork a worker that holds off its exec (a loaded machine can stall a child there),
-# then exec it with the rank in its environment.
+# torchrun's part: fork a worker that holds off its exec until the file argv[1] exists (a loaded
+# machine can stall a child there), then exec it with the rank in its environment.
 SLOW_EXEC = r"""
 import os, sys, time
 child = os.fork()
 if child == 0:
-    time.sleep(float(sys.argv[1]))
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
     os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"],
               {**os.environ, "RANK": "0", "LOCAL_RANK": "0"})
 os.waitpid(child, 0)
@@ -203,7 +204,8 @@ os.waitpid(child, 0)
 def test_a_worker_seen_before_its_exec_is_found_once_it_has_its_rank(tmp_path):
     """Between torchrun's fork and the worker's exec, the worker's process has torchrun's
     environment, without RANK: a scan then must not pass it over for the rest of the run."""
-    group = subprocess.Popen([sys.executable, "-c", SLOW_EXEC, "3"], start_new_session=True)
+    go = tmp_path / "exec-now"
+    group = subprocess.Popen([sys.executable, "-c", SLOW_EXEC, str(go)], start_new_session=True)
     try:
         pid_file = tmp_path / "n1.pid"
         pid_file.write_text(f"{group.pid}\n")
@@ -211,6 +213,7 @@ def test_a_worker_seen_before_its_exec_is_found_once_it_has_its_rank(tmp_path):
         worker = until(lambda: psutil.Process(group.pid).children(), 10)[0]
         procs.scan()
         assert procs.ranks == {} and worker.pid in procs.pids  # not exec'd yet: no rank to read
+        go.touch()
         until(lambda: "RANK" in worker.environ(), 15)
         procs.scan()
         assert procs.ranks == {0: {"rank": 0, "local_rank": 0, "pid": worker.pid, "gpu": None}}
