@@ -175,7 +175,12 @@ def wire(c: dict[str, Any], studio: Studio, tabs: gr.Tabs, page: gr.Tab, export_
 
     tick_io = dict(fn=tick, inputs=[c["run"], c["buffer"], c["smoothing"], c["x_axis"], c["action"]],
                    outputs=[c["run"], c["status"], c["progress"], *charts, c["alerts"], c["stop"], c["resume"],
-                            c["action"], c["timer"], c["buffer"]], show_progress="hidden")
+                            c["action"], c["timer"], c["buffer"]], show_progress="hidden",
+                   # The events that read the run (timer, pick, tab opened, resume) read one at a time,
+                   # in the order asked: Gradio runs different events at once, and a read of the run
+                   # shown before the user's pick that ended after the pick's own drew that run under
+                   # the new pick (a suite run). A read takes milliseconds; a long run's first, a second.
+                   concurrency_id="monitor-tick", concurrency_limit=1)
     c["timer"].tick(trigger_mode="always_last", **tick_io)
     # Only the user's pick: handlers set the picker too (every page load, the launch), and reading
     # the run then would draw charts for a tab that may be hidden; opening the Monitor catches up.

@@ -1,7 +1,11 @@
-"""The suite's own layout: scripts/test.sh's two xdist workers share it by tests/xdist_units.py."""
+"""The suite's own layout: scripts/test.sh's two xdist workers share it by tests/xdist_units.py;
+the worker tests' ranks are forked by tests/forkrun.py."""
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from xdist_units import BROWSER_FILES, LONGEST_FIRST, unit_rank, work_unit
 
@@ -67,3 +71,52 @@ def test_run_workers_keeps_the_ranks_in_flight_within_the_cores_and_times_each_r
     a, c = ([float(t) for t in (tmp_path / n).read_text().split()] for n in "ac")
     b_start = float((tmp_path / "b").read_text().split()[0])
     assert a[1] <= b_start and b_start + 3 <= c[0] + 0.5  # b began after a ended; c after b was stopped
+
+
+def test_only_the_workers_torchrun_is_forked():
+    """tests/forkrun.py takes torchrun's place for the worker (`-m launcher.train`), its options
+    kept; a script or another module is started by torchrun itself (a forked rank that returns
+    outlives its process until every rank has: tests/forkrun.py)."""
+    from pathlib import Path
+
+    from worker import FORKRUN, forked, torchrun, torchrun_argv
+
+    worker = torchrun_argv(Path("/runs/a"), 2, resume="latest")
+    assert forked(worker) == [sys.executable, str(FORKRUN), *worker[3:]]
+    assert worker[3:][-6:] == ["-m", "launcher.train", "--run-dir", "/runs/a", "--resume", "latest"]
+    for other in (torchrun(2, "probe.py", "launcher.train"), torchrun(2, "-m", "backend.cluster.bwtest"),
+                  [sys.executable, "-c", "print()"]):
+        assert forked(other) == other
+
+
+RANK_MODULE = '''
+import os, sys
+import forkrun
+from launcher.leave import leave
+rank = int(os.environ["RANK"])
+missing = [m for m in forkrun.PRELOAD if m not in sys.modules]
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} run {os.environ['TORCHELASTIC_RUN_ID']} argv {sys.argv[1:]} "
+      f"missing {missing}")
+leave(int(sys.argv[1]) if rank == 1 else 0)
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("code", [0, 7])
+def test_forked_ranks_get_torchruns_environment_and_end_with_their_exit_code(tmp_path, code):
+    """Each rank of tests/forkrun.py starts with the forkserver's imports (PRELOAD: a name that no
+    longer imports would be passed over without a word, and every rank would import it again), gets
+    torchrun's environment and its arguments, writes its lines unbuffered, and ends with the code
+    it leaves with: torchrun then fails, naming it."""
+    from worker import FORKRUN, torchrun, worker_env
+
+    (tmp_path / "rank_module.py").write_text(RANK_MODULE)
+    env = worker_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(HERE), env["PYTHONPATH"]])
+    argv = [sys.executable, str(FORKRUN), *torchrun(2, "--rdzv_id", "r1", "-m", "rank_module", str(code))[3:]]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 run r1 argv ['{code}'] missing []" in out, out[-3000:]
+    assert done.returncode == (1 if code else 0), out[-3000:]
+    assert (f"exitcode: {code}" in out) == bool(code), out[-3000:]

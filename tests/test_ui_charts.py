@@ -360,3 +360,17 @@ def test_the_monitor_reads_an_ended_run_slowly_once_its_last_events_had_time_to_
     assert tick_interval(True, 1000.0 - SETTLE_S + 1, 1000.0) == TICK_S
     assert tick_interval(True, 1000.0 - SETTLE_S, 1000.0) == IDLE_TICK_S
     assert tick_interval(True, None, 1000.0) == IDLE_TICK_S
+
+
+def test_a_pages_reads_of_the_run_end_in_the_order_asked(tmp_path):
+    """The Monitor reads its run on the timer, the user's pick, the tab's opening and a resume: one
+    group of one at a time, in the queue's order, so a read of the run shown before a pick cannot
+    end after the pick's own and draw that run under it (Gradio runs different events at once: a
+    suite run showed the page's first run under the picked one)."""
+    from studio.app import build_app
+    from studio.context import Studio
+
+    app = build_app(Studio(tmp_path, tmp_path / "runs"))
+    reads = [fn for fn in app.fns.values() if fn.name == "tick"]
+    assert sorted(trigger for fn in reads for _, trigger in fn.targets) == ["input", "then", "then", "tick"]
+    assert {(fn.concurrency_id, fn.concurrency_limit) for fn in reads} == {("monitor-tick", 1)}

@@ -239,6 +239,8 @@ def test_a_series_of_one_point_is_drawn_as_its_marker(studio_with_runs):
             expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-vl"), timeout=60_000)
             pick(page, "monitor-run", lora)
             expect(page.locator("#monitor-run input")).to_have_value(re.compile("chat-lora"))
+            # The charts below have one point in either run (the VL run too): the status says whose they are.
+            expect(page.locator("#monitor-status")).to_contain_text(f"run {lora} ·", timeout=60_000)
             for chart in ("chart-loss", "chart-lr", "chart-throughput", "chart-preference"):
                 try:
                     page.wait_for_function(ONE_POINT_JS, arg=chart, timeout=60_000)

@@ -161,6 +161,20 @@ def launch_ranks(launch: dict) -> int:
     return int(argv[argv.index("--nproc_per_node") + 1]) if "--nproc_per_node" in argv else launch.get("nproc", 2)
 
 
+FORKRUN = ROOT / "tests" / "forkrun.py"
+
+
+def forked(argv: list[str]) -> list[str]:
+    """A torchrun of the worker (`-m launcher.train`) as tests/forkrun.py: the same agent and
+    options, each rank forked from a process that imported the worker's engines once. Other
+    scripts, and every launch when SWIFT_STUDIO_TEST_EXEC_RANKS is set, as given."""
+    worker = argv[1:3] == ["-m", "torch.distributed.run"] and "launcher.train" in argv and \
+        argv[argv.index("launcher.train") - 1] == "-m"
+    if not worker or os.environ.get("SWIFT_STUDIO_TEST_EXEC_RANKS"):
+        return argv
+    return [argv[0], str(FORKRUN), *argv[3:]]
+
+
 def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
     """The launches (run_worker's arguments), in order, each started once the ranks still running
     and its own fit in RANK_SLOTS (or nothing else runs), each given `timeout` seconds from its start.
@@ -178,8 +192,8 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
             log = run_dir / "logs" / "local.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "a") as out:
-                proc = subprocess.Popen(launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2),
-                                                                            launch.get("resume")),
+                proc = subprocess.Popen(forked(launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2),
+                                                                                   launch.get("resume"))),
                                         cwd=ROOT, env={**worker_env(), **(launch.get("env") or {})},
                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             proc.log_path, proc.ranks, proc.deadline = log, ranks, time.monotonic() + timeout
