@@ -63,12 +63,12 @@ def build_app(studio: Studio) -> gr.Blocks:
         chat_tab.wire(chat, studio, chat_page)
 
         # A page load (first visit or reload) lists the presets, fills the form with the demo
-        # preset, then shows the cluster (a cluster changed since the build checks the filled form
-        # again), and re-attaches the Monitor to the latest active run; its first tick reads the
-        # whole history, so the charts are complete.
-        app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"])
+        # preset, then shows the cluster and the Slurm target, each changed one checking the filled
+        # form again (a check sent before the fill had landed, of the empty form, once ended after
+        # it: the preview stayed at "fix the problems"), and re-attaches the Monitor to the latest
+        # active run; its first tick reads the whole history, so the charts are complete.
+        app.load(**train["page_load"]).then(cluster["on_load"], None, cluster["outputs"]).then(**cluster["load_slurm"])
         app.load(cluster["load_price"], None, [cluster["price"]])
-        app.load(**cluster["load_slurm"])
         app.load(lambda: monitor["choices"](None), None, [monitor["run"]])
     # Every handler belongs to the page: none is listed in the API info or offered to Gradio's
     # clients. Set here, once, so a listener added later cannot be public by default; the web

@@ -183,7 +183,10 @@ def wire(c: dict[str, Any], studio: Studio, cluster_state: gr.State, slurm_state
     # page presses the hidden check button on it. A keystroke sends both; on_edit skips a form
     # state already checked, so each state is checked once.
     gr.on([comp.input for comp in form.values()] + [c["check"].click, cluster_state.change, slurm_state.change], on_edit,
-          inputs={*inputs, c["checked"]}, outputs=view_outputs, show_progress="hidden", trigger_mode="always_last")
+          inputs={*inputs, c["checked"]}, outputs=view_outputs, show_progress="hidden", trigger_mode="always_last",
+          # one check at a time, in the order asked (Gradio runs events at once): the cluster's and the
+          # Slurm target's changes on a page load each check the form, the later with both states
+          concurrency_id="train-check", concurrency_limit=1)
     gr.on(None, None, js=WATCH_EDITS_JS)  # on page load
 
     def fill(spec: dict[str, Any], cluster: Cluster, slurm: dict | None, message: str, refused: bool) -> dict:

@@ -416,3 +416,17 @@ def test_studio_settings_keep_each_other(tmp_path):
     assert studio.gpu_hour_price() is not None and studio.slurm_settings()["partition"].startswith("p")
     (tmp_path / "settings.json").write_text("[1, 2]")  # not ours: read as no settings, not a crash
     assert studio.slurm_settings() is None and studio.gpu_hour_price() is None
+
+
+def test_a_page_load_sets_the_slurm_target_after_the_fill_and_the_form_is_checked_one_at_a_time(tmp_path):
+    """The Slurm target is set after the form is filled (its change checks the form with the values
+    the page shows: a check of the empty form sent before the fill landed once ended after it, and a
+    reload's preview stayed at "fix the problems"), and the form's checks end in the order asked."""
+    from studio.app import build_app
+    from studio.context import Studio
+
+    app = build_app(Studio(tmp_path, tmp_path / "runs"))
+    [slurm_load] = [fn for fn in app.fns.values() if fn.fn and "wire_slurm" in fn.fn.__qualname__ and fn.name == "on_load"]
+    assert [trigger for _, trigger in slurm_load.targets] == ["then"]
+    checks = [fn for fn in app.fns.values() if fn.name == "on_edit"]
+    assert checks and {(fn.concurrency_id, fn.concurrency_limit) for fn in checks} == {("train-check", 1)}
