@@ -423,7 +423,6 @@ def test_a_page_load_sets_the_slurm_target_after_the_fill_and_the_form_is_checke
     the page shows: a check of the empty form sent before the fill landed once ended after it, and a
     reload's preview stayed at "fix the problems"), and the form's checks end in the order asked."""
     from studio.app import build_app
-    from studio.context import Studio
 
     app = build_app(Studio(tmp_path, tmp_path / "runs"))
     [slurm_load] = [fn for fn in app.fns.values() if fn.fn and "wire_slurm" in fn.fn.__qualname__ and fn.name == "on_load"]
