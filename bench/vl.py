@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Compared, driver_parser, parts_of  # noqa: E402
 from throughput import ROOT, estimated_gib, torchrun_argv  # noqa: E402
 
+from backend.job.modelcfg import VIDEO_FAMILIES  # noqa: E402
+
 HF = Path(__file__).resolve().parent / "hf_vl.py"
 # A family's (image start, image end, image placeholder, video placeholder) tokens: an image part
 # renders as start + placeholder + end, and the processor repeats the placeholder.
@@ -52,11 +54,13 @@ VISION_TOKENS = {"glm4v": ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>"
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def vl_template(start: str, end: str, image: str) -> str:
-    """Qwen2-VL's chat template, less its default system prompt, with a family's image tokens."""
+def vl_template(start: str, end: str, image: str, video: str | None = None) -> str:
+    """Qwen2-VL's chat template, less its default system prompt, with a family's image tokens (and
+    its video token, where it renders video parts)."""
+    video_part = f"{{% elif part['type'] == 'video' %}}{{{{ '{start}{video}{end}' }}}}" if video else ""
     return ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
             "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-            f"{{{{ '{start}{image}{end}' }}}}{{% elif part['type'] == 'text' %}}{{{{ part['text'] }}}}"
+            f"{{{{ '{start}{image}{end}' }}}}{video_part}{{% elif part['type'] == 'text' %}}{{{{ part['text'] }}}}"
             "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # (family, language model, vision tower, image processor's pixel bounds)
@@ -105,7 +109,8 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
     tokens = VISION_TOKENS.get(family, QWEN_VISION_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    tokenizer.chat_template = vl_template(*(("", "", tokens[2]) if family == "internvl" else tokens[:3]))
+    tokenizer.chat_template = vl_template(*(("", "", tokens[2]) if family == "internvl" else
+                                            tokens if family in VIDEO_FAMILIES else tokens[:3]))
     tokenizer.save_pretrained(out)
     if family == "internvl":
         side = vision["image_size"][0]

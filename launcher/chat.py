@@ -44,7 +44,7 @@ from backend.job.chat import EXPORT_MARKER, ChatError, Request, cancelled_id, pa
 from backend.job.errors import UserError
 from backend.job.records import DataError, with_system
 from launcher import checkpoint
-from launcher.data import DEFAULT_CHAT_TEMPLATE, IGNORE, expand_images, render
+from launcher.data import DEFAULT_CHAT_TEMPLATE, IGNORE, expand_media, render
 from launcher.export import ExportError, base_model, is_lora, trained_model
 
 # ---- requests and prompts (pure) ----------------------------------------------------------------
@@ -81,12 +81,13 @@ def prompt_ids(tokenizer, images, messages: list[dict]) -> list[int]:
 
     # Only a message that carries images has its tags made image parts: "<image>" written in any
     # other message (an answer about the tag, a system prompt) stays text.
-    ids = render(tokenizer, [with_image_parts([p])[0] if m.get("images") else p for m, p in zip(messages, plain)],
+    ids = render(tokenizer, [with_image_parts([p], videos=False)[0] if m.get("images") else p
+                             for m, p in zip(messages, plain)],
                  add_generation_prompt=True)
     try:
         for image in pictures:
             image_size(image)
-        return expand_images("chat message", ids, [IGNORE] * len(ids), pictures, images)[0]
+        return expand_media("chat message", ids, [IGNORE] * len(ids), pictures, images)[0]
     except DataError as exc:  # an image PIL cannot read, or too large
         raise ChatError(str(exc)) from None
 
@@ -267,7 +268,8 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
 
     def media(of: list[int]) -> dict:
         """The pixels of rows `of`'s images, in row order, as the model takes them."""
-        shown = [(image, count) for row in of for image, count in zip(pictures[row], loaded.images.runs(rows[row]))] \
+        shown = [(token, image, count) for row in of
+                 for image, (token, count) in zip(pictures[row], loaded.images.media_runs(rows[row]))] \
             if loaded.images is not None else []
         try:
             return loaded.images.pixels(shown, "chat message") if shown else {}

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from backend.job.records import (DataError, Persona, Record, is_pretokenized, parse_source, pretokenized, read_records,
-                                 record_images, to_messages, to_pair)
+from backend.job.records import (DataError, Persona, Record, check_record, is_pretokenized, parse_source, pretokenized,
+                                 read_records, record_images, record_media, to_messages, to_pair)
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -36,7 +36,7 @@ class Sample:
     input_ids: list[int]
     labels: list[int]
     images: list[str] = field(default_factory=list)
-    """A vision-language sample's image files, in the order of their placeholder runs in input_ids."""
+    """A vision-language sample's image and video files, in the order of their placeholder runs in input_ids."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -57,14 +57,14 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
     """Token ids and labels (IGNORE outside the assistant responses of chat data), truncated.
     None when truncation left no token to learn from (or cut into an image's tokens). A preference
     job's records are `Pair`s. `images` (`launcher.vision.Images`): a vision-language model's, for
-    the records' `images`."""
+    the records' `images` and `videos`."""
     record = persona.renamed(record)
     if persona.pairs:
         return _pair(record, tokenizer, max_length, persona, images)
     if is_pretokenized(record):
         return _pretokenized(record, max_length)
     messages, text = to_messages(record, persona)
-    paths = record_images(record) if persona.images and record.data.get("images") else []
+    paths = record_media(record, messages) if persona.images and messages else []
     if paths:
         from launcher.vision import with_image_parts
 
@@ -90,24 +90,40 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
         labels += [IGNORE] * (len(prompt) - len(ids)) + full[len(prompt):]
         ids = full
     if paths:
-        ids, labels = expand_images(record.where, ids, labels, paths, images)
+        ids, labels = expand_media(record.where, ids, labels, paths, images)
         if len(ids) > max_length and not images.ids.isdisjoint(ids[max_length:]):
-            return None  # an image cut off: its pixels would not match its tokens
+            return None  # an image or video cut off: its pixels would not match its tokens
     ids, labels = ids[:max_length], labels[:max_length]
     return Sample(ids, labels, paths) if any(label != IGNORE for label in labels[1:]) else None
 
 
-def expand_images(where: str, ids: list[int], labels: list[int], paths: list[str], images
-                  ) -> tuple[list[int], list[int]]:
-    """Each image's placeholder token repeated once per visual token of the image (unlabelled;
-    InternVL's run between its start and end tokens); the chat worker's prompts too."""
-    at = [i for i, token in enumerate(ids) if token == images.token_id]
+def encode_checked(record: Record, tokenizer, max_length: int, persona: Persona, images=None,
+                   strict: bool = True) -> Sample | Pair | None:
+    """`encode`; `strict` off, a vision-language record's media are decoded here too (its images
+    whole, its videos' frames that training reads), so a damaged one fails here, where the record
+    can be skipped, not in a training step."""
+    if not strict and persona.images:
+        check_record(record, persona)
+    sample = encode(record, tokenizer, max_length, persona, images)
+    if not strict and isinstance(sample, Sample) and persona.videos:
+        images.decode_videos(record.where, sample.input_ids, sample.images)
+    return sample
+
+
+def expand_media(where: str, ids: list[int], labels: list[int], paths: list[str], images
+                 ) -> tuple[list[int], list[int]]:
+    """Each image's and video's placeholder token repeated once per visual token of it (unlabelled;
+    InternVL's image run between its start and end tokens); the chat worker's prompts too. `paths`
+    in the order of their tags."""
+    placeholders = {images.token_id, images.video_token_id} - {None}
+    at = [i for i, token in enumerate(ids) if token in placeholders]
     if len(at) != len(paths):
-        raise DataError(f"{where}: the chat template renders {len(at)} image placeholder(s) for {len(paths)} "
-                        "image(s); check its <image> tags and that the model's template takes image parts")
+        raise DataError(f"{where}: the chat template renders {len(at)} image or video placeholder(s) for "
+                        f"{len(paths)} image(s) and video(s); check its <image> and <video> tags and that the model's "
+                        "template takes image and video parts")
     out_ids, out_labels, start = [], [], 0
     for i, path in zip(at, paths):
-        run = images.placeholder(images.tokens(where, path))
+        run = images.run(where, ids[i], path)
         out_ids += ids[start:i] + run
         out_labels += labels[start:i] + [IGNORE] * len(run)
         start = i + 1
@@ -133,7 +149,7 @@ def _pair(record: Record, tokenizer, max_length: int, persona: Persona, images=N
                             "cannot locate the answer tokens")
         ids, labels = full, [IGNORE] * len(asked) + full[len(asked):]
         if paths:
-            ids, labels = expand_images(record.where, ids, labels, paths, images)
+            ids, labels = expand_media(record.where, ids, labels, paths, images)
             if len(ids) > max_length and not images.ids.isdisjoint(ids[max_length:]):
                 return None
         ids, labels = ids[:max_length], labels[:max_length]
@@ -260,7 +276,7 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     """Tensors for one micro-batch. Packed rows get no attention mask (the position ids carry the
     sample boundaries; padding forms its own block); padded rows get one. The width is a multiple
     of `multiple` (`backend.job.capabilities.seq_multiple`: SP and CP groups split every row evenly).
-    `media` (`launcher.vision.Images`): the rows' images as the model's pixel inputs, and no
+    `media` (`launcher.vision.Images`): the rows' images and videos as the model's pixel inputs, and no
     position ids where the model places its image tokens itself (its multimodal rope), but for packed
     rows, whose samples' positions it cannot tell apart (`Images.packed_positions`)."""
     import torch
@@ -278,16 +294,16 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
     if media is not None:
-        images = [(path, count) for r in rows for path, count in zip(r.images, media.runs(r.input_ids))]
-        if images:
-            batch.update(media.pixels(images))
+        found = [(token, path, count) for r in rows
+                 for path, (token, count) in zip(r.images, media.media_runs(r.input_ids))]
+        pixels = media.pixels(found) if found else {}
+        batch.update(pixels)
         # Qwen's and GLM-4V's models place their image tokens themselves (multimodal rope), from the
         # token types the processor would give (transformers 5.24 computes none without them); packed
         # rows are placed here, sample by sample, as the model would place each alone
         extra = media.inputs(batch["input_ids"])
         if extra and packed:
-            batch["position_ids"] = media.packed_positions(batch["input_ids"], batch["position_ids"],
-                                                           batch.get("image_grid_thw"))
+            batch["position_ids"] = media.packed_positions(batch["input_ids"], batch["position_ids"], pixels)
         elif extra:
             del batch["position_ids"]
         batch.update(extra)

@@ -170,7 +170,7 @@ def _save(model, tokenizer, new: Path, ckpt: Path, spec) -> None:
 
     model.save_pretrained(new, safe_serialization=True)
     tokenizer.save_pretrained(new)
-    save_image_processor(spec.model, new, spec.max_pixels)
+    save_image_processor(spec.model, new, spec)
     (new / EXPORT_MARKER).write_text(json.dumps({"checkpoint": str(ckpt), "files": _files(new)}) + "\n")
 
 

@@ -29,16 +29,16 @@ MEASURED = 1000  # records per dataset whose token lengths are measured (the fir
 UNCUT = 1 << 30  # a max_length no record reaches: the length before truncation
 
 
-def segments(tokenizer, sample: Sample, image_token: int | None = None) -> list[tuple[str, bool]]:
-    """The sample's text in runs of tokens that carry loss (True) or do not; an image's run of
-    placeholder tokens shown once with its count."""
+def segments(tokenizer, sample: Sample, media_tokens: tuple[int, ...] = ()) -> list[tuple[str, bool]]:
+    """The sample's text in runs of tokens that carry loss (True) or do not; an image's or a video's
+    run of placeholder tokens (`media_tokens`) shown once with its count."""
     runs, start = [], 0
     trained = [label != IGNORE for label in sample.labels]
-    placeholder = tokenizer.convert_ids_to_tokens(image_token) if image_token is not None else None
+    placeholders = [tokenizer.convert_ids_to_tokens(token) for token in media_tokens]
     for end in range(1, len(sample.input_ids) + 1):
         if end == len(sample.input_ids) or trained[end] != trained[start]:
             text = tokenizer.decode(sample.input_ids[start:end])
-            if placeholder:
+            for placeholder in placeholders:
                 text = re.sub(f"(?:{re.escape(placeholder)})+",
                               lambda m: f"{placeholder}×{len(m.group()) // len(placeholder)}", text)
             runs.append((text, trained[start]))
@@ -49,14 +49,17 @@ def segments(tokenizer, sample: Sample, image_token: int | None = None) -> list[
 THUMBNAIL_PX = 96
 
 
-def thumbnail(path: str) -> str:
-    """A small PNG of the image as a data: URI (made here, so the page shows no file of the user's as such)."""
+def thumbnail(path: str, video: bool = False) -> str:
+    """A small PNG of the image (a video: its first frame) as a data: URI (made here, so the page
+    shows no file of the user's as such)."""
     import base64
     import io
 
-    from backend.job.records import open_image
+    from PIL import Image
 
-    with open_image("preview", path) as image:
+    from backend.job.records import decode_video, open_image
+
+    with (Image.fromarray(decode_video("preview", path, [0])[0]) if video else open_image("preview", path)) as image:
         image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         out = io.BytesIO()
         image.convert("RGB").save(out, format="PNG")
@@ -68,6 +71,9 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
     source = parse_source(entry)
     out = {"entry": entry, "count": None, "measured": 0, "truncated": 0, "dropped": 0, "lengths": [],
            "samples": [], "error": None}
+    media_tokens = tuple(sorted(images.ids - set(images.bounds))) if images is not None else ()
+    video_token = images.video_token_id if images is not None else None
+    runs = images.media_runs if images is not None else lambda ids: []
     try:
         if spec.streaming and source.is_local:  # what training reads first, and no count of a file of any size
             base = str(Path(source.name).parent)
@@ -89,15 +95,16 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
             elif len(out["samples"]) < SHOWN:
                 cut = Sample(whole.input_ids[:spec.max_length], whole.labels[:spec.max_length])
                 out["samples"].append({"where": record.where, "tokens": len(cut.input_ids),
-                                       "segments": segments(tokenizer, cut, images and images.token_id),
-                                       "images": [thumbnail(path) for path in whole.images]})
+                                       "segments": segments(tokenizer, cut, media_tokens),
+                                       "images": [thumbnail(path, token == video_token)
+                                                  for path, (token, _) in zip(whole.images, runs(whole.input_ids))]})
     except DataError as exc:
         out["error"] = str(exc)
     return out
 
 
 def preview(spec, tokenizer, images=None) -> dict:
-    persona = Persona.of(spec, images is not None, images is not None and images.tiled)
+    persona = images.persona(spec) if images is not None else Persona.of(spec)
     datasets = [dataset_preview(entry, spec, tokenizer, persona, images) for entry in spec.dataset]
     kept = np.array([min(n, spec.max_length) for d in datasets for n in d["lengths"] if n > 1], dtype=np.int64)
     packed_fill = row_fill = None
@@ -120,7 +127,8 @@ def main() -> int:
         if spec is None:
             raise ValueError("; ".join(str(p) for p in problems))
         config = model_config(spec.model)
-        images = Images(spec.model, config, spec.max_pixels) if config is not None else None
+        images = (Images(spec.model, config, spec.max_pixels, spec.video_max_pixels, spec.fps_max_frames)
+                  if config is not None else None)
         result = preview(spec, load_tokenizer(spec.model), images)
     except (ValueError, ModelError, UserError, yaml.YAMLError) as exc:
         result = {"error": str(exc)}

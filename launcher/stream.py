@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from backend.job.records import (DataError, Persona, Source, check_record, decode_streamed, parse_source,
+from backend.job.records import (DataError, Persona, Source, decode_streamed, parse_source,
                                  streamed_entries)
-from launcher.data import Pair, Row, Sample, encode, micro_batch, pack_plan, packed_row, padded_row
+from launcher.data import Pair, Row, Sample, encode_checked, micro_batch, pack_plan, packed_row, padded_row
 from launcher.tokenized import NAMED_SKIPS
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def open_stream(spec, tokenizer, dp_rank: int, dp_size: int, images=None):
     stream = split_dataset_by_node(stream, rank=dp_rank, world_size=dp_size)
     return stream.map(_encoded, with_indices=True, remove_columns=["where", "raw", "base"], features=_features(), fn_kwargs={
         "tokenizer": tokenizer, "max_length": spec.max_length, "images": images,
-        "persona": Persona.of(spec, images is not None, images is not None and images.tiled),
+        "persona": images.persona(spec) if images is not None else Persona.of(spec),
         "mine": (dp_rank, dp_size) if stepped else None, "strict": spec.strict})
 
 
@@ -121,9 +121,7 @@ def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona
     except DataError as exc:  # not JSON: no record to skip, as the tokenized cache has it
         return {**empty, "error": str(exc)}
     try:
-        if not strict and persona.images:  # the training steps decode them: a damaged one fails here
-            check_record(record, persona)
-        sample = encode(record, tokenizer, max_length, persona, images)
+        sample = encode_checked(record, tokenizer, max_length, persona, images, strict)
     except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
         failure = str(exc) if isinstance(exc, DataError) else f"{record.where}: {type(exc).__name__}: {exc}"
         return {**empty, "error" if strict else "skipped": failure}

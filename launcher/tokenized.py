@@ -36,8 +36,8 @@ import numpy as np
 
 from backend.job.jsonfile import write_json_atomic
 from backend.job.paths import not_a_regular_file
-from backend.job.records import DataError, Persona, Source, check_record, hub_dataset, parse_source, positioned_records
-from launcher.data import Pair, Sample, encode
+from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
+from launcher.data import Pair, Sample, encode_checked
 
 FORMAT = 4
 """Bumped when what an entry holds changes: older entries are then not read."""
@@ -298,7 +298,7 @@ def _build(spec, tokenizer, cache_dir: Path, key: str, inputs: dict[str, Any], i
                 "parts": list(range(parts)), "n_parts": parts, "entries": tuple(spec.dataset),
                 "tokenizer": tokenizer, "max_length": spec.max_length, "seed": spec.seed,
                 "max_record_bytes": spec.max_record_bytes,
-                "persona": Persona.of(spec, images is not None, images is not None and images.tiled),
+                "persona": images.persona(spec) if images is not None else Persona.of(spec),
                 "images": images, "strict": spec.strict})
         error = _first_error(built)
         if error is not None:
@@ -325,7 +325,8 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
     """Rows of the records of `parts` (each the records whose position % n_parts is the part). A
     bad record ends its part with a row that holds the error: an exception raised here would reach
     the builder's caller without its message when it crossed from a worker process. Not `strict`: a
-    record that cannot be encoded (its images decoded whole first) is a skipped row, and the part
+    record that cannot be encoded (its images decoded whole first, its videos' sampled frames after) is a
+    skipped row, and the part
     goes on; a file that cannot be read still ends it."""
     empty = {"input_ids": [], "labels": [], "rejected_input_ids": [], "rejected_labels": [], "images": []}
     for part in parts:
@@ -335,9 +336,7 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
                 position = -1
                 for position, record in positioned_records(parse_source(entry), part, n_parts, seed, max_record_bytes):
                     try:
-                        if not strict and persona.images:  # the training steps decode them: a damaged one fails here
-                            check_record(record, persona)
-                        sample = encode(record, tokenizer, max_length, persona, images)
+                        sample = encode_checked(record, tokenizer, max_length, persona, images, strict)
                     except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
                         failure = exc if isinstance(exc, DataError) else DataError(
                             f"{record.where}: {type(exc).__name__}: {exc}")

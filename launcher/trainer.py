@@ -184,7 +184,8 @@ class Trainer:
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
         # A vision-language model's image side: its images' token counts when tokenizing, pixels per micro-batch.
-        self.images = Images(spec.model, self.model_config, spec.max_pixels) if is_vision(self.model_config) else None
+        self.images = Images(spec.model, self.model_config, spec.max_pixels, spec.video_max_pixels,
+                             spec.fps_max_frames) if is_vision(self.model_config) else None
         if self.images:
             self.images.bind(model)
         # the language model's (a vision-language model's FLOPs and buckets are counted on it: its tower is small)
@@ -287,26 +288,37 @@ class Trainer:
         skip the vision tower that the other ranks run through collectives (FSDP2's and ZeRO-3's
         gathers, FSDP2's reduction of a trained tower's gradients) and hang them, or leave a training
         tower's gradients out of the reduction: refused by name. LoRA on DDP and ZeRO-0/1/2 with the
-        tower and aligner frozen run them."""
-        import pyarrow.compute as pc
-
+        tower and aligner frozen run them. Videos too: the model runs the tower once for a
+        micro-batch's images and once for its videos, so on those engines every record must carry
+        the same media (images, videos, or both)."""
         spec = self.spec
         zero = zero_settings(spec)
         sharded = tower_in_collectives(spec, zero.stage if zero else None)
-        counts = pc.list_value_length(tokenized.table.column("images")).to_numpy(zero_copy_only=False)[mine]
-        (with_images, without), _ = self.dist.all_reduce([float((counts > 0).sum()), float((counts == 0).sum())], "sum")
-        if not (with_images and without) or self.dist.world_size == 1:  # one rank waits for no other
+        kinds = self.images.media_kinds(tokenized.table.column("input_ids"))[mine]
+        counts, _ = self.dist.all_reduce([float((kinds == k).sum()) for k in range(4)], "sum")
+        present = {k for k in range(4) if counts[k]}
+        if len(present) < 2 or self.dist.world_size == 1:  # one rank waits for no other
             return
-        if sharded:
-            raise data.DataError(f"{field}: {int(without)} records have no image beside {int(with_images)} that do: "
+        media = "image or video" if present & {2, 3} else "image"
+        without, with_media = int(counts[0]), int(sum(counts[1:]))
+        if sharded and 0 in present:
+            raise data.DataError(f"{field}: {without} records have no {media} beside {with_media} that do: "
                                  "on this engine (FSDP2, ZeRO-3, or full fine-tuning's DDP layout, which runs on "
-                                 "FSDP2) a micro-batch without an image would leave the other ranks waiting in the "
-                                 "vision tower; give every record an image, or train LoRA on DDP or use ZeRO-0/1/2")
-        if trains and not (spec.freeze_vit and spec.freeze_aligner):
-            raise data.DataError(f"{field}: {int(without)} records have no image beside {int(with_images)} that do: "
+                                 f"FSDP2) a micro-batch without an {media} would leave the other ranks waiting in the "
+                                 f"vision tower; give every record an {media}, or train LoRA on DDP or use ZeRO-0/1/2")
+        if sharded:
+            found = ", ".join(f"{int(counts[k])} with {name}" for k, name in ((1, "images only"), (2, "videos only"),
+                                                                             (3, "images and videos")) if counts[k])
+            raise data.DataError(f"{field}: records with different media ({found}): on this engine (FSDP2, ZeRO-3, or "
+                                 "full fine-tuning's DDP layout, which runs on FSDP2) the vision tower runs once for a "
+                                 "micro-batch's images and once for its videos, and a micro-batch with one of them "
+                                 "where another rank's has both would leave the ranks waiting in the tower; give every "
+                                 "record the same media, or train LoRA on DDP or use ZeRO-0/1/2")
+        if trains and 0 in present and not (spec.freeze_vit and spec.freeze_aligner):
+            raise data.DataError(f"{field}: {without} records have no {media} beside {with_media} that do: "
                                  "with the vision tower or aligner training (freeze_vit or freeze_aligner off), a "
-                                 "micro-batch without an image leaves their gradients out of the ranks' reduction; "
-                                 "give every record an image, or keep them frozen")
+                                 f"micro-batch without an {media} leaves their gradients out of the ranks' reduction; "
+                                 f"give every record an {media}, or keep them frozen")
 
     def _stop_for_data_errors(self, failure: "data.DataError | None", what: str) -> None:
         """Every rank learns about any rank's data error, so all stop before training. The ranks

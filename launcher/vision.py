@@ -6,21 +6,26 @@ renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_
 gives that image, as the model's processor does: the image processor's patch count for the image's
 size (read from the file's header when tokenizing, so the cache holds the final ids), over the
 merge of patches into tokens (Qwen's and GLM-4V's); for InternVL its tiles' count times each tile's
-tokens, the run between `<img>` and `</img>`. The pixels are decoded and processed per micro-batch.
-The processor class itself is not used: transformers 5.24 cannot build a Qwen2-VL processor without
-torchvision (its video processor lookup fails), while the image processor falls back to its PIL
-backend."""
+tokens, the run between `<img>` and `</img>`. A `<video>` tag (Qwen2-VL and Qwen2.5-VL) is a video
+part, its placeholder repeated once per token of the frames the model's video processor samples
+(FPS a second, at most fps_max_frames; from the file's header when tokenizing). The pixels are
+decoded and processed per micro-batch, videos' frames by PyAV. The processor class itself is not
+used: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video processor
+lookup fails), while the image processor falls back to its PIL backend; the video processor needs
+torchvision, and is built at a job's first video."""
 from __future__ import annotations
 
 import hashlib
 import json
 import re
 
+import numpy as np
 import torch
 
 from backend.job.errors import UserError
-from backend.job.modelcfg import TILED_FAMILIES, VISION_FAMILIES
-from backend.job.records import IMAGE_TAG, DataError, open_image, shown_image
+from backend.job.modelcfg import TILED_FAMILIES, VIDEO_FAMILIES, VISION_FAMILIES
+from backend.job.records import (IMAGE_TAG, MEDIA_TAGS, VIDEO_TAG, DataError, Persona, VideoHeader, decode_video,
+                                 open_image, shown_image, video_header)
 
 ORIENTATION = 0x0112  # the EXIF tag
 
@@ -49,12 +54,21 @@ def auto_class(path: str):
     return AutoModelForImageTextToText if is_vision(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
 
 
-def save_image_processor(source: str, out, max_pixels: int | None = None) -> None:
+def save_image_processor(source: str, out, spec) -> None:
     """A vision-language model's image processor saved beside its export (from_pretrained reads it
-    there), with the `max_pixels` it was trained with."""
+    there), with the `max_pixels` it was trained with; its video processor too where the job bounded
+    videos (video_max_pixels, fps_max_frames; unbounded, it reads the image processor's files)."""
     config = model_config(source)
-    if config is not None:
-        image_processor(source, config, max_pixels).save_pretrained(out)
+    if config is None:
+        return
+    image_processor(source, config, spec.max_pixels).save_pretrained(out)
+    if config.model_type in VIDEO_FAMILIES and (spec.video_max_pixels or spec.fps_max_frames):
+        try:
+            videos = Videos(source, spec.video_max_pixels, spec.fps_max_frames)
+        except (ImportError, RuntimeError, OSError, ValueError) as exc:
+            raise UserError(f"video_max_pixels, fps_max_frames: the export saves the video processor with them, "
+                            f"which needs torchvision matching torch here ({exc})") from None
+        videos.processor.save_pretrained(out)
 
 
 FRAME_BOUNDED = ("glm4v",)
@@ -78,23 +92,88 @@ def image_processor(source: str, config, max_pixels: int | None = None):
                                                             "longest_edge": max_pixels * frames})
 
 
-def with_image_parts(messages: list[dict]) -> list[dict]:
-    """String contents with `<image>` tags as content parts (image, text), as chat templates of
-    vision-language models take them."""
+_TAGS = re.compile(f"({'|'.join(map(re.escape, MEDIA_TAGS.values()))})")
+_IMAGE_TAG = re.compile(f"({re.escape(IMAGE_TAG)})")
+_PART = {IMAGE_TAG: "image", VIDEO_TAG: "video"}
+
+
+def with_image_parts(messages: list[dict], videos: bool = True) -> list[dict]:
+    """String contents with `<image>` and `<video>` tags as content parts (image, video, text), as
+    chat templates of vision-language models take them; `videos` off: `<video>` stays text."""
+    tags = _TAGS if videos else _IMAGE_TAG
     out = []
     for message in messages:
         content = message["content"]
-        if IMAGE_TAG not in content:
+        if not tags.search(content):
             out.append(message)
             continue
-        parts = []
-        for i, text in enumerate(content.split(IMAGE_TAG)):
-            if i:
-                parts.append({"type": "image"})
-            if text:
-                parts.append({"type": "text", "text": text})
+        parts = [{"type": _PART[piece]} if piece in _PART else {"type": "text", "text": piece}
+                 for piece in tags.split(content) if piece]
         out.append({**message, "content": parts})
     return out
+
+
+FPS = 2.0
+"""Frames a second sampled from a video: ms-swift's FPS default (qwen-vl-utils')."""
+
+
+class Videos:
+    """A video-reading model's video processor (transformers'; it needs torchvision) with the job's
+    bounds: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
+    `video_max_pixels`."""
+
+    def __init__(self, source: str, video_max_pixels: int | None = None, fps_max_frames: int | None = None):
+        from transformers import AutoVideoProcessor
+
+        processor = AutoVideoProcessor.from_pretrained(source)
+        bounds = {}
+        if video_max_pixels:
+            bounds["size"] = {"shortest_edge": min(processor.size["shortest_edge"], video_max_pixels),
+                              "longest_edge": video_max_pixels}
+        if fps_max_frames:
+            bounds["max_frames"] = fps_max_frames
+        self.processor = AutoVideoProcessor.from_pretrained(source, **bounds) if bounds else processor
+        self.merge = self.processor.merge_size
+
+    def sampled(self, where: str, path: str, header: VideoHeader) -> list[int]:
+        """The indices of the frames the model reads, as its processor samples them."""
+        from transformers.video_utils import VideoMetadata
+
+        least = self.processor.temporal_patch_size
+        if header.frames < least:
+            raise DataError(f"{where}: video {path} has {header.frames} frame(s); the model reads videos of at least "
+                            f"{least} (one temporal patch)")
+        metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
+                                 height=header.height, duration=header.frames / header.fps)
+        return self.processor.sample_frames(metadata, fps=FPS).tolist()
+
+    def tokens(self, where: str, path: str) -> int:
+        """How many placeholder tokens the video at `path` takes (its header read, not its frames)."""
+        header = video_header(where, path)
+        frames = len(self.sampled(where, path, header))
+        try:
+            patches = self.processor.get_num_of_video_patches(frames, header.height, header.width, {})
+        except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
+            raise DataError(f"{where}: video {path}: {exc}") from None
+        return patches // self.merge ** 2
+
+    def pixels(self, videos: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
+        """The processor's inputs for a micro-batch's videos, each (path, the tokens it was tokenized
+        with), and each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it)."""
+        clips, seconds = [], []
+        for path, _ in videos:
+            header = video_header(where, path)
+            indices = self.sampled(where, path, header)
+            clips.append(decode_video(where, path, indices))
+            seconds.append(self.processor.temporal_patch_size * header.frames / (len(indices) * header.fps))
+        out = self.processor(videos=clips, do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        counts = [t * h * w // self.merge ** 2 for t, h, w in out["video_grid_thw"].tolist()]
+        for (path, tokens), count in zip(videos, counts):
+            if count != tokens:
+                raise DataError(f"{where}: video {path} is not the size it had when the data was tokenized; "
+                                "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                "second_per_grid_ts": torch.tensor(seconds)}
 
 
 TILE_BOUNDS = ("<img>", "</img>")
@@ -103,7 +182,8 @@ TILE_BOUNDS = ("<img>", "</img>")
 class Images:
     """The model's image processor (`max_pixels` caps an image's size) and image placeholder token."""
 
-    def __init__(self, model_dir: str, config, max_pixels: int | None = None):
+    def __init__(self, model_dir: str, config, max_pixels: int | None = None, video_max_pixels: int | None = None,
+                 fps_max_frames: int | None = None):
         if config.model_type not in VISION_FAMILIES:
             raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
                             f"(it does {', '.join(VISION_FAMILIES)})")
@@ -124,17 +204,40 @@ class Images:
             if tokenizer.unk_token_id in self.bounds or None in self.bounds:
                 raise UserError(f"model: {model_dir}'s tokenizer has no {' and '.join(TILE_BOUNDS)} tokens, which "
                                 f"{config.model_type} puts around each image's visual tokens")
-        self.ids = {self.token_id, *self.bounds}
-        """Every token an image's run takes."""
+        self.video_token_id = config.video_token_id if config.model_type in VIDEO_FAMILIES else None
+        """The video placeholder token of a model that reads videos, else None."""
+        self.video_bounds = (model_dir, video_max_pixels, fps_max_frames)
+        self._videos: Videos | None = None
+        self.ids = {self.token_id, *self.bounds} | ({self.video_token_id} if self.video_token_id is not None else set())
+        """Every token an image's or a video's run takes."""
         self.rope_index = None
         """The model's multimodal rope (Qwen's and GLM-4V's `get_rope_index`; `bind`): packed rows' positions."""
+        self.timed = False
+        """Its rope spaces a video's temporal patches by their seconds (Qwen2.5-VL's `second_per_grid_ts`)."""
+
+    def persona(self, spec) -> Persona:
+        """The job's `Persona` for this model: its records' images read, their videos where it reads them."""
+        return Persona.of(spec, True, self.tiled, self.video_token_id is not None)
+
+    def videos(self, where: str, path: str) -> Videos:
+        """The video processor, built at the first video (an error that names it where it cannot be)."""
+        if self._videos is None:
+            try:
+                self._videos = Videos(*self.video_bounds)
+            except (ImportError, RuntimeError, OSError, ValueError) as exc:
+                raise DataError(f"{where}: video {path}: the model's video processor cannot be built here "
+                                f"(transformers' video processors need torchvision matching torch): {exc}") from None
+        return self._videos
 
     def bind(self, model) -> None:
         """Takes the model's own multimodal rope, by which packed rows place each sample's image tokens
         (InternVL places them as text and has none)."""
         if not self.tiled:
+            import inspect
+
             self.rope_index = next(module.get_rope_index for module in model.modules()
                                    if callable(getattr(type(module), "get_rope_index", None)))
+            self.timed = "second_per_grid_ts" in inspect.signature(self.rope_index).parameters
 
     def placeholder(self, count: int) -> list[int]:
         """An image's tokens for `count` visual tokens."""
@@ -142,17 +245,23 @@ class Images:
         return [self.bounds[0], *run, self.bounds[1]] if self.bounds else run
 
     def inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the model takes beside the pixels: Qwen's and GLM-4V's token types, from which
-        transformers 5.24 computes their multimodal rope (InternVL places image tokens as text)."""
-        return {} if self.tiled else {"mm_token_type_ids": (input_ids == self.token_id).int()}
+        """What the model takes beside the pixels: Qwen's and GLM-4V's token types (1 an image's, 2 a
+        video's), from which transformers 5.24 computes their multimodal rope (InternVL places image
+        tokens as text)."""
+        if self.tiled:
+            return {}
+        types = (input_ids == self.token_id).int()
+        if self.video_token_id is not None:
+            types += 2 * (input_ids == self.video_token_id).int()
+        return {"mm_token_type_ids": types}
 
     def packed_positions(self, input_ids: torch.Tensor, text_positions: torch.Tensor,
-                         grids: torch.Tensor | None) -> torch.Tensor:
+                         pixels: dict[str, torch.Tensor]) -> torch.Tensor:
         """Positions of packed rows (samples end to end, `text_positions` restarting at 0 with each) as
         transformers' Qwen-VL and GLM-4V language models take them, (4, rows, width): the text positions,
         from which the block-diagonal mask is built, over each sample's multimodal rope computed by the
-        model on that sample alone (a padding tail is a sample of text). `grids`: the rows' images'
-        `image_grid_thw`, in order."""
+        model on that sample alone (a padding tail is a sample of text). `pixels`: the rows' `pixels`
+        (their images' and videos' grids, in order)."""
         segments = [(row, int(start), int(end))
                     for row, positions in enumerate(text_positions)
                     for start, end in zip(*_runs_from_zeros(positions))]
@@ -161,16 +270,26 @@ class Images:
         mask = torch.zeros(len(segments), longest, dtype=torch.long)
         for i, (row, start, end) in enumerate(segments):
             ids[i, :end - start], mask[i, :end - start] = input_ids[row, start:end], 1
+        timed = {"second_per_grid_ts": pixels.get("second_per_grid_ts")} if self.timed else {}
         rope, _ = self.rope_index(ids, mm_token_type_ids=self.inputs(ids)["mm_token_type_ids"] * mask,
-                                  image_grid_thw=grids, attention_mask=mask)
+                                  image_grid_thw=pixels.get("image_grid_thw"),
+                                  video_grid_thw=pixels.get("video_grid_thw"), attention_mask=mask, **timed)
         out = torch.zeros(3, *input_ids.shape, dtype=rope.dtype)
         for i, (row, start, end) in enumerate(segments):
             out[:, row, start:end] = rope[:, i, :end - start]
         return torch.cat([text_positions[None].to(out.dtype), out])
 
     def digest(self) -> str:
-        """What the visual token counts depend on (the tokenized cache's key)."""
-        return hashlib.sha256(json.dumps(self.processor.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+        """What the visual token counts depend on (the tokenized cache's key): the image processor, and
+        a video's bounds (the video processor reads the same preprocessor files)."""
+        settings = [self.processor.to_dict(), self.video_bounds[1:], FPS]
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+    def run(self, where: str, token: int, path: str) -> list[int]:
+        """The tokens of the image or video (by its placeholder `token`) at `path`."""
+        if token == self.video_token_id:
+            return [token] * self.videos(where, path).tokens(where, path)
+        return self.placeholder(self.tokens(where, path))
 
     def tokens(self, where: str, path: str) -> int:
         """How many placeholder tokens the image at `path` takes (its header read, not its pixels)."""
@@ -188,9 +307,28 @@ class Images:
             raise DataError(f"{where}: image {shown_image(path)}: {exc}") from None
         return patches * self.per_tile if self.tiled else patches // self.merge ** 2
 
-    def pixels(self, images: list[tuple[str, int]], where: str = "training data") -> dict[str, torch.Tensor]:
-        """The processor's inputs for a micro-batch's images, each (path, the tokens it was tokenized
-        with): a count that no longer holds (the file changed since) is an error that names it."""
+    def pixels(self, media: list[tuple[int, str, int]], where: str = "training data") -> dict[str, torch.Tensor]:
+        """The processors' inputs for a micro-batch's images and videos, each (its placeholder token,
+        path, the tokens it was tokenized with): a count that no longer holds (the file changed
+        since) is an error that names it."""
+        videos = [(path, count) for token, path, count in media if token == self.video_token_id]
+        images = [(path, count) for token, path, count in media if token != self.video_token_id]
+        out = self.image_pixels(images, where) if images else {}
+        if videos:
+            out.update(self.videos(where, videos[0][0]).pixels(videos, where))
+            if not self.timed:
+                del out["second_per_grid_ts"]
+        return out
+
+    def decode_videos(self, where: str, ids: list[int], paths: list[str]) -> None:
+        """Decode the frames training reads of a sample's videos (`ids`, `paths`: a `Sample`'s): an
+        error names one that fails."""
+        for path, (token, _) in zip(paths, self.media_runs(ids)):
+            if token == self.video_token_id:
+                videos = self.videos(where, path)
+                decode_video(where, path, videos.sampled(where, path, video_header(where, path)))
+
+    def image_pixels(self, images: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
         from PIL import ImageOps
 
         decoded = []
@@ -214,15 +352,35 @@ class Images:
             return {"pixel_values": out["pixel_values"]}
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
+    def media_kinds(self, input_ids) -> np.ndarray:
+        """Each row's media of a tokenized `input_ids` column (pyarrow, chunked lists): 0 none, 1 images,
+        2 videos, 3 both, from its placeholder tokens (a chunk at a time: the column is memory-mapped)."""
+        import pyarrow.compute as pc
+
+        out = []
+        for chunk in input_ids.chunks:
+            flat = chunk.flatten().to_numpy(zero_copy_only=False)
+            rows = pc.list_parent_indices(chunk).to_numpy(zero_copy_only=False)
+            kinds = np.zeros(len(chunk), dtype=np.int8)
+            for token, bit in ((self.token_id, 1), (self.video_token_id, 2)):
+                if token is not None:
+                    kinds[np.unique(rows[flat == token])] |= bit
+            out.append(kinds)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int8)
+
     def runs(self, ids: list[int]) -> list[int]:
-        """The lengths of the image placeholder runs in `ids`: each image's token count, in order."""
-        out, run = [], 0
+        """The lengths of the placeholder runs in `ids`: each image's or video's token count, in order."""
+        return [count for _, count in self.media_runs(ids)]
+
+    def media_runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        """The placeholder runs in `ids`, in order: each image's or video's (placeholder token, token count)."""
+        out, run, kind = [], 0, None
         for token in ids + [None]:
-            if token == self.token_id:
-                run += 1
-            elif run:
-                out.append(run)
+            if run and token != kind:
+                out.append((kind, run))
                 run = 0
+            if token == self.token_id or (token == self.video_token_id and token is not None):
+                kind, run = token, run + 1
         return out
 
 

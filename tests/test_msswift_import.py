@@ -685,3 +685,14 @@ def test_a_vision_language_command_keeps_its_freezes_and_image_size():
     spec, _ = imported("MAX_PIXELS=1003520 swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl "
                        "--max_pixels 602112")
     assert spec.max_pixels == 602112
+
+
+def test_a_video_command_keeps_its_frame_bounds():
+    """ms-swift's video examples set VIDEO_MAX_PIXELS and FPS_MAX_FRAMES (its Qwen-VL templates read them):
+    they become video_max_pixels and fps_max_frames; a value that is not a number stays an environment variable."""
+    spec, result = imported("""VIDEO_MAX_PIXELS=50176 FPS_MAX_FRAMES=12 MAX_PIXELS=1003520 swift sft \\
+        --model Qwen/Qwen2.5-VL-7B-Instruct --dataset swift/VideoChatGPT:all --train_type lora""")
+    assert (spec.video_max_pixels, spec.fps_max_frames, spec.max_pixels) == (50176, 12, 1003520)
+    assert {"VIDEO_MAX_PIXELS=50176 -> video_max_pixels", "FPS_MAX_FRAMES=12 -> fps_max_frames"} <= set(result.notes)
+    spec, _ = imported("FPS_MAX_FRAMES=many swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl")
+    assert spec.fps_max_frames is None and spec.env == {"FPS_MAX_FRAMES": "many"}

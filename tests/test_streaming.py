@@ -58,8 +58,9 @@ def test_the_ranks_share_the_records_in_file_order_tokenized_as_the_cache_does(t
                 for r in list(read_records(parse_source(entry.split("#")[0]), 0, 1, 0, spec.max_record_bytes))
                 [:30 if "#" in entry else None]]
     tokenized = []
-    original = streaming.encode
-    monkeypatch.setattr(streaming, "encode", lambda record, *a: tokenized.append(record.where) or original(record, *a))
+    original = streaming.encode_checked
+    monkeypatch.setattr(streaming, "encode_checked",
+                        lambda record, *a: tokenized.append(record.where) or original(record, *a))
     shares = [list(open_stream(spec, tokenizer, rank, 3)) for rank in range(3)]
     # every third record to each rank (`#30`: the first 30 of the file, then the other file's 9)
     for rank, share in enumerate(shares):

@@ -243,7 +243,7 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
         encode(Record(f"{where}:4", bad[3], str(data)), tokenizer, 96, Persona(images=True), images)
     with pytest.raises(DataError, match=r":5: 'images' must be a list of image file paths"):
         encode(Record(f"{where}:5", bad[4], str(data)), tokenizer, 96, Persona(images=True), images)
-    with pytest.raises(DataError, match=r":6: a multimodal record \('videos'\): videos are not supported yet"):
+    with pytest.raises(DataError, match=r":6: a multimodal record \('videos'\): this model's videos are not read yet"):
         encode(Record(f"{where}:6", bad[5], str(data)), tokenizer, 96, Persona(images=True), images)
     # an image inline (base64, as ms-swift takes them) reads as its file does; a bad one is named
     import base64
@@ -288,8 +288,9 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
     # an image replaced by a larger one after tokenizing (the cache holds the old count) stops the run by path
     replaced = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
     Image.new("RGB", (168, 168)).save(data / "0.png")
+    (token, count), = images.media_runs(replaced.input_ids)
     with pytest.raises(DataError, match=r"image .*0.png is not the size it had when the data was tokenized"):
-        images.pixels([(replaced.images[0], images.runs(replaced.input_ids)[0])])
+        images.pixels([(token, replaced.images[0], count)])
     # an image cut off by max_length would not match its pixels: the record is dropped (counted)
     assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
 
@@ -413,6 +414,13 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     capped = refused(max_pixels=56 * 56)
     assert (capped["max_pixels"].startswith("internvl's image processor cuts images into tiles") if "internvl" in
             str(tiny_vl) else capped == {}), capped
+    # videos' bounds: a family that reads no videos names them ignored (its records' videos are refused)
+    family = json.loads((tiny_vl / "config.json").read_text())["model_type"]
+    bounded = {p.field: p.message for p in validate(JobSpec(**{**base, "video_max_pixels": 50176, "fps_max_frames": 8}))
+               if p.field in ("video_max_pixels", "fps_max_frames")}
+    assert bounded == ({} if family in ("qwen2_vl", "qwen2_5_vl") else dict.fromkeys(
+        ("video_max_pixels", "fps_max_frames"), f"ignored: the worker reads videos with qwen2_vl, qwen2_5_vl only, not "
+                                                f"{family} (its records' videos are refused)")), bounded
     # a text model's job names the image records it cannot read, by file:line
     text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
             if p.field == "dataset[0]"][0]
@@ -800,12 +808,14 @@ def test_an_export_keeps_the_image_size_the_run_trained_with(tmp_path, tiny_vl):
 
     from backend.job.errors import UserError
 
-    save_image_processor(str(tiny_vl), tmp_path / "as-is")
+    unbounded = JobSpec(model=str(tiny_vl), dataset=["d.jsonl"])
+    capped_job = unbounded.model_copy(update={"max_pixels": 56 * 56})
+    save_image_processor(str(tiny_vl), tmp_path / "as-is", unbounded)
     if "internvl" in str(tiny_vl):  # its tiles have a fixed size: a pixel bound is refused by name
         with pytest.raises(UserError, match="max_pixels: GotOcr2ImageProcessorPil cuts images into tiles"):
-            save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
+            save_image_processor(str(tiny_vl), tmp_path / "capped", capped_job)
         return
-    save_image_processor(str(tiny_vl), tmp_path / "capped", max_pixels=56 * 56)
+    save_image_processor(str(tiny_vl), tmp_path / "capped", capped_job)
     as_is, capped = (AutoImageProcessor.from_pretrained(tmp_path / name) for name in ("as-is", "capped"))
     assert as_is.size == AutoImageProcessor.from_pretrained(tiny_vl).size
     patches = [p.get_number_of_image_patches(448, 448, {}) for p in (as_is, capped)]

@@ -97,6 +97,76 @@ def colour_images(directory: Path, count: int) -> str:
     return str(directory / "colours.jsonl")
 
 
+def write_video(path: Path, rgb: tuple[int, int, int], frames: int = 8, size: tuple[int, int] = (56, 56),
+                fps: int = 4) -> Path:
+    """An MPEG-4 video (PyAV) of a square of colour `rgb` moving right on grey, `size` (width, height)."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for i in range(frames):
+            image = np.full((size[1], size[0], 3), 245, dtype=np.uint8)
+            image[8:40, 4 + 2 * i:36 + 2 * i] = rgb
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def colour_videos(directory: Path, count: int, images: bool = True, stem: str = "videos") -> str:
+    """A VL data file in ms-swift's format with videos, `stem`.jsonl: `count` records, each an MPEG-4
+    clip of a moving coloured square (8 frames at 4 a second; sizes vary) with "<video>What colour is
+    it?" and the colour's name as the answer; with `images`, every third record an image of another
+    colour before the video ("<image><video>Which colour moves?"), so images and videos interleave;
+    files beside the data file."""
+    from PIL import Image, ImageDraw
+
+    directory.mkdir(parents=True, exist_ok=True)
+    colours = list(COLOURS.items())
+    lines = []
+    for i in range(count):
+        name, rgb = colours[i % len(colours)]
+        write_video(directory / f"{i}.mp4", rgb, size=(56 + 28 * (i % 2), 56))
+        record = {"messages": [{"role": "user", "content": "<video>What colour is it?"},
+                               {"role": "assistant", "content": name}], "videos": [f"{i}.mp4"]}
+        if images and i % 3 == 2:
+            image = Image.new("RGB", (56, 56), (245, 245, 245))
+            ImageDraw.Draw(image).rectangle((8, 8, 48, 40), fill=colours[(i + 1) % len(colours)][1])
+            image.save(directory / f"{i}.png")
+            record["messages"][0]["content"] = "<image><video>Which colour moves?"
+            record["images"] = [f"{i}.png"]
+        lines.append(json.dumps(record))
+    (directory / f"{stem}.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory / f"{stem}.jsonl")
+
+
+def video_env() -> dict[str, str]:
+    """The environment of a process that reads videos: transformers' video processors need
+    torchvision. Where it does not import (CI: torch's CPU build, and the index holds torchvision's
+    CUDA build only), the torchvision of this torch (its minor is torch's + 15) installed once under
+    .cache/ with tests/cpu_torchvision's shim; {} where it imports."""
+    if subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode == 0:
+        return {}
+    import tempfile
+
+    import torch
+
+    minor = int(torch.__version__.split(".")[1])
+    target = ROOT / ".cache" / f"torchvision-0.{minor + 15}.0"
+    if not target.exists():
+        target.parent.mkdir(exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".install-"))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging),
+                        f"torchvision==0.{minor + 15}.0"], check=True)
+        try:
+            staging.rename(target)
+        except OSError:  # another test worker installed it first
+            shutil.rmtree(staging)
+    path = [str(ROOT / "tests" / "cpu_torchvision"), str(target), worker_env()["PYTHONPATH"]]
+    return {"PYTHONPATH": os.pathsep.join(path)}
+
+
 def unloadable_model(src: Path, out: Path) -> Path:
     """A copy of the model `src` whose weights are whole but do not fit its config (the embedding
     a column wider): validation and pre-flight pass it, the worker fails loading it."""
@@ -278,10 +348,10 @@ def assert_same_eval(run_a: Path, run_b: Path, steps: list[int], rel: float = 2e
 
 
 def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, steps: int,
-                            *others: tuple[Path, int]) -> None:
+                            *others: tuple[Path, int], env: dict[str, str] | None = None) -> None:
     """`resumed` (a run directory with its job.yaml), given `run`'s checkpoint-`step` and resumed on
     `nproc` ranks, trains steps step+1..`steps` with `run`'s losses; so does each of `others`
-    ((run directory, nproc), resumed beside it)."""
+    ((run directory, nproc), resumed beside it). `env`: what the runs' environment adds."""
     import shutil
 
     import pytest
@@ -289,7 +359,7 @@ def assert_resumes_the_same(run: Path, resumed: Path, nproc: int, step: int, ste
     targets = [(resumed, nproc), *others]
     for target, _ in targets:
         shutil.copytree(run / f"checkpoint-{step}", target / f"checkpoint-{step}")
-    procs = run_workers([dict(run_dir=target, nproc=n, resume="latest") for target, n in targets], 400)
+    procs = run_workers([dict(run_dir=target, nproc=n, resume="latest", env=env) for target, n in targets], 400)
     for (target, _), proc in zip(targets, procs):
         assert proc.returncode == 0, f"{target.name}: {proc.log[-4000:]}"
         again, before = losses(target), losses(run)

@@ -15,7 +15,7 @@ LONGEST_FIRST = (
     "browser", "test_tensor_parallel.py", "test_preference.py", "test_pipeline_parallel.py", "test_expert_parallel.py",
     "test_cluster_e2e.py", "test_recovery.py", "test_failure_cause.py", "test_resume.py",
     "test_sequence_parallel.py", "test_collective_timeout.py", "test_chat_e2e.py", "test_checkpoint_safety.py",
-    "test_run_owner.py", "test_long_sequence.py", "test_export.py", "test_worker_engines.py",
+    "test_run_owner.py", "test_long_sequence.py", "test_export.py", "test_worker_engines.py", "test_video.py",
 )
 
 

@@ -42,6 +42,8 @@ VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 EXPR = re.compile(r"\$\(\s*expr\s+([^()]*)\)")
 # Environment prefixes that describe the launch rather than the workers' environment.
 LAUNCH_ENV = {"NPROC_PER_NODE": "nproc_per_node", "NNODES": "nnodes"}
+TEMPLATE_ENV = {"MAX_PIXELS": "max_pixels", "VIDEO_MAX_PIXELS": "video_max_pixels", "FPS_MAX_FRAMES": "fps_max_frames"}
+"""Environment variables ms-swift's Qwen-VL templates read (its examples set them) and the job's fields."""
 CLUSTER_ENV = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 TORCHRUN_LAYOUT = {"nproc_per_node": "nproc_per_node", "nproc-per-node": "nproc_per_node", "nnodes": "nnodes"}
 TORCHRUN_CLUSTER = ("node_rank", "node-rank", "master_addr", "master-addr", "master_port", "master-port",
@@ -230,9 +232,10 @@ def import_command(text: str) -> ImportResult:
             result.spec[LAUNCH_ENV[name]] = value
         elif name in CLUSTER_ENV:
             result.notes.append(f"{name}={value}: set by the cluster (hostfile) and planner")
-        elif name == "MAX_PIXELS" and value.isdigit():  # ms-swift's Qwen-VL templates read it (its examples set it)
-            result.spec["max_pixels"] = value
-            result.notes.append(f"MAX_PIXELS={value} -> max_pixels (a --max_pixels flag takes precedence)")
+        elif name in TEMPLATE_ENV and value.isdigit():
+            result.spec[TEMPLATE_ENV[name]] = value
+            result.notes.append(f"{name}={value} -> {TEMPLATE_ENV[name]}"
+                                + (" (a --max_pixels flag takes precedence)" if name == "MAX_PIXELS" else ""))
         else:
             result.spec.setdefault("env", {})[name] = value
     pending: dict[str, str] = {}

@@ -321,11 +321,14 @@ class Persona:
     """The model reads images (a vision-language model): a record's `images` go where its `<image>` tags are."""
     tiled: bool = False
     """Its image processor cuts images into tiles of a fixed size (InternVL's), whatever their aspect ratio."""
+    videos: bool = False
+    """It reads videos too (`backend.job.modelcfg.VIDEO_FAMILIES`): a record's `videos` go where its
+    `<video>` tags are."""
 
     @classmethod
-    def of(cls, spec, images: bool = False, tiled: bool = False) -> "Persona":
+    def of(cls, spec, images: bool = False, tiled: bool = False, videos: bool = False) -> "Persona":
         return cls(spec.system, tuple(spec.model_name), tuple(spec.model_author), tuple(spec.columns.items()),
-                   spec.rlhf_type is not None, images, tiled)
+                   spec.rlhf_type is not None, images, tiled, images and videos)
 
     def renamed(self, record: Record) -> Record:
         """The record with the job's `columns` renamed, as every reader of it sees it (the worker,
@@ -373,29 +376,33 @@ _CJK = re.compile("[\u3400-\u9fff\uf900-\ufaff]")
 def to_messages(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str, str]] | None, str | None]:
     """(chat messages, None) for chat-like records or (None, text) for plain text records, with
     the job's `persona` filled in. `record` is as `persona.renamed` gives it."""
-    messages, text = _content(record, persona.images)
+    messages, text = _content(record, persona.images, persona.videos)
     if messages is None:
         return None, persona.fill(record.where, text)
     return persona.apply(record.where, messages), None
 
 
-def _content(record: Record, images: bool = False) -> tuple[list[dict[str, str]] | None, str | None]:
+def _content(record: Record, images: bool = False, videos: bool = False
+             ) -> tuple[list[dict[str, str]] | None, str | None]:
     data = record.data
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record, images)
-    if images and (data.get("images") or IMAGE_TAG in json.dumps(data.get("messages", data.get("conversations")))):
-        messages, _ = _content(Record(record.where, {k: v for k, v in data.items() if k != "images"}, record.base))
+    _text_only(record, images, videos)
+    conversation = json.dumps(data.get("messages", data.get("conversations")))
+    if images and (data.get("images") or data.get("videos") or any(tag in conversation for tag in MEDIA_TAGS.values())):
+        text_only = {k: v for k, v in data.items() if k not in MEDIA_TAGS}
+        messages, _ = _content(Record(record.where, text_only, record.base))
         if messages is None:
-            raise DataError(f"{record.where}: images need a conversation ('messages') whose <image> tags say where "
-                            "they go")
-        _one_tag_per_image(record, messages, "messages")
+            raise DataError(f"{record.where}: images and videos need a conversation ('messages') whose <image> and "
+                            "<video> tags say where they go")
+        _one_tag_each(record, messages, "messages")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         for i, m in enumerate(messages):
-            if IMAGE_TAG in m["content"] and (m["role"] == "assistant" or i > last):
-                where = "in an assistant answer" if m["role"] == "assistant" else "after the last assistant answer"
-                raise DataError(f"{record.where}: an {IMAGE_TAG} tag {where} (message {i + 1}): images go in the "
-                                "turns the answers are trained on")
+            for field, tag in MEDIA_TAGS.items():
+                if tag in m["content"] and (m["role"] == "assistant" or i > last):
+                    where = "in an assistant answer" if m["role"] == "assistant" else "after the last assistant answer"
+                    raise DataError(f"{record.where}: an {tag} tag {where} (message {i + 1}): {field} go in the "
+                                    "turns the answers are trained on")
         return messages, None
     if "messages" in data or "conversations" in data:
         return _chat(record, data.get("messages", data.get("conversations"))), None
@@ -423,19 +430,42 @@ MEDIA_FIELDS = ("images", "videos", "audios")
 
 
 IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"
+MEDIA_TAGS = {"images": IMAGE_TAG, "videos": VIDEO_TAG}
+"""The media a vision-language model reads and the tag in a record's text that marks where each goes."""
 
 
-def _text_only(record: Record, images: bool = False) -> None:
+def _text_only(record: Record, images: bool = False, videos: bool = False) -> None:
     """A record with media the model does not read is refused by name: its text alone would train
-    the `<image>` tags as plain text, silently. `images`: the model reads images (not yet videos
-    or audio)."""
+    the `<image>` tags as plain text, silently. `images`: the model reads images; `videos`: videos
+    too (not yet audio)."""
     for field in MEDIA_FIELDS:
-        if not record.data.get(field) or (field == "images" and images):
+        if not record.data.get(field) or (field == "images" and images) or (field == "videos" and videos):
             continue
-        why = (f"{field} are not supported yet (images are)" if images else
-               "the model is not a vision-language model")
+        why = ("the model is not a vision-language model" if not images else
+               "this model's videos are not read yet (images are; videos are with Qwen2-VL and Qwen2.5-VL, and "
+               "not in preference pairs)" if field == "videos" else f"{field} are not supported yet (images are)")
         raise DataError(f"{record.where}: a multimodal record ('{field}'): {why}, and its text alone would train "
                         "its <image>/<video> tags as plain text; give text-only records or a vision-language model")
+
+
+def record_videos(record: Record) -> list[str]:
+    """The record's `videos`: video file paths (ms-swift's and LLaMA-Factory's lists), each read
+    from its file's directory when relative."""
+    videos = record.data.get("videos")
+    if not (isinstance(videos, list) and all(isinstance(v, str) and v.strip() for v in videos)):
+        raise DataError(f"{record.where}: 'videos' must be a list of video file paths")
+    return [os.path.join(record.base, os.path.expanduser(v)) if record.base else os.path.expanduser(v) for v in videos]
+
+
+def record_media(record: Record, messages: list[dict]) -> list[str]:
+    """The record's images and videos in the order their tags come in `messages` (its rendered
+    conversation's placeholders' order); `_one_tag_each` has checked there is one tag each."""
+    queues = {IMAGE_TAG: iter(record_images(record) if record.data.get("images") else []),
+              VIDEO_TAG: iter(record_videos(record) if record.data.get("videos") else [])}
+    tags = re.compile("|".join(map(re.escape, MEDIA_TAGS.values())))
+    return [next(queues[tag]) for m in messages if isinstance(m["content"], str)
+            for tag in tags.findall(m["content"])]
 
 
 def record_images(record: Record) -> list[str]:
@@ -548,7 +578,7 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     data, where = record.data, record.where
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record, persona.images)
+    _text_only(record, persona.images)  # videos: not in pairs yet
     if "rejected_response" in data:
         conversation = _chat(record, data.get("messages", data.get("conversations")))
         if conversation[-1]["role"] != "assistant":
@@ -587,15 +617,16 @@ def _pair_images(record: Record, prompt: list[dict[str, str]], chosen: str, reje
         if IMAGE_TAG in answer:
             raise DataError(f"{record.where}: an {IMAGE_TAG} tag in the {name} answer: a pair's images go in its "
                             "prompt, which both answers follow")
-    _one_tag_per_image(record, prompt, "prompt")
+    _one_tag_each(record, prompt, "prompt")
 
 
-def _one_tag_per_image(record: Record, messages: list[dict[str, str]], named: str) -> None:
-    count = len(record_images(record)) if record.data.get("images") is not None else 0
-    tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
-    if tags != count:
-        raise DataError(f"{record.where}: {tags} {IMAGE_TAG} tag(s) in its {named} and {count} image(s): each image "
-                        f"needs a {IMAGE_TAG} tag where it goes")
+def _one_tag_each(record: Record, messages: list[dict[str, str]], named: str) -> None:
+    for field, tag, read in (("images", IMAGE_TAG, record_images), ("videos", VIDEO_TAG, record_videos)):
+        count = len(read(record)) if record.data.get(field) is not None else 0
+        tags = sum(m["content"].count(tag) for m in messages)
+        if tags != count:
+            raise DataError(f"{record.where}: {tags} {tag} tag(s) in its {named} and {count} {field[:-1]}(s): each "
+                            f"{field[:-1]} needs a {tag} tag where it goes")
 
 
 def _answer(where: str, field: str, value: Any) -> str:
@@ -663,6 +694,9 @@ def check_record(record: Record, persona: Persona = Persona()) -> None:
     if persona.images and isinstance(record.data, dict) and record.data.get("images"):
         for path in record_images(record):
             verify_image(record.where, path, bounded=not persona.tiled)
+    if persona.videos and isinstance(record.data, dict) and record.data.get("videos"):
+        for path in record_videos(record):
+            verify_video(record.where, path)
 
 
 MAX_IMAGE_RATIO = 200
@@ -685,6 +719,101 @@ def verify_image(where: str, path: str, bounded: bool = True) -> None:
     if bounded and max(width, height) > MAX_IMAGE_RATIO * min(width, height):
         raise DataError(f"{where}: image {shown} is {width}x{height}: a side over {MAX_IMAGE_RATIO} times the other, "
                         "which the model's image processor refuses")
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a video file's header says: its frame count, rate and size."""
+    frames: int
+    fps: float
+    width: int
+    height: int
+
+
+def open_video(where: str, path: str):
+    """PyAV's container of a video file with a video stream, its failures named by record."""
+    problem = not_a_regular_file(path)  # a FIFO would block the read
+    if problem == "not found":
+        raise DataError(f"{where}: video {path} not found (a relative path is read from the data file's directory)")
+    if problem:
+        raise DataError(f"{where}: video {path} {problem}")
+    try:
+        import av
+    except ImportError:
+        raise DataError(f"{where}: video {path}: reading videos needs PyAV (pip install av)") from None
+    try:
+        container = av.open(path)
+    except (av.FFmpegError, OSError) as exc:
+        raise DataError(f"{where}: video {path} is not a video PyAV can read ({exc})") from None
+    if not container.streams.video:
+        container.close()
+        raise DataError(f"{where}: video {path} has no video stream")
+    return container
+
+
+def video_header(where: str, path: str) -> VideoHeader:
+    """The header of the video at `path` (its frames counted from its packets, not decoded, where
+    the container does not store the count)."""
+    import av
+
+    with open_video(where, path) as container:
+        stream = container.streams.video[0]
+        try:
+            frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        except (av.FFmpegError, OSError) as exc:
+            raise DataError(f"{where}: video {path} cannot be read to its end ({exc})") from None
+        rate = stream.average_rate or stream.guessed_rate
+        width, height = stream.codec_context.width, stream.codec_context.height
+    if not (rate and width and height):
+        raise DataError(f"{where}: video {path}: its header gives no frame rate or size")
+    return VideoHeader(frames, float(rate), width, height)
+
+
+def decode_video(where: str, path: str, indices: list[int]):
+    """The frames `indices` (ascending) of the video at `path`, decoded, as an RGB array of
+    (frames, height, width, 3); a video that ends or fails to decode before them is an error
+    that names it."""
+    import av
+    import numpy as np
+
+    wanted, frames = set(indices), []
+    with open_video(where, path) as container:
+        try:
+            for number, frame in enumerate(container.decode(video=0)):
+                if number in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                if number >= indices[-1]:
+                    break
+        except (av.FFmpegError, OSError) as exc:
+            raise DataError(f"{where}: video {path} cannot be decoded past frame {len(frames)} of "
+                            f"{len(indices)} read ({exc})") from None
+    if len(frames) != len(indices):
+        raise DataError(f"{where}: video {path} ends before its frame {indices[len(frames)] + 1}: its header says "
+                        "more frames than it holds (a truncated file?)")
+    return np.stack(frames)
+
+
+def verify_video(where: str, path: str) -> None:
+    """Raise a DataError naming the record and the file if `path` is not a video PyAV reads: missing,
+    not a regular file, no video stream, fewer packets than its header's frames (truncated), or a
+    first frame that does not decode. Its later frames are decoded when training reads them."""
+    import av
+
+    header = video_header(where, path)
+    if header.frames < 2:
+        raise DataError(f"{where}: video {path} has {header.frames} frame(s); a video needs at least 2")
+    with open_video(where, path) as container:
+        try:
+            packets = sum(1 for packet in container.demux(container.streams.video[0]) if packet.size)
+        except (av.FFmpegError, OSError) as exc:
+            raise DataError(f"{where}: video {path} cannot be read to its end ({exc})") from None
+    if packets < header.frames:
+        raise DataError(f"{where}: video {path} holds {packets} of the {header.frames} frames its header says "
+                        "(a truncated file?)")
+    decode_video(where, path, [0])
+    if max(header.width, header.height) > MAX_IMAGE_RATIO * min(header.width, header.height):
+        raise DataError(f"{where}: video {path} is {header.width}x{header.height}: a side over {MAX_IMAGE_RATIO} "
+                        "times the other, which the model's video processor refuses")
 
 
 # ---- a bounded check of a local file before launch -------------------------------------------

@@ -185,6 +185,8 @@ class JobSpec(BaseModel):
     vit_lr: float | None = Field(None, gt=0, description="Vision-language models with freeze_vit off: the vision tower's learning rate (its adapters' with LoRA; ms-swift's --vit_lr); empty: learning_rate.")
     aligner_lr: float | None = Field(None, gt=0, description="Vision-language models with freeze_aligner off: the aligner's learning rate (its adapters' with LoRA; ms-swift's --aligner_lr); empty: learning_rate.")
     max_pixels: int | None = Field(None, ge=28 * 28, description="Vision-language models: images with more pixels are scaled down to this many (ms-swift's --max_pixels; a 448x448 image is 200704); empty: the model's image processor's limit.")
+    video_max_pixels: int | None = Field(None, ge=28 * 28, description="Vision-language models that read videos (Qwen2-VL, Qwen2.5-VL): a video's frames with more pixels are scaled down to this many (ms-swift's VIDEO_MAX_PIXELS); empty: the model's video processor's limit.")
+    fps_max_frames: int | None = Field(None, ge=2, description="Vision-language models that read videos: at most this many frames of a video, sampled evenly at 2 a second (ms-swift's FPS_MAX_FRAMES, FPS 2); empty: the model's video processor's limit (768 for Qwen's).")
     adapters: list[str] = Field(default_factory=list, max_length=1, description="LoRA: train this saved adapter further (a directory with adapter_config.json: a run's checkpoint-N/model or a LoRA export); its rank, alpha and target modules are the adapter's, not lora_rank's and target_modules'.")
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="Modules that get adapters; 'all-linear' = every linear layer but the head.")
 

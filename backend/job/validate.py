@@ -25,8 +25,8 @@ from backend.job.cluster import Cluster, local_cluster
 from backend.job.dsconfig import DsConfigError, ZeroSettings, base_config, user_batch_conflicts
 from backend.job.layout import Layout, compute_layout
 from backend.job.memory import MemoryEstimate, adapts_stacked_params, estimate_memory
-from backend.job.modelcfg import (TILED_FAMILIES, TP_UNPLANNED_FAMILIES, VISION_FAMILIES, ModelConfig, ModelConfigError,
-                                  find_model_config)
+from backend.job.modelcfg import (TILED_FAMILIES, TP_UNPLANNED_FAMILIES, VIDEO_FAMILIES, VISION_FAMILIES, ModelConfig,
+                                  ModelConfigError, find_model_config)
 from backend.job.modelfiles import dir_problems, model_dirs, with_adapter_settings
 from backend.job.spec import JobSpec, Problem, absolute_dir
 
@@ -280,7 +280,8 @@ def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = No
     the rest refused by name. A text model names the vision fields it ignores."""
     if not model.vision_tower:
         return [_warn(field, "ignored: the model is not a vision-language model")
-                for field in ("max_pixels", "freeze_llm", "vit_lr", "aligner_lr") if getattr(spec, field)]
+                for field in ("max_pixels", "video_max_pixels", "fps_max_frames", "freeze_llm", "vit_lr", "aligner_lr")
+                if getattr(spec, field)]
     if model.multimodal_type not in VISION_FAMILIES:
         return [Problem("model", f"{model.multimodal_type or 'this'} vision-language model: the worker trains "
                                  f"{', '.join(VISION_FAMILIES)} so far (their images' token layout)")]
@@ -305,6 +306,10 @@ def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = No
     if spec.max_pixels and model.multimodal_type in TILED_FAMILIES:
         out.append(Problem("max_pixels", f"{model.multimodal_type}'s image processor cuts images into tiles of a fixed "
                                          "size; it takes no pixel bound (its max_patches caps the tiles): leave it empty"))
+    if model.multimodal_type not in VIDEO_FAMILIES:
+        out += [_warn(field, f"ignored: the worker reads videos with {', '.join(VIDEO_FAMILIES)} only, not "
+                             f"{model.multimodal_type} (its records' videos are refused)")
+                for field in ("video_max_pixels", "fps_max_frames") if getattr(spec, field)]
     if spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
         out.append(Problem("freeze_llm", "with freeze_vit and freeze_aligner too, nothing trains"))
     out += [Problem(field, f"the {part} is frozen ({freeze}): turn {freeze} off to train it at this rate, or leave "
@@ -319,12 +324,12 @@ def _set(value) -> bool:
     return value > 1 if isinstance(value, int) and not isinstance(value, bool) else bool(value)
 
 
-def _dataset_rules(spec: JobSpec, images: bool = False, tiled: bool = False) -> list[Problem]:
+def _dataset_rules(spec: JobSpec, images: bool = False, tiled: bool = False, videos: bool = False) -> list[Problem]:
     """A bounded sample of every dataset file this machine can read (the cluster's shared storage
     usually is mounted here too), so a bad record shows before launch instead of after it.
     `images`: the model is a vision-language model (its records may carry images); `tiled`: one that
-    cuts them into tiles."""
-    persona = records.Persona.of(spec, images, tiled)
+    cuts them into tiles; `videos`: one that reads videos too."""
+    persona = records.Persona.of(spec, images, tiled, videos)
     out = []
     for field, i, item in _data_entries(spec):
         found = records.sampled(item, spec.max_record_bytes, persona)
@@ -414,7 +419,8 @@ def assess(spec: JobSpec, cluster: Cluster | None = None, model_config: ModelCon
                               "or the hub cache).")
     # a model whose config cannot be read here may read images: the worker, which loads it, decides
     problems += _dataset_rules(spec, model is None or model.vision_tower,
-                               model is not None and model.multimodal_type in TILED_FAMILIES)
+                               model is not None and model.multimodal_type in TILED_FAMILIES,
+                               model is None or model.multimodal_type in VIDEO_FAMILIES)
     memory = None
     if model is not None:
         trained = with_adapter_settings(spec)  # a saved adapter's rank and targets are what trains

@@ -1,0 +1,289 @@
+"""Videos for the vision-language models that read them (a tiny Qwen2.5-VL and Qwen2-VL from a config):
+records with `<video>` tags in ms-swift's format, their problems named by file:line before launch,
+each video's visual tokens as its model's video processor samples its frames (PyAV decodes them),
+packed rows equal to their samples alone, and real training with images and videos interleaved.
+
+transformers' video processors need torchvision: the processes that read videos run under
+`worker.video_env` (on CI's CPU torch, torchvision's CUDA build with tests/cpu_torchvision's shim),
+so the pytest process itself keeps the image processors' PIL backend the other tests use."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from backend.job.records import DataError, Persona, Record, record_media, sample_problems, to_messages
+from worker import (ROOT, assert_resumes_the_same, build_tiny_vl_model, colour_videos, events, losses, planned,
+                    run_workers, video_env, worker_env, write_run, write_video)
+
+VIDEOS = Persona(images=True, videos=True)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return {**worker_env(), **video_env()}
+
+
+def run_script(code: str, env: dict, *args: str) -> dict:
+    """`code` run by Python under `env` (video-reading), its last stdout line as JSON."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_images_and_videos_go_where_their_tags_are_in_the_order_of_the_tags(tmp_path):
+    record = Record("d.jsonl:1", {"messages": [
+        {"role": "user", "content": "<video>First this, <image>then this"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "<image><video>and these?"}, {"role": "assistant", "content": "fine"}],
+        "images": ["a.png", "b.png"], "videos": ["x.mp4", "y.mp4"]}, str(tmp_path))
+    messages, _ = to_messages(record, VIDEOS)
+    assert record_media(record, messages) == [str(tmp_path / n) for n in ("x.mp4", "a.png", "b.png", "y.mp4")]
+    from launcher.vision import with_image_parts
+
+    parts = with_image_parts(messages)[0]["content"]
+    assert parts == [{"type": "video"}, {"type": "text", "text": "First this, "}, {"type": "image"},
+                     {"type": "text", "text": "then this"}]
+    # the chat worker's prompts carry images only: a "<video>" typed there stays text
+    assert with_image_parts([{"role": "user", "content": "<image>a <video> tag"}], videos=False)[0]["content"] == \
+        [{"type": "image"}, {"type": "text", "text": "a <video> tag"}]
+
+
+def test_video_records_name_their_problems_by_file_and_line(tmp_path):
+    data = tmp_path / "data"
+    good = json.loads(open(colour_videos(data, 1)).readline())
+    clip = (data / "0.mp4").read_bytes()
+    (data / "cut.mp4").write_bytes(clip[:len(clip) // 2])  # its header whole (PyAV's mp4 muxer writes it last)
+    (data / "text.mp4").write_text("not a video")
+    write_video(data / "still.mp4", (200, 30, 30), frames=1)
+    write_video(data / "thin.mp4", (200, 30, 30), size=(1200, 4))
+    os.mkfifo(data / "pipe.mp4")
+    from PIL import Image
+
+    Image.new("RGB", (56, 56)).save(data / "photo.png")
+    turns = [{"role": "user", "content": "What moves?"}, {"role": "assistant", "content": "red"}]
+    bad = [{**good, "videos": ["0.mp4", "0.mp4"]}, {**good, "videos": ["missing.mp4"]},
+           {**good, "videos": ["text.mp4"]}, {**good, "videos": ["cut.mp4"]}, {**good, "videos": ["still.mp4"]},
+           {**good, "videos": ["thin.mp4"]}, {**good, "videos": ["pipe.mp4"]}, {**good, "videos": ["photo.png"]},
+           {**good, "videos": "0.mp4"},
+           {"messages": [turns[0], {"role": "assistant", "content": "<video>red"}], "videos": ["0.mp4"]},
+           {"messages": turns + [{"role": "user", "content": "<video>And this?"}], "videos": ["0.mp4"]}]
+    (data / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    where = str(data / "bad.jsonl")
+    problems = []
+    for i, record in enumerate(bad):
+        with pytest.raises(DataError) as caught:
+            from backend.job.records import check_record
+
+            check_record(Record(f"{where}:{i + 1}", record, str(data)), VIDEOS)
+        problems.append(str(caught.value))
+    assert problems[0] == f"{where}:1: 1 <video> tag(s) in its messages and 2 video(s): each video needs a <video> " \
+                          "tag where it goes"
+    assert problems[1] == f"{where}:2: video {data / 'missing.mp4'} not found (a relative path is read from the data " \
+                          "file's directory)"
+    assert problems[2].startswith(f"{where}:3: video {data / 'text.mp4'} is not a video PyAV can read (")
+    assert problems[3].startswith(f"{where}:4: video {data / 'cut.mp4'} ")
+    assert problems[4] == f"{where}:5: video {data / 'still.mp4'} has 1 frame(s); a video needs at least 2"
+    assert problems[5] == (f"{where}:6: video {data / 'thin.mp4'} is 1200x4: a side over 200 times the other, which "
+                           "the model's video processor refuses")
+    assert problems[6] == f"{where}:7: video {data / 'pipe.mp4'} is a FIFO (named pipe): reading it would wait for a " \
+                          "writer"
+    assert problems[7].startswith(f"{where}:8: video {data / 'photo.png'} ")
+    assert problems[8] == f"{where}:9: 'videos' must be a list of video file paths"
+    assert problems[9] == f"{where}:10: an <video> tag in an assistant answer (message 2): videos go in the turns " \
+                          "the answers are trained on"
+    assert problems[10] == f"{where}:11: an <video> tag after the last assistant answer (message 3): videos go in " \
+                           "the turns the answers are trained on"
+    # validation's sampled check names the first of them, and counts the rest
+    sampled = sample_problems(where, 1 << 20, VIDEOS)
+    assert sampled[:3] == problems[:3] and sampled[3] == f"{where}: 8 more bad records among the 11 checked"
+    # a model that reads images only (Qwen3-VL, GLM-4V, InternVL) and a preference pair refuse videos by name
+    for persona, record in ((Persona(images=True), good),
+                            (Persona(images=True, videos=True, pairs=True),
+                             {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]})):
+        with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): this model's videos are not read "
+                                            r"yet \(images are; videos are with Qwen2-VL and Qwen2.5-VL, and not in "
+                                            r"preference pairs\)"):
+            check_record(Record("d:1", record, str(data)), persona)
+    # a text model's persona reads neither
+    with pytest.raises(DataError, match="the model is not a vision-language model"):
+        check_record(Record("d:1", good, str(data)), Persona())
+    assert not Persona.of(type("Spec", (), dict(system=None, model_name=[], model_author=[], columns={},
+                                                rlhf_type=None))(), False, False, True).videos
+
+
+def test_torchvisions_cuda_build_does_not_import_on_a_cpu_torch_without_the_shim(env):
+    """Pins what tests/cpu_torchvision works around: torchvision registers fake kernels of its nms and
+    qnms operators even where its extension did not load. When this import passes, the shim can go."""
+    shimmed = env.get("PYTHONPATH", "").split(os.pathsep)
+    if str(ROOT / "tests" / "cpu_torchvision") not in shimmed:
+        pytest.skip("torchvision imports on this machine (a torch build it matches): no shim in use")
+    bare = {**env, "PYTHONPATH": os.pathsep.join(p for p in shimmed if not p.endswith("cpu_torchvision"))}
+    proc = subprocess.run([sys.executable, "-c", "import torchvision"], env=bare, capture_output=True, text=True)
+    assert proc.returncode != 0 and "operator torchvision::nms does not exist" in proc.stderr, proc.stderr[-2000:]
+
+
+VIDEO_TOKENS = """
+import json, sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+from backend.job.records import Persona, Record
+from backend.job.spec import JobSpec
+from launcher.data import collate, encode, pack, unpacked
+from launcher.preview import dataset_preview
+from launcher.vision import Images
+
+model_dir, data, short = sys.argv[1:4]
+config = AutoConfig.from_pretrained(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+media = Images(model_dir, config)
+media.bind(model)
+spec = JobSpec(model=model_dir, dataset=[data], max_length=512)
+persona = media.persona(spec)
+base = str(Path(data).parent)
+records = [Record(f"{data}:{i + 1}", json.loads(line), base) for i, line in enumerate(open(data))]
+records.append(Record(f"{data}:9", {"messages": [{"role": "user", "content": "<video>Short?"},
+                                                 {"role": "assistant", "content": "yes"}], "videos": [short]}, base))
+samples = [encode(r, tokenizer, 512, persona, media) for r in records]
+# each video's tokens from its header against the processor's grid of its decoded frames
+videos = media.videos("", short)
+counted = [[c for t, c in media.media_runs(s.input_ids)] for s in samples]
+grids = []
+for s in samples:
+    found = [(t, p, c) for p, (t, c) in zip(s.images, media.media_runs(s.input_ids))]
+    pixels = media.pixels(found)
+    grids.append({k: v.tolist() for k, v in pixels.items() if k.endswith("grid_thw") or k == "second_per_grid_ts"})
+row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
+packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
+alone = collate(unpacked(samples), tokenizer.pad_token_id, False, media=media)
+with torch.no_grad():
+    together = model(**packed, use_cache=False).logits[0]
+    apart = model(**alone, use_cache=False).logits
+    unbounded = model(**{k: v for k, v in packed.items() if k != "position_ids"}, use_cache=False).logits[0]
+order = []
+at, worst, unbounded_worst = 0, 0.0, 0.0
+remaining = list(range(len(samples)))
+while at < len(row.input_ids):  # the samples in the packed row's order, by their ids
+    i = next(i for i in remaining if row.input_ids[at:at + len(samples[i])] == samples[i].input_ids)
+    remaining.remove(i)
+    n = len(samples[i])
+    worst = max(worst, (together[at:at + n] - apart[i, :n]).abs().max().item())
+    unbounded_worst = max(unbounded_worst, (unbounded[at:at + n] - apart[i, :n]).abs().max().item())
+    order.append(i)
+    at += n
+preview = dataset_preview(data, spec, tokenizer, persona, media)
+# the job's video bounds: frames within 56x56 pixels, at most 2 of them; an export keeps them
+bounded = Images(model_dir, config, None, 56 * 56, 2)
+clips = [str(Path(base) / name) for name in ("0.mp4", "1.mp4")]
+bounded_tokens = [bounded.videos("", clip).tokens("", clip) for clip in clips]
+from transformers import AutoVideoProcessor
+from launcher.vision import save_image_processor
+save_image_processor(model_dir, Path(base) / "export", spec.model_copy(update={"video_max_pixels": 56 * 56,
+                                                                                "fps_max_frames": 2}))
+saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
+print(json.dumps({"bounded_tokens": bounded_tokens, "saved": [saved.size["longest_edge"], saved.max_frames],
+                  "counted": counted, "grids": grids, "order": order, "worst": worst,
+                  "unbounded_worst": unbounded_worst, "timed": media.timed,
+                  "segments": preview["samples"][2]["segments"], "thumbnails": [s["images"] for s in preview["samples"]],
+                  "keys": sorted(packed)}))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_each_samples_logits(
+        tmp_path, env, family):
+    """A video's visual tokens are its frames sampled at 2 a second (at least 4: a 1 s clip at 4 fps
+    reads all 4, half a second a temporal patch, which Qwen2.5-VL's rope spaces by), two frames a
+    temporal patch, 2x2 patches a token; counted from its header when tokenizing and equal to the
+    processor's grid of its decoded frames. Packed with images and other videos, every sample's logits
+    are its own row's. The data preview shows a video's first frame and its placeholder run counted."""
+    model = build_tiny_vl_model(tmp_path / "model", family)
+    data = colour_videos(tmp_path / "data", 4)
+    short = write_video(tmp_path / "data" / "short.mp4", (30, 200, 60), frames=4)
+    out = run_script(VIDEO_TOKENS, env, str(model), data, str(short))
+    # 8 frames at 4 a second: 4 sampled, 2 temporal patches; 56x56: 4x4 patches of 14 px, 4 tokens a patch
+    # pair; 84 px wide: 4x6
+    assert out["counted"] == [[8], [12], [4, 8], [12], [8]]
+    assert [g["video_grid_thw"] for g in out["grids"]] == [[[2, 4, 4]], [[2, 4, 6]], [[2, 4, 4]], [[2, 4, 6]],
+                                                           [[2, 4, 4]]]
+    assert out["grids"][2]["image_grid_thw"] == [[1, 4, 4]]
+    assert out["timed"] == (family == "qwen2_5_vl")
+    if family == "qwen2_5_vl":
+        assert [g["second_per_grid_ts"] for g in out["grids"]] == [[1.0], [1.0], [1.0], [1.0], [0.5]]
+    else:
+        assert all("second_per_grid_ts" not in g for g in out["grids"])
+    assert sorted(out["order"]) == [0, 1, 2, 3, 4] and out["worst"] < 2e-5, out
+    assert out["unbounded_worst"] > 1e-3  # the test can fail: without the packed positions they differ
+    assert {"pixel_values", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"} <= set(out["keys"])
+    # the preview: the image and the video's first frame as thumbnails, each run shown once with its count
+    assert [len(t) for t in out["thumbnails"]] == [1, 1, 2]
+    assert all(t.startswith("data:image/png;base64,") for ts in out["thumbnails"] for t in ts)
+    text = "".join(t for t, _ in out["segments"])
+    assert "<|image_pad|>×4" in text and "<|video_pad|>×8" in text, text
+    # video_max_pixels scales the 84x56 clip's frames to 56x28, the 56x56 one's as they were;
+    # fps_max_frames 2 keeps 2 of the 4 frames sampled: one temporal patch
+    assert out["bounded_tokens"] == [4, 2] and out["saved"] == [56 * 56, 2]
+
+
+@pytest.mark.e2e
+def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_and_fsdp2(tmp_path, env):
+    """Records with videos, every third with an image before its video: LoRA on one rank (strict off:
+    a video cut short and one missing are skipped and counted) and packed, each 16 steps, its loss
+    falls, and the LoRA run resumed from step 8 trains its losses again. Full fine-tuning on two ranks
+    of video records trains the same losses under DDP's layout, ZeRO-2, ZeRO-3 and FSDP2; with the
+    images among them FSDP2 refuses by name (its ranks would run the tower unequally often)."""
+    model = build_tiny_vl_model(tmp_path / "model")
+    data = colour_videos(tmp_path / "data", 24)
+    videos = colour_videos(tmp_path / "data", 16, images=False, stem="videos-only")
+    clip = (tmp_path / "data" / "0.mp4").read_bytes()
+    (tmp_path / "data" / "cut.mp4").write_bytes(clip[:len(clip) // 2])
+    skipping = tmp_path / "data" / "skipping.jsonl"
+    first = json.loads(open(data).readline())
+    skipping.write_text(open(data).read() + "".join(json.dumps({**first, "videos": [name]}) + "\n"
+                                                   for name in ("gone.mp4", "cut.mp4")))
+    common = dict(model=str(model), dataset=[data], max_length=96, logging_steps=1, torch_dtype="float32",
+                  lora_dropout=0.0, warmup_ratio=0.0, dataset_cache_dir=str(tmp_path / "cache"))
+    lora_job = dict(**{**common, "dataset": [str(skipping)]}, strict=False, train_type="lora",
+                    per_device_train_batch_size=4, learning_rate=5e-2, max_steps=16, save_steps=8)
+    lora = write_run(tmp_path / "lora", **lora_job)
+    packed = write_run(tmp_path / "packed", **common, train_type="lora", packing=True, per_device_train_batch_size=2,
+                       learning_rate=5e-2, max_steps=16, save_strategy="no")
+    full = dict(**{**common, "dataset": [videos]}, train_type="full", learning_rate=3e-3, max_steps=3,
+                save_strategy="no", per_device_train_batch_size=2, nproc_per_node=2)
+    ddp, zero2, zero3, fsdp = (tmp_path / name for name in ("ddp", "zero2", "zero3", "fsdp2"))
+    launches = [dict(run_dir=lora, nproc=1), dict(run_dir=packed, nproc=1), planned(ddp, **full),
+                planned(zero2, **full, deepspeed="zero2"), planned(zero3, **full, deepspeed="zero3"),
+                planned(fsdp, **full, fsdp="full_shard"),
+                planned(tmp_path / "mixed", **{**full, "dataset": [data]}, fsdp="full_shard")]
+    *procs, mixed = run_workers([{**launch, "env": {**(launch.get("env") or {}), **video_env()}}
+                                 for launch in launches], 400)
+    for proc in procs:
+        assert proc.returncode == 0, proc.log[-4000:]
+    assert mixed.returncode != 0 and ("dataset: records with different media (16 with videos only, 8 with images and "
+                                      "videos): on this engine (FSDP2") in mixed.log, mixed.log[-3000:]
+    for run in (lora, packed):
+        curve = losses(run)
+        # LoRA on this tiny random model learns slowly (images' runs alike): the last 4 steps' mean
+        assert sorted(curve) == list(range(1, 17)) and sum(curve[s] for s in range(13, 17)) / 4 < curve[1] - 0.3, \
+            (run.name, curve)
+    ready = [e for e in events(lora, 0, "data") if e.get("phase") == "ready"][0]
+    assert ready["skipped"] == 2, ready
+    assert [m.split(": ")[0] for m in ready["skipped_first"]] == [f"{skipping}:25", f"{skipping}:26"]
+    assert "gone.mp4 not found" in ready["skipped_first"][0] and "cut.mp4" in ready["skipped_first"][1]
+    for run in (zero2, zero3, fsdp):
+        assert losses(run).keys() == {1, 2, 3}
+        for step, value in losses(run).items():
+            assert value == pytest.approx(losses(ddp)[step], rel=1e-4), (run.name, step)
+    resumed = write_run(tmp_path / "lora-resumed", **lora_job)
+    assert_resumes_the_same(lora, resumed, 1, 8, 16, env=video_env())
