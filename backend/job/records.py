@@ -747,7 +747,7 @@ def open_video(where: str, path: str):
         raise DataError(f"{where}: video {path} is not a video PyAV can read ({exc})") from None
     if not container.streams.video:
         container.close()
-        raise DataError(f"{where}: video {path} has no video stream")
+        raise DataError(f"{where}: video {path} has no video stream PyAV can read (not a video, or a damaged one)")
     return container
 
 
