@@ -81,8 +81,7 @@ def prompt_ids(tokenizer, images, messages: list[dict]) -> list[int]:
 
     # Only a message that carries images has its tags made image parts: "<image>" written in any
     # other message (an answer about the tag, a system prompt) stays text.
-    ids = render(tokenizer, [with_image_parts([p], videos=False)[0] if m.get("images") else p
-                             for m, p in zip(messages, plain)],
+    ids = render(tokenizer, [with_image_parts([p])[0] if m.get("images") else p for m, p in zip(messages, plain)],
                  add_generation_prompt=True)
     try:
         for image in pictures:

@@ -68,7 +68,7 @@ def encode(record: Record, tokenizer, max_length: int, persona: Persona = Person
     if paths:
         from launcher.vision import with_image_parts
 
-        messages = with_image_parts(messages)
+        messages = with_image_parts(messages, videos=bool(record.data.get("videos")))
     if messages is None:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         if tokenizer.eos_token_id is not None:

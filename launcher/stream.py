@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.job.records import (DataError, Persona, Source, decode_streamed, parse_source,
+from backend.job.records import (DataError, Persona, ReaderMissing, Source, decode_streamed, parse_source,
                                  streamed_entries)
 from launcher.data import Pair, Row, Sample, encode_checked, micro_batch, pack_plan, packed_row, padded_row
 from launcher.tokenized import NAMED_SKIPS
@@ -124,7 +124,8 @@ def _encoded(row: dict, index: int, tokenizer, max_length: int, persona: Persona
         sample = encode_checked(record, tokenizer, max_length, persona, images, strict)
     except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
         failure = str(exc) if isinstance(exc, DataError) else f"{record.where}: {type(exc).__name__}: {exc}"
-        return {**empty, "error" if strict else "skipped": failure}
+        # a missing reader (PyAV, torchvision) is not the record's fault: never a record skipped
+        return {**empty, "error" if strict or isinstance(exc, ReaderMissing) else "skipped": failure}
     if sample is None:
         return empty
     if isinstance(sample, Pair):

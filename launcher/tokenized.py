@@ -36,7 +36,8 @@ import numpy as np
 
 from backend.job.jsonfile import write_json_atomic
 from backend.job.paths import not_a_regular_file
-from backend.job.records import DataError, Persona, Source, hub_dataset, parse_source, positioned_records
+from backend.job.records import (DataError, Persona, ReaderMissing, Source, hub_dataset, parse_source,
+                                 positioned_records)
 from launcher.data import Pair, Sample, encode_checked
 
 FORMAT = 4
@@ -340,7 +341,7 @@ def _encoded(parts: list[int], n_parts: int, entries: tuple[str, ...], tokenizer
                     except Exception as exc:  # a chat template's raise_exception (roles out of turn) too
                         failure = exc if isinstance(exc, DataError) else DataError(
                             f"{record.where}: {type(exc).__name__}: {exc}")
-                        if strict:
+                        if strict or isinstance(exc, ReaderMissing):  # not the record's fault: no skip
                             raise failure from None
                         yield {**empty, "length": SKIPPED, "source": source, "position": position, "error": None,
                                "skipped": str(failure)}

@@ -37,7 +37,7 @@ from launcher.preference import (PreferenceLoss, Reference, install, load_refere
                                  nonfinite_pairs, precompute, reference_file, save_reference_table)
 from launcher.stream import StreamBatches, load_position, open_stream, save_position
 from launcher.tokenized import DataHeartbeat, Tokenized, dataset_cache_dir, open_tokenized
-from launcher.vision import Images, is_vision
+from launcher.vision import IMAGES, NO_MEDIA, VIDEOS, Images, is_vision
 
 log = logging.getLogger("launcher")
 NONFINITE_LIMIT = 3  # consecutive steps with a NaN/inf loss before the run is stopped
@@ -294,27 +294,28 @@ class Trainer:
         spec = self.spec
         zero = zero_settings(spec)
         sharded = tower_in_collectives(spec, zero.stage if zero else None)
-        kinds = self.images.media_kinds(tokenized.table.column("input_ids"))[mine]
-        counts, _ = self.dist.all_reduce([float((kinds == k).sum()) for k in range(4)], "sum")
-        present = {k for k in range(4) if counts[k]}
+        kinds = self.images.media_kinds(tokenized.table)[mine]
+        both = IMAGES + VIDEOS
+        counts, _ = self.dist.all_reduce([float((kinds == k).sum()) for k in range(both + 1)], "sum")
+        present = {k for k, count in enumerate(counts) if count}
         if len(present) < 2 or self.dist.world_size == 1:  # one rank waits for no other
             return
-        media = "image or video" if present & {2, 3} else "image"
-        without, with_media = int(counts[0]), int(sum(counts[1:]))
-        if sharded and 0 in present:
+        media = "image or video" if present & {VIDEOS, both} else "image"
+        without, with_media = int(counts[NO_MEDIA]), int(sum(counts) - counts[NO_MEDIA])
+        if sharded and NO_MEDIA in present:
             raise data.DataError(f"{field}: {without} records have no {media} beside {with_media} that do: "
                                  "on this engine (FSDP2, ZeRO-3, or full fine-tuning's DDP layout, which runs on "
                                  f"FSDP2) a micro-batch without an {media} would leave the other ranks waiting in the "
                                  f"vision tower; give every record an {media}, or train LoRA on DDP or use ZeRO-0/1/2")
         if sharded:
-            found = ", ".join(f"{int(counts[k])} with {name}" for k, name in ((1, "images only"), (2, "videos only"),
-                                                                             (3, "images and videos")) if counts[k])
+            found = ", ".join(f"{int(counts[k])} with {name}" for k, name in (
+                (IMAGES, "images only"), (VIDEOS, "videos only"), (both, "images and videos")) if counts[k])
             raise data.DataError(f"{field}: records with different media ({found}): on this engine (FSDP2, ZeRO-3, or "
                                  "full fine-tuning's DDP layout, which runs on FSDP2) the vision tower runs once for a "
                                  "micro-batch's images and once for its videos, and a micro-batch with one of them "
                                  "where another rank's has both would leave the ranks waiting in the tower; give every "
                                  "record the same media, or train LoRA on DDP or use ZeRO-0/1/2")
-        if trains and 0 in present and not (spec.freeze_vit and spec.freeze_aligner):
+        if trains and NO_MEDIA in present and not (spec.freeze_vit and spec.freeze_aligner):
             raise data.DataError(f"{field}: {without} records have no {media} beside {with_media} that do: "
                                  "with the vision tower or aligner training (freeze_vit or freeze_aligner off), a "
                                  f"micro-batch without an {media} leaves their gradients out of the ranks' reduction; "

@@ -16,16 +16,18 @@ torchvision, and is built at a job's first video."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from backend.job.errors import UserError
 from backend.job.modelcfg import TILED_FAMILIES, VIDEO_FAMILIES, VISION_FAMILIES
-from backend.job.records import (IMAGE_TAG, MEDIA_TAGS, VIDEO_TAG, DataError, Persona, VideoHeader, decode_video,
-                                 open_image, shown_image, video_header)
+from backend.job.records import (IMAGE_TAG, MEDIA_TAGS, VIDEO_TAG, DataError, Persona, ReaderMissing, VideoHeader,
+                                 decode_video, open_image, shown_image, video_header)
 
 ORIENTATION = 0x0112  # the EXIF tag
 
@@ -62,13 +64,18 @@ def save_image_processor(source: str, out, spec) -> None:
     if config is None:
         return
     image_processor(source, config, spec.max_pixels).save_pretrained(out)
-    if config.model_type in VIDEO_FAMILIES and (spec.video_max_pixels or spec.fps_max_frames):
-        try:
-            videos = Videos(source, spec.video_max_pixels, spec.fps_max_frames)
-        except (ImportError, RuntimeError, OSError, ValueError) as exc:
+    if config.model_type not in VIDEO_FAMILIES:
+        return
+    try:
+        videos = Videos(source, spec.video_max_pixels, spec.fps_max_frames)
+    except (ImportError, RuntimeError, OSError, ValueError) as exc:
+        if spec.video_max_pixels or spec.fps_max_frames:
             raise UserError(f"video_max_pixels, fps_max_frames: the export saves the video processor with them, "
                             f"which needs torchvision matching torch here ({exc})") from None
-        videos.processor.save_pretrained(out)
+        return  # no torchvision here: a video processor loaded from the export reads the image processor's file
+    # always: without a file of its own, a video processor loaded from the export would read the image
+    # processor's, which holds the job's max_pixels, not the bounds the run's videos were sized by
+    videos.processor.save_pretrained(out)
 
 
 FRAME_BOUNDED = ("glm4v",)
@@ -97,9 +104,9 @@ _IMAGE_TAG = re.compile(f"({re.escape(IMAGE_TAG)})")
 _PART = {IMAGE_TAG: "image", VIDEO_TAG: "video"}
 
 
-def with_image_parts(messages: list[dict], videos: bool = True) -> list[dict]:
-    """String contents with `<image>` and `<video>` tags as content parts (image, video, text), as
-    chat templates of vision-language models take them; `videos` off: `<video>` stays text."""
+def with_image_parts(messages: list[dict], videos: bool = False) -> list[dict]:
+    """String contents with `<image>` tags (and `<video>` tags, `videos`; else they stay text) as
+    content parts (image, video, text), as chat templates of vision-language models take them."""
     tags = _TAGS if videos else _IMAGE_TAG
     out = []
     for message in messages:
@@ -115,6 +122,9 @@ def with_image_parts(messages: list[dict], videos: bool = True) -> list[dict]:
 
 FPS = 2.0
 """Frames a second sampled from a video: ms-swift's FPS default (qwen-vl-utils')."""
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+"""A frame's pixels at most where the job sets no video_max_pixels: ms-swift's VIDEO_MAX_PIXELS default
+(the checkpoints' own files bound images only, Qwen2.5-VL's at 12.8 megapixels)."""
 
 
 class Videos:
@@ -126,14 +136,15 @@ class Videos:
         from transformers import AutoVideoProcessor
 
         processor = AutoVideoProcessor.from_pretrained(source)
-        bounds = {}
-        if video_max_pixels:
-            bounds["size"] = {"shortest_edge": min(processor.size["shortest_edge"], video_max_pixels),
-                              "longest_edge": video_max_pixels}
+        most = video_max_pixels or VIDEO_MAX_PIXELS
+        bounds = {"size": {"shortest_edge": min(processor.size["shortest_edge"], most), "longest_edge": most}}
         if fps_max_frames:
             bounds["max_frames"] = fps_max_frames
-        self.processor = AutoVideoProcessor.from_pretrained(source, **bounds) if bounds else processor
+        self.processor = AutoVideoProcessor.from_pretrained(source, **bounds)
         self.merge = self.processor.merge_size
+        # the processor's own rule for a frame's size: frames are decoded at it (a long 4K video's
+        # frames are not all held at full size), and the processor then leaves them so
+        self.smart_resize = importlib.import_module(type(self.processor).__module__).smart_resize
 
     def sampled(self, where: str, path: str, header: VideoHeader) -> list[int]:
         """The indices of the frames the model reads, as its processor samples them."""
@@ -161,10 +172,17 @@ class Videos:
         """The processor's inputs for a micro-batch's videos, each (path, the tokens it was tokenized
         with), and each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it)."""
         clips, seconds = [], []
+        factor = self.processor.patch_size * self.merge
         for path, _ in videos:
             header = video_header(where, path)
             indices = self.sampled(where, path, header)
-            clips.append(decode_video(where, path, indices))
+            try:
+                height, width = self.smart_resize(header.height, header.width, factor=factor,
+                                                  min_pixels=self.processor.size["shortest_edge"],
+                                                  max_pixels=self.processor.size["longest_edge"])
+            except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
+                raise DataError(f"{where}: video {path}: {exc}") from None
+            clips.append(decode_video(where, path, indices, (width, height)))
             seconds.append(self.processor.temporal_patch_size * header.frames / (len(indices) * header.fps))
         out = self.processor(videos=clips, do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
         counts = [t * h * w // self.merge ** 2 for t, h, w in out["video_grid_thw"].tolist()]
@@ -177,6 +195,8 @@ class Videos:
 
 
 TILE_BOUNDS = ("<img>", "</img>")
+NO_MEDIA, IMAGES, VIDEOS = 0, 1, 2
+"""A row's media (`Images.media_kinds`); a row with both is IMAGES + VIDEOS."""
 
 
 class Images:
@@ -207,7 +227,7 @@ class Images:
         self.video_token_id = config.video_token_id if config.model_type in VIDEO_FAMILIES else None
         """The video placeholder token of a model that reads videos, else None."""
         self.video_bounds = (model_dir, video_max_pixels, fps_max_frames)
-        self._videos: Videos | None = None
+        self._videos: Videos | ReaderMissing | None = None
         self.ids = {self.token_id, *self.bounds} | ({self.video_token_id} if self.video_token_id is not None else set())
         """Every token an image's or a video's run takes."""
         self.rope_index = None
@@ -220,13 +240,17 @@ class Images:
         return Persona.of(spec, True, self.tiled, self.video_token_id is not None)
 
     def videos(self, where: str, path: str) -> Videos:
-        """The video processor, built at the first video (an error that names it where it cannot be)."""
+        """The video processor, built at the first video; where it cannot be (no torchvision), every
+        video stops the run (never a record skipped: strict off) naming the first that needed it."""
         if self._videos is None:
             try:
                 self._videos = Videos(*self.video_bounds)
             except (ImportError, RuntimeError, OSError, ValueError) as exc:
-                raise DataError(f"{where}: video {path}: the model's video processor cannot be built here "
-                                f"(transformers' video processors need torchvision matching torch): {exc}") from None
+                self._videos = ReaderMissing(f"{where}: video {path}: the model's video processor cannot be built "
+                                             f"here (transformers' video processors need torchvision matching "
+                                             f"torch): {exc}")
+        if isinstance(self._videos, ReaderMissing):
+            raise self._videos
         return self._videos
 
     def bind(self, model) -> None:
@@ -281,8 +305,10 @@ class Images:
 
     def digest(self) -> str:
         """What the visual token counts depend on (the tokenized cache's key): the image processor, and
-        a video's bounds (the video processor reads the same preprocessor files)."""
-        settings = [self.processor.to_dict(), self.video_bounds[1:], FPS]
+        a video's bounds and the model's own video processor file where it has one."""
+        own = Path(self.video_bounds[0]) / "video_preprocessor_config.json"
+        settings = [self.processor.to_dict(), self.video_bounds[1:], FPS, VIDEO_MAX_PIXELS,
+                    own.read_text() if own.is_file() else None]
         return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
     def run(self, where: str, token: int, path: str) -> list[int]:
@@ -352,25 +378,24 @@ class Images:
             return {"pixel_values": out["pixel_values"]}
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def media_kinds(self, input_ids) -> np.ndarray:
-        """Each row's media of a tokenized `input_ids` column (pyarrow, chunked lists): 0 none, 1 images,
-        2 videos, 3 both, from its placeholder tokens (a chunk at a time: the column is memory-mapped)."""
+    def media_kinds(self, table) -> np.ndarray:
+        """Each row's media in a tokenized `table` (pyarrow): NO_MEDIA, IMAGES, VIDEOS or both (the
+        sum). A model that reads no videos: from the length of its `images` list; else from its
+        placeholder tokens, a chunk at a time (the column is memory-mapped)."""
         import pyarrow.compute as pc
 
+        if self.video_token_id is None:
+            return np.where(pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False) > 0,
+                            IMAGES, NO_MEDIA).astype(np.int8)
         out = []
-        for chunk in input_ids.chunks:
+        for chunk in table.column("input_ids").chunks:
             flat = chunk.flatten().to_numpy(zero_copy_only=False)
             rows = pc.list_parent_indices(chunk).to_numpy(zero_copy_only=False)
             kinds = np.zeros(len(chunk), dtype=np.int8)
-            for token, bit in ((self.token_id, 1), (self.video_token_id, 2)):
-                if token is not None:
-                    kinds[np.unique(rows[flat == token])] |= bit
+            for token, kind in ((self.token_id, IMAGES), (self.video_token_id, VIDEOS)):
+                kinds[np.unique(rows[flat == token])] |= kind
             out.append(kinds)
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int8)
-
-    def runs(self, ids: list[int]) -> list[int]:
-        """The lengths of the placeholder runs in `ids`: each image's or video's token count, in order."""
-        return [count for _, count in self.media_runs(ids)]
 
     def media_runs(self, ids: list[int]) -> list[tuple[int, int]]:
         """The placeholder runs in `ids`, in order: each image's or video's (placeholder token, token count)."""

@@ -696,3 +696,6 @@ def test_a_video_command_keeps_its_frame_bounds():
     assert {"VIDEO_MAX_PIXELS=50176 -> video_max_pixels", "FPS_MAX_FRAMES=12 -> fps_max_frames"} <= set(result.notes)
     spec, _ = imported("FPS_MAX_FRAMES=many swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl")
     assert spec.fps_max_frames is None and spec.env == {"FPS_MAX_FRAMES": "many"}
+    # the ones the worker does not honour are named so, not passed on as if they were
+    spec, result = imported("FPS=4 VIDEO_MIN_PIXELS=3136 swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl")
+    assert spec.env == {} and [i.split(":")[0] for i in result.ignored] == ["FPS=4", "VIDEO_MIN_PIXELS=3136"]

@@ -47,11 +47,11 @@ def test_images_and_videos_go_where_their_tags_are_in_the_order_of_the_tags(tmp_
     assert record_media(record, messages) == [str(tmp_path / n) for n in ("x.mp4", "a.png", "b.png", "y.mp4")]
     from launcher.vision import with_image_parts
 
-    parts = with_image_parts(messages)[0]["content"]
+    parts = with_image_parts(messages, videos=True)[0]["content"]
     assert parts == [{"type": "video"}, {"type": "text", "text": "First this, "}, {"type": "image"},
                      {"type": "text", "text": "then this"}]
-    # the chat worker's prompts carry images only: a "<video>" typed there stays text
-    assert with_image_parts([{"role": "user", "content": "<image>a <video> tag"}], videos=False)[0]["content"] == \
+    # a record without videos (and the chat worker's prompts, images only): "<video>" stays text
+    assert with_image_parts([{"role": "user", "content": "<image>a <video> tag"}])[0]["content"] == \
         [{"type": "image"}, {"type": "text", "text": "a <video> tag"}]
 
 
@@ -104,20 +104,64 @@ def test_video_records_name_their_problems_by_file_and_line(tmp_path):
     sampled = sample_problems(where, 1 << 20, VIDEOS)
     assert sampled[:3] == problems[:3] and sampled[3] == f"{where}: 8 more bad records among the 11 checked"
     # a model that reads images only (Qwen3-VL, GLM-4V, InternVL) and a preference pair refuse videos by name
-    for persona, record in ((Persona(images=True), good),
-                            (Persona(images=True, videos=True, pairs=True),
-                             {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]})):
-        with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): this model's videos are not read "
-                                            r"yet \(images are; videos are with Qwen2-VL and Qwen2.5-VL, and not in "
-                                            r"preference pairs\)"):
+    for persona, record, why in (
+            (Persona(images=True), good,
+             r"this model's videos are not read yet \(images are; videos are with qwen2_vl, qwen2_5_vl\)"),
+            (Persona(images=True, videos=True, pairs=True),
+             {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]},
+             r"preference pairs with videos are not trained yet \(with images they are\)")):
+        with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): " + why):
             check_record(Record("d:1", record, str(data)), persona)
     # a text model's persona reads neither
     with pytest.raises(DataError, match="the model is not a vision-language model"):
         check_record(Record("d:1", good, str(data)), Persona())
     assert not Persona.of(type("Spec", (), dict(system=None, model_name=[], model_author=[], columns={},
                                                 rlhf_type=None))(), False, False, True).videos
+    # "<video>" in a record without videos is text (HTML, say), as in a text model's job
+    html = {"messages": [{"role": "user", "content": "What does <video> do?"},
+                        {"role": "assistant", "content": "It embeds a video."}]}
+    check_record(Record("d:1", html, str(data)), VIDEOS)
+    assert to_messages(Record("d:1", html, str(data)), VIDEOS)[0][0]["content"] == "What does <video> do?"
+    # a job's system prompt with a tag adds one the record has no media for: named, not a crash
+    tagged = Persona(system="Describe each <video>.", images=True, videos=True)
+    messages, _ = to_messages(Record("d:1", good, str(data)), tagged)
+    with pytest.raises(DataError, match=r"d:1: more <video> tags than videos where the job shows it to the model"):
+        record_media(Record("d:1", good, str(data)), messages)
+    # a crafted container (a non-UTF-8 title in its metadata) reads as its frames do
+    titled = data / "titled.mkv"
+    import av
+
+    with av.open(str(titled), "w", metadata_errors="replace") as out:
+        out.metadata["title"] = "caf\udce9"
+        stream = out.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        for _ in range(4):
+            frame = av.VideoFrame.from_ndarray(__import__("numpy").zeros((56, 56, 3), dtype="uint8"), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    check_record(Record("d:1", {**good, "videos": ["titled.mkv"]}, str(data)), VIDEOS)
 
 
+def test_a_machine_without_pyav_names_it_and_never_skips_a_video_record_for_it(tmp_path, monkeypatch):
+    """PyAV missing where the data is read: the record's check says what to install, and strict off
+    does not take it for a bad record (every video record would be skipped, training on the rest)."""
+    from backend.job.records import ReaderMissing, check_record
+
+    data = tmp_path / "data"
+    good = json.loads(open(colour_videos(data, 1)).readline())
+    monkeypatch.setitem(sys.modules, "av", None)
+    with pytest.raises(ReaderMissing, match=r"d:1: video .*0.mp4: reading videos needs PyAV here \(pip install av\)"):
+        check_record(Record("d:1", good, str(data)), VIDEOS)
+    problems = sample_problems(str(data / "videos.jsonl"), 1 << 20, VIDEOS)
+    assert len(problems) == 1 and "reading videos needs PyAV here" in problems[0], problems
+    from launcher.stream import _encoded
+
+    row = {"where": "d:1", "raw": json.dumps(good).encode(), "base": str(data), "error": None}
+    encoded = _encoded(row, 0, None, 96, VIDEOS, None, strict=False)
+    assert "reading videos needs PyAV here" in encoded["error"] and encoded["skipped"] is None, encoded
+
+
+@pytest.mark.e2e
 def test_torchvisions_cuda_build_does_not_import_on_a_cpu_torch_without_the_shim(env):
     """Pins what tests/cpu_torchvision works around: torchvision registers fake kernels of its nms and
     qnms operators even where its extension did not load. When this import passes, the shim can go."""
@@ -191,7 +235,11 @@ from launcher.vision import save_image_processor
 save_image_processor(model_dir, Path(base) / "export", spec.model_copy(update={"video_max_pixels": 56 * 56,
                                                                                 "fps_max_frames": 2}))
 saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
+# an export of a job that bounds images only: its videos as the run sized them, not by the images' bound
+save_image_processor(model_dir, Path(base) / "export-images", spec.model_copy(update={"max_pixels": 56 * 56}))
+images_only = AutoVideoProcessor.from_pretrained(Path(base) / "export-images")
 print(json.dumps({"bounded_tokens": bounded_tokens, "saved": [saved.size["longest_edge"], saved.max_frames],
+                  "images_only": images_only.size["longest_edge"],
                   "counted": counted, "grids": grids, "order": order, "worst": worst,
                   "unbounded_worst": unbounded_worst, "timed": media.timed,
                   "segments": preview["samples"][2]["segments"], "thumbnails": [s["images"] for s in preview["samples"]],
@@ -234,6 +282,7 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
     # video_max_pixels scales the 84x56 clip's frames to 56x28, the 56x56 one's as they were;
     # fps_max_frames 2 keeps 2 of the 4 frames sampled: one temporal patch
     assert out["bounded_tokens"] == [4, 2] and out["saved"] == [56 * 56, 2]
+    assert out["images_only"] == 768 * 28 * 28  # ms-swift's VIDEO_MAX_PIXELS, which the run used
 
 
 @pytest.mark.e2e

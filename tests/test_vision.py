@@ -22,6 +22,11 @@ def tiny_vl(request, tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
+def runs(images, ids: list[int]) -> list[int]:
+    """The token count of each image's placeholder run in `ids`, in order."""
+    return [count for _, count in images.media_runs(ids)]
+
+
 @pytest.fixture(scope="module")
 def images(tiny_vl):
     from transformers import AutoConfig
@@ -43,26 +48,27 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
     for sample, record in zip(samples, records):
         path = str(tmp_path / "data" / record.data["images"][0])
         assert sample.images == [path]
-        runs = images.runs(sample.input_ids)
-        assert runs == [images.tokens(record.where, path)] and runs[0] > 1
+        counts = runs(images, sample.input_ids)
+        assert counts == [images.tokens(record.where, path)] and counts[0] > 1
         at = sample.input_ids.index(images.token_id)
-        assert all(label == IGNORE for label in sample.labels[at:at + runs[0]])
+        assert all(label == IGNORE for label in sample.labels[at:at + counts[0]])
         answer = tokenizer.decode([t for t, label in zip(sample.input_ids, sample.labels) if label != IGNORE])
         assert answer.startswith(record.data["messages"][1]["content"])
     if images.tiled:  # InternVL's tiles follow an image's aspect ratio: a wide one takes more of them
         from PIL import Image
 
         Image.new("RGB", (168, 56)).save(tmp_path / "wide.png")
-        assert images.tokens("", str(tmp_path / "wide.png")) > images.runs(samples[0].input_ids)[0]
+        assert images.tokens("", str(tmp_path / "wide.png")) > runs(images, samples[0].input_ids)[0]
         at = samples[0].input_ids.index(images.token_id)  # the run between the image's start and end tokens
-        assert (samples[0].input_ids[at - 1], samples[0].input_ids[at + runs[0]]) == images.bounds
+        assert (samples[0].input_ids[at - 1], samples[0].input_ids[at + runs(images, samples[0].input_ids)[0]]) \
+            == images.bounds
     else:
-        assert images.runs(samples[0].input_ids) != images.runs(samples[1].input_ids)  # 56 and 84 px wide
+        assert runs(images, samples[0].input_ids) != runs(images, samples[1].input_ids)  # 56 and 84 px wide
     batches = Batches(lambda members: [samples[m] for m in members], one_per_row(4), 4, 1, 1, 0,
                       tokenizer.pad_token_id, False, 96)
     batches.media = images
     batch, _, _ = batches.batch_of([0, 1, 2, 3])
-    counts = [images.runs(s.input_ids)[0] for s in samples]
+    counts = [runs(images, s.input_ids)[0] for s in samples]
     if images.tiled:  # image tokens placed as text: positions as for text, no token types
         assert "position_ids" in batch and "mm_token_type_ids" not in batch
         assert batch["pixel_values"].shape[0] == sum(count // images.per_tile for count in counts)
@@ -168,7 +174,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
     for pair, record in zip(encoded, records):
         path = str(tmp_path / "data" / record.data["images"][0])
         for row in (pair.chosen, pair.rejected):
-            assert row.images == [path] and images.runs(row.input_ids) == [images.tokens(record.where, path)]
+            assert row.images == [path] and runs(images, row.input_ids) == [images.tokens(record.where, path)]
         answer = lambda row: tokenizer.decode([t for t, l in zip(row.input_ids, row.labels) if l != IGNORE])  # noqa: E731
         assert answer(pair.chosen).startswith(record.data["messages"][1]["content"])
         assert answer(pair.rejected).startswith(record.data["rejected_response"])
@@ -178,7 +184,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
     batch, _, _ = batches.batch_of([0, 1])
     assert batch["input_ids"].shape[0] == 4
     if not images.tiled:
-        counts = [images.runs(p.chosen.input_ids)[0] for p in encoded] * 2  # chosen rows, then rejected rows
+        counts = [runs(images, p.chosen.input_ids)[0] for p in encoded] * 2  # chosen rows, then rejected rows
         assert (batch["image_grid_thw"].prod(-1) // images.merge ** 2).tolist() == counts
     good = records[0].data
     bad = [{**good, "rejected_response": "<image>red"},
@@ -191,7 +197,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
         f"{where}:1: an <image> tag in the rejected answer: a pair's images go in its prompt, which both answers follow",
         f"{where}:2: 1 <image> tag(s) in its prompt and 2 image(s): each image needs a <image> tag where it goes"]
     text = encode(Record(f"{where}:3", bad[2], str(tmp_path)), tokenizer, 200, pairs, images)
-    assert text.chosen.images == [] and images.runs(text.chosen.input_ids) == []
+    assert text.chosen.images == [] and runs(images, text.chosen.input_ids) == []
     # padding_free: the micro-batch's chosen rows, then its rejected rows, end to end in one row, each
     # by its own positions: every row's logits are those it has padded
     import torch

@@ -157,12 +157,14 @@ def video_env() -> dict[str, str]:
     if not target.exists():
         target.parent.mkdir(exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".install-"))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging),
-                        f"torchvision==0.{minor + 15}.0"], check=True)
         try:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(staging),
+                            f"torchvision==0.{minor + 15}.0"], check=True)
             staging.rename(target)
         except OSError:  # another test worker installed it first
-            shutil.rmtree(staging)
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     path = [str(ROOT / "tests" / "cpu_torchvision"), str(target), worker_env()["PYTHONPATH"]]
     return {"PYTHONPATH": os.pathsep.join(path)}
 

@@ -44,6 +44,8 @@ EXPR = re.compile(r"\$\(\s*expr\s+([^()]*)\)")
 LAUNCH_ENV = {"NPROC_PER_NODE": "nproc_per_node", "NNODES": "nnodes"}
 TEMPLATE_ENV = {"MAX_PIXELS": "max_pixels", "VIDEO_MAX_PIXELS": "video_max_pixels", "FPS_MAX_FRAMES": "fps_max_frames"}
 """Environment variables ms-swift's Qwen-VL templates read (its examples set them) and the job's fields."""
+TEMPLATE_ENV_UNHONOURED = ("MIN_PIXELS", "VIDEO_MIN_PIXELS", "VIDEO_TOTAL_PIXELS", "FPS", "FPS_MIN_FRAMES")
+"""The others they read: the worker keeps the model's processor's minimums and samples 2 frames a second."""
 CLUSTER_ENV = ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 TORCHRUN_LAYOUT = {"nproc_per_node": "nproc_per_node", "nproc-per-node": "nproc_per_node", "nnodes": "nnodes"}
 TORCHRUN_CLUSTER = ("node_rank", "node-rank", "master_addr", "master-addr", "master_port", "master-port",
@@ -236,6 +238,9 @@ def import_command(text: str) -> ImportResult:
             result.spec[TEMPLATE_ENV[name]] = value
             result.notes.append(f"{name}={value} -> {TEMPLATE_ENV[name]}"
                                 + (" (a --max_pixels flag takes precedence)" if name == "MAX_PIXELS" else ""))
+        elif name in TEMPLATE_ENV_UNHONOURED:
+            result.ignored.append(f"{name}={value}: ms-swift's Qwen-VL templates read it; the worker keeps the model "
+                                  "processor's minimums and samples 2 frames a second")
         else:
             result.spec.setdefault("env", {})[name] = value
     pending: dict[str, str] = {}

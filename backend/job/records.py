@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from backend.job.errors import UserError
 from backend.job.jsonfile import read_json
+from backend.job.modelcfg import VIDEO_FAMILIES
 from backend.job.paths import not_a_regular_file
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -388,17 +389,18 @@ def _content(record: Record, images: bool = False, videos: bool = False
     if not isinstance(data, dict):
         raise DataError(f"{record.where}: expected an object with fields, got {type(data).__name__}")
     _text_only(record, images, videos)
-    conversation = json.dumps(data.get("messages", data.get("conversations")))
-    if images and (data.get("images") or data.get("videos") or any(tag in conversation for tag in MEDIA_TAGS.values())):
+    tags = media_tags(record) if images else {}
+    if tags and (any(data.get(field) for field in tags) or any(
+            tag in json.dumps(data.get("messages", data.get("conversations"))) for tag in tags.values())):
         text_only = {k: v for k, v in data.items() if k not in MEDIA_TAGS}
         messages, _ = _content(Record(record.where, text_only, record.base))
         if messages is None:
-            raise DataError(f"{record.where}: images and videos need a conversation ('messages') whose <image> and "
-                            "<video> tags say where they go")
+            raise DataError(f"{record.where}: {' and '.join(tags)} need a conversation ('messages') whose "
+                            f"{' and '.join(tags.values())} tags say where they go")
         _one_tag_each(record, messages, "messages")
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         for i, m in enumerate(messages):
-            for field, tag in MEDIA_TAGS.items():
+            for field, tag in tags.items():
                 if tag in m["content"] and (m["role"] == "assistant" or i > last):
                     where = "in an assistant answer" if m["role"] == "assistant" else "after the last assistant answer"
                     raise DataError(f"{record.where}: an {tag} tag {where} (message {i + 1}): {field} go in the "
@@ -435,16 +437,23 @@ MEDIA_TAGS = {"images": IMAGE_TAG, "videos": VIDEO_TAG}
 """The media a vision-language model reads and the tag in a record's text that marks where each goes."""
 
 
-def _text_only(record: Record, images: bool = False, videos: bool = False) -> None:
+def media_tags(record: Record) -> dict[str, str]:
+    """The tags that mark media in this record's text: `<image>` always (a vision-language model
+    reads images), `<video>` where the record has videos; elsewhere "<video>" is text (HTML, say)."""
+    return MEDIA_TAGS if record.data.get("videos") else {"images": IMAGE_TAG}
+
+
+def _text_only(record: Record, images: bool = False, videos: bool = False, pair: bool = False) -> None:
     """A record with media the model does not read is refused by name: its text alone would train
     the `<image>` tags as plain text, silently. `images`: the model reads images; `videos`: videos
-    too (not yet audio)."""
+    too (not yet audio); `pair`: a preference pair (not with videos yet)."""
     for field in MEDIA_FIELDS:
         if not record.data.get(field) or (field == "images" and images) or (field == "videos" and videos):
             continue
         why = ("the model is not a vision-language model" if not images else
-               "this model's videos are not read yet (images are; videos are with Qwen2-VL and Qwen2.5-VL, and "
-               "not in preference pairs)" if field == "videos" else f"{field} are not supported yet (images are)")
+               "preference pairs with videos are not trained yet (with images they are)" if field == "videos" and pair
+               else f"this model's videos are not read yet (images are; videos are with {', '.join(VIDEO_FAMILIES)})"
+               if field == "videos" else f"{field} are not supported yet (images are)")
         raise DataError(f"{record.where}: a multimodal record ('{field}'): {why}, and its text alone would train "
                         "its <image>/<video> tags as plain text; give text-only records or a vision-language model")
 
@@ -458,14 +467,26 @@ def record_videos(record: Record) -> list[str]:
     return [os.path.join(record.base, os.path.expanduser(v)) if record.base else os.path.expanduser(v) for v in videos]
 
 
-def record_media(record: Record, messages: list[dict]) -> list[str]:
-    """The record's images and videos in the order their tags come in `messages` (its rendered
-    conversation's placeholders' order); `_one_tag_each` has checked there is one tag each."""
+def record_media(record: Record, messages: list[dict[str, str]]) -> list[str]:
+    """The record's images and videos in the order their tags come in `messages` (as the job shows
+    them to the model: its system prompt and names filled in), which is the order of their
+    placeholders in the rendered conversation."""
+    tags = media_tags(record)
     queues = {IMAGE_TAG: iter(record_images(record) if record.data.get("images") else []),
               VIDEO_TAG: iter(record_videos(record) if record.data.get("videos") else [])}
-    tags = re.compile("|".join(map(re.escape, MEDIA_TAGS.values())))
-    return [next(queues[tag]) for m in messages if isinstance(m["content"], str)
-            for tag in tags.findall(m["content"])]
+    found = re.compile("|".join(map(re.escape, tags.values())))
+    out = []
+    for m in messages:
+        for tag in found.findall(m["content"]):
+            path = next(queues[tag], None)
+            if path is None:
+                raise DataError(f"{record.where}: more {tag} tags than {_MEDIA_OF[tag]} where the job shows it to the "
+                                "model: its system prompt, model_name or model_author adds one")
+            out.append(path)
+    return out
+
+
+_MEDIA_OF = {tag: field for field, tag in MEDIA_TAGS.items()}
 
 
 def record_images(record: Record) -> list[str]:
@@ -578,7 +599,7 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     data, where = record.data, record.where
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record, persona.images)  # videos: not in pairs yet
+    _text_only(record, persona.images, pair=True)
     if "rejected_response" in data:
         conversation = _chat(record, data.get("messages", data.get("conversations")))
         if conversation[-1]["role"] != "assistant":
@@ -621,8 +642,9 @@ def _pair_images(record: Record, prompt: list[dict[str, str]], chosen: str, reje
 
 
 def _one_tag_each(record: Record, messages: list[dict[str, str]], named: str) -> None:
-    for field, tag, read in (("images", IMAGE_TAG, record_images), ("videos", VIDEO_TAG, record_videos)):
-        count = len(read(record)) if record.data.get(field) is not None else 0
+    read = {"images": record_images, "videos": record_videos}
+    for field, tag in media_tags(record).items():
+        count = len(read[field](record)) if record.data.get(field) is not None else 0
         tags = sum(m["content"].count(tag) for m in messages)
         if tags != count:
             raise DataError(f"{record.where}: {tags} {tag} tag(s) in its {named} and {count} {field[:-1]}(s): each "
@@ -730,6 +752,24 @@ class VideoHeader:
     height: int
 
 
+class ReaderMissing(DataError):
+    """What reads a record's media is missing where it runs (PyAV, torchvision): not the record's
+    fault, so never a record to skip (strict off) but a stop that names what to install."""
+
+
+MIN_VIDEO_FRAMES = 2
+"""The fewest frames a video may have: one temporal patch of the Qwen-VL families that read videos
+(the worker checks their processor's own temporal patch)."""
+
+
+def _pyav(where: str, path: str):
+    try:
+        import av
+    except ImportError:
+        raise ReaderMissing(f"{where}: video {path}: reading videos needs PyAV here (pip install av)") from None
+    return av
+
+
 def open_video(where: str, path: str):
     """PyAV's container of a video file with a video stream, its failures named by record."""
     problem = not_a_regular_file(path)  # a FIFO would block the read
@@ -737,13 +777,10 @@ def open_video(where: str, path: str):
         raise DataError(f"{where}: video {path} not found (a relative path is read from the data file's directory)")
     if problem:
         raise DataError(f"{where}: video {path} {problem}")
+    av = _pyav(where, path)
     try:
-        import av
-    except ImportError:
-        raise DataError(f"{where}: video {path}: reading videos needs PyAV (pip install av)") from None
-    try:
-        container = av.open(path)
-    except (av.FFmpegError, OSError) as exc:
+        container = av.open(path, metadata_errors="replace")  # a crafted title is no reason to refuse it
+    except (av.FFmpegError, OSError, ValueError) as exc:
         raise DataError(f"{where}: video {path} is not a video PyAV can read ({exc})") from None
     if not container.streams.video:
         container.close()
@@ -751,42 +788,62 @@ def open_video(where: str, path: str):
     return container
 
 
+def _count_packets(where: str, path: str, container) -> int:
+    av = _pyav(where, path)
+    try:
+        return sum(1 for packet in container.demux(container.streams.video[0]) if packet.size)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise DataError(f"{where}: video {path} cannot be read to its end ({exc})") from None
+
+
+_HEADERS: dict[tuple, VideoHeader] = {}
+"""Video headers read, by (path, size, mtime, inode): tokenizing, the sampled check and every
+micro-batch read a video's header, and a container that stores no frame count is read through."""
+
+
 def video_header(where: str, path: str) -> VideoHeader:
     """The header of the video at `path` (its frames counted from its packets, not decoded, where
-    the container does not store the count)."""
-    import av
-
+    the container does not store the count); read once per version of the file."""
+    try:
+        stat = os.stat(path)
+        key = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    except OSError:
+        key = None  # open_video names why
+    if key in _HEADERS:
+        return _HEADERS[key]
     with open_video(where, path) as container:
         stream = container.streams.video[0]
-        try:
-            frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
-        except (av.FFmpegError, OSError) as exc:
-            raise DataError(f"{where}: video {path} cannot be read to its end ({exc})") from None
+        frames = stream.frames or _count_packets(where, path, container)
         rate = stream.average_rate or stream.guessed_rate
         width, height = stream.codec_context.width, stream.codec_context.height
     if not (rate and width and height):
         raise DataError(f"{where}: video {path}: its header gives no frame rate or size")
-    return VideoHeader(frames, float(rate), width, height)
+    if len(_HEADERS) >= 4096:
+        _HEADERS.clear()
+    _HEADERS[key] = header = VideoHeader(frames, float(rate), width, height)
+    return header
 
 
-def decode_video(where: str, path: str, indices: list[int]):
-    """The frames `indices` (ascending) of the video at `path`, decoded, as an RGB array of
-    (frames, height, width, 3); a video that ends or fails to decode before them is an error
-    that names it."""
-    import av
+def decode_video(where: str, path: str, indices: list[int], size: tuple[int, int] | None = None):
+    """The frames `indices` (ascending, without repeats) of the video at `path`, decoded, as an RGB
+    array of (frames, height, width, 3); `size` (width, height): each frame scaled down to it as it
+    is decoded, so a long 4K video's frames are never all held at full size. A video that ends or
+    fails to decode before them is an error that names it."""
     import numpy as np
 
-    wanted, frames = set(indices), []
+    av = _pyav(where, path)
+    wanted, frames, number = set(indices), [], -1
     with open_video(where, path) as container:
         try:
             for number, frame in enumerate(container.decode(video=0)):
                 if number in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    scaled = size and (frame.width, frame.height) != size
+                    frames.append((frame.reformat(*size, format="rgb24", interpolation="BICUBIC") if scaled
+                                   else frame.reformat(format="rgb24")).to_ndarray())
                 if number >= indices[-1]:
                     break
-        except (av.FFmpegError, OSError) as exc:
-            raise DataError(f"{where}: video {path} cannot be decoded past frame {len(frames)} of "
-                            f"{len(indices)} read ({exc})") from None
+        except (av.FFmpegError, OSError, ValueError) as exc:
+            raise DataError(f"{where}: video {path} cannot be decoded past its frame {number + 1} ({exc})") from None
     if len(frames) != len(indices):
         raise DataError(f"{where}: video {path} ends before its frame {indices[len(frames)] + 1}: its header says "
                         "more frames than it holds (a truncated file?)")
@@ -797,16 +854,12 @@ def verify_video(where: str, path: str) -> None:
     """Raise a DataError naming the record and the file if `path` is not a video PyAV reads: missing,
     not a regular file, no video stream, fewer packets than its header's frames (truncated), or a
     first frame that does not decode. Its later frames are decoded when training reads them."""
-    import av
-
     header = video_header(where, path)
-    if header.frames < 2:
-        raise DataError(f"{where}: video {path} has {header.frames} frame(s); a video needs at least 2")
+    if header.frames < MIN_VIDEO_FRAMES:
+        raise DataError(f"{where}: video {path} has {header.frames} frame(s); a video needs at least "
+                        f"{MIN_VIDEO_FRAMES}")
     with open_video(where, path) as container:
-        try:
-            packets = sum(1 for packet in container.demux(container.streams.video[0]) if packet.size)
-        except (av.FFmpegError, OSError) as exc:
-            raise DataError(f"{where}: video {path} cannot be read to its end ({exc})") from None
+        packets = _count_packets(where, path, container)
     if packets < header.frames:
         raise DataError(f"{where}: video {path} holds {packets} of the {header.frames} frames its header says "
                         "(a truncated file?)")

@@ -47,7 +47,7 @@ RESTARTABLE = frozenset({KILLED, NODE_UNREACHABLE, PEER_LOST, NCCL_TIMEOUT, HANG
 # The worker's user errors (subclasses of backend.job.errors.UserError, by class name): their message
 # says what to fix.
 USER_ERRORS = {"DataError": DATA_ERROR, "CacheError": CONFIG_ERROR, "ConfigError": CONFIG_ERROR, "ModelError": MODEL_ERROR, "Diverged": DIVERGED,
-               "PeerFailed": PEER_LOST}
+               "PeerFailed": PEER_LOST, "ReaderMissing": CONFIG_ERROR}  # a media reader to install where it runs
 
 HELP = {
     OUT_OF_MEMORY: "out of memory: lower per_device_train_batch_size or max_length, enable gradient_checkpointing, or use a higher ZeRO stage",

@@ -8,7 +8,7 @@ asking whether the extension loaded (the other operators' are guarded by `extens
 and the import fails with "operator torchvision::nms does not exist". Declaring the two schemas here,
 only where the extension does not load, is what that guard would have done; the video path uses
 none of torchvision's operators (its transforms run on torch's). On a GPU machine with a matching
-torchvision nothing of this is on the path. tests/test_vision.py pins the failure it works around.
+torchvision nothing of this is on the path. tests/test_video.py pins the failure it works around.
 """
 import importlib.util
 import os
