@@ -74,14 +74,15 @@ What sets them apart is each engine's own work (DeepSpeed's hooks around every m
 not traffic: two ranks over NVLink are a few per cent of those steps by the model below. ZeRO-1 is
 taken as ZeRO-2 (DeepSpeed's same optimizer code; not measured apart), offload as ZeRO-3 with its
 PCIe traffic on top."""
-LORA_ENGINE_EFFICIENCY = {**ENGINE_EFFICIENCY, "FSDP2": 1.17}
-"""LoRA's: FSDP2 ran LoRA faster than DDP on one H100 (the Qwen2.5-1.5B shape at 4096 tokens, 4 a
-micro-batch, Liger: FSDP2 43,700 tokens/s, DDP 37,448; bench/results/h100-lora-engines.jsonl), as it
-did on the Llama-3.2-3B shape at 8192 (1.13x with Liger, 1.08x without; h100-advisor-1.jsonl). Why is
-not established. The other engines as full fine-tuning's: on the held-out 3B job (h100-advisor-5*.jsonl,
-Liger, 2 a micro-batch) ZeRO-1/2 ran LoRA at 1.16x DDP's speed (0.90x here) and ZeRO-3 at 0.51x (0.53x),
-not taken from there, that job being held out; bench/plans/lora-engines.jsonl's ZeRO rows measure them
-on this calibration job."""
+LORA_ENGINE_EFFICIENCY = {**ENGINE_EFFICIENCY, "FSDP2": 1.10, "ZeRO-1": 0.97, "ZeRO-2": 0.97, "ZeRO-3": 0.43,
+                          "ZeRO-3 + offload": 0.43}
+"""LoRA's, on one H100 (the Qwen2.5-1.5B shape at 4096 tokens, 4 a micro-batch, Liger), over DDP's:
+FSDP2 ran LoRA faster than DDP, 1.17x in one call (43,700 tokens/s against 37,448;
+bench/results/h100-lora-engines.jsonl) and 1.03x in another (38,261 against 37,304;
+h100-lora-engines-2.jsonl), so the mean of the two; the Llama-3.2-3B shape at 8192 ran it 1.13x with
+Liger, 1.08x without (h100-advisor-1.jsonl). Why is not established. ZeRO-1 36,185 and ZeRO-2 36,080
+(0.97x), ZeRO-3 15,988 (0.43x), in the second call; offload as ZeRO-3 with its PCIe traffic on top.
+Not from the held-out 3B job (h100-advisor-5*.jsonl: ZeRO-1/2 1.16x DDP's speed, ZeRO-3 0.51x)."""
 LIGER_SPEEDUP = 1.15
 """Liger's fused kernels in full fine-tuning: 1.15-1.20x the tokens/s of the same stock HF run without
 (../shared/bench/hf_baseline_h200.jsonl); LoRA ran as fast without them there, so LoRA gets none
