@@ -120,6 +120,13 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
         processor = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
         processor(patch_size=vision["patch_size"], size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}
                   ).save_pretrained(out)
+    if family == "qwen3_vl":
+        # as its checkpoints, its own video processor's file (written, not built: building it needs
+        # torchvision): bounds of a whole video's pixels, here 16 frames' at the images' largest
+        (out / "video_preprocessor_config.json").write_text(json.dumps({
+            "video_processor_type": "Qwen3VLVideoProcessor", "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"], "merge_size": vision["spatial_merge_size"],
+            "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1] * 16}}, indent=2))
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(tokens))
     text = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, **text}

@@ -267,10 +267,9 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
 
     def media(of: list[int]) -> dict:
         """The pixels of rows `of`'s images, in row order, as the model takes them."""
-        shown = [(token, image, count) for row in of
-                 for image, (token, count) in zip(pictures[row], loaded.images.media_runs(rows[row]))] \
-            if loaded.images is not None else []
         try:
+            shown = [found for row in of for found in loaded.images.media("chat message", rows[row], pictures[row])] \
+                if loaded.images is not None else []
             return loaded.images.pixels(shown, "chat message") if shown else {}
         except DataError as exc:
             raise ChatError(str(exc)) from None

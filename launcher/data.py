@@ -294,8 +294,7 @@ def collate(rows: list[Row], pad_id: int, packed: bool, pad_to: int | None = Non
     if not packed:
         batch["attention_mask"] = torch.tensor(mask)
     if media is not None:
-        found = [(token, path, count) for r in rows
-                 for path, (token, count) in zip(r.images, media.media_runs(r.input_ids))]
+        found = [found for r in rows for found in media.media("training data", r.input_ids, r.images)]
         pixels = media.pixels(found) if found else {}
         batch.update(pixels)
         # Qwen's and GLM-4V's models place their image tokens themselves (multimodal rope), from the

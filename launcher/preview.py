@@ -73,7 +73,6 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
            "samples": [], "error": None}
     media_tokens = tuple(sorted(images.ids - set(images.bounds))) if images is not None else ()
     video_token = images.video_token_id if images is not None else None
-    runs = images.media_runs if images is not None else lambda ids: []
     try:
         if spec.streaming and source.is_local:  # what training reads first, and no count of a file of any size
             base = str(Path(source.name).parent)
@@ -96,8 +95,9 @@ def dataset_preview(entry: str, spec, tokenizer, persona: Persona, images=None) 
                 cut = Sample(whole.input_ids[:spec.max_length], whole.labels[:spec.max_length])
                 out["samples"].append({"where": record.where, "tokens": len(cut.input_ids),
                                        "segments": segments(tokenizer, cut, media_tokens),
-                                       "images": [thumbnail(path, token == video_token)
-                                                  for path, (token, _) in zip(whole.images, runs(whole.input_ids))]})
+                                       "images": [thumbnail(path, token == video_token) for token, path, _ in
+                                                  images.media(record.where, whole.input_ids, whole.images)]
+                                       if images is not None else []})
     except DataError as exc:
         out["error"] = str(exc)
     return out

@@ -6,13 +6,14 @@ renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_
 gives that image, as the model's processor does: the image processor's patch count for the image's
 size (read from the file's header when tokenizing, so the cache holds the final ids), over the
 merge of patches into tokens (Qwen's and GLM-4V's); for InternVL its tiles' count times each tile's
-tokens, the run between `<img>` and `</img>`. A `<video>` tag (Qwen2-VL and Qwen2.5-VL) is a video
-part, its placeholder repeated once per token of the frames the model's video processor samples
-(FPS a second, at most fps_max_frames; from the file's header when tokenizing). The pixels are
-decoded and processed per micro-batch, videos' frames by PyAV. The processor class itself is not
-used: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video processor
-lookup fails), while the image processor falls back to its PIL backend; the video processor needs
-torchvision, and is built at a job's first video."""
+tokens, the run between `<img>` and `</img>`. A `<video>` tag (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is a
+video part, its placeholder replaced by the model processor's own layout of the frames its video
+processor samples (FPS a second, at most fps_max_frames; from the file's header when tokenizing): one
+run of placeholders, or Qwen3-VL's `<t seconds>` text and a run per temporal patch. The pixels are
+decoded and processed per micro-batch, videos' frames by PyAV. The processor class itself is used
+for videos alone: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video
+processor lookup fails), while the image processor falls back to its PIL backend; the video processor
+needs torchvision, and both are built at a job's first video."""
 from __future__ import annotations
 
 import hashlib
@@ -128,23 +129,38 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 
 class Videos:
-    """A video-reading model's video processor (transformers'; it needs torchvision) with the job's
-    bounds: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
-    `video_max_pixels`."""
+    """A video-reading model's processors (transformers'; its video processor needs torchvision) with
+    the job's bounds: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
+    `video_max_pixels`. A video's tokens are the processor's own layout of its grid: Qwen2-VL's and
+    Qwen2.5-VL's one placeholder run, Qwen3-VL's a `<t seconds>` text and a bounded run per temporal
+    patch."""
 
     def __init__(self, source: str, video_max_pixels: int | None = None, fps_max_frames: int | None = None):
-        from transformers import AutoVideoProcessor
+        import inspect
 
-        processor = AutoVideoProcessor.from_pretrained(source)
-        most = video_max_pixels or VIDEO_MAX_PIXELS
-        bounds = {"size": {"shortest_edge": min(processor.size["shortest_edge"], most), "longest_edge": most}}
+        from transformers import AutoProcessor, AutoVideoProcessor
+
+        own = AutoVideoProcessor.from_pretrained(source)
+        self.merge = own.merge_size
+        # the processor's own rule for a frame's size: frames are decoded at it (a long 4K video's
+        # frames are not all held at full size) and not resized again
+        self.smart_resize = importlib.import_module(type(own).__module__).smart_resize
+        self.whole_video = "num_frames" in inspect.signature(self.smart_resize).parameters
+        """Its size bounds a video's pixels over all its frames (Qwen3-VL's), not each frame's."""
+        if self.whole_video:
+            # qwen-vl-utils' per-frame cap (ms-swift reads Qwen3-VL's videos through it); the job's
+            # video_max_pixels is that cap where set, else the processor's own
+            bounds: dict = {"cap_pixels_per_frame": True}
+            if video_max_pixels:
+                bounds["max_video_tokens"] = max(1, video_max_pixels // (own.patch_size * self.merge) ** 2)
+        else:
+            most = video_max_pixels or VIDEO_MAX_PIXELS
+            bounds = {"size": {"shortest_edge": min(own.size["shortest_edge"], most), "longest_edge": most}}
         if fps_max_frames:
             bounds["max_frames"] = fps_max_frames
         self.processor = AutoVideoProcessor.from_pretrained(source, **bounds)
-        self.merge = self.processor.merge_size
-        # the processor's own rule for a frame's size: frames are decoded at it (a long 4K video's
-        # frames are not all held at full size), and the processor then leaves them so
-        self.smart_resize = importlib.import_module(type(self.processor).__module__).smart_resize
+        self.layout = AutoProcessor.from_pretrained(source, video_processor=self.processor)
+        """The model's processor, whose `replace_video_token` lays a video's grid out as text."""
 
     def sampled(self, where: str, path: str, header: VideoHeader) -> list[int]:
         """The indices of the frames the model reads, as its processor samples them."""
@@ -158,33 +174,51 @@ class Videos:
                                  height=header.height, duration=header.frames / header.fps)
         return self.processor.sample_frames(metadata, fps=FPS).tolist()
 
-    def tokens(self, where: str, path: str) -> int:
-        """How many placeholder tokens the video at `path` takes (its header read, not its frames)."""
-        header = video_header(where, path)
-        frames = len(self.sampled(where, path, header))
+    def frame_size(self, where: str, path: str, frames: int, header: VideoHeader) -> tuple[int, int]:
+        """(height, width) the processor sizes the video's `frames` sampled frames to (its own
+        `get_num_of_video_patches`' rule)."""
+        processor = self.processor
+        factor = processor.patch_size * self.merge
+        least, most = processor.size["shortest_edge"], processor.size["longest_edge"]
         try:
-            patches = self.processor.get_num_of_video_patches(frames, header.height, header.width, {})
+            if not self.whole_video:
+                return self.smart_resize(header.height, header.width, factor=factor, min_pixels=least, max_pixels=most)
+            if processor.cap_pixels_per_frame:
+                per_frame = max(min(processor.max_video_tokens * factor ** 2, most // frames), int(least * 1.05))
+                most = per_frame * frames
+            return self.smart_resize(frames, header.height, header.width, temporal_factor=processor.temporal_patch_size,
+                                     factor=factor, min_pixels=least, max_pixels=most)
         except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
             raise DataError(f"{where}: video {path}: {exc}") from None
-        return patches // self.merge ** 2
+
+    def ids(self, where: str, path: str) -> list[int]:
+        """The tokens of the video at `path` (its header read, not its frames), as the model's processor
+        lays them out."""
+        from transformers.video_utils import VideoMetadata
+
+        header = video_header(where, path)
+        indices = self.sampled(where, path, header)
+        height, width = self.frame_size(where, path, len(indices), header)
+        patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
+        grid = torch.tensor([[-(-len(indices) // temporal), height // patch, width // patch]])
+        metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
+                                 height=header.height, duration=header.frames / header.fps, frames_indices=indices)
+        text = self.layout.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+        return self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def pixels(self, videos: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's videos, each (path, the tokens it was tokenized
         with), and each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it)."""
         clips, seconds = [], []
-        factor = self.processor.patch_size * self.merge
         for path, _ in videos:
             header = video_header(where, path)
             indices = self.sampled(where, path, header)
-            try:
-                height, width = self.smart_resize(header.height, header.width, factor=factor,
-                                                  min_pixels=self.processor.size["shortest_edge"],
-                                                  max_pixels=self.processor.size["longest_edge"])
-            except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
-                raise DataError(f"{where}: video {path}: {exc}") from None
+            height, width = self.frame_size(where, path, len(indices), header)
             clips.append(decode_video(where, path, indices, (width, height)))
             seconds.append(self.processor.temporal_patch_size * header.frames / (len(indices) * header.fps))
-        out = self.processor(videos=clips, do_sample_frames=False, cap_pixels_per_frame=False, return_tensors="pt")
+        # the per-frame cap's flag passed as set (a processor warns where it is not)
+        out = self.processor(videos=clips, do_sample_frames=False, do_resize=False,
+                             cap_pixels_per_frame=bool(self.processor.cap_pixels_per_frame), return_tensors="pt")
         counts = [t * h * w // self.merge ** 2 for t, h, w in out["video_grid_thw"].tolist()]
         for (path, tokens), count in zip(videos, counts):
             if count != tokens:
@@ -314,7 +348,7 @@ class Images:
     def run(self, where: str, token: int, path: str) -> list[int]:
         """The tokens of the image or video (by its placeholder `token`) at `path`."""
         if token == self.video_token_id:
-            return [token] * self.videos(where, path).tokens(where, path)
+            return self.videos(where, path).ids(where, path)
         return self.placeholder(self.tokens(where, path))
 
     def tokens(self, where: str, path: str) -> int:
@@ -349,7 +383,7 @@ class Images:
     def decode_videos(self, where: str, ids: list[int], paths: list[str]) -> None:
         """Decode the frames training reads of a sample's videos (`ids`, `paths`: a `Sample`'s): an
         error names one that fails."""
-        for path, (token, _) in zip(paths, self.media_runs(ids)):
+        for token, path, _ in self.media(where, ids, paths):
             if token == self.video_token_id:
                 videos = self.videos(where, path)
                 decode_video(where, path, videos.sampled(where, path, video_header(where, path)))
@@ -397,15 +431,34 @@ class Images:
             out.append(kinds)
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int8)
 
-    def media_runs(self, ids: list[int]) -> list[tuple[int, int]]:
-        """The placeholder runs in `ids`, in order: each image's or video's (placeholder token, token count)."""
-        out, run, kind = [], 0, None
-        for token in ids + [None]:
-            if run and token != kind:
-                out.append((kind, run))
-                run = 0
-            if token == self.token_id or (token == self.video_token_id and token is not None):
-                kind, run = token, run + 1
+    def media(self, where: str, ids: list[int], paths: list[str]) -> list[tuple[int, str, int]]:
+        """Each image and video of a sample (`ids`, and `paths` in the order of their tags), in order:
+        (its placeholder token, path, the placeholder tokens it takes in `ids`). A video's are those of
+        its layout (`Videos.ids`, over several runs where its processor puts text between its temporal
+        patches), which the file must still give: a video that changed since tokenizing is named."""
+        out, at = [], 0
+        for path in paths:
+            at = next((i for i in range(at, len(ids)) if ids[i] in (self.token_id, self.video_token_id)), None)
+            if at is None:
+                raise DataError(f"{where}: {len(paths)} image(s) and video(s), and fewer runs of their placeholder "
+                                f"tokens in its {len(ids)} tokens")
+            token = ids[at]
+            if token == self.video_token_id:
+                layout = self.videos(where, path).ids(where, path)
+                first = layout.index(token)
+                last = len(layout) - layout[::-1].index(token)  # the text after its last run may be cut off
+                start = at - first
+                if start < 0 or ids[start:start + last] != layout[:last]:
+                    raise DataError(f"{where}: video {path} is not the size it had when the data was tokenized; "
+                                    "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
+                out.append((token, path, layout[:last].count(token)))
+                at = start + last
+                continue
+            end = at
+            while end < len(ids) and ids[end] == token:
+                end += 1
+            out.append((token, path, end - at))
+            at = end
         return out
 
 

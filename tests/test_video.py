@@ -1,4 +1,4 @@
-"""Videos for the vision-language models that read them (a tiny Qwen2.5-VL and Qwen2-VL from a config):
+"""Videos for the vision-language models that read them (a tiny Qwen2.5-VL, Qwen2-VL and Qwen3-VL from a config):
 records with `<video>` tags in ms-swift's format, their problems named by file:line before launch,
 each video's visual tokens as its model's video processor samples its frames (PyAV decodes them),
 packed rows equal to their samples alone, and real training with images and videos interleaved.
@@ -103,10 +103,10 @@ def test_video_records_name_their_problems_by_file_and_line(tmp_path):
     # validation's sampled check names the first of them, and counts the rest
     sampled = sample_problems(where, 1 << 20, VIDEOS)
     assert sampled[:3] == problems[:3] and sampled[3] == f"{where}: 8 more bad records among the 11 checked"
-    # a model that reads images only (Qwen3-VL, GLM-4V, InternVL) and a preference pair refuse videos by name
+    # a model that reads images only (GLM-4V, InternVL) and a preference pair refuse videos by name
     for persona, record, why in (
             (Persona(images=True), good,
-             r"this model's videos are not read yet \(images are; videos are with qwen2_vl, qwen2_5_vl\)"),
+             r"this model's videos are not read yet \(images are; videos are with qwen2_vl, qwen2_5_vl, qwen3_vl\)"),
             (Persona(images=True, videos=True, pairs=True),
              {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]},
              r"preference pairs with videos are not trained yet \(with images they are\)")):
@@ -201,11 +201,10 @@ records.append(Record(f"{data}:9", {"messages": [{"role": "user", "content": "<v
 samples = [encode(r, tokenizer, 512, persona, media) for r in records]
 # each video's tokens from its header against the processor's grid of its decoded frames
 videos = media.videos("", short)
-counted = [[c for t, c in media.media_runs(s.input_ids)] for s in samples]
+counted = [[c for _, _, c in media.media("", s.input_ids, s.images)] for s in samples]
 grids = []
 for s in samples:
-    found = [(t, p, c) for p, (t, c) in zip(s.images, media.media_runs(s.input_ids))]
-    pixels = media.pixels(found)
+    pixels = media.pixels(media.media("", s.input_ids, s.images))
     grids.append({k: v.tolist() for k, v in pixels.items() if k.endswith("grid_thw") or k == "second_per_grid_ts"})
 row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
 packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
@@ -229,7 +228,21 @@ preview = dataset_preview(data, spec, tokenizer, persona, media)
 # the job's video bounds: frames within 56x56 pixels, at most 2 of them; an export keeps them
 bounded = Images(model_dir, config, None, 56 * 56, 2)
 clips = [str(Path(base) / name) for name in ("0.mp4", "1.mp4")]
-bounded_tokens = [bounded.videos("", clip).tokens("", clip) for clip in clips]
+bounded_tokens = [bounded.videos("", clip).ids("", clip).count(config.video_token_id) for clip in clips]
+# the first record's ids as the model's own processor gives them for its decoded frames
+from backend.job.records import decode_video, video_header
+from launcher.vision import with_image_parts
+from transformers.video_utils import VideoMetadata
+
+header = video_header("", samples[0].images[0])
+indices = videos.sampled("", samples[0].images[0], header)
+height, width = videos.frame_size("", samples[0].images[0], len(indices), header)
+frames = decode_video("", samples[0].images[0], indices, (width, height))
+text = tokenizer.apply_chat_template(with_image_parts(records[0].data["messages"], videos=True), tokenize=False)
+metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width, height=header.height,
+                         duration=header.frames / header.fps, frames_indices=indices)
+own = videos.layout(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False, do_resize=False,
+                    return_tensors="pt")["input_ids"][0].tolist()
 from transformers import AutoVideoProcessor
 from launcher.vision import save_image_processor
 save_image_processor(model_dir, Path(base) / "export", spec.model_copy(update={"video_max_pixels": 56 * 56,
@@ -238,8 +251,9 @@ saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
 # an export of a job that bounds images only: its videos as the run sized them, not by the images' bound
 save_image_processor(model_dir, Path(base) / "export-images", spec.model_copy(update={"max_pixels": 56 * 56}))
 images_only = AutoVideoProcessor.from_pretrained(Path(base) / "export-images")
-print(json.dumps({"bounded_tokens": bounded_tokens, "saved": [saved.size["longest_edge"], saved.max_frames],
-                  "images_only": images_only.size["longest_edge"],
+print(json.dumps({"bounded_tokens": bounded_tokens, "own": own, "ours": samples[0].input_ids,
+                  "saved": [saved.size["longest_edge"], saved.max_frames, saved.max_video_tokens],
+                  "images_only": [images_only.size["longest_edge"], images_only.max_video_tokens],
                   "counted": counted, "grids": grids, "order": order, "worst": worst,
                   "unbounded_worst": unbounded_worst, "timed": media.timed,
                   "segments": preview["samples"][2]["segments"], "thumbnails": [s["images"] for s in preview["samples"]],
@@ -248,14 +262,16 @@ print(json.dumps({"bounded_tokens": bounded_tokens, "saved": [saved.size["longes
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_each_samples_logits(
         tmp_path, env, family):
     """A video's visual tokens are its frames sampled at 2 a second (at least 4: a 1 s clip at 4 fps
     reads all 4, half a second a temporal patch, which Qwen2.5-VL's rope spaces by), two frames a
     temporal patch, 2x2 patches a token; counted from its header when tokenizing and equal to the
-    processor's grid of its decoded frames. Packed with images and other videos, every sample's logits
-    are its own row's. The data preview shows a video's first frame and its placeholder run counted."""
+    processor's grid of its decoded frames, laid out as the model's own processor lays them (Qwen3-VL:
+    a `<t seconds>` text before each temporal patch's run). Packed with images and other videos, every
+    sample's logits are its own row's. The data preview shows a video's first frame and its
+    placeholder runs counted."""
     model = build_tiny_vl_model(tmp_path / "model", family)
     data = colour_videos(tmp_path / "data", 4)
     short = write_video(tmp_path / "data" / "short.mp4", (30, 200, 60), frames=4)
@@ -278,18 +294,30 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
     assert [len(t) for t in out["thumbnails"]] == [1, 1, 2]
     assert all(t.startswith("data:image/png;base64,") for ts in out["thumbnails"] for t in ts)
     text = "".join(t for t, _ in out["segments"])
-    assert "<|image_pad|>×4" in text and "<|video_pad|>×8" in text, text
-    # video_max_pixels scales the 84x56 clip's frames to 56x28, the 56x56 one's as they were;
-    # fps_max_frames 2 keeps 2 of the 4 frames sampled: one temporal patch
-    assert out["bounded_tokens"] == [4, 2] and out["saved"] == [56 * 56, 2]
-    assert out["images_only"] == 768 * 28 * 28  # ms-swift's VIDEO_MAX_PIXELS, which the run used
+    assert out["ours"] == out["own"]
+    if family == "qwen3_vl":  # frames 0 and 2 of 4 a second at 0.25 s, 5 and 7 at 1.5 s
+        assert "<|image_pad|>×4" in text and "<0.2 seconds><|vision_start|><|video_pad|>×4<|vision_end|>" \
+            "<1.5 seconds><|vision_start|><|video_pad|>×4" in text, text
+    else:
+        assert "<|image_pad|>×4" in text and "<|video_pad|>×8" in text, text
+    # video_max_pixels scales the 84x56 clip's frames to 56x28 (Qwen3-VL: to 64x32, its cap of 3 tokens
+    # of 32x32 pixels raised to its floor, 1.05 times its least pixels of a video), the 56x56 one's as
+    # they were; fps_max_frames 2 keeps 2 of the 4 frames sampled: one temporal patch
+    assert out["bounded_tokens"] == [4, 2]
+    if family == "qwen3_vl":  # the per-frame cap in its tokens of 32x32 pixels, a video's bound its own
+        assert out["saved"] == [16 * 32 * 32 * 16, 2, 56 * 56 // (32 * 32)]
+        assert out["images_only"] == [16 * 32 * 32 * 16, 768]  # its own cap of 768 tokens a frame
+    else:
+        assert out["saved"][:2] == [56 * 56, 2]
+        assert out["images_only"][0] == 768 * 28 * 28  # ms-swift's VIDEO_MAX_PIXELS, which the run used
 
 
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_and_fsdp2(tmp_path, env):
     """Records with videos, every third with an image before its video: LoRA on one rank (strict off:
-    a video cut short and one missing are skipped and counted) and packed, each 16 steps, its loss
-    falls, and the LoRA run resumed from step 8 trains its losses again. Full fine-tuning on two ranks
+    a video cut short and one missing are skipped and counted) and packed (a Qwen3-VL: its videos'
+    timestamps between their temporal patches), each 16 steps, its loss falls, and the LoRA run
+    resumed from step 8 trains its losses again. Full fine-tuning on two ranks
     of video records trains the same losses under DDP's layout, ZeRO-2, ZeRO-3 and FSDP2; with the
     images among them FSDP2 refuses by name (its ranks would run the tower unequally often)."""
     model = build_tiny_vl_model(tmp_path / "model")
@@ -306,8 +334,9 @@ def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_
     lora_job = dict(**{**common, "dataset": [str(skipping)]}, strict=False, train_type="lora",
                     per_device_train_batch_size=4, learning_rate=5e-2, max_steps=16, save_steps=8)
     lora = write_run(tmp_path / "lora", **lora_job)
-    packed = write_run(tmp_path / "packed", **common, train_type="lora", packing=True, per_device_train_batch_size=2,
-                       learning_rate=5e-2, max_steps=16, save_strategy="no")
+    packed = write_run(tmp_path / "packed", **{**common, "model": str(build_tiny_vl_model(tmp_path / "qwen3", "qwen3_vl"))},
+                       train_type="lora", packing=True, per_device_train_batch_size=2, learning_rate=5e-2, max_steps=16,
+                       save_strategy="no")
     full = dict(**{**common, "dataset": [videos]}, train_type="full", learning_rate=3e-3, max_steps=3,
                 save_strategy="no", per_device_train_batch_size=2, nproc_per_node=2)
     ddp, zero2, zero3, fsdp = (tmp_path / name for name in ("ddp", "zero2", "zero3", "fsdp2"))

@@ -22,9 +22,9 @@ def tiny_vl(request, tmp_path_factory):
     return build_tiny_vl_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def runs(images, ids: list[int]) -> list[int]:
-    """The token count of each image's placeholder run in `ids`, in order."""
-    return [count for _, count in images.media_runs(ids)]
+def runs(images, sample) -> list[int]:
+    """The token count of each image's placeholder run in a `Sample`, in order."""
+    return [count for _, _, count in images.media("", sample.input_ids, sample.images)]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
     for sample, record in zip(samples, records):
         path = str(tmp_path / "data" / record.data["images"][0])
         assert sample.images == [path]
-        counts = runs(images, sample.input_ids)
+        counts = runs(images, sample)
         assert counts == [images.tokens(record.where, path)] and counts[0] > 1
         at = sample.input_ids.index(images.token_id)
         assert all(label == IGNORE for label in sample.labels[at:at + counts[0]])
@@ -58,17 +58,17 @@ def test_an_image_record_takes_one_token_per_visual_token_and_reaches_the_model(
         from PIL import Image
 
         Image.new("RGB", (168, 56)).save(tmp_path / "wide.png")
-        assert images.tokens("", str(tmp_path / "wide.png")) > runs(images, samples[0].input_ids)[0]
+        assert images.tokens("", str(tmp_path / "wide.png")) > runs(images, samples[0])[0]
         at = samples[0].input_ids.index(images.token_id)  # the run between the image's start and end tokens
-        assert (samples[0].input_ids[at - 1], samples[0].input_ids[at + runs(images, samples[0].input_ids)[0]]) \
+        assert (samples[0].input_ids[at - 1], samples[0].input_ids[at + runs(images, samples[0])[0]]) \
             == images.bounds
     else:
-        assert runs(images, samples[0].input_ids) != runs(images, samples[1].input_ids)  # 56 and 84 px wide
+        assert runs(images, samples[0]) != runs(images, samples[1])  # 56 and 84 px wide
     batches = Batches(lambda members: [samples[m] for m in members], one_per_row(4), 4, 1, 1, 0,
                       tokenizer.pad_token_id, False, 96)
     batches.media = images
     batch, _, _ = batches.batch_of([0, 1, 2, 3])
-    counts = [runs(images, s.input_ids)[0] for s in samples]
+    counts = [runs(images, s)[0] for s in samples]
     if images.tiled:  # image tokens placed as text: positions as for text, no token types
         assert "position_ids" in batch and "mm_token_type_ids" not in batch
         assert batch["pixel_values"].shape[0] == sum(count // images.per_tile for count in counts)
@@ -174,7 +174,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
     for pair, record in zip(encoded, records):
         path = str(tmp_path / "data" / record.data["images"][0])
         for row in (pair.chosen, pair.rejected):
-            assert row.images == [path] and runs(images, row.input_ids) == [images.tokens(record.where, path)]
+            assert row.images == [path] and runs(images, row) == [images.tokens(record.where, path)]
         answer = lambda row: tokenizer.decode([t for t, l in zip(row.input_ids, row.labels) if l != IGNORE])  # noqa: E731
         assert answer(pair.chosen).startswith(record.data["messages"][1]["content"])
         assert answer(pair.rejected).startswith(record.data["rejected_response"])
@@ -184,7 +184,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
     batch, _, _ = batches.batch_of([0, 1])
     assert batch["input_ids"].shape[0] == 4
     if not images.tiled:
-        counts = [runs(images, p.chosen.input_ids)[0] for p in encoded] * 2  # chosen rows, then rejected rows
+        counts = [runs(images, p.chosen)[0] for p in encoded] * 2  # chosen rows, then rejected rows
         assert (batch["image_grid_thw"].prod(-1) // images.merge ** 2).tolist() == counts
     good = records[0].data
     bad = [{**good, "rejected_response": "<image>red"},
@@ -197,7 +197,7 @@ def test_a_preference_pair_with_an_image_has_it_in_both_rows_and_names_its_probl
         f"{where}:1: an <image> tag in the rejected answer: a pair's images go in its prompt, which both answers follow",
         f"{where}:2: 1 <image> tag(s) in its prompt and 2 image(s): each image needs a <image> tag where it goes"]
     text = encode(Record(f"{where}:3", bad[2], str(tmp_path)), tokenizer, 200, pairs, images)
-    assert text.chosen.images == [] and runs(images, text.chosen.input_ids) == []
+    assert text.chosen.images == [] and runs(images, text.chosen) == []
     # padding_free: the micro-batch's chosen rows, then its rejected rows, end to end in one row, each
     # by its own positions: every row's logits are those it has padded
     import torch
@@ -294,9 +294,9 @@ def test_image_records_name_their_problems_by_file_and_line(tmp_path, tiny_vl, i
     # an image replaced by a larger one after tokenizing (the cache holds the old count) stops the run by path
     replaced = encode(Record(f"{where}:1", good, str(data)), tokenizer, 96, Persona(images=True), images)
     Image.new("RGB", (168, 168)).save(data / "0.png")
-    (token, count), = images.media_runs(replaced.input_ids)
+    found = images.media("", replaced.input_ids, replaced.images)
     with pytest.raises(DataError, match=r"image .*0.png is not the size it had when the data was tokenized"):
-        images.pixels([(token, replaced.images[0], count)])
+        images.pixels(found)
     # an image cut off by max_length would not match its pixels: the record is dropped (counted)
     assert encode(Record(f"{where}:1", good, str(data)), tokenizer, 12, Persona(images=True), images) is None
 
@@ -424,8 +424,8 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
     family = json.loads((tiny_vl / "config.json").read_text())["model_type"]
     bounded = {p.field: p.message for p in validate(JobSpec(**{**base, "video_max_pixels": 50176, "fps_max_frames": 8}))
                if p.field in ("video_max_pixels", "fps_max_frames")}
-    assert bounded == ({} if family in ("qwen2_vl", "qwen2_5_vl") else dict.fromkeys(
-        ("video_max_pixels", "fps_max_frames"), f"ignored: the worker reads videos with qwen2_vl, qwen2_5_vl only, not "
+    assert bounded == ({} if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") else dict.fromkeys(
+        ("video_max_pixels", "fps_max_frames"), f"ignored: the worker reads videos with qwen2_vl, qwen2_5_vl, qwen3_vl only, not "
                                                 f"{family} (its records' videos are refused)")), bounded
     # a text model's job names the image records it cannot read, by file:line
     text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
