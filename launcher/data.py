@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from backend.job.records import (DataError, Persona, Record, check_record, is_pretokenized, parse_source, pretokenized,
-                                 read_records, record_images, record_media, to_messages, to_pair)
+                                 read_records, record_media, to_messages, to_pair)
 
 IGNORE = -100
 # ChatML, used when a tokenizer ships without a chat template (base models).
@@ -105,8 +105,9 @@ def encode_checked(record: Record, tokenizer, max_length: int, persona: Persona,
     if not strict and persona.images:
         check_record(record, persona)
     sample = encode(record, tokenizer, max_length, persona, images)
-    if not strict and isinstance(sample, Sample) and persona.videos:
-        images.decode_videos(record.where, sample.input_ids, sample.images)
+    shown = sample.chosen if isinstance(sample, Pair) else sample  # a pair's rows show the same media
+    if not strict and shown is not None and persona.videos:
+        images.decode_videos(record.where, shown.input_ids, shown.images)
     return sample
 
 
@@ -133,13 +134,14 @@ def expand_media(where: str, ids: list[int], labels: list[int], paths: list[str]
 def _pair(record: Record, tokenizer, max_length: int, persona: Persona, images=None) -> Pair | None:
     """The prompt rendered once, each answer after it (labels on the answer and its end-of-turn
     tokens only), each truncated to max_length; None when either answer is cut away entirely (or an
-    image of the prompt is). `images`: `encode`'s; the prompt's images are in both rows."""
+    image or video of the prompt is). `images`: `encode`'s; the prompt's images and videos are in both
+    rows."""
     prompt, chosen, rejected = to_pair(record, persona)
-    paths = record_images(record) if persona.images and record.data.get("images") else []
+    paths = record_media(record, prompt) if persona.images else []
     if paths:
         from launcher.vision import with_image_parts
 
-        prompt = with_image_parts(prompt)
+        prompt = with_image_parts(prompt, videos=bool(record.data.get("videos")))
     asked = render(tokenizer, prompt, add_generation_prompt=True)
     samples = []
     for answer in (chosen, rejected):

@@ -103,15 +103,20 @@ def test_video_records_name_their_problems_by_file_and_line(tmp_path):
     # validation's sampled check names the first of them, and counts the rest
     sampled = sample_problems(where, 1 << 20, VIDEOS)
     assert sampled[:3] == problems[:3] and sampled[3] == f"{where}: 8 more bad records among the 11 checked"
-    # a model that reads images only (GLM-4V, InternVL) and a preference pair refuse videos by name
-    for persona, record, why in (
-            (Persona(images=True), good,
-             r"this model's videos are not read yet \(images are; videos are with qwen2_vl, qwen2_5_vl, qwen3_vl\)"),
-            (Persona(images=True, videos=True, pairs=True),
-             {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]},
-             r"preference pairs with videos are not trained yet \(with images they are\)")):
-        with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): " + why):
-            check_record(Record("d:1", record, str(data)), persona)
+    # a model that reads images only (GLM-4V, InternVL) refuses videos by name
+    with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): this model's videos are not read yet "
+                                        r"\(images are; videos are with qwen2_vl, qwen2_5_vl, qwen3_vl\)"):
+        check_record(Record("d:1", good, str(data)), Persona(images=True))
+    # a preference pair's videos go in its prompt, one tag each, and are read as a record's are
+    pairs = Persona(images=True, videos=True, pairs=True)
+    pair = {"prompt": "<video>Which colour?", "chosen": "red", "rejected": "blue", "videos": ["0.mp4"]}
+    check_record(Record("d:1", pair, str(data)), pairs)
+    for bad_pair, why in (({**pair, "chosen": "<video>red"}, r"an <video> tag in the chosen answer: a pair's videos go "
+                                                              r"in its prompt"),
+                          ({**pair, "videos": ["0.mp4", "0.mp4"]}, r"1 <video> tag\(s\) in its prompt and 2 video\(s\)"),
+                          ({**pair, "videos": ["cut.mp4"]}, r"video .*cut.mp4 ")):
+        with pytest.raises(DataError, match=r"d:1: " + why):
+            check_record(Record("d:1", bad_pair, str(data)), pairs)
     # a text model's persona reads neither
     with pytest.raises(DataError, match="the model is not a vision-language model"):
         check_record(Record("d:1", good, str(data)), Persona())
@@ -317,7 +322,8 @@ def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_
     """Records with videos, every third with an image before its video: LoRA on one rank (strict off:
     a video cut short and one missing are skipped and counted) and packed (a Qwen3-VL: its videos'
     timestamps between their temporal patches), each 16 steps, its loss falls, and the LoRA run
-    resumed from step 8 trains its losses again. Full fine-tuning on two ranks
+    resumed from step 8 trains its losses again. DPO on pairs whose prompt holds a video (its colour
+    chosen, another rejected) raises the reward accuracy above 0.9. Full fine-tuning on two ranks
     of video records trains the same losses under DDP's layout, ZeRO-2, ZeRO-3 and FSDP2; with the
     images among them FSDP2 refuses by name (its ranks would run the tower unequally often)."""
     model = build_tiny_vl_model(tmp_path / "model")
@@ -344,8 +350,21 @@ def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_
                 planned(zero2, **full, deepspeed="zero2"), planned(zero3, **full, deepspeed="zero3"),
                 planned(fsdp, **full, fsdp="full_shard"),
                 planned(tmp_path / "mixed", **{**full, "dataset": [data]}, fsdp="full_shard")]
-    *procs, mixed = run_workers([{**launch, "env": {**(launch.get("env") or {}), **video_env()}}
-                                 for launch in launches], 400)
+    # DPO on pairs whose prompt holds a video of the colour chosen, another colour rejected
+    pairs = tmp_path / "data" / "pairs.jsonl"
+    names = ["red", "green", "blue", "yellow"]
+    pairs.write_text("".join(json.dumps({"prompt": "<video>What colour is it?", "chosen": names[i % 4],
+                                         "rejected": names[(i + 1) % 4], "videos": [f"{i}.mp4"]}) + "\n"
+                             for i in range(16)))
+    dpo = write_run(tmp_path / "dpo", **{**common, "dataset": [str(pairs)]}, rlhf_type="dpo", beta=0.5, train_type="lora",
+                    per_device_train_batch_size=4, learning_rate=1e-2, max_steps=16, save_strategy="no")
+    launches.append(dict(run_dir=dpo, nproc=1))
+    *procs, mixed, dpo_proc = run_workers([{**launch, "env": {**(launch.get("env") or {}), **video_env()}}
+                                           for launch in launches], 400)
+    assert dpo_proc.returncode == 0, dpo_proc.log[-4000:]
+    trained = {e["step"]: e for e in events(dpo, 0, "train")}
+    assert sorted(trained) == list(range(1, 17)) and trained[1]["rewards_margins"] == pytest.approx(0, abs=0.05)
+    assert sum(trained[s]["rewards_accuracies"] for s in (13, 14, 15, 16)) / 4 > 0.9, trained
     for proc in procs:
         assert proc.returncode == 0, proc.log[-4000:]
     assert mixed.returncode != 0 and ("dataset: records with different media (16 with videos only, 8 with images and "

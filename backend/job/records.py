@@ -443,16 +443,15 @@ def media_tags(record: Record) -> dict[str, str]:
     return MEDIA_TAGS if record.data.get("videos") else {"images": IMAGE_TAG}
 
 
-def _text_only(record: Record, images: bool = False, videos: bool = False, pair: bool = False) -> None:
+def _text_only(record: Record, images: bool = False, videos: bool = False) -> None:
     """A record with media the model does not read is refused by name: its text alone would train
     the `<image>` tags as plain text, silently. `images`: the model reads images; `videos`: videos
-    too (not yet audio); `pair`: a preference pair (not with videos yet)."""
+    too (not yet audio)."""
     for field in MEDIA_FIELDS:
         if not record.data.get(field) or (field == "images" and images) or (field == "videos" and videos):
             continue
         why = ("the model is not a vision-language model" if not images else
-               "preference pairs with videos are not trained yet (with images they are)" if field == "videos" and pair
-               else f"this model's videos are not read yet (images are; videos are with {', '.join(VIDEO_FAMILIES)})"
+               f"this model's videos are not read yet (images are; videos are with {', '.join(VIDEO_FAMILIES)})"
                if field == "videos" else f"{field} are not supported yet (images are)")
         raise DataError(f"{record.where}: a multimodal record ('{field}'): {why}, and its text alone would train "
                         "its <image>/<video> tags as plain text; give text-only records or a vision-language model")
@@ -599,7 +598,7 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     data, where = record.data, record.where
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected an object with fields, got {type(data).__name__}")
-    _text_only(record, persona.images, pair=True)
+    _text_only(record, persona.images, persona.videos)
     if "rejected_response" in data:
         conversation = _chat(record, data.get("messages", data.get("conversations")))
         if conversation[-1]["role"] != "assistant":
@@ -628,16 +627,17 @@ def to_pair(record: Record, persona: Persona = Persona()) -> tuple[list[dict[str
     if chosen == rejected:
         raise DataError(f"{where}: the chosen and rejected answers are the same: the pair teaches nothing")
     if persona.images:
-        _pair_images(record, prompt, chosen, rejected)
+        _pair_media(record, prompt, chosen, rejected)
     return persona.apply(where, prompt), persona.fill(where, chosen), persona.fill(where, rejected)
 
 
-def _pair_images(record: Record, prompt: list[dict[str, str]], chosen: str, rejected: str) -> None:
-    """A pair's images go in its prompt (both answers are about them), one `<image>` tag each."""
+def _pair_media(record: Record, prompt: list[dict[str, str]], chosen: str, rejected: str) -> None:
+    """A pair's images and videos go in its prompt (both answers are about them), one tag each."""
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        if IMAGE_TAG in answer:
-            raise DataError(f"{record.where}: an {IMAGE_TAG} tag in the {name} answer: a pair's images go in its "
-                            "prompt, which both answers follow")
+        for field, tag in media_tags(record).items():
+            if tag in answer:
+                raise DataError(f"{record.where}: an {tag} tag in the {name} answer: a pair's {field} go in its "
+                                "prompt, which both answers follow")
     _one_tag_each(record, prompt, "prompt")
 
 
