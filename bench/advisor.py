@@ -10,7 +10,9 @@ measured configuration, the pick above all, ran out of memory.
     python bench/advisor.py --jobs llama3.2-3b-lora-8k --rows 12:24 --out b.jsonl  # order, then the rest
     python bench/advisor.py --merge a.jsonl b.jsonl                    # one job line over both
 
---rows splits a job too long for one device call (600 s) over calls on the same warm machine; --merge
+--rows (rows N and slices START:STOP, comma-separated: `--rows 0,7:9`) splits a job too long for one
+device call (600 s) over calls on the same warm machine, or measures the first pick beside chosen rows
+in one call; --merge
 refuses lines from different hosts or GPUs, rows measured twice or beyond the job's, rows of a job no
 call finished, and an --out that is one of its inputs.
 
@@ -97,7 +99,7 @@ class Bench(Compared):
     run_timeout_s: float | None = None
 
     def job(self, name: str, shape: str, train_type: str, seq: int, global_batch: int, runs: int,
-            row_range: range | None = None) -> None:
+            row_list: list[int] | None = None) -> None:
         from backend.job.advisor import Hardware, advise
         from backend.job.modelcfg import parse_model_config
         from backend.job.spec import JobSpec
@@ -113,7 +115,10 @@ class Bench(Compared):
         # Liger's Triton kernels do not run on the CPU
         rows = [r for r in advice.rows if not (self.smoke and r.fields.get("use_liger_kernel"))]
         measured, where = [], machine()
-        picked = chosen(len(rows), runs) if row_range is None else [i for i in row_range if i < len(rows)]
+        picked = chosen(len(rows), runs) if row_list is None else [i for i in row_list if i < len(rows)]
+        if row_list is not None and len(picked) < len(row_list):  # a slice past the end is how a split ends
+            print(f"{name}: rows {[i for i in row_list if i >= len(rows)]} of --rows left out: the advisor gave "
+                  f"{len(rows)} (0-{len(rows) - 1})", file=sys.stderr, flush=True)
         for index in picked:
             row = rows[index]
             spec = {**base, **row.fields}
@@ -203,15 +208,20 @@ def merged(paths: list[Path]) -> list[dict]:
     return out
 
 
-def row_range(text: str) -> range:
-    start, _, stop = text.partition(":")
-    try:
-        bounds = range(int(start), int(stop))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: START:STOP, two whole numbers") from None
-    if bounds.start < 0 or not bounds:
-        raise argparse.ArgumentTypeError(f"{text!r}: 0 <= START < STOP")
-    return bounds
+def row_list(text: str) -> list[int]:
+    """The rows of `--rows`: comma-separated rows N and slices START:STOP (rows START..STOP-1)."""
+    rows: set[int] = set()
+    for item in text.split(","):
+        start, colon, stop = item.partition(":")
+        try:
+            bounds = range(int(start), int(stop) if colon else int(start) + 1)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r} is not a row N or a slice START:STOP of whole "
+                                             "numbers") from None
+        if bounds.start < 0 or not bounds:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item!r}: rows from 0, a slice's START < STOP")
+        rows.update(bounds)
+    return sorted(rows)
 
 
 def gpu_mem_gib() -> float:
@@ -227,7 +237,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=150, help="seconds a run may take before it is stopped")
-    parser.add_argument("--rows", type=row_range, help="START:STOP: the advisor's rows START..STOP-1 (not --runs)")
+    parser.add_argument("--rows", type=row_list, help="the advisor's rows: N and START:STOP (rows START..STOP-1), "
+                                                     "comma-separated (not --runs)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSONL", help="job lines over these files' rows")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     parser.add_argument("--out", type=Path, default=Path("/dev/null"))

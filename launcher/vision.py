@@ -128,6 +128,10 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 (the checkpoints' own files bound images only, Qwen2.5-VL's at 12.8 megapixels)."""
 
 
+VIDEO_MEMO = 1024
+"""Videos whose layout a process keeps (a micro-batch's are looked up again at every step)."""
+
+
 class Videos:
     """A video-reading model's processors (transformers'; its video processor needs torchvision) with
     the job's bounds: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
@@ -148,8 +152,8 @@ class Videos:
         self.whole_video = "num_frames" in inspect.signature(self.smart_resize).parameters
         """Its size bounds a video's pixels over all its frames (Qwen3-VL's), not each frame's."""
         if self.whole_video:
-            # qwen-vl-utils' per-frame cap (ms-swift reads Qwen3-VL's videos through it); the job's
-            # video_max_pixels is that cap where set, else the processor's own
+            # transformers' port of qwen-vl-utils' per-frame cap (ms-swift reads Qwen3-VL's videos
+            # through qwen-vl-utils); the job's video_max_pixels is that cap where set, else its own
             bounds: dict = {"cap_pixels_per_frame": True}
             if video_max_pixels:
                 bounds["max_video_tokens"] = max(1, video_max_pixels // (own.patch_size * self.merge) ** 2)
@@ -161,6 +165,9 @@ class Videos:
         self.processor = AutoVideoProcessor.from_pretrained(source, **bounds)
         self.layout = AutoProcessor.from_pretrained(source, video_processor=self.processor)
         """The model's processor, whose `replace_video_token` lays a video's grid out as text."""
+        self._ids: dict[tuple[str, VideoHeader], list[int]] = {}
+        """Each video's layout by its header (read once per version of the file): every micro-batch
+        finds its videos' runs by it."""
 
     def sampled(self, where: str, path: str, header: VideoHeader) -> list[int]:
         """The indices of the frames the model reads, as its processor samples them."""
@@ -197,24 +204,32 @@ class Videos:
         from transformers.video_utils import VideoMetadata
 
         header = video_header(where, path)
-        indices = self.sampled(where, path, header)
-        height, width = self.frame_size(where, path, len(indices), header)
-        patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
-        grid = torch.tensor([[-(-len(indices) // temporal), height // patch, width // patch]])
-        metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
-                                 height=header.height, duration=header.frames / header.fps, frames_indices=indices)
-        text = self.layout.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
-        return self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
+        key = (path, header)
+        if key not in self._ids:
+            indices = self.sampled(where, path, header)
+            height, width = self.frame_size(where, path, len(indices), header)
+            patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
+            grid = torch.tensor([[-(-len(indices) // temporal), height // patch, width // patch]])
+            metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
+                                     height=header.height, duration=header.frames / header.fps, frames_indices=indices)
+            text = self.layout.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+            if len(self._ids) >= VIDEO_MEMO:
+                self._ids.clear()
+            self._ids[key] = self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._ids[key]
 
     def pixels(self, videos: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
-        """The processor's inputs for a micro-batch's videos, each (path, the tokens it was tokenized
-        with), and each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it)."""
-        clips, seconds = [], []
+        """The processor's inputs for a micro-batch's videos, each (path, its placeholder tokens), and
+        each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it); a video twice in
+        the micro-batch (a preference pair's two rows) decoded once."""
+        clips, seconds, decoded = [], [], {}
         for path, _ in videos:
             header = video_header(where, path)
             indices = self.sampled(where, path, header)
-            height, width = self.frame_size(where, path, len(indices), header)
-            clips.append(decode_video(where, path, indices, (width, height)))
+            if path not in decoded:
+                height, width = self.frame_size(where, path, len(indices), header)
+                decoded[path] = decode_video(where, path, indices, (width, height))
+            clips.append(decoded[path])
             seconds.append(self.processor.temporal_patch_size * header.frames / (len(indices) * header.fps))
         # the per-frame cap's flag passed as set (a processor warns where it is not)
         out = self.processor(videos=clips, do_sample_frames=False, do_resize=False,
@@ -280,9 +295,9 @@ class Images:
             try:
                 self._videos = Videos(*self.video_bounds)
             except (ImportError, RuntimeError, OSError, ValueError) as exc:
-                self._videos = ReaderMissing(f"{where}: video {path}: the model's video processor cannot be built "
-                                             f"here (transformers' video processors need torchvision matching "
-                                             f"torch): {exc}")
+                self._videos = ReaderMissing(f"{where}: video {path}: the model's processor cannot be built here "
+                                             f"({exc}; transformers' video processors need torchvision matching "
+                                             "torch)")
         if isinstance(self._videos, ReaderMissing):
             raise self._videos
         return self._videos
@@ -369,8 +384,8 @@ class Images:
 
     def pixels(self, media: list[tuple[int, str, int]], where: str = "training data") -> dict[str, torch.Tensor]:
         """The processors' inputs for a micro-batch's images and videos, each (its placeholder token,
-        path, the tokens it was tokenized with): a count that no longer holds (the file changed
-        since) is an error that names it."""
+        path, its placeholder tokens, `media`'s): a count the processor does not give (an image that
+        changed since tokenizing) is an error that names it."""
         videos = [(path, count) for token, path, count in media if token == self.video_token_id]
         images = [(path, count) for token, path, count in media if token != self.video_token_id]
         out = self.image_pixels(images, where) if images else {}
@@ -433,26 +448,27 @@ class Images:
 
     def media(self, where: str, ids: list[int], paths: list[str]) -> list[tuple[int, str, int]]:
         """Each image and video of a sample (`ids`, and `paths` in the order of their tags), in order:
-        (its placeholder token, path, the placeholder tokens it takes in `ids`). A video's are those of
-        its layout (`Videos.ids`, over several runs where its processor puts text between its temporal
-        patches), which the file must still give: a video that changed since tokenizing is named."""
+        (its placeholder token, path, the placeholder tokens it takes in `ids`). A video's run in `ids`
+        must be its layout as the file gives it now (`Videos.ids`, over several runs where its processor
+        puts text between its temporal patches): a video that changed since tokenizing is named here.
+        An image's count is checked against its pixels (`pixels`)."""
         out, at = [], 0
         for path in paths:
             at = next((i for i in range(at, len(ids)) if ids[i] in (self.token_id, self.video_token_id)), None)
             if at is None:
-                raise DataError(f"{where}: {len(paths)} image(s) and video(s), and fewer runs of their placeholder "
-                                f"tokens in its {len(ids)} tokens")
+                raise DataError(f"{where}: {len(paths)} image(s) and video(s) ({', '.join(paths)}), and fewer runs of "
+                                f"their placeholder tokens in its {len(ids)} tokens")
             token = ids[at]
             if token == self.video_token_id:
                 layout = self.videos(where, path).ids(where, path)
-                first = layout.index(token)
-                last = len(layout) - layout[::-1].index(token)  # the text after its last run may be cut off
-                start = at - first
-                if start < 0 or ids[start:start + last] != layout[:last]:
+                start = at - layout.index(token)
+                # the text after its last run may be cut off by max_length, and no pad may follow it
+                end = min(start + len(layout), len(ids))
+                if start < 0 or ids[start:end] != layout[:end - start] or (end < len(ids) and ids[end] == token):
                     raise DataError(f"{where}: video {path} is not the size it had when the data was tokenized; "
                                     "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
-                out.append((token, path, layout[:last].count(token)))
-                at = start + last
+                out.append((token, path, ids[start:end].count(token)))
+                at = end
                 continue
             end = at
             while end < len(ids) and ids[end] == token:

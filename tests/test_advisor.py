@@ -267,12 +267,13 @@ def test_the_benchmark_refuses_bad_row_slices_and_a_merge_written_over_its_input
     import argparse
 
     from advisor import main as bench_main
-    from advisor import row_range
+    from advisor import row_list
 
-    assert row_range("12:24") == range(12, 24)
-    for bad in ("3:1", "2:2", "-1:4", "a:b", "12"):
+    assert row_list("12:24") == list(range(12, 24))
+    assert row_list("0,7:9,12,8") == [0, 7, 8, 12]
+    for bad in ("3:1", "2:2", "-1:4", "a:b", "1,,2", "-3", "0,4:"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
-            row_range(bad)
+            row_list(bad)
     kept = tmp_path / "a.jsonl"
     kept.write_text('{"job": "j", "rank": 0}\n')
     (tmp_path / "hard.jsonl").hardlink_to(kept)

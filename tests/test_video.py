@@ -191,7 +191,7 @@ from launcher.data import collate, encode, pack, unpacked
 from launcher.preview import dataset_preview
 from launcher.vision import Images
 
-model_dir, data, short = sys.argv[1:4]
+model_dir, data, short, changing, shorter = sys.argv[1:6]
 config = AutoConfig.from_pretrained(model_dir)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -248,6 +248,19 @@ metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=h
                          duration=header.frames / header.fps, frames_indices=indices)
 own = videos.layout(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False, do_resize=False,
                     return_tensors="pt")["input_ids"][0].tolist()
+# two videos back to back, the file re-encoded shorter after tokenizing (fewer tokens than its ids hold)
+import shutil
+from backend.job.records import DataError
+twice = encode(Record("twice:1", {"messages": [{"role": "user", "content": "<video><video>Same?"},
+                                               {"role": "assistant", "content": "yes"}], "videos": [changing] * 2},
+                      base), tokenizer, 512, persona, media)
+found = media.media("twice:1", twice.input_ids, twice.images)
+shutil.copy(shorter, changing)
+try:
+    media.media("twice:1", twice.input_ids, twice.images)
+    stale = None
+except DataError as exc:
+    stale = str(exc)
 from transformers import AutoVideoProcessor
 from launcher.vision import save_image_processor
 save_image_processor(model_dir, Path(base) / "export", spec.model_copy(update={"video_max_pixels": 56 * 56,
@@ -257,6 +270,7 @@ saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
 save_image_processor(model_dir, Path(base) / "export-images", spec.model_copy(update={"max_pixels": 56 * 56}))
 images_only = AutoVideoProcessor.from_pretrained(Path(base) / "export-images")
 print(json.dumps({"bounded_tokens": bounded_tokens, "own": own, "ours": samples[0].input_ids,
+                  "twice": [c for _, _, c in found], "stale": stale,
                   "saved": [saved.size["longest_edge"], saved.max_frames, saved.max_video_tokens],
                   "images_only": [images_only.size["longest_edge"], images_only.max_video_tokens],
                   "counted": counted, "grids": grids, "order": order, "worst": worst,
@@ -280,7 +294,9 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
     model = build_tiny_vl_model(tmp_path / "model", family)
     data = colour_videos(tmp_path / "data", 4)
     short = write_video(tmp_path / "data" / "short.mp4", (30, 200, 60), frames=4)
-    out = run_script(VIDEO_TOKENS, env, str(model), data, str(short))
+    changing = write_video(tmp_path / "data" / "changing.mp4", (30, 200, 60), frames=16)
+    shorter = write_video(tmp_path / "data" / "shorter.mp4", (30, 200, 60), frames=8)
+    out = run_script(VIDEO_TOKENS, env, str(model), data, str(short), str(changing), str(shorter))
     # 8 frames at 4 a second: 4 sampled, 2 temporal patches; 56x56: 4x4 patches of 14 px, 4 tokens a patch
     # pair; 84 px wide: 4x6
     assert out["counted"] == [[8], [12], [4, 8], [12], [8]]
@@ -300,6 +316,11 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
     assert all(t.startswith("data:image/png;base64,") for ts in out["thumbnails"] for t in ts)
     text = "".join(t for t, _ in out["segments"])
     assert out["ours"] == out["own"]
+    # 16 frames at 4 a second: 8 sampled, 4 temporal patches of 4 tokens each; re-encoded with 8 frames
+    # (2 patches), the first video's run in the tokenized ids no longer matches: named, not a model error
+    assert out["twice"] == [16, 16]
+    assert out["stale"] == f"twice:1: video {tmp_path / 'data' / 'changing.mp4'} is not the size it had when the " \
+                           "data was tokenized; tokenize again (a new dataset_cache_dir, or remove the cache entry)"
     if family == "qwen3_vl":  # frames 0 and 2 of 4 a second at 0.25 s, 5 and 7 at 1.5 s
         assert "<|image_pad|>×4" in text and "<0.2 seconds><|vision_start|><|video_pad|>×4<|vision_end|>" \
             "<1.5 seconds><|vision_start|><|video_pad|>×4" in text, text
