@@ -294,7 +294,7 @@ class Trainer:
         spec = self.spec
         zero = zero_settings(spec)
         sharded = tower_in_collectives(spec, zero.stage if zero else None)
-        kinds = self.images.media_kinds(tokenized.table)[mine]
+        kinds = self.images.media_kinds(tokenized.table, mine)
         both = IMAGES + VIDEOS
         counts, _ = self.dist.all_reduce([float((kinds == k).sum()) for k in range(both + 1)], "sum")
         present = {k for k, count in enumerate(counts) if count}

@@ -246,6 +246,8 @@ class Videos:
 TILE_BOUNDS = ("<img>", "</img>")
 NO_MEDIA, IMAGES, VIDEOS = 0, 1, 2
 """A row's media (`Images.media_kinds`); a row with both is IMAGES + VIDEOS."""
+MEDIA_SCAN_ROWS = 65536
+"""Rows whose token ids `Images.media_kinds` holds at once."""
 
 
 class Images:
@@ -427,24 +429,27 @@ class Images:
             return {"pixel_values": out["pixel_values"]}
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def media_kinds(self, table) -> np.ndarray:
-        """Each row's media in a tokenized `table` (pyarrow): NO_MEDIA, IMAGES, VIDEOS or both (the
-        sum). A model that reads no videos: from the length of its `images` list; else from its
-        placeholder tokens, a chunk at a time (the column is memory-mapped)."""
+    def media_kinds(self, table, rows: np.ndarray) -> np.ndarray:
+        """The media of a tokenized `table`'s (pyarrow) `rows`, in their order: NO_MEDIA, IMAGES,
+        VIDEOS or both (the sum). A model that reads no videos: from the length of its `images` list;
+        else from the placeholder tokens of those rows alone (a rank reads its share of the
+        memory-mapped column, not all of it), MEDIA_SCAN_ROWS at a time."""
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         if self.video_token_id is None:
-            return np.where(pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False) > 0,
-                            IMAGES, NO_MEDIA).astype(np.int8)
-        out = []
-        for chunk in table.column("input_ids").chunks:
+            lengths = pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False)
+            return np.where(lengths[rows] > 0, IMAGES, NO_MEDIA).astype(np.int8)
+        column, out = table.column("input_ids"), [np.zeros(0, dtype=np.int8)]
+        for start in range(0, len(rows), MEDIA_SCAN_ROWS):
+            chunk = column.take(pa.array(rows[start:start + MEDIA_SCAN_ROWS], type=pa.int64())).combine_chunks()
             flat = chunk.flatten().to_numpy(zero_copy_only=False)
-            rows = pc.list_parent_indices(chunk).to_numpy(zero_copy_only=False)
+            parents = pc.list_parent_indices(chunk).to_numpy(zero_copy_only=False)
             kinds = np.zeros(len(chunk), dtype=np.int8)
             for token, kind in ((self.token_id, IMAGES), (self.video_token_id, VIDEOS)):
-                kinds[np.unique(rows[flat == token])] |= kind
+                kinds[np.unique(parents[flat == token])] |= kind
             out.append(kinds)
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int8)
+        return np.concatenate(out)
 
     def media(self, where: str, ids: list[int], paths: list[str]) -> list[tuple[int, str, int]]:
         """Each image and video of a sample (`ids`, and `paths` in the order of their tags), in order:

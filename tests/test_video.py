@@ -166,6 +166,30 @@ def test_a_machine_without_pyav_names_it_and_never_skips_a_video_record_for_it(t
     assert "reading videos needs PyAV here" in encoded["error"] and encoded["skipped"] is None, encoded
 
 
+def test_a_ranks_media_are_read_from_its_own_rows_of_the_tokenized_table(monkeypatch):
+    """What the mixed-media refusal counts: each of a rank's rows' media, in the rank's order, from its
+    rows' placeholder tokens alone (a video-reading model) or its `images` lists, across the table's
+    chunks and the scan's batches."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pyarrow as pa
+
+    import launcher.vision as vision
+
+    table = pa.table({"input_ids": pa.chunked_array([[[1, 5, 5, 2], [1, 2]], [[7, 7, 1], [5, 7], []]]),
+                      "images": pa.chunked_array([[["a.png"], []], [["v.mp4"], ["a.png", "v.mp4"], []]])})
+    mine = np.array([4, 3, 0, 1, 2])
+    reads_videos = SimpleNamespace(token_id=5, video_token_id=7)
+    want = [vision.NO_MEDIA, vision.IMAGES + vision.VIDEOS, vision.IMAGES, vision.NO_MEDIA, vision.VIDEOS]
+    assert vision.Images.media_kinds(reads_videos, table, mine).tolist() == want
+    monkeypatch.setattr(vision, "MEDIA_SCAN_ROWS", 2)
+    assert vision.Images.media_kinds(reads_videos, table, mine).tolist() == want
+    assert vision.Images.media_kinds(reads_videos, table, np.array([], dtype=np.int64)).tolist() == []
+    images_only = SimpleNamespace(token_id=5, video_token_id=None)
+    assert vision.Images.media_kinds(images_only, table, mine).tolist() == [0, 1, 1, 0, 1]
+
+
 @pytest.mark.e2e
 def test_torchvisions_cuda_build_does_not_import_on_a_cpu_torch_without_the_shim(env):
     """Pins what tests/cpu_torchvision works around: torchvision registers fake kernels of its nms and
