@@ -166,10 +166,10 @@ def test_a_machine_without_pyav_names_it_and_never_skips_a_video_record_for_it(t
     assert "reading videos needs PyAV here" in encoded["error"] and encoded["skipped"] is None, encoded
 
 
-def test_a_ranks_media_are_read_from_its_own_rows_of_the_tokenized_table(monkeypatch):
+def test_a_ranks_media_are_read_from_its_own_rows_and_a_samples_from_its_runs(monkeypatch):
     """What the mixed-media refusal counts: each of a rank's rows' media, in the rank's order, from its
     rows' placeholder tokens alone (a video-reading model) or its `images` lists, across the table's
-    chunks and the scan's batches."""
+    chunks and the scan's batches. A sample's images: one placeholder run each, in order."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -188,6 +188,12 @@ def test_a_ranks_media_are_read_from_its_own_rows_of_the_tokenized_table(monkeyp
     assert vision.Images.media_kinds(reads_videos, table, np.array([], dtype=np.int64)).tolist() == []
     images_only = SimpleNamespace(token_id=5, video_token_id=None)
     assert vision.Images.media_kinds(images_only, table, mine).tolist() == [0, 1, 1, 0, 1]
+    # a sample's images each take their own run; more paths than runs is named, with the paths
+    assert vision.Images.media(images_only, "d:1", [1, 5, 5, 2, 5, 3], ["a.png", "b.png"]) == \
+        [(5, "a.png", 2), (5, "b.png", 1)]
+    with pytest.raises(DataError, match=r"d:1: 2 image\(s\) and video\(s\) \(a.png, b.png\), and fewer runs of "
+                                        r"their placeholder tokens in its 4 tokens"):
+        vision.Images.media(images_only, "d:1", [1, 5, 5, 2], ["a.png", "b.png"])
 
 
 @pytest.mark.e2e
