@@ -21,6 +21,7 @@ import importlib
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -129,7 +130,16 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 
 VIDEO_MEMO = 1024
-"""Videos whose layout a process keeps (a micro-batch's are looked up again at every step)."""
+"""Videos whose plan a process keeps (a micro-batch's are looked up again at every step)."""
+
+
+class VideoPlan(NamedTuple):
+    """What the model reads of a video: its header, the frames sampled, their (width, height) and the
+    video's tokens."""
+    header: VideoHeader
+    indices: list[int]
+    size: tuple[int, int]
+    ids: list[int]
 
 
 class Videos:
@@ -165,9 +175,9 @@ class Videos:
         self.processor = AutoVideoProcessor.from_pretrained(source, **bounds)
         self.layout = AutoProcessor.from_pretrained(source, video_processor=self.processor)
         """The model's processor, whose `replace_video_token` lays a video's grid out as text."""
-        self._ids: dict[tuple[str, VideoHeader], list[int]] = {}
-        """Each video's layout by its header (read once per version of the file): every micro-batch
-        finds its videos' runs by it."""
+        self._plans: dict[tuple[str, VideoHeader], VideoPlan] = {}
+        """Each video's plan by its header (read once per version of the file): every micro-batch
+        finds its videos' runs and decodes their frames by it."""
 
     def sampled(self, where: str, path: str, header: VideoHeader) -> list[int]:
         """The indices of the frames the model reads, as its processor samples them."""
@@ -198,14 +208,14 @@ class Videos:
         except ValueError as exc:  # the processor's own limits (an aspect ratio over 200)
             raise DataError(f"{where}: video {path}: {exc}") from None
 
-    def ids(self, where: str, path: str) -> list[int]:
-        """The tokens of the video at `path` (its header read, not its frames), as the model's processor
-        lays them out."""
+    def plan(self, where: str, path: str) -> VideoPlan:
+        """What the model reads of the video at `path` (its header read, not its frames): its sampled
+        frames, their size and its tokens as the model's processor lays them out."""
         from transformers.video_utils import VideoMetadata
 
         header = video_header(where, path)
         key = (path, header)
-        if key not in self._ids:
+        if key not in self._plans:
             indices = self.sampled(where, path, header)
             height, width = self.frame_size(where, path, len(indices), header)
             patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
@@ -213,10 +223,15 @@ class Videos:
             metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
                                      height=header.height, duration=header.frames / header.fps, frames_indices=indices)
             text = self.layout.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
-            if len(self._ids) >= VIDEO_MEMO:
-                self._ids.clear()
-            self._ids[key] = self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self._ids[key]
+            if len(self._plans) >= VIDEO_MEMO:
+                self._plans.clear()
+            ids = self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._plans[key] = VideoPlan(header, indices, (width, height), ids)
+        return self._plans[key]
+
+    def ids(self, where: str, path: str) -> list[int]:
+        """The tokens of the video at `path`, as the model's processor lays them out."""
+        return self.plan(where, path).ids
 
     def pixels(self, videos: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's videos, each (path, its placeholder tokens), and
@@ -224,13 +239,12 @@ class Videos:
         the micro-batch (a preference pair's two rows) decoded once."""
         clips, seconds, decoded = [], [], {}
         for path, _ in videos:
-            header = video_header(where, path)
-            indices = self.sampled(where, path, header)
+            plan = self.plan(where, path)
             if path not in decoded:
-                height, width = self.frame_size(where, path, len(indices), header)
-                decoded[path] = decode_video(where, path, indices, (width, height))
+                decoded[path] = decode_video(where, path, plan.indices, plan.size)
             clips.append(decoded[path])
-            seconds.append(self.processor.temporal_patch_size * header.frames / (len(indices) * header.fps))
+            seconds.append(self.processor.temporal_patch_size * plan.header.frames
+                           / (len(plan.indices) * plan.header.fps))
         # the per-frame cap's flag passed as set (a processor warns where it is not)
         out = self.processor(videos=clips, do_sample_frames=False, do_resize=False,
                              cap_pixels_per_frame=bool(self.processor.cap_pixels_per_frame), return_tensors="pt")
@@ -402,8 +416,7 @@ class Images:
         error names one that fails."""
         for token, path, _ in self.media(where, ids, paths):
             if token == self.video_token_id:
-                videos = self.videos(where, path)
-                decode_video(where, path, videos.sampled(where, path, video_header(where, path)))
+                decode_video(where, path, self.videos(where, path).plan(where, path).indices)
 
     def image_pixels(self, images: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
         from PIL import ImageOps
