@@ -107,15 +107,23 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokens = VISION_TOKENS.get(family, QWEN_VISION_TOKENS)
-    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model")
+    # InternVL's processor finds its tokens by these names on the tokenizer, as its -hf checkpoints name them
+    named = dict(zip(("start_image_token", "end_image_token", "context_image_token", "video_token"), tokens))
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "demo" / "model",
+                                              **({"extra_special_tokens": named} if family == "internvl" else {}))
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
-    tokenizer.chat_template = vl_template(*(("", "", tokens[2]) if family == "internvl" else
+    tokenizer.chat_template = vl_template(*(("", "", *tokens[2:]) if family == "internvl" else
                                             tokens if family in VIDEO_FAMILIES else tokens[:3]))
     tokenizer.save_pretrained(out)
     if family == "internvl":
         side = vision["image_size"][0]
         GotOcr2ImageProcessorPil(size={"height": side, "width": side}, crop_to_patches=True, min_patches=1,
                                  max_patches=max(1, pixels[1] // side ** 2)).save_pretrained(out)
+        # as its checkpoints: a frame a tile of the tower's side (written, not built: building the video
+        # processor needs torchvision)
+        (out / "video_preprocessor_config.json").write_text(json.dumps({
+            "video_processor_type": "InternVLVideoProcessor", "size": {"height": side, "width": side},
+            "initial_shift": True}, indent=2))
     else:
         processor = Glm4vImageProcessorPil if family == "glm4v" else Qwen2VLImageProcessorPil
         processor(patch_size=vision["patch_size"], size={"shortest_edge": pixels[0], "longest_edge": pixels[1]}
@@ -134,6 +142,10 @@ def build_vl_model(out: Path, family: str, text: dict, vision: dict, pixels: tup
            if family == "glm4v" else dict(vision_start_token_id=start, vision_end_token_id=end))
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=image,
                                   video_token_id=video, tie_word_embeddings=True, **ids)
+    if family == "internvl":  # its processor's tokens a tile, as its checkpoints' file gives them
+        tile = (vision["image_size"][0] // vision["patch_size"][0]) ** 2 * config.downsample_ratio ** 2
+        (out / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
+                                                               "image_seq_length": round(tile)}, indent=2))
     torch.manual_seed(0)
     with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
         model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype))

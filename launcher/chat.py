@@ -201,8 +201,7 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
     images = None
     if is_vision(tuned.config):  # an export holds its image processor; a checkpoint's is its base's
         try:
-            images = Images(str(path), tuned.config) if source == "export" else Images(spec.model, tuned.config,
-                                                                                       spec.max_pixels)
+            images = Images(str(path), tuned.config) if source == "export" else Images.of(spec.model, tuned.config, spec)
         except (OSError, ValueError, UserError):  # no image processor beside it: text chat still works
             images = None
     for model in (tuned, base):

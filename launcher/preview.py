@@ -127,8 +127,7 @@ def main() -> int:
         if spec is None:
             raise ValueError("; ".join(str(p) for p in problems))
         config = model_config(spec.model)
-        images = (Images(spec.model, config, spec.max_pixels, spec.video_max_pixels, spec.fps_max_frames)
-                  if config is not None else None)
+        images = Images.of(spec.model, config, spec) if config is not None else None
         result = preview(spec, load_tokenizer(spec.model), images)
     except (ValueError, ModelError, UserError, yaml.YAMLError) as exc:
         result = {"error": str(exc)}

@@ -184,8 +184,7 @@ class Trainer:
         self.tokenizer, model = prepare(spec, distributed_config(tp) if tp else None)
         self.model_config = getattr(model, "config", None)
         # A vision-language model's image side: its images' token counts when tokenizing, pixels per micro-batch.
-        self.images = Images(spec.model, self.model_config, spec.max_pixels, spec.video_max_pixels,
-                             spec.fps_max_frames) if is_vision(self.model_config) else None
+        self.images = Images.of(spec.model, self.model_config, spec) if is_vision(self.model_config) else None
         if self.images:
             self.images.bind(model)
         # the language model's (a vision-language model's FLOPs and buckets are counted on it: its tower is small)

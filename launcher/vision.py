@@ -6,10 +6,12 @@ renders as its image placeholder (Qwen's `<|vision_start|><|image_pad|><|vision_
 gives that image, as the model's processor does: the image processor's patch count for the image's
 size (read from the file's header when tokenizing, so the cache holds the final ids), over the
 merge of patches into tokens (Qwen's and GLM-4V's); for InternVL its tiles' count times each tile's
-tokens, the run between `<img>` and `</img>`. A `<video>` tag (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is a
-video part, its placeholder replaced by the model processor's own layout of the frames its video
-processor samples (FPS a second, at most fps_max_frames; from the file's header when tokenizing): one
-run of placeholders, or Qwen3-VL's `<t seconds>` text and a run per temporal patch. The pixels are
+tokens, the run between `<img>` and `</img>`. A `<video>` tag (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+InternVL) is a video part, its placeholder replaced by the model processor's own layout of the frames
+its video processor samples (Qwen's: FPS a second, at most fps_max_frames; InternVL's: video_segments
+frames, the middle one of each equal segment, each one tile; from the file's header when tokenizing):
+one run of placeholders, Qwen3-VL's `<t seconds>` text and a run per temporal patch, or InternVL's
+`FrameN: ` text and an image's run per frame. The pixels are
 decoded and processed per micro-batch, videos' frames by PyAV. The processor class itself is used
 for videos alone: transformers 5.24 cannot build a Qwen2-VL processor without torchvision (its video
 processor lookup fails), while the image processor falls back to its PIL backend; the video processor
@@ -61,7 +63,8 @@ def auto_class(path: str):
 def save_image_processor(source: str, out, spec) -> None:
     """A vision-language model's image processor saved beside its export (from_pretrained reads it
     there), with the `max_pixels` it was trained with; its video processor too where the job bounded
-    videos (video_max_pixels, fps_max_frames; unbounded, it reads the image processor's files)."""
+    videos (video_max_pixels, fps_max_frames, video_segments; unbounded, it reads the image processor's
+    files)."""
     config = model_config(source)
     if config is None:
         return
@@ -69,11 +72,11 @@ def save_image_processor(source: str, out, spec) -> None:
     if config.model_type not in VIDEO_FAMILIES:
         return
     try:
-        videos = Videos(source, spec.video_max_pixels, spec.fps_max_frames)
+        videos = Videos(source, spec.video_max_pixels, spec.fps_max_frames, spec.video_segments)
     except (ImportError, RuntimeError, OSError, ValueError) as exc:
-        if spec.video_max_pixels or spec.fps_max_frames:
-            raise UserError(f"video_max_pixels, fps_max_frames: the export saves the video processor with them, "
-                            f"which needs torchvision matching torch here ({exc})") from None
+        if spec.video_max_pixels or spec.fps_max_frames or spec.video_segments:
+            raise UserError(f"video_max_pixels, fps_max_frames, video_segments: the export saves the video processor "
+                            f"with them, which needs torchvision matching torch here ({exc})") from None
         return  # no torchvision here: a video processor loaded from the export reads the image processor's file
     # always: without a file of its own, a video processor loaded from the export would read the image
     # processor's, which holds the job's max_pixels, not the bounds the run's videos were sized by
@@ -127,6 +130,8 @@ FPS = 2.0
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 """A frame's pixels at most where the job sets no video_max_pixels: ms-swift's VIDEO_MAX_PIXELS default
 (the checkpoints' own files bound images only, Qwen2.5-VL's at 12.8 megapixels)."""
+VIDEO_SEGMENTS = 8
+"""InternVL's frames of a video where the job sets no video_segments: ms-swift's VIDEO_SEGMENTS default."""
 
 
 VIDEO_MEMO = 1024
@@ -134,47 +139,58 @@ VIDEO_MEMO = 1024
 
 
 class VideoPlan(NamedTuple):
-    """What the model reads of a video: its header, the frames sampled, their (width, height) and the
-    video's tokens."""
+    """What the model reads of a video: its header, the frames sampled, their (width, height), the
+    video's tokens and what would follow them were the video longer (a placeholder; InternVL's next
+    `FrameN: <img>`): tokens that do belong to a video that changed since tokenizing."""
     header: VideoHeader
     indices: list[int]
     size: tuple[int, int]
     ids: list[int]
+    follows: list[int]
 
 
 class Videos:
     """A video-reading model's processors (transformers'; its video processor needs torchvision) with
-    the job's bounds: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
-    `video_max_pixels`. A video's tokens are the processor's own layout of its grid: Qwen2-VL's and
-    Qwen2.5-VL's one placeholder run, Qwen3-VL's a `<t seconds>` text and a bounded run per temporal
-    patch."""
+    the job's bounds. Qwen's: frames sampled evenly at FPS, at most `fps_max_frames`, each scaled within
+    `video_max_pixels`; InternVL's: `video_segments` frames, each squashed to one tile. A video's tokens
+    are the processor's own layout of its frames: Qwen2-VL's and Qwen2.5-VL's one placeholder run,
+    Qwen3-VL's a `<t seconds>` text and a bounded run per temporal patch, InternVL's a `FrameN: ` text
+    and an image's run per frame."""
 
-    def __init__(self, source: str, video_max_pixels: int | None = None, fps_max_frames: int | None = None):
+    def __init__(self, source: str, video_max_pixels: int | None = None, fps_max_frames: int | None = None,
+                 video_segments: int | None = None):
         import inspect
 
         from transformers import AutoProcessor, AutoVideoProcessor
 
+        self.tiled = model_config(source).model_type in TILED_FAMILIES
+        """Each frame is one tile of an image (InternVL's), read as images are."""
         own = AutoVideoProcessor.from_pretrained(source)
-        self.merge = own.merge_size
-        # the processor's own rule for a frame's size: frames are decoded at it (a long 4K video's
-        # frames are not all held at full size) and not resized again
-        self.smart_resize = importlib.import_module(type(own).__module__).smart_resize
-        self.whole_video = "num_frames" in inspect.signature(self.smart_resize).parameters
-        """Its size bounds a video's pixels over all its frames (Qwen3-VL's), not each frame's."""
-        if self.whole_video:
-            # transformers' port of qwen-vl-utils' per-frame cap (ms-swift reads Qwen3-VL's videos
-            # through qwen-vl-utils); the job's video_max_pixels is that cap where set, else its own
-            bounds: dict = {"cap_pixels_per_frame": True}
-            if video_max_pixels:
-                bounds["max_video_tokens"] = max(1, video_max_pixels // (own.patch_size * self.merge) ** 2)
+        if self.tiled:
+            # the processor's own sampling (the middle frame of each segment, as ms-swift's InternVL
+            # reading), saved with the export so that it samples videos as training did
+            bounds: dict = {"do_sample_frames": True, "num_frames": video_segments or VIDEO_SEGMENTS}
         else:
-            most = video_max_pixels or VIDEO_MAX_PIXELS
-            bounds = {"size": {"shortest_edge": min(own.size["shortest_edge"], most), "longest_edge": most}}
-        if fps_max_frames:
-            bounds["max_frames"] = fps_max_frames
+            self.merge = own.merge_size
+            # the processor's own rule for a frame's size: frames are decoded at it (a long 4K video's
+            # frames are not all held at full size) and not resized again
+            self.smart_resize = importlib.import_module(type(own).__module__).smart_resize
+            self.whole_video = "num_frames" in inspect.signature(self.smart_resize).parameters
+            """Its size bounds a video's pixels over all its frames (Qwen3-VL's), not each frame's."""
+            if self.whole_video:
+                # transformers' port of qwen-vl-utils' per-frame cap (ms-swift reads Qwen3-VL's videos
+                # through qwen-vl-utils); the job's video_max_pixels is that cap where set, else its own
+                bounds = {"cap_pixels_per_frame": True}
+                if video_max_pixels:
+                    bounds["max_video_tokens"] = max(1, video_max_pixels // (own.patch_size * self.merge) ** 2)
+            else:
+                most = video_max_pixels or VIDEO_MAX_PIXELS
+                bounds = {"size": {"shortest_edge": min(own.size["shortest_edge"], most), "longest_edge": most}}
+            if fps_max_frames:
+                bounds["max_frames"] = fps_max_frames
         self.processor = AutoVideoProcessor.from_pretrained(source, **bounds)
         self.layout = AutoProcessor.from_pretrained(source, video_processor=self.processor)
-        """The model's processor, whose `replace_video_token` lays a video's grid out as text."""
+        """The model's processor, whose `replace_video_token` lays a video's frames out as text."""
         self._plans: dict[tuple[str, VideoHeader], VideoPlan] = {}
         """Each video's plan by its header (read once per version of the file): every micro-batch
         finds its videos' runs and decodes their frames by it."""
@@ -183,18 +199,22 @@ class Videos:
         """The indices of the frames the model reads, as its processor samples them."""
         from transformers.video_utils import VideoMetadata
 
-        least = self.processor.temporal_patch_size
+        least = 1 if self.tiled else self.processor.temporal_patch_size
         if header.frames < least:
             raise DataError(f"{where}: video {path} has {header.frames} frame(s); the model reads videos of at least "
                             f"{least} (one temporal patch)")
         metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
                                  height=header.height, duration=header.frames / header.fps)
+        if self.tiled:  # a video shorter than its segments: each of its frames
+            return self.processor.sample_frames(metadata, num_frames=min(self.processor.num_frames, header.frames)).tolist()
         return self.processor.sample_frames(metadata, fps=FPS).tolist()
 
     def frame_size(self, where: str, path: str, frames: int, header: VideoHeader) -> tuple[int, int]:
         """(height, width) the processor sizes the video's `frames` sampled frames to (its own
-        `get_num_of_video_patches`' rule)."""
+        `get_num_of_video_patches`' rule; InternVL's: its size, one tile, whatever the aspect)."""
         processor = self.processor
+        if self.tiled:
+            return processor.size["height"], processor.size["width"]
         factor = processor.patch_size * self.merge
         least, most = processor.size["shortest_edge"], processor.size["longest_edge"]
         try:
@@ -218,15 +238,25 @@ class Videos:
         if key not in self._plans:
             indices = self.sampled(where, path, header)
             height, width = self.frame_size(where, path, len(indices), header)
-            patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
-            grid = torch.tensor([[-(-len(indices) // temporal), height // patch, width // patch]])
-            metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
-                                     height=header.height, duration=header.frames / header.fps, frames_indices=indices)
-            text = self.layout.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+            tokenize = self.layout.tokenizer
+            if self.tiled:  # its layout reads the frame count off the pixels' first dimension alone
+                inputs = {"pixel_values_videos": [torch.empty(len(indices), 0)]}
+                ids = tokenize(self.layout.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
+                longer = self.layout.replace_video_token({"pixel_values_videos": [torch.empty(len(indices) + 1, 0)]}, 0)
+                longer = tokenize(longer, add_special_tokens=False)["input_ids"]
+                follows = longer[len(ids):longer.index(self.layout.image_token_id, len(ids)) + 1]
+            else:
+                patch, temporal = self.processor.patch_size, self.processor.temporal_patch_size
+                metadata = VideoMetadata(total_num_frames=header.frames, fps=header.fps, width=header.width,
+                                         height=header.height, duration=header.frames / header.fps,
+                                         frames_indices=indices)
+                inputs = {"video_grid_thw": torch.tensor([[-(-len(indices) // temporal), height // patch, width // patch]]),
+                          "video_metadata": [metadata]}
+                ids = tokenize(self.layout.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
+                follows = [self.layout.video_token_id]
             if len(self._plans) >= VIDEO_MEMO:
                 self._plans.clear()
-            ids = self.layout.tokenizer(text, add_special_tokens=False)["input_ids"]
-            self._plans[key] = VideoPlan(header, indices, (width, height), ids)
+            self._plans[key] = VideoPlan(header, indices, (width, height), ids, follows)
         return self._plans[key]
 
     def ids(self, where: str, path: str) -> list[int]:
@@ -236,28 +266,40 @@ class Videos:
     def pixels(self, videos: list[tuple[str, int]], where: str) -> dict[str, torch.Tensor]:
         """The processor's inputs for a micro-batch's videos, each (path, its placeholder tokens), and
         each video's seconds per temporal patch (Qwen2.5-VL's rope spaces them by it); a video twice in
-        the micro-batch (a preference pair's two rows) decoded once."""
+        the micro-batch (a preference pair's two rows) decoded once. InternVL: the videos' frames as
+        `pixel_values`, one tile each, in order."""
         clips, seconds, decoded = [], [], {}
         for path, _ in videos:
             plan = self.plan(where, path)
             if path not in decoded:
                 decoded[path] = decode_video(where, path, plan.indices, plan.size)
             clips.append(decoded[path])
-            seconds.append(self.processor.temporal_patch_size * plan.header.frames
-                           / (len(plan.indices) * plan.header.fps))
-        # the per-frame cap's flag passed as set (a processor warns where it is not)
-        out = self.processor(videos=clips, do_sample_frames=False, do_resize=False,
-                             cap_pixels_per_frame=bool(self.processor.cap_pixels_per_frame), return_tensors="pt")
-        counts = [t * h * w // self.merge ** 2 for t, h, w in out["video_grid_thw"].tolist()]
+            if not self.tiled:
+                seconds.append(self.processor.temporal_patch_size * plan.header.frames
+                               / (len(plan.indices) * plan.header.fps))
+        if self.tiled:
+            # one call a video: its processor stacks a batch's videos, which needs equal frame counts
+            frames = [self.processor(videos=[clip], do_sample_frames=False, do_resize=False,
+                                     return_tensors="pt")["pixel_values_videos"][0] for clip in clips]
+            counts = [len(f) * self.layout.image_seq_length for f in frames]
+        else:
+            # the per-frame cap's flag passed as set (a processor warns where it is not)
+            out = self.processor(videos=clips, do_sample_frames=False, do_resize=False,
+                                 cap_pixels_per_frame=bool(self.processor.cap_pixels_per_frame), return_tensors="pt")
+            counts = [t * h * w // self.merge ** 2 for t, h, w in out["video_grid_thw"].tolist()]
         for (path, tokens), count in zip(videos, counts):
             if count != tokens:
                 raise DataError(f"{where}: video {path} is not the size it had when the data was tokenized; "
                                 "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
+        if self.tiled:
+            return {"pixel_values": torch.cat(frames)}
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
                 "second_per_grid_ts": torch.tensor(seconds)}
 
 
 TILE_BOUNDS = ("<img>", "</img>")
+FRAME_TEXT = "Frame{}: "
+"""What InternVL's processor writes before a video frame's `<img>` (its `replace_video_token`)."""
 NO_MEDIA, IMAGES, VIDEOS = 0, 1, 2
 """A row's media (`Images.media_kinds`); a row with both is IMAGES + VIDEOS."""
 MEDIA_SCAN_ROWS = 65536
@@ -268,7 +310,7 @@ class Images:
     """The model's image processor (`max_pixels` caps an image's size) and image placeholder token."""
 
     def __init__(self, model_dir: str, config, max_pixels: int | None = None, video_max_pixels: int | None = None,
-                 fps_max_frames: int | None = None):
+                 fps_max_frames: int | None = None, video_segments: int | None = None):
         if config.model_type not in VISION_FAMILIES:
             raise UserError(f"model: {config.model_type} is not a vision-language family the worker trains yet "
                             f"(it does {', '.join(VISION_FAMILIES)})")
@@ -278,6 +320,11 @@ class Images:
         self.tiled = config.model_type in TILED_FAMILIES
         self.bounds: tuple[int, ...] = ()
         """The tokens around an image's run that the processor adds (InternVL's `<img>`, `</img>`)."""
+        self.video_token_id = config.video_token_id if config.model_type in VIDEO_FAMILIES else None
+        """The video placeholder token of a model that reads videos, else None."""
+        self.frame_prefix: list[int] = []
+        """InternVL: the tokens before a video's first frame's run (its processor's `Frame1: <img>`), by
+        which a video's runs are told from an image's (both are image runs)."""
         if self.tiled:
             from transformers import AutoTokenizer
 
@@ -289,9 +336,10 @@ class Images:
             if tokenizer.unk_token_id in self.bounds or None in self.bounds:
                 raise UserError(f"model: {model_dir}'s tokenizer has no {' and '.join(TILE_BOUNDS)} tokens, which "
                                 f"{config.model_type} puts around each image's visual tokens")
-        self.video_token_id = config.video_token_id if config.model_type in VIDEO_FAMILIES else None
-        """The video placeholder token of a model that reads videos, else None."""
-        self.video_bounds = (model_dir, video_max_pixels, fps_max_frames)
+            # its config names no video token; its tokenizer's (an InternVL -hf checkpoint's `<video>`)
+            self.video_token_id = getattr(tokenizer, "video_token_id", None)
+            self.frame_prefix = tokenizer(f"{FRAME_TEXT.format(1)}{TILE_BOUNDS[0]}", add_special_tokens=False)["input_ids"]
+        self.video_bounds = (model_dir, video_max_pixels, fps_max_frames, video_segments)
         self._videos: Videos | ReaderMissing | None = None
         self.ids = {self.token_id, *self.bounds} | ({self.video_token_id} if self.video_token_id is not None else set())
         """Every token an image's or a video's run takes."""
@@ -299,6 +347,11 @@ class Images:
         """The model's multimodal rope (Qwen's and GLM-4V's `get_rope_index`; `bind`): packed rows' positions."""
         self.timed = False
         """Its rope spaces a video's temporal patches by their seconds (Qwen2.5-VL's `second_per_grid_ts`)."""
+
+    @classmethod
+    def of(cls, model_dir: str, config, spec) -> "Images":
+        """The model's image side with the job's bounds of images and videos."""
+        return cls(model_dir, config, spec.max_pixels, spec.video_max_pixels, spec.fps_max_frames, spec.video_segments)
 
     def persona(self, spec) -> Persona:
         """The job's `Persona` for this model: its records' images read, their videos where it reads them."""
@@ -309,11 +362,14 @@ class Images:
         video stops the run (never a record skipped: strict off) naming the first that needed it."""
         if self._videos is None:
             try:
-                self._videos = Videos(*self.video_bounds)
+                videos = Videos(*self.video_bounds)
             except (ImportError, RuntimeError, OSError, ValueError) as exc:
-                self._videos = ReaderMissing(f"{where}: video {path}: the model's processor cannot be built here "
-                                             f"({exc}; transformers' video processors need torchvision matching "
-                                             "torch)")
+                videos = ReaderMissing(f"{where}: video {path}: the model's processor cannot be built here "
+                                       f"({exc}; transformers' video processors need torchvision matching torch)")
+            if self.tiled and isinstance(videos, Videos) and videos.layout.image_seq_length != self.per_tile:
+                raise UserError(f"model: {self.video_bounds[0]}'s processor_config.json lays a video frame out as "
+                                f"{videos.layout.image_seq_length} tokens; its config gives a tile {self.per_tile}")
+            self._videos = videos
         if isinstance(self._videos, ReaderMissing):
             raise self._videos
         return self._videos
@@ -372,7 +428,7 @@ class Images:
         """What the visual token counts depend on (the tokenized cache's key): the image processor, and
         a video's bounds and the model's own video processor file where it has one."""
         own = Path(self.video_bounds[0]) / "video_preprocessor_config.json"
-        settings = [self.processor.to_dict(), self.video_bounds[1:], FPS, VIDEO_MAX_PIXELS,
+        settings = [self.processor.to_dict(), self.video_bounds[1:], FPS, VIDEO_MAX_PIXELS, VIDEO_SEGMENTS,
                     own.read_text() if own.is_file() else None]
         return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -402,6 +458,11 @@ class Images:
         """The processors' inputs for a micro-batch's images and videos, each (its placeholder token,
         path, its placeholder tokens, `media`'s): a count the processor does not give (an image that
         changed since tokenizing) is an error that names it."""
+        if self.tiled and any(token == self.video_token_id for token, _, _ in media):
+            # one `pixel_values`: each image's tiles and each video's frames in their order
+            parts = [self.videos(where, path).pixels([(path, count)], where) if token == self.video_token_id
+                     else self.image_pixels([(path, count)], where) for token, path, count in media]
+            return {"pixel_values": torch.cat([part["pixel_values"] for part in parts])}
         videos = [(path, count) for token, path, count in media if token == self.video_token_id]
         images = [(path, count) for token, path, count in media if token != self.video_token_id]
         out = self.image_pixels(images, where) if images else {}
@@ -450,7 +511,7 @@ class Images:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        if self.video_token_id is None:
+        if self.video_token_id is None or self.tiled:  # InternVL's frames go through the tower as images do
             lengths = pc.list_value_length(table.column("images")).to_numpy(zero_copy_only=False)
             return np.where(lengths[rows] > 0, IMAGES, NO_MEDIA).astype(np.int8)
         column, out = table.column("input_ids"), [np.zeros(0, dtype=np.int8)]
@@ -468,8 +529,9 @@ class Images:
         """Each image and video of a sample (`ids`, and `paths` in the order of their tags), in order:
         (its placeholder token, path, the placeholder tokens it takes in `ids`). A video's run in `ids`
         must be its layout as the file gives it now (`Videos.ids`, over several runs where its processor
-        puts text between its temporal patches): a video that changed since tokenizing is named here.
-        An image's count is checked against its pixels (`pixels`)."""
+        puts text between its temporal patches or frames): a video that changed since tokenizing is
+        named here. InternVL's videos are image runs, told by the `Frame1: <img>` before the first. An
+        image's count is checked against its pixels (`pixels`)."""
         out, at = [], 0
         for path in paths:
             at = next((i for i in range(at, len(ids)) if ids[i] in (self.token_id, self.video_token_id)), None)
@@ -477,15 +539,20 @@ class Images:
                 raise DataError(f"{where}: {len(paths)} image(s) and video(s) ({', '.join(paths)}), and fewer runs of "
                                 f"their placeholder tokens in its {len(ids)} tokens")
             token = ids[at]
-            if token == self.video_token_id:
-                layout = self.videos(where, path).ids(where, path)
-                start = at - layout.index(token)
-                # the text after its last run may be cut off by max_length, and no pad may follow it
-                end = min(start + len(layout), len(ids))
-                if start < 0 or ids[start:end] != layout[:end - start] or (end < len(ids) and ids[end] == token):
+            video = token == self.video_token_id or (
+                self.tiled and self.video_token_id is not None
+                and ids[max(0, at - len(self.frame_prefix)):at] == self.frame_prefix)
+            if video:
+                plan = self.videos(where, path).plan(where, path)
+                start = at - plan.ids.index(token)
+                # the text after its last run may be cut off by max_length; what its layout would go on
+                # with had the video more frames may not follow it
+                end = min(start + len(plan.ids), len(ids))
+                if (start < 0 or ids[start:end] != plan.ids[:end - start]
+                        or (end < len(ids) and ids[end:end + len(plan.follows)] == plan.follows)):
                     raise DataError(f"{where}: video {path} is not the size it had when the data was tokenized; "
                                     "tokenize again (a new dataset_cache_dir, or remove the cache entry)")
-                out.append((token, path, ids[start:end].count(token)))
+                out.append((self.video_token_id, path, ids[start:end].count(token)))
                 at = end
                 continue
             end = at

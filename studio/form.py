@@ -24,7 +24,7 @@ _PLACED: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("Train type and LoRA", True, ("train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules",
                                    "adapters")),
     ("Vision-language models", False, ("freeze_vit", "freeze_aligner", "freeze_llm", "vit_lr", "aligner_lr", "max_pixels",
-                                       "video_max_pixels", "fps_max_frames")),
+                                       "video_max_pixels", "fps_max_frames", "video_segments")),
     ("Preference training (DPO, CPO, SimPO, ORPO)", False, ("rlhf_type", "beta", "loss_type", "label_smoothing", "rpo_alpha",
                                                       "cpo_alpha", "simpo_gamma", "ref_model",
                                                       "ref_adapters", "precompute_ref_log_probs")),

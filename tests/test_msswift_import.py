@@ -688,12 +688,15 @@ def test_a_vision_language_command_keeps_its_freezes_and_image_size():
 
 
 def test_a_video_command_keeps_its_frame_bounds():
-    """ms-swift's video examples set VIDEO_MAX_PIXELS and FPS_MAX_FRAMES (its Qwen-VL templates read them):
-    they become video_max_pixels and fps_max_frames; a value that is not a number stays an environment variable."""
+    """ms-swift's video examples set VIDEO_MAX_PIXELS and FPS_MAX_FRAMES (its Qwen-VL templates read them)
+    and VIDEO_SEGMENTS (InternVL's): they become video_max_pixels, fps_max_frames and video_segments; a value that is not a number stays an environment variable."""
     spec, result = imported("""VIDEO_MAX_PIXELS=50176 FPS_MAX_FRAMES=12 MAX_PIXELS=1003520 swift sft \\
         --model Qwen/Qwen2.5-VL-7B-Instruct --dataset swift/VideoChatGPT:all --train_type lora""")
     assert (spec.video_max_pixels, spec.fps_max_frames, spec.max_pixels) == (50176, 12, 1003520)
     assert {"VIDEO_MAX_PIXELS=50176 -> video_max_pixels", "FPS_MAX_FRAMES=12 -> fps_max_frames"} <= set(result.notes)
+    # InternVL's count of frames (its ms-swift template reads VIDEO_SEGMENTS)
+    spec, result = imported("VIDEO_SEGMENTS=16 swift sft --model OpenGVLab/InternVL3-1B-hf --dataset d.jsonl")
+    assert spec.video_segments == 16 and "VIDEO_SEGMENTS=16 -> video_segments" in result.notes
     spec, _ = imported("FPS_MAX_FRAMES=many swift sft --model Qwen/Qwen2.5-VL-7B-Instruct --dataset d.jsonl")
     assert spec.fps_max_frames is None and spec.env == {"FPS_MAX_FRAMES": "many"}
     # the ones the worker does not honour are named so, not passed on as if they were

@@ -105,7 +105,7 @@ def test_video_records_name_their_problems_by_file_and_line(tmp_path):
     assert sampled[:3] == problems[:3] and sampled[3] == f"{where}: 8 more bad records among the 11 checked"
     # a model that reads images only (GLM-4V, InternVL) refuses videos by name
     with pytest.raises(DataError, match=r"d:1: a multimodal record \('videos'\): this model's videos are not read yet "
-                                        r"\(images are; videos are with qwen2_vl, qwen2_5_vl, qwen3_vl\)"):
+                                        r"\(images are; videos are with qwen2_vl, qwen2_5_vl, qwen3_vl, internvl\)"):
         check_record(Record("d:1", good, str(data)), Persona(images=True))
     # a preference pair's videos go in its prompt, one tag each, and are read as a record's are
     pairs = Persona(images=True, videos=True, pairs=True)
@@ -168,7 +168,7 @@ def test_a_machine_without_pyav_names_it_and_never_skips_a_video_record_for_it(t
 
 def test_a_ranks_media_are_read_from_its_own_rows_and_a_samples_from_its_runs(monkeypatch):
     """What the mixed-media refusal counts: each of a rank's rows' media, in the rank's order, from its
-    rows' placeholder tokens alone (a video-reading model) or its `images` lists, across the table's
+    rows' placeholder tokens alone (a Qwen model reading videos) or its `images` lists, across the table's
     chunks and the scan's batches. A sample's images: one placeholder run each, in order."""
     from types import SimpleNamespace
 
@@ -180,14 +180,17 @@ def test_a_ranks_media_are_read_from_its_own_rows_and_a_samples_from_its_runs(mo
     table = pa.table({"input_ids": pa.chunked_array([[[1, 5, 5, 2], [1, 2]], [[7, 7, 1], [5, 7], []]]),
                       "images": pa.chunked_array([[["a.png"], []], [["v.mp4"], ["a.png", "v.mp4"], []]])})
     mine = np.array([4, 3, 0, 1, 2])
-    reads_videos = SimpleNamespace(token_id=5, video_token_id=7)
+    reads_videos = SimpleNamespace(token_id=5, video_token_id=7, tiled=False)
     want = [vision.NO_MEDIA, vision.IMAGES + vision.VIDEOS, vision.IMAGES, vision.NO_MEDIA, vision.VIDEOS]
     assert vision.Images.media_kinds(reads_videos, table, mine).tolist() == want
     monkeypatch.setattr(vision, "MEDIA_SCAN_ROWS", 2)
     assert vision.Images.media_kinds(reads_videos, table, mine).tolist() == want
     assert vision.Images.media_kinds(reads_videos, table, np.array([], dtype=np.int64)).tolist() == []
-    images_only = SimpleNamespace(token_id=5, video_token_id=None)
+    images_only = SimpleNamespace(token_id=5, video_token_id=None, tiled=False)
     assert vision.Images.media_kinds(images_only, table, mine).tolist() == [0, 1, 1, 0, 1]
+    # InternVL's video frames go through its tower as images: any media counts alike
+    frames_as_images = SimpleNamespace(token_id=5, video_token_id=7, tiled=True)
+    assert vision.Images.media_kinds(frames_as_images, table, mine).tolist() == [0, 1, 1, 0, 1]
     # a sample's images each take their own run; more paths than runs is named, with the paths
     assert vision.Images.media(images_only, "d:1", [1, 5, 5, 2, 5, 3], ["a.png", "b.png"]) == \
         [(5, "a.png", 2), (5, "b.png", 1)]
@@ -368,11 +371,120 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
         assert out["images_only"][0] == 768 * 28 * 28  # ms-swift's VIDEO_MAX_PIXELS, which the run used
 
 
+INTERNVL_VIDEOS = """
+import json, shutil, sys
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, AutoVideoProcessor
+
+from backend.job.records import DataError, Record, decode_video, video_header
+from backend.job.spec import JobSpec
+from launcher.data import collate, encode, pack, unpacked
+from launcher.preview import dataset_preview
+from launcher.vision import Images, save_image_processor, with_image_parts
+
+model_dir, data, changing, longer, fewer = sys.argv[1:6]
+config = AutoConfig.from_pretrained(model_dir)
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+spec = JobSpec(model=model_dir, dataset=[data], max_length=512, video_segments=4)
+media = Images.of(model_dir, config, spec)
+persona = media.persona(spec)
+base = str(Path(data).parent)
+records = [Record(f"{data}:{i + 1}", json.loads(line), base) for i, line in enumerate(open(data))]
+samples = [encode(r, tokenizer, 512, persona, media) for r in records]
+found = [media.media("", s.input_ids, s.images) for s in samples]
+pixels = [media.pixels(f) for f in found]
+# each record as the model's own processor gives it, its frames sampled by the processor itself
+processor = AutoProcessor.from_pretrained(model_dir, video_processor=media.videos("", samples[0].images[0]).processor)
+same_ids, pixel_gaps = [], []
+for record, sample, ours in zip(records, samples, pixels):
+    text = tokenizer.apply_chat_template(with_image_parts(record.data["messages"], videos=True), tokenize=False)
+    images = [Image.open(Path(base) / name).convert("RGB") for name in record.data.get("images", [])]
+    clip = str(Path(base) / record.data["videos"][0])
+    header = video_header("", clip)
+    frames = decode_video("", clip, list(range(header.frames)))
+    own = processor(text=[text], images=images or None, videos=[frames], do_sample_frames=True,
+                    video_metadata=[{"total_num_frames": header.frames, "fps": header.fps}], return_tensors="pt")
+    same_ids.append(own["input_ids"][0].tolist() == sample.input_ids)
+    gap = (own["pixel_values"] - ours["pixel_values"]).abs()
+    pixel_gaps.append([gap.max().item(), gap.mean().item()])
+row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
+packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
+alone = collate(unpacked(samples), tokenizer.pad_token_id, False, media=media)
+with torch.no_grad():
+    together = model(**packed, use_cache=False).logits[0]
+    apart = model(**alone, use_cache=False).logits
+at, worst = 0, 0.0
+for i, sample in enumerate(samples):  # packed in their order: the tiny data's samples are alike in length
+    n = len(sample)
+    j = next(j for j in range(len(samples)) if row.input_ids[at:at + n] == samples[j].input_ids)
+    worst = max(worst, (together[at:at + n] - apart[j, :n]).abs().max().item())
+    at += n
+# a video re-encoded after tokenizing with fewer frames than its segments, or more than it had
+stale = []
+for original, replaced in ((changing, fewer), (fewer, longer)):
+    shutil.copy(original, Path(base) / "now.mp4")
+    twice = encode(Record("twice:1", {"messages": [{"role": "user", "content": "<video><video>Same?"},
+                                                   {"role": "assistant", "content": "yes"}], "videos": ["now.mp4"] * 2},
+                          base), tokenizer, 512, persona, media)
+    counts = [c for _, _, c in media.media("twice:1", twice.input_ids, twice.images)]
+    shutil.copy(replaced, Path(base) / "now.mp4")
+    try:
+        media.media("twice:1", twice.input_ids, twice.images)
+        stale.append([counts, None])
+    except DataError as exc:
+        stale.append([counts, str(exc)])
+save_image_processor(model_dir, Path(base) / "export", spec)
+saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
+preview = dataset_preview(data, spec, tokenizer, persona, media)
+print(json.dumps({"counted": [[(t == media.video_token_id, c) for t, _, c in f] for f in found],
+                  "rows": [len(p["pixel_values"]) for p in pixels], "same_ids": same_ids, "pixel_gaps": pixel_gaps,
+                  "worst": worst, "stale": stale, "saved": [saved.num_frames, saved.do_sample_frames],
+                  "text": tokenizer.decode(samples[2].input_ids),
+                  "thumbnails": [len(s["images"]) for s in preview["samples"]]}))
+"""
+
+
+@pytest.mark.e2e
+def test_internvl_reads_a_videos_segments_as_one_tile_frames_laid_out_as_its_processor_does(tmp_path, env):
+    """InternVL (a tiny -hf model): a video is video_segments frames, the middle one of each segment,
+    each one tile after a `FrameN: ` text; its ids and its `pixel_values` (an image's tiles and a
+    video's frames in the order of their tags) equal what the model's own processor gives for the same
+    record; packed rows keep each sample's logits; a video re-encoded shorter than its segments, or
+    longer than it was, is named; the export's video processor samples as training did."""
+    model = build_tiny_vl_model(tmp_path / "model", "internvl")
+    data = colour_videos(tmp_path / "data", 3)
+    changing = write_video(tmp_path / "data" / "sixteen.mp4", (30, 200, 60), frames=16)
+    longer = write_video(tmp_path / "data" / "twelve.mp4", (30, 200, 60), frames=12)
+    fewer = write_video(tmp_path / "data" / "two.mp4", (30, 200, 60), frames=2)
+    out = run_script(INTERNVL_VIDEOS, env, str(model), data, str(changing), str(longer), str(fewer))
+    # 4 frames of each 8-frame clip, 4 tokens each (a 56 px tile); the third record's image first
+    assert out["counted"] == [[[True, 16]], [[True, 16]], [[False, 4], [True, 16]]], out["counted"]
+    assert out["rows"] == [4, 4, 5]
+    assert out["same_ids"] == [True, True, True], out
+    # equal pixels; the 84x56 clip's frames squashed to the tile as PyAV scales them when decoding, not
+    # as torchvision does: they differ at the square's edges, ~2 levels of 255 on average
+    (exact, _), (_, squashed), (exact_too, _) = out["pixel_gaps"]
+    assert exact < 1e-5 and exact_too < 1e-5 and squashed < 0.05, out["pixel_gaps"]
+    assert out["worst"] < 2e-5, out["worst"]
+    assert "<img>" + "<IMG_CONTEXT>" * 4 + "</img>Frame1: <img>" in out["text"]
+    assert "</img>\nFrame4: <img>" + "<IMG_CONTEXT>" * 4 + "</img>Which colour" in out["text"], out["text"]
+    stale = f"twice:1: video {tmp_path / 'data' / 'now.mp4'} is not the size it had when the data was tokenized; " \
+            "tokenize again (a new dataset_cache_dir, or remove the cache entry)"
+    assert out["stale"] == [[[16, 16], stale], [[8, 8], stale]], out["stale"]
+    assert out["saved"] == [4, True]
+    assert out["thumbnails"] == [1, 1, 2]
+
+
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_and_fsdp2(tmp_path, env):
     """Records with videos, every third with an image before its video: LoRA on one rank (strict off:
-    a video cut short and one missing are skipped and counted) and packed (a Qwen3-VL: its videos'
-    timestamps between their temporal patches), each 16 steps, its loss falls, and the LoRA run
+    a video cut short and one missing are skipped and counted), packed (a Qwen3-VL: its videos'
+    timestamps between their temporal patches) and on an InternVL (4 one-tile frames a video), each 16
+    steps, its loss falls, and the LoRA run
     resumed from step 8 trains its losses again. DPO on pairs whose prompt holds a video (its colour
     chosen, another rejected) raises the reward accuracy above 0.9. Full fine-tuning on two ranks
     of video records trains the same losses under DDP's layout, ZeRO-2, ZeRO-3 and FSDP2; with the
@@ -394,10 +506,14 @@ def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_
     packed = write_run(tmp_path / "packed", **{**common, "model": str(build_tiny_vl_model(tmp_path / "qwen3", "qwen3_vl"))},
                        train_type="lora", packing=True, per_device_train_batch_size=2, learning_rate=5e-2, max_steps=16,
                        save_strategy="no")
+    internvl = write_run(tmp_path / "internvl", **{**common, "model": str(build_tiny_vl_model(tmp_path / "ivl", "internvl"))},
+                         train_type="lora", video_segments=4, per_device_train_batch_size=4, learning_rate=5e-2,
+                         max_steps=16, save_strategy="no")
     full = dict(**{**common, "dataset": [videos]}, train_type="full", learning_rate=3e-3, max_steps=3,
                 save_strategy="no", per_device_train_batch_size=2, nproc_per_node=2)
     ddp, zero2, zero3, fsdp = (tmp_path / name for name in ("ddp", "zero2", "zero3", "fsdp2"))
-    launches = [dict(run_dir=lora, nproc=1), dict(run_dir=packed, nproc=1), planned(ddp, **full),
+    launches = [dict(run_dir=lora, nproc=1), dict(run_dir=packed, nproc=1), dict(run_dir=internvl, nproc=1),
+                planned(ddp, **full),
                 planned(zero2, **full, deepspeed="zero2"), planned(zero3, **full, deepspeed="zero3"),
                 planned(fsdp, **full, fsdp="full_shard"),
                 planned(tmp_path / "mixed", **{**full, "dataset": [data]}, fsdp="full_shard")]
@@ -420,7 +536,7 @@ def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_
         assert proc.returncode == 0, proc.log[-4000:]
     assert mixed.returncode != 0 and ("dataset: records with different media (16 with videos only, 8 with images and "
                                       "videos): on this engine (FSDP2") in mixed.log, mixed.log[-3000:]
-    for run in (lora, packed):
+    for run in (lora, packed, internvl):
         curve = losses(run)
         # LoRA on this tiny random model learns slowly (images' runs alike): the last 4 steps' mean
         assert sorted(curve) == list(range(1, 17)) and sum(curve[s] for s in range(13, 17)) / 4 < curve[1] - 0.3, \

@@ -422,11 +422,19 @@ def test_a_vision_language_job_refuses_what_is_not_run_with_it_by_name(tmp_path,
             str(tiny_vl) else capped == {}), capped
     # videos' bounds: a family that reads no videos names them ignored (its records' videos are refused)
     family = json.loads((tiny_vl / "config.json").read_text())["model_type"]
-    bounded = {p.field: p.message for p in validate(JobSpec(**{**base, "video_max_pixels": 50176, "fps_max_frames": 8}))
-               if p.field in ("video_max_pixels", "fps_max_frames")}
-    assert bounded == ({} if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") else dict.fromkeys(
-        ("video_max_pixels", "fps_max_frames"), f"ignored: the worker reads videos with qwen2_vl, qwen2_5_vl, qwen3_vl only, not "
-                                                f"{family} (its records' videos are refused)")), bounded
+    # (Qwen's bounds apply to Qwen's, InternVL's count of frames to InternVL's; each names the other's ignored)
+    fields = ("video_max_pixels", "fps_max_frames", "video_segments")
+    bounded = {p.field: p.message for p in validate(JobSpec(**{**base, **dict(zip(fields, (50176, 8, 4)))}))
+               if p.field in fields}
+    if family == "internvl":
+        assert bounded == dict.fromkeys(fields[:2], "ignored: internvl reads video_segments frames of a video, each "
+                                                    "one tile"), bounded
+    elif family == "glm4v":
+        assert bounded == dict.fromkeys(fields, "ignored: the worker reads videos with qwen2_vl, qwen2_5_vl, qwen3_vl, "
+                                                "internvl only, not glm4v (its records' videos are refused)"), bounded
+    else:
+        assert bounded == {"video_segments": f"ignored: {family} samples a video's frames at 2 a second "
+                                             "(fps_max_frames bounds them); video_segments is InternVL's"}, bounded
     # a text model's job names the image records it cannot read, by file:line
     text = [p.message for p in errors(validate(JobSpec(**{**base, "model": str(ROOT / "assets" / "demo" / "model")})))
             if p.field == "dataset[0]"][0]

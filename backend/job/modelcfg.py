@@ -36,11 +36,12 @@ tokens, a fixed count per tile of the image (InternVL's, transformers' `-hf` che
 TILED_FAMILIES = ("internvl",)
 """Of VISION_FAMILIES, those whose images are cut into tiles, each a fixed number of visual tokens
 between the image's start and end tokens, placed as text (no multimodal rope)."""
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""Of VISION_FAMILIES, those the worker trains on videos: a video is the placeholder tokens of its sampled
-frames' patches, two frames a temporal patch, laid out by the model's processor (Qwen3-VL's: a
-`<t seconds>` text before each temporal patch) and placed by the multimodal rope from its grid. GLM-4V's
-processor puts its own frame tokens, and InternVL reads frames as tiled images: not done yet."""
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+"""Of VISION_FAMILIES, those the worker trains on videos: Qwen's, a video the placeholder tokens of its
+sampled frames' patches, two frames a temporal patch, laid out by the model's processor (Qwen3-VL's: a
+`<t seconds>` text before each temporal patch) and placed by the multimodal rope from its grid;
+InternVL's, each sampled frame an image of one tile after a `FrameN: ` text. GLM-4V's processor puts
+its own frame tokens: not done yet."""
 TP_UNPLANNED_FAMILIES = ("qwen3_vl",)
 """Of VISION_FAMILIES, those whose language model transformers 5.24 gives a TP plan of its embedding
 alone: under TP every rank would hold and compute every decoder layer."""

@@ -42,7 +42,8 @@ VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 EXPR = re.compile(r"\$\(\s*expr\s+([^()]*)\)")
 # Environment prefixes that describe the launch rather than the workers' environment.
 LAUNCH_ENV = {"NPROC_PER_NODE": "nproc_per_node", "NNODES": "nnodes"}
-TEMPLATE_ENV = {"MAX_PIXELS": "max_pixels", "VIDEO_MAX_PIXELS": "video_max_pixels", "FPS_MAX_FRAMES": "fps_max_frames"}
+TEMPLATE_ENV = {"MAX_PIXELS": "max_pixels", "VIDEO_MAX_PIXELS": "video_max_pixels", "FPS_MAX_FRAMES": "fps_max_frames",
+                "VIDEO_SEGMENTS": "video_segments"}
 """Environment variables ms-swift's Qwen-VL templates read (its examples set them) and the job's fields."""
 TEMPLATE_ENV_UNHONOURED = ("MIN_PIXELS", "VIDEO_MIN_PIXELS", "VIDEO_TOTAL_PIXELS", "FPS", "FPS_MIN_FRAMES")
 """The others they read: the worker keeps the model's processor's minimums and samples 2 frames a second."""

@@ -270,6 +270,7 @@ def _dir_problems(field: str, path: str, signature: tuple) -> tuple[str, ...]:
     return tuple(dir_problems(field, path))
 
 
+VIDEO_FIELDS = ("video_max_pixels", "fps_max_frames", "video_segments")
 _SPLIT_ROWS = ("each rank would hold a slice of every row, while the model places each image's features in that "
                "image's tokens across the whole row")
 
@@ -280,7 +281,7 @@ def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = No
     the rest refused by name. A text model names the vision fields it ignores."""
     if not model.vision_tower:
         return [_warn(field, "ignored: the model is not a vision-language model")
-                for field in ("max_pixels", "video_max_pixels", "fps_max_frames", "freeze_llm", "vit_lr", "aligner_lr")
+                for field in ("max_pixels", *VIDEO_FIELDS, "freeze_llm", "vit_lr", "aligner_lr")
                 if getattr(spec, field)]
     if model.multimodal_type not in VISION_FAMILIES:
         return [Problem("model", f"{model.multimodal_type or 'this'} vision-language model: the worker trains "
@@ -309,7 +310,13 @@ def _vision_rules(spec: JobSpec, model: ModelConfig, zero_stage: int | None = No
     if model.multimodal_type not in VIDEO_FAMILIES:
         out += [_warn(field, f"ignored: the worker reads videos with {', '.join(VIDEO_FAMILIES)} only, not "
                              f"{model.multimodal_type} (its records' videos are refused)")
+                for field in VIDEO_FIELDS if getattr(spec, field)]
+    elif model.multimodal_type in TILED_FAMILIES:
+        out += [_warn(field, f"ignored: {model.multimodal_type} reads video_segments frames of a video, each one tile")
                 for field in ("video_max_pixels", "fps_max_frames") if getattr(spec, field)]
+    elif spec.video_segments:
+        out.append(_warn("video_segments", f"ignored: {model.multimodal_type} samples a video's frames at 2 a second "
+                                           "(fps_max_frames bounds them); video_segments is InternVL's"))
     if spec.freeze_vit and spec.freeze_aligner and spec.freeze_llm:
         out.append(Problem("freeze_llm", "with freeze_vit and freeze_aligner too, nothing trains"))
     out += [Problem(field, f"the {part} is frozen ({freeze}): turn {freeze} off to train it at this rate, or leave "
