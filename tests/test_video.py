@@ -211,8 +211,37 @@ def test_torchvisions_cuda_build_does_not_import_on_a_cpu_torch_without_the_shim
     assert proc.returncode != 0 and "operator torchvision::nms does not exist" in proc.stderr, proc.stderr[-2000:]
 
 
-VIDEO_TOKENS = """
-import json, sys
+PACKED_LOGITS = """
+import torch
+
+from launcher.data import collate, pack, unpacked
+
+
+def packed_logit_gaps(model, samples, pad_id, media):
+    # the samples packed into one row against each alone: their order in the row, the worst gap of a
+    # sample's logits, the same without the packed position ids, and the model's packed inputs
+    row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
+    packed = collate([row], pad_id, True, pad_to=len(row.input_ids) + 5, media=media)
+    alone = collate(unpacked(samples), pad_id, False, media=media)
+    with torch.no_grad():
+        together = model(**packed, use_cache=False).logits[0]
+        apart = model(**alone, use_cache=False).logits
+        unbounded = model(**{k: v for k, v in packed.items() if k != "position_ids"}, use_cache=False).logits[0]
+    order, at, worst, unbounded_worst = [], 0, 0.0, 0.0
+    remaining = list(range(len(samples)))
+    while at < len(row.input_ids):  # the samples in the packed row's order, by their ids
+        i = next(i for i in remaining if row.input_ids[at:at + len(samples[i])] == samples[i].input_ids)
+        remaining.remove(i)
+        n = len(samples[i])
+        worst = max(worst, (together[at:at + n] - apart[i, :n]).abs().max().item())
+        unbounded_worst = max(unbounded_worst, (unbounded[at:at + n] - apart[i, :n]).abs().max().item())
+        order.append(i)
+        at += n
+    return order, worst, unbounded_worst, sorted(packed)
+"""
+
+
+VIDEO_TOKENS = PACKED_LOGITS + """import json, sys
 from pathlib import Path
 
 import torch
@@ -220,7 +249,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from backend.job.records import Persona, Record
 from backend.job.spec import JobSpec
-from launcher.data import collate, encode, pack, unpacked
+from launcher.data import encode
 from launcher.preview import dataset_preview
 from launcher.vision import Images
 
@@ -244,24 +273,7 @@ grids = []
 for s in samples:
     pixels = media.pixels(media.media("", s.input_ids, s.images))
     grids.append({k: v.tolist() for k, v in pixels.items() if k.endswith("grid_thw") or k == "second_per_grid_ts"})
-row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
-packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
-alone = collate(unpacked(samples), tokenizer.pad_token_id, False, media=media)
-with torch.no_grad():
-    together = model(**packed, use_cache=False).logits[0]
-    apart = model(**alone, use_cache=False).logits
-    unbounded = model(**{k: v for k, v in packed.items() if k != "position_ids"}, use_cache=False).logits[0]
-order = []
-at, worst, unbounded_worst = 0, 0.0, 0.0
-remaining = list(range(len(samples)))
-while at < len(row.input_ids):  # the samples in the packed row's order, by their ids
-    i = next(i for i in remaining if row.input_ids[at:at + len(samples[i])] == samples[i].input_ids)
-    remaining.remove(i)
-    n = len(samples[i])
-    worst = max(worst, (together[at:at + n] - apart[i, :n]).abs().max().item())
-    unbounded_worst = max(unbounded_worst, (unbounded[at:at + n] - apart[i, :n]).abs().max().item())
-    order.append(i)
-    at += n
+order, worst, unbounded_worst, packed_keys = packed_logit_gaps(model, samples, tokenizer.pad_token_id, media)
 preview = dataset_preview(data, spec, tokenizer, persona, media)
 # the job's video bounds: frames within 56x56 pixels, at most 2 of them; an export keeps them
 bounded = Images(model_dir, config, None, 56 * 56, 2)
@@ -309,7 +321,7 @@ print(json.dumps({"bounded_tokens": bounded_tokens, "own": own, "ours": samples[
                   "counted": counted, "grids": grids, "order": order, "worst": worst,
                   "unbounded_worst": unbounded_worst, "timed": media.timed,
                   "segments": preview["samples"][2]["segments"], "thumbnails": [s["images"] for s in preview["samples"]],
-                  "keys": sorted(packed)}))
+                  "keys": packed_keys}))
 """
 
 
@@ -371,7 +383,7 @@ def test_a_video_takes_the_tokens_of_its_sampled_frames_and_packed_rows_keep_eac
         assert out["images_only"][0] == 768 * 28 * 28  # ms-swift's VIDEO_MAX_PIXELS, which the run used
 
 
-INTERNVL_VIDEOS = """
+INTERNVL_VIDEOS = PACKED_LOGITS + """
 import json, shutil, sys
 from pathlib import Path
 
@@ -381,7 +393,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from backend.job.records import DataError, Record, decode_video, video_header
 from backend.job.spec import JobSpec
-from launcher.data import collate, encode, pack, unpacked
+from launcher.data import encode
 from launcher.preview import dataset_preview
 from launcher.vision import Images, save_image_processor, with_image_parts
 
@@ -411,18 +423,7 @@ for record, sample, ours in zip(records, samples, pixels):
     same_ids.append(own["input_ids"][0].tolist() == sample.input_ids)
     gap = (own["pixel_values"] - ours["pixel_values"]).abs()
     pixel_gaps.append([gap.max().item(), gap.mean().item()])
-row, = pack(samples, max_length=sum(len(s) for s in samples) + 5)
-packed = collate([row], tokenizer.pad_token_id, True, pad_to=len(row.input_ids) + 5, media=media)
-alone = collate(unpacked(samples), tokenizer.pad_token_id, False, media=media)
-with torch.no_grad():
-    together = model(**packed, use_cache=False).logits[0]
-    apart = model(**alone, use_cache=False).logits
-at, worst = 0, 0.0
-for i, sample in enumerate(samples):  # packed in their order: the tiny data's samples are alike in length
-    n = len(sample)
-    j = next(j for j in range(len(samples)) if row.input_ids[at:at + n] == samples[j].input_ids)
-    worst = max(worst, (together[at:at + n] - apart[j, :n]).abs().max().item())
-    at += n
+order, worst, unbounded_worst, _ = packed_logit_gaps(model, samples, tokenizer.pad_token_id, media)
 # a video re-encoded after tokenizing with fewer frames than its segments, or more than it had
 stale = []
 for original, replaced in ((changing, fewer), (fewer, longer)):
@@ -442,7 +443,7 @@ saved = AutoVideoProcessor.from_pretrained(Path(base) / "export")
 preview = dataset_preview(data, spec, tokenizer, persona, media)
 print(json.dumps({"counted": [[(t == media.video_token_id, c) for t, _, c in f] for f in found],
                   "rows": [len(p["pixel_values"]) for p in pixels], "same_ids": same_ids, "pixel_gaps": pixel_gaps,
-                  "worst": worst, "stale": stale, "saved": [saved.num_frames, saved.do_sample_frames],
+                  "order": order, "worst": worst, "unbounded_worst": unbounded_worst, "stale": stale, "saved": [saved.num_frames, saved.do_sample_frames],
                   "text": tokenizer.decode(samples[2].input_ids),
                   "thumbnails": [len(s["images"]) for s in preview["samples"]]}))
 """
@@ -469,7 +470,8 @@ def test_internvl_reads_a_videos_segments_as_one_tile_frames_laid_out_as_its_pro
     # as torchvision does: they differ at the square's edges, ~2 levels of 255 on average
     (exact, _), (_, squashed), (exact_too, _) = out["pixel_gaps"]
     assert exact < 1e-5 and exact_too < 1e-5 and squashed < 0.05, out["pixel_gaps"]
-    assert out["worst"] < 2e-5, out["worst"]
+    assert sorted(out["order"]) == [0, 1, 2] and out["worst"] < 2e-5, out
+    assert out["unbounded_worst"] > 1e-3  # the test can fail: without the packed positions they differ
     assert "<img>" + "<IMG_CONTEXT>" * 4 + "</img>Frame1: <img>" in out["text"]
     assert "</img>\nFrame4: <img>" + "<IMG_CONTEXT>" * 4 + "</img>Which colour" in out["text"], out["text"]
     stale = f"twice:1: video {tmp_path / 'data' / 'now.mp4'} is not the size it had when the data was tokenized; " \
