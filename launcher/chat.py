@@ -8,11 +8,11 @@ stdin is one request, answered one at a time, and every line on stdout is one JS
 worker exits when stdin closes. The lines (docs/architecture.md, "Chat worker"):
 
     out {"type": "ready", "source", "path", "kind", "base", "base_from", "device", "dtype", "template",
-         "max_positions", "load_s", "pid", "skipped", "system", "images"}
-    in  {"id", "turns": [{"model": "base"|"tuned", "messages": [{"role", "content", "images"?}, ...]}, ...],
-         "max_new_tokens", "temperature", "top_p"}
-        (a user message's "images": data:image URIs, one `<image>` tag in its content for each; a
-        vision-language model only)
+         "max_positions", "load_s", "pid", "skipped", "system", "images", "videos"}
+    in  {"id", "turns": [{"model": "base"|"tuned", "messages": [{"role", "content", "images"?, "videos"?}, ...]},
+         ...], "max_new_tokens", "temperature", "top_p"}
+        (a user message's "images": data:image URIs, one `<image>` tag in its content for each; "videos":
+        data:video URIs, one `<video>` tag each; a vision-language model only, videos one that reads them)
     out {"type": "token", "id", "model", "text"} ... and for each model {"type": "done", "id", "model", "tokens",
          "seconds", "prompt_tokens", "note"}; the models of one request answer at once, their events interleaved
     out {"type": "error", "id" (null for a load failure or a line that is no request), "error"}
@@ -30,11 +30,13 @@ import contextlib
 import json
 import os
 import queue
+import re
+import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +44,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from backend.job.chat import EXPORT_MARKER, ChatError, Request, cancelled_id, parse_request, request_id
 from backend.job.errors import UserError
-from backend.job.records import DataError, with_system
+from backend.job.records import IMAGE_TAG, VIDEO_TAG, DataError, with_system
 from launcher import checkpoint
 from launcher.data import DEFAULT_CHAT_TEMPLATE, IGNORE, expand_media, render
 from launcher.export import ExportError, base_model, is_lora, trained_model
@@ -67,27 +69,79 @@ def fit_prompt(to_ids: Callable[[list[dict]], list[int]], messages: tuple[dict, 
                     "room for (its positions less max_new_tokens); shorten it or lower max new tokens")
 
 
-def prompt_ids(tokenizer, images, messages: list[dict]) -> list[int]:
-    """A conversation's prompt ids as training renders it; a vision-language model's images (`images`:
-    its `launcher.vision.Images`) as their runs of placeholder tokens."""
-    pictures = [image for m in messages for image in m.get("images", ())]
+class Clips:
+    """A chat's inline videos as files, which the video reader opens: each written once, named by its
+    content's hash, in a directory of this worker's own that `close` removes; the CLIPS_KEPT last
+    used are kept (a long session sends more)."""
+
+    def __init__(self):
+        self.root: str | None = None
+        self.kept: list[str] = []
+
+    def path(self, uri: str) -> str:
+        import base64
+        import binascii
+        import hashlib
+        import tempfile
+
+        try:
+            raw = base64.b64decode(uri.split(",", 1)[1], validate=True)
+        except (binascii.Error, ValueError):
+            raise ChatError("videos: a video's data: URI is not base64") from None
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="swift-studio-chat-")
+        path = os.path.join(self.root, hashlib.sha256(raw).hexdigest())
+        if path in self.kept:
+            self.kept.remove(path)
+        else:
+            with open(path + ".part", "wb") as f:
+                f.write(raw)
+            os.replace(path + ".part", path)
+        self.kept.append(path)
+        while len(self.kept) > CLIPS_KEPT:
+            os.remove(self.kept.pop(0))
+        return path
+
+    def close(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+CLIPS_KEPT = 8
+
+
+def message_media(message: dict, clips: Clips) -> list[str]:
+    """A message's images (data: URIs) and videos (their clips' paths) in the order of their tags."""
+    queues = {IMAGE_TAG: iter(message.get("images", ())),
+              VIDEO_TAG: iter([clips.path(uri) for uri in message.get("videos", ())])}
+    tags = [tag for tag, field in ((IMAGE_TAG, "images"), (VIDEO_TAG, "videos")) if message.get(field)]
+    return [next(queues[tag]) for tag in re.findall("|".join(map(re.escape, tags)), message["content"])] if tags else []
+
+
+def prompt_ids(tokenizer, images, messages: list[dict], clips: Clips) -> list[int]:
+    """A conversation's prompt ids as training renders it; a vision-language model's images and videos
+    (`images`: its `launcher.vision.Images`; `clips`: where inline videos are written) as their
+    placeholder tokens."""
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    if not pictures:
+    if not any(m.get("images") or m.get("videos") for m in messages):
         return render(tokenizer, plain, add_generation_prompt=True)
     if images is None:
         raise ChatError("images: the loaded model takes no images (not a vision-language model, or its "
                         "image processor could not be read)")
+    if any(m.get("videos") for m in messages) and images.video_token_id is None:
+        raise ChatError("videos: the loaded model reads no videos (images only)")
     from launcher.vision import with_image_parts
 
-    # Only a message that carries images has its tags made image parts: "<image>" written in any
+    # Only a message that carries images or videos has its tags made parts: "<image>" written in any
     # other message (an answer about the tag, a system prompt) stays text.
-    ids = render(tokenizer, [with_image_parts([p])[0] if m.get("images") else p for m, p in zip(messages, plain)],
-                 add_generation_prompt=True)
+    ids = render(tokenizer, [with_image_parts([p], videos=bool(m.get("videos")))[0] if m.get("images") or m.get("videos")
+                             else p for m, p in zip(messages, plain)], add_generation_prompt=True)
     try:
-        for image in pictures:
+        for image in (image for m in messages for image in m.get("images", ())):
             image_size(image)
-        return expand_media("chat message", ids, [IGNORE] * len(ids), pictures, images)[0]
-    except DataError as exc:  # an image PIL cannot read, or too large
+        media = [path for m in messages for path in message_media(m, clips)]
+        return expand_media("chat message", ids, [IGNORE] * len(ids), media, images)[0]
+    except DataError as exc:  # an image PIL cannot read, or too large; a video PyAV cannot read
         raise ChatError(str(exc)) from None
 
 
@@ -138,6 +192,7 @@ class Loaded:
     device: torch.device
     info: dict
     images: object = None  # a vision-language model's `launcher.vision.Images`
+    clips: Clips = field(default_factory=Clips)
 
     @property
     def adapted_vision(self) -> bool:
@@ -214,7 +269,8 @@ def load(run_dir: Path, ref: str | None) -> Loaded:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."), "template": template_name(tokenizer),
             "max_positions": max_positions, "load_s": round(time.monotonic() - started, 2), "pid": os.getpid(),
-            "skipped": list(skipped), "system": spec.system, "images": images is not None}
+            "skipped": list(skipped), "system": spec.system, "images": images is not None,
+            "videos": images is not None and images.video_token_id is not None}
     return Loaded(tuned, base, tokenizer, device, info, images)
 
 
@@ -244,10 +300,11 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
     prompts, pictures = [], []
     for model, messages in request.turns:  # both models are asked as training asked
         asked = tuple(with_system(messages, loaded.info["system"]))
-        ids, dropped = fit_prompt(lambda conversation: prompt_ids(tokenizer, loaded.images, conversation), asked, room)
+        ids, dropped = fit_prompt(lambda conversation: prompt_ids(tokenizer, loaded.images, conversation, loaded.clips),
+                                  asked, room)
         prompts.append((ids, dropped))
-        kept = asked[dropped + (asked[0]["role"] == "system"):]  # the images of the messages left out go too
-        pictures.append([image for m in kept for image in m.get("images", ())])
+        kept = asked[dropped + (asked[0]["role"] == "system"):]  # the media of the messages left out go too
+        pictures.append([path for m in kept for path in message_media(m, loaded.clips)])
     models = [model for model, _ in request.turns]
     started = time.monotonic()
 
@@ -265,7 +322,7 @@ def answer(loaded: Loaded, request: Request, emit: Callable[[dict], None],
     rows = [ids for ids, _ in prompts]
 
     def media(of: list[int]) -> dict:
-        """The pixels of rows `of`'s images, in row order, as the model takes them."""
+        """The pixels of rows `of`'s images and videos, in row order, as the model takes them."""
         try:
             shown = [found for row in of for found in loaded.images.media("chat message", rows[row], pictures[row])] \
                 if loaded.images is not None else []
@@ -475,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             serve(loaded, sys.stdin, emit)
         except BrokenPipeError:  # the studio went away mid-answer
             return 0
+        finally:
+            loaded.clips.close()
     return 0
 
 

@@ -26,9 +26,9 @@ from studio.access import HostPolicy, LoginLimiter  # noqa: E402
 from studio.context import Studio  # noqa: E402
 from studio.theme import CSS, THEME  # noqa: E402
 
-# The largest file the page takes (Gradio refuses a larger upload before it is stored): a chat image
-# (backend.job.chat.MAX_IMAGE_CHARS of base64), a job YAML, a hostfile.
-MAX_UPLOAD = "16mb"
+# The largest file the page takes (Gradio refuses a larger upload before it is stored): a chat video
+# (backend.job.chat.MAX_VIDEO_CHARS of base64; an image takes less), a job YAML, a hostfile.
+MAX_UPLOAD = "24mb"
 
 
 def build_app(studio: Studio) -> gr.Blocks:

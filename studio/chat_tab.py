@@ -11,9 +11,9 @@ from typing import Any
 
 import gradio as gr
 
-from backend.job.chat import MAX_IMAGE_CHARS
+from backend.job.chat import MAX_IMAGE_CHARS, MAX_VIDEO_CHARS
 from backend.job.chat import MODELS as SIDES
-from backend.job.records import IMAGE_TAG
+from backend.job.records import IMAGE_TAG, VIDEO_TAG
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import checkpoint_choices, listed_runs
@@ -40,50 +40,83 @@ def status_line(ready: dict) -> str:
             f"{ready.get('dtype')}, worker pid {ready.get('pid')}) in {ready.get('load_s')} s · base: "
             f"{ready.get('base_from')} · prompts: "
             f"{ready.get('template')} · {ready.get('max_positions')} positions"
-            f"{' · takes images (upload one beside the message)' if ready.get('images') else ''}{skipped}")
+            f"{' · takes images' if ready.get('images') else ''}"
+            f"{' and videos' if ready.get('videos') else ''}"
+            f"{' (upload one beside the message)' if ready.get('images') else ''}{skipped}")
 
 
-def user_turn(message: str, image: str | None) -> dict:
-    """The user's message as the chat worker takes it; an uploaded image (`image`: the upload's path)
-    goes inline before the text, a data: URI (the worker's node need not see the studio's files), and
-    is shown from its upload ("shown", which never leaves the studio). A ValueError names the field."""
-    if not image:
-        return {"role": "user", "content": message}
+def image_mime(path: str) -> str | None:
+    """An image file's type by its header (PIL's), whatever its name says; None for no image."""
     from PIL import Image, UnidentifiedImageError
 
-    name = os.path.basename(image)
     try:
-        with Image.open(image) as opened:  # its header: the format, whatever the name says
-            mime = Image.MIME.get(opened.format or "")
+        with Image.open(path) as opened:
+            return Image.MIME.get(opened.format or "")
     except (UnidentifiedImageError, OSError):
-        mime = None
+        return None
+
+
+# A video container's first bytes: (offset, magic, its type). The studio need not have a video reader
+# installed (the chat worker's node reads the frames).
+VIDEO_MAGIC = ((4, b"ftypqt", "video/quicktime"), (4, b"ftyp", "video/mp4"), (0, b"\x1aE\xdf\xa3", "video/webm"),
+               (8, b"AVI ", "video/x-msvideo"))
+
+
+def video_mime(path: str) -> str | None:
+    """A video file's type by its container's header (MP4 and QuickTime, Matroska and WebM, AVI),
+    whatever its name says; None for any other file."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    return next((mime for at, magic, mime in VIDEO_MAGIC if head[at:at + len(magic)] == magic), None)
+
+
+def inline(field: str, path: str, mime: str | None, most: int) -> str:
+    """An upload as the data: URI the worker takes (its node need not see the studio's files); a
+    ValueError names the field (`Image`, `Video`) and the file."""
+    name = os.path.basename(path)
     if not mime:
-        raise ValueError(f"Image: {name} is not an image file PIL can read")
+        raise ValueError(f"{field}: {name} is not " + ("an image file PIL can read" if field == "Image" else
+                                                       "a video file (MP4, QuickTime, Matroska, WebM or AVI)"))
     head = f"data:{mime};base64,"
-    size = os.path.getsize(image)
-    if len(head) + 4 * -(-size // 3) > MAX_IMAGE_CHARS:
-        raise ValueError(f"Image: {name} is {size / (1 << 20):.1f} MiB, more than a chat image may take "
-                         f"({(MAX_IMAGE_CHARS - len(head)) * 3 // 4 >> 20} MiB)")
-    with open(image, "rb") as f:
-        data = base64.b64encode(f.read()).decode()
-    return {"role": "user", "content": IMAGE_TAG + message, "images": [head + data], "shown": image}
+    size = os.path.getsize(path)
+    if len(head) + 4 * -(-size // 3) > most:
+        raise ValueError(f"{field}: {name} is {size / (1 << 20):.1f} MiB, more than a chat {field.lower()} may take "
+                         f"({(most - len(head)) * 3 // 4 >> 20} MiB)")
+    with open(path, "rb") as f:
+        return head + base64.b64encode(f.read()).decode()
+
+
+def user_turn(message: str, image: str | None, video: str | None = None) -> dict:
+    """The user's message as the chat worker takes it; an uploaded image and video (the uploads'
+    paths) go inline before the text, each a data: URI, and are shown from their uploads ("shown",
+    which never leaves the studio). A ValueError names the field."""
+    turn: dict = {"role": "user", "content": message}
+    if video:
+        turn.update(content=VIDEO_TAG + turn["content"],
+                    videos=[inline("Video", video, video_mime(video), MAX_VIDEO_CHARS)])
+    if image:
+        turn.update(content=IMAGE_TAG + turn["content"],
+                    images=[inline("Image", image, image_mime(image), MAX_IMAGE_CHARS)])
+    shown = [path for path in (image, video) if path]
+    return {**turn, "shown": shown} if shown else turn
 
 
 def sent(turn: dict) -> dict:
-    """A turn as the worker gets it (without where the studio shows its image from)."""
+    """A turn as the worker gets it (without where the studio shows its uploads from)."""
     return {k: v for k, v in turn.items() if k != "shown"}
 
 
 def on_screen(turns: list[dict], answering: bool = False) -> list[dict]:
-    """A chatbot's turns as shown: a user's image, then the text; a finished answer with no visible
-    text (the model ended it at once, or wrote only spaces and newlines) says so instead of an empty
-    bubble; the history keeps what the model wrote. `answering`: the last turn is still streaming."""
+    """A chatbot's turns as shown: a user's image and video, then the text; a finished answer with no
+    visible text (the model ended it at once, or wrote only spaces and newlines) says so instead of an
+    empty bubble; the history keeps what the model wrote. `answering`: the last turn is still streaming."""
     last, out = len(turns) - 1, []
     for i, turn in enumerate(turns):
         text = turn["content"]
         if turn.get("shown"):
-            out.append({"role": "user", "content": {"path": turn["shown"]}})
-            text = text.replace(IMAGE_TAG, "", len(turn["images"]))
+            out += [{"role": "user", "content": {"path": path}} for path in turn["shown"]]
+            for tag, field in ((IMAGE_TAG, "images"), (VIDEO_TAG, "videos")):
+                text = text.replace(tag, "", len(turn.get(field, ())))
             if not text.strip():
                 continue
         elif turn["role"] == "assistant" and not text.strip() and not (answering and i == last):
@@ -117,6 +150,8 @@ def build(studio: Studio) -> dict[str, Any]:
         c["send"] = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
         c["image"] = gr.Image(label="Image (vision-language models)", type="filepath", sources=["upload"], height=120,
                               scale=1, elem_id="chat-image")
+        c["video"] = gr.Video(label="Video (models that read videos)", sources=["upload"], height=120, scale=1,
+                              elem_id="chat-video")
     c["system"] = gr.Textbox(label="System prompt (both models; Load sets the job's own)", lines=1, max_lines=4,
                              elem_id="chat-system")
     with gr.Row():
@@ -169,19 +204,19 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
             return
         yield status_line(ready), session, empty, [], [], ready.get("system") or ""
 
-    def on_send(message: str, image: str | None, history: dict, session: str | None, system: str,
+    def on_send(message: str, image: str | None, video: str | None, history: dict, session: str | None, system: str,
                 max_new_tokens: float, temperature: float, top_p: float):
-        untouched = (gr.skip(),) * 5  # the chatbots, the history, the message and the image as they are
+        untouched = (gr.skip(),) * 6  # the chatbots, the history, the message, the image and the video as they are
         if not session:
             yield *untouched, "Load a model first."
             return
-        if not (message or "").strip() and not image:
+        if not (message or "").strip() and not image and not video:
             yield *untouched, "Type a message first."
             return
         try:
-            user = user_turn(message or "", image)
+            user = user_turn(message or "", image, video)
         except (ValueError, OSError) as exc:
-            yield *untouched, user_message("Reading the image", exc)
+            yield *untouched, user_message("Reading the upload", exc)
             return
         asked = {side: [*history[side], user] for side in SIDES}
         shown = {side: [*turns, {"role": "assistant", "content": ""}] for side, turns in asked.items()}
@@ -204,28 +239,28 @@ def wire(c: dict[str, Any], studio: Studio, tab: gr.Tab) -> None:
                     side = event["model"]
                     if event["type"] == "token":
                         shown[side][-1] = {"role": "assistant", "content": shown[side][-1]["content"] + event["text"]}
-                        yield *screens(), *untouched[:3], gr.skip()
+                        yield *screens(), *untouched[:4], gr.skip()
                     else:
                         answering.discard(side)
                         notes[side] = answer_note(side, event)
-                        yield *screens(), *untouched[:3], " · ".join(notes[s] for s in SIDES if s in notes)
+                        yield *screens(), *untouched[:4], " · ".join(notes[s] for s in SIDES if s in notes)
         except Exception as exc:  # noqa: BLE001
-            # The turn stays out of both histories (and off the chatbots), the message and the image
+            # The turn stays out of both histories (and off the chatbots), the message and the uploads
             # in their boxes: Send asks again.
-            yield (*(on_screen(history[side]) for side in ("base", "tuned")), *untouched[:3],
+            yield (*(on_screen(history[side]) for side in ("base", "tuned")), *untouched[:4],
                    user_message("Answering", exc))
             return
         answering.clear()
-        yield *screens(), shown, "", None, " · ".join(notes[s] for s in SIDES if s in notes)
+        yield *screens(), shown, "", None, None, " · ".join(notes[s] for s in SIDES if s in notes)
 
     def on_clear():
         return [], [], {"base": [], "tuned": []}, ""
 
     tab.select(on_open, [c["run"]], [c["run"], c["status"]])
     c["run"].change(on_run, [c["run"]], [c["source"], c["status"]])
-    send = dict(fn=on_send, inputs=[c["message"], c["image"], c["history"], c["session"], c["system"],
+    send = dict(fn=on_send, inputs=[c["message"], c["image"], c["video"], c["history"], c["session"], c["system"],
                                     c["max_new_tokens"], c["temperature"], c["top_p"]],
-                outputs=[c["base"], c["tuned"], c["history"], c["message"], c["image"], c["answers"]],
+                outputs=[c["base"], c["tuned"], c["history"], c["message"], c["image"], c["video"], c["answers"]],
                 trigger_mode="once")  # a second click while answering is dropped (the session refuses one too)
     sending = [c["send"].click(**send), c["message"].submit(**send)]
     # Clear and Load end an answer being streamed (the worker stops generating it) first.

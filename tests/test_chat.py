@@ -62,6 +62,7 @@ def test_a_request_line_of_the_backend_is_what_the_worker_parses():
 
 
 X = [{"role": "user", "content": "x"}]
+VIDEO_URI = "data:video/mp4;base64,AAAAGGZ0eXBpc29t"
 
 
 @pytest.mark.parametrize("change,field", [
@@ -78,10 +79,24 @@ X = [{"role": "user", "content": "x"}]
     ({"temperature": -1}, "request.temperature: expected a number from 0 (greedy) to 5, got -1"),
     ({"top_p": 0}, "request.top_p: expected a number above 0 and at most 1, got 0"),
     ({"top_p": "high"}, "request.top_p: expected a number, got 'high'"),
+    ({"turns": [{"model": "base", "messages": [{**X[0], "content": "<video>", "videos": ["/data/clip.mp4"]}]}]},
+     "request.turns[0].messages[0].videos[0]: expected a data:video/...;base64, URI (a request names no file)"),
+    ({"turns": [{"model": "base", "messages": [{**X[0], "content": "<video>", "videos": [VIDEO_URI[:-1] + "x" * 40]}]}]},
+     "request.turns[0].messages[0].videos[0]: 0 MiB of base64, over the 0 MiB a chat video may take"),
+    ({"turns": [{"model": "base", "messages": [{**X[0], "videos": [VIDEO_URI]}]}]},
+     "request.turns[0].messages[0].content: 0 <video> tag(s) for 1 video(s); one tag marks where each video goes"),
+    ({"turns": [{"model": "base", "messages": [{"role": "user", "content": "<video><video>", "videos": [VIDEO_URI] * 2},
+                                               {"role": "assistant", "content": "y"},
+                                               {"role": "user", "content": "<video>", "videos": [VIDEO_URI]}]}]},
+     "request.turns[0].messages: 3 videos, more than the 2 a conversation may hold"),
+    ({"turns": [{"model": "base", "messages": [{"role": "assistant", "content": "<video>", "videos": [VIDEO_URI]}, *X]}]},
+     "request.turns[0].messages[0].videos: only a user's message carries videos"),
 ])
-def test_a_bad_request_is_refused_by_field(change, field):
-    from backend.job.chat import ChatError, parse_request
+def test_a_bad_request_is_refused_by_field(change, field, monkeypatch):
+    from backend.job.chat import MEDIA, ChatError, parse_request
 
+    # a video's base64 limited to the URI's length, so a longer one is over it
+    monkeypatch.setitem(MEDIA, "videos", (*MEDIA["videos"][:3], len(VIDEO_URI)))
     good = {"id": 1, "turns": [{"model": "base", "messages": X}]}
     with pytest.raises(ChatError) as refused:
         parse_request(json.dumps({**good, **change}))
@@ -327,7 +342,7 @@ def test_an_uploaded_image_goes_to_the_worker_inline_and_is_shown_from_its_uploa
     upload = tmp_path / "cat.png"
     Image.new("RGB", (8, 8), (200, 30, 30)).save(upload)
     turn = user_turn("What is it?", str(upload))
-    assert turn["content"] == "<image>What is it?" and turn["shown"] == str(upload)
+    assert turn["content"] == "<image>What is it?" and turn["shown"] == [str(upload)]
     assert turn["images"] == ["data:image/png;base64," + base64.b64encode(upload.read_bytes()).decode()]
     # the worker gets the image's bytes, never the studio's path; the contract takes the turn
     assert "shown" not in sent(turn) and str(upload) not in request_line("1", [("base", [sent(turn)])], 8, 0.0)
@@ -337,6 +352,19 @@ def test_an_uploaded_image_goes_to_the_worker_inline_and_is_shown_from_its_uploa
         {"role": "assistant", "content": "a cat"}]
     assert on_screen([user_turn("", str(upload))]) == [{"role": "user", "content": {"path": str(upload)}}]
     assert user_turn("hi", None) == {"role": "user", "content": "hi"}
+    # a video beside it: its container's header says it is one (the studio reads no frames); both
+    # inline, the image's tag first, both shown
+    clip = tmp_path / "clip.upload"
+    clip.write_bytes(b"\0\0\0\x18ftypisom" + bytes(64))
+    both = user_turn("Same colour?", str(upload), str(clip))
+    assert both["content"] == "<image><video>Same colour?" and both["shown"] == [str(upload), str(clip)]
+    assert both["videos"] == ["data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()]
+    assert parse_request(request_line("1", [("base", [sent(both)])], 8, 0.0)).turns[0][1][0]["videos"] == both["videos"]
+    assert on_screen([both]) == [{"role": "user", "content": {"path": str(upload)}},
+                                 {"role": "user", "content": {"path": str(clip)}},
+                                 {"role": "user", "content": "Same colour?"}]
+    with pytest.raises(ValueError, match=r"^Video: cat.png is not a video file \(MP4, QuickTime, Matroska, WebM or AVI\)$"):
+        user_turn("hi", None, str(upload))
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "drawing.svg").write_text("<svg xmlns='http://www.w3.org/2000/svg'/>")
     for name in ("notes.txt", "drawing.svg"):

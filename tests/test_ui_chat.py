@@ -175,8 +175,9 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
         # A vision-language run: an image uploaded beside the message is shown and reaches both models.
         pick(page, "chat-run", vl)
         page.locator("#chat-load").click()
-        expect(status).to_contain_text("takes images (upload one beside the message)", timeout=ANSWER_MS)
+        expect(status).to_contain_text("takes images and videos (upload one beside the message)", timeout=ANSWER_MS)
         expect(status).to_contain_text(f"{vl}/checkpoint-3")
+        expect(page.locator("#chat-video input[type=file]")).to_have_count(1)  # a Qwen2.5-VL reads videos too
         page.locator("#chat-image input[type=file]").set_input_files(str(picture))
         expect(page.locator("#chat-image img")).to_have_count(1, timeout=30_000)
         send(page, "What colour is it?")

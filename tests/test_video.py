@@ -481,6 +481,98 @@ def test_internvl_reads_a_videos_segments_as_one_tile_frames_laid_out_as_its_pro
     assert out["thumbnails"] == [1, 1, 2]
 
 
+CHAT_VIDEOS = """
+import base64, json, os, sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from backend.job.chat import ChatError, parse_request, request_line
+from backend.job.records import Record
+from backend.job.spec import JobSpec
+from launcher.chat import Clips, Loaded, answer
+from launcher.data import encode
+from launcher.model import load_tokenizer
+from launcher.vision import Images
+
+model_dir, data, image_only = sys.argv[1:4]
+config = AutoConfig.from_pretrained(model_dir)
+spec = JobSpec(model=model_dir, dataset=[data], video_segments=4)
+media = Images.of(model_dir, config, spec)
+tokenizer = load_tokenizer(model_dir)
+tuned, base = (AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval() for _ in range(2))
+towers = []
+for model in (tuned, base):  # what each model's tower is given (Qwen's videos go to it alone, InternVL's frames as images)
+    inner = model.model
+    tower = inner.visual if hasattr(inner, "visual") else inner.vision_tower
+    tower.register_forward_hook(lambda module, args, kwargs, out: towers.append(
+        tuple((args or tuple(kwargs.values()))[0].shape)), with_kwargs=True)
+clips = Clips()
+loaded = Loaded(tuned, base, tokenizer, torch.device("cpu"), {"max_positions": 4096, "system": None}, media, clips)
+base_dir = Path(data).parent
+video = "data:video/mp4;base64," + base64.b64encode((base_dir / "2.mp4").read_bytes()).decode()
+image = "data:image/png;base64," + base64.b64encode((base_dir / "2.png").read_bytes()).decode()
+record = json.loads(open(data).readlines()[2])  # "<image><video>Which colour moves?", its image and its video
+
+
+def reply(messages, to=loaded):
+    events = []
+    answer(to, parse_request(request_line("1", [("base", messages), ("tuned", messages)], 3, 0.0)), events.append)
+    return {e["model"]: e for e in events if e["type"] == "done"}
+
+
+def refused(messages, to=loaded):
+    try:
+        reply(messages, to)
+    except ChatError as exc:
+        return str(exc)
+
+
+ask = [{"role": "user", "content": record["messages"][0]["content"], "images": [image], "videos": [video]}]
+done = reply(ask)
+# the prompt as training tokenizes the record: its image and its video in the order of their tags
+trained = encode(Record("d:3", {"messages": record["messages"][:1] + [{"role": "assistant", "content": "x"}],
+                                "images": ["2.png"], "videos": ["2.mp4"]}, str(base_dir)),
+                 tokenizer, 4096, media.persona(spec), media)
+prompt = trained.input_ids[:trained.labels.index(next(l for l in trained.labels if l != -100))]
+# a second turn with the same clip: written once, and the first turn's clip kept beside it
+again = reply([*ask, {"role": "assistant", "content": "red"}, {"role": "user", "content": "<video>And this?", "videos": [video]}])
+files = sorted(os.listdir(clips.root))
+broken = "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()
+images_only = Images(image_only, AutoConfig.from_pretrained(image_only))
+print(json.dumps({"prompt_tokens": [done["base"]["prompt_tokens"], done["tuned"]["prompt_tokens"], len(prompt)],
+                  "tokens": [done["base"]["tokens"], done["tuned"]["tokens"]], "towers": towers,
+                  "again": again["tuned"]["prompt_tokens"] > done["tuned"]["prompt_tokens"], "files": len(files),
+                  "broken": refused([{"role": "user", "content": "<video>?", "videos": [broken]}]),
+                  "no_videos": refused(ask[:1], Loaded(tuned, base, tokenizer, torch.device("cpu"),
+                                                       {"max_positions": 4096, "system": None}, images_only, clips)),
+                  "removed": [clips.close(), os.path.exists(clips.root)][1]}))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_the_chat_worker_answers_about_an_uploaded_video_beside_an_image(tmp_path, env, family):
+    """A chat request's video (a data: URI) reaches both models' towers beside its image, in the
+    order of their tags, the prompt as training tokenizes the same record; the clip is written once
+    into the worker's own directory, which goes when the worker ends. A model that reads no videos
+    and a file that is no video are refused by name."""
+    model = build_tiny_vl_model(tmp_path / "model", family)
+    data = colour_videos(tmp_path / "data", 3)
+    out = run_script(CHAT_VIDEOS, env, str(model), data, str(build_tiny_vl_model(tmp_path / "glm", "glm4v")))
+    base, tuned, trained = out["prompt_tokens"]
+    assert base == tuned == trained and out["tokens"] == [3, 3], out
+    if family == "internvl":  # one call a model: the image's tile and the 4 frames
+        assert [shape[0] for shape in out["towers"]][:2] == [5, 5], out["towers"]
+    else:  # two calls a model: the image's 16 patches, the video's 2x4x4 (two temporal patches of 56x56)
+        assert [shape[0] for shape in out["towers"]][:4] == [16, 32, 16, 32], out["towers"]
+    assert out["again"] and out["files"] == 1
+    assert "chat message: video" in out["broken"], out["broken"]
+    assert out["no_videos"] == "videos: the loaded model reads no videos (images only)"
+    assert out["removed"] is False
+
+
 @pytest.mark.e2e
 def test_a_vision_language_model_trains_on_videos_and_images_on_ddp_zero2_zero3_and_fsdp2(tmp_path, env):
     """Records with videos, every third with an image before its video: LoRA on one rank (strict off:

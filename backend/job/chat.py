@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backend.job.records import IMAGE_TAG
+from backend.job.records import IMAGE_TAG, VIDEO_TAG
 
 MODELS = ("base", "tuned")
 ROLES = ("system", "user", "assistant")
@@ -15,10 +15,16 @@ MAX_NEW_TOKENS = 4096
 MAX_TEMPERATURE = 5.0
 EVENT_TYPES = ("ready", "token", "done", "error")
 
-# A user message's images: inline data:image URIs only (a request never names a file on the node),
-# each as many base64 characters as a 12 MiB image takes, a few to a conversation.
+# A user message's images and videos: inline data: URIs only (a request never names a file on the
+# node), each as many base64 characters as a 12 MiB image or a 24 MiB clip takes, a few to a conversation.
 MAX_IMAGES = 4
 MAX_IMAGE_CHARS = 16 << 20
+MAX_VIDEOS = 2
+MAX_VIDEO_CHARS = 32 << 20
+MEDIA = {"images": ("data:image/", IMAGE_TAG, MAX_IMAGES, MAX_IMAGE_CHARS),
+         "videos": ("data:video/", VIDEO_TAG, MAX_VIDEOS, MAX_VIDEO_CHARS)}
+"""A message's media field: (its URIs' prefix, its tag, the most a conversation holds, the most base64
+characters one takes)."""
 EXPORT_MARKER = ".swift-studio-export"  # in every export: only a directory holding it is ever replaced
 EXPORT_DIR = "export"  # launcher.export's default target, in the run directory
 
@@ -122,33 +128,36 @@ def _messages(where: str, messages) -> tuple[dict, ...]:
     if messages[-1]["role"] != "user":
         raise ChatError(f"{where}.messages[{len(messages) - 1}]: the last message must be the user's")
     parsed = tuple({"role": m["role"], "content": m["content"],
-                    **({"images": _images(f"{where}.messages[{i}]", m)} if "images" in m else {})}
+                    **{field: _media(f"{where}.messages[{i}]", m, field) for field in MEDIA if field in m}}
                    for i, m in enumerate(messages))
-    count = sum(len(m.get("images", ())) for m in parsed)
-    if count > MAX_IMAGES:  # each is decoded for every answer: a conversation holds a few
-        raise ChatError(f"{where}.messages: {count} images, more than the {MAX_IMAGES} a conversation may hold; "
-                        "start a new one (Clear)")
+    for field, (_, _, most, _) in MEDIA.items():
+        count = sum(len(m.get(field, ())) for m in parsed)
+        if count > most:  # each is decoded for every answer: a conversation holds a few
+            raise ChatError(f"{where}.messages: {count} {field}, more than the {most} a conversation may hold; "
+                            "start a new one (Clear)")
     return parsed
 
 
-def _images(where: str, message: dict) -> list[str]:
-    """A user message's images (ms-swift's records: one `<image>` tag in its text for each)."""
-    images = message["images"]
+def _media(where: str, message: dict, field: str) -> list[str]:
+    """A user message's images or videos (`field`; ms-swift's records: one `<image>` or `<video>` tag
+    in its text for each)."""
+    prefix, tag, most, chars = MEDIA[field]
+    media, kind = message[field], field[:-1]
     if message["role"] != "user":
-        raise ChatError(f"{where}.images: only a user's message carries images")
-    if not isinstance(images, list) or not 1 <= len(images) <= MAX_IMAGES:
-        raise ChatError(f"{where}.images: expected a list of 1 to {MAX_IMAGES} data:image URIs")
-    for j, image in enumerate(images):
-        if not isinstance(image, str) or not image.startswith("data:image/") or ";base64," not in image[:64]:
-            raise ChatError(f"{where}.images[{j}]: expected a data:image/...;base64, URI (a request names no file)")
-        if len(image) > MAX_IMAGE_CHARS:
-            raise ChatError(f"{where}.images[{j}]: {len(image) >> 20} MiB of base64, over the "
-                            f"{MAX_IMAGE_CHARS >> 20} MiB a chat image may take")
-    tags = message["content"].count(IMAGE_TAG)
-    if tags != len(images):
-        raise ChatError(f"{where}.content: {tags} {IMAGE_TAG} tag(s) for {len(images)} image(s); one tag marks "
-                        "where each image goes")
-    return list(images)
+        raise ChatError(f"{where}.{field}: only a user's message carries {field}")
+    if not isinstance(media, list) or not 1 <= len(media) <= most:
+        raise ChatError(f"{where}.{field}: expected a list of 1 to {most} {prefix.rstrip('/')} URIs")
+    for j, uri in enumerate(media):
+        if not isinstance(uri, str) or not uri.startswith(prefix) or ";base64," not in uri[:64]:
+            raise ChatError(f"{where}.{field}[{j}]: expected a {prefix}...;base64, URI (a request names no file)")
+        if len(uri) > chars:
+            raise ChatError(f"{where}.{field}[{j}]: {len(uri) >> 20} MiB of base64, over the "
+                            f"{chars >> 20} MiB a chat {kind} may take")
+    tags = message["content"].count(tag)
+    if tags != len(media):
+        raise ChatError(f"{where}.content: {tags} {tag} tag(s) for {len(media)} {kind}(s); one tag marks "
+                        f"where each {kind} goes")
+    return list(media)
 
 
 def parse_event(line: str) -> dict | None:
