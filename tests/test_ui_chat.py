@@ -23,7 +23,8 @@ from backend.job.spec import JobSpec  # noqa: E402
 from backend.runs.manager import RunManager  # noqa: E402
 from studio_server import Shots, launch_browser, open_studio, start_studio  # noqa: E402
 from test_ui_flow import loaded_worker_libs  # noqa: E402
-from worker import ROOT, build_tiny_vl_model, colour_images, preference_pairs, unloadable_model, until  # noqa: E402
+from worker import (ROOT, build_tiny_vl_model, colour_images, preference_pairs, unloadable_model, until,  # noqa: E402
+                    write_video)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ANSWER_MS = 120_000
@@ -194,6 +195,24 @@ def test_chat_with_the_base_and_the_fine_tuned_model(studio_with_runs):
 
         page.locator("#chat-clear").click()
         expect(page.locator("#chat-tuned .message")).to_have_count(0)
+
+        # A video uploaded beside a message goes to the worker inline. Where the worker's node can
+        # build the model's video processor (torchvision matching torch) both models answer and the clip
+        # is shown; where it cannot (CI's CPU torch), the answer names what to install, and the exchange
+        # stays out of both conversations with the message and the video in their boxes.
+        clip = write_video(picture.parent / "moving.mp4", (220, 30, 30))
+        page.locator("#chat-video input[type=file]").set_input_files(str(clip))
+        expect(page.locator("#chat-video video")).to_have_count(1, timeout=30_000)
+        send(page, "Which colour moves?")
+        answers = page.locator("#chat-answers")
+        expect(answers).to_contain_text(re.compile(r"Fine-tuned: \d+ tokens in|Answering"), timeout=ANSWER_MS)
+        if "Answering" in answers.inner_text():
+            expect(answers).to_contain_text("the model's processor cannot be built here")
+            expect(answers).to_contain_text("torchvision")
+            expect(page.locator("#chat-tuned .message")).to_have_count(0)
+            expect(page.locator("#chat-video video")).to_have_count(1)
+        else:
+            expect(page.locator("#chat-tuned .message.user video")).to_have_count(1, timeout=30_000)
         content = page.content()
         browser.close()
     assert "Traceback" not in content
