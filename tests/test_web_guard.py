@@ -113,12 +113,15 @@ def test_the_studio_answers_under_its_own_names(studio):
 
 
 def test_an_upload_over_the_limit_is_refused_before_it_is_stored(studio):
+    from studio.app import MAX_UPLOAD
+
     port = port_of(studio)
     headers = {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"}
     with client(studio) as http:
         small = http.post("/gradio_api/upload", headers=headers, files={"files": ("a.png", b"\x89PNG" * 10)})
         assert small.status_code == 200, small.text[:300]
-        big = http.post("/gradio_api/upload", headers=headers, files={"files": ("b.png", b"\0" * (17 << 20))})
+        over = (int(MAX_UPLOAD.removesuffix("mb")) + 1) << 20  # a MiB past the page's limit
+        big = http.post("/gradio_api/upload", headers=headers, files={"files": ("b.png", b"\0" * over)})
         assert big.status_code == 413, (big.status_code, big.text[:300])
 
 
