@@ -411,6 +411,13 @@ def test_a_training_vision_towers_activations_are_what_autograd_keeps():
     assert per_patch_and_block(lambda d, s: estimated(d, s, freeze_vit=False)) == \
         pytest.approx(per_patch_and_block(saved), rel=0.03)
     assert estimated(3, 32) == estimated(1, 16)  # freeze_vit and freeze_aligner: the tower keeps nothing
+    # the note says what the count covers: an image of max_pixels, not a video's frames (a Qwen-VL reads videos)
+    model = parse_model_config({**SAVED_SHAPE, "model_type": "qwen2_5_vl", "num_hidden_layers": 2,
+                                "vision_config": {**vision, "depth": 1}})
+    notes = estimate_memory(JobSpec(model="m", dataset=["d"], freeze_vit=False, max_pixels=448 * 448), model,
+                            device="cpu").notes
+    assert any("activations for one image of max_pixels (a sample's video may take more, up to visual tokens "
+               "filling max_length: not counted) a sample" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("broken", [{"patch_size": 0}, {"depth": -3}, {"spatial_merge_size": 0}, {"depth": "many"},

@@ -36,7 +36,7 @@ from typing import NamedTuple
 from backend.job.capabilities import FsdpPlan, fsdp_plan
 from backend.job.dsconfig import STAGE12_BUCKET, ZeroSettings, stage3_sizes, zero_settings
 from backend.job.layout import Layout, compute_layout
-from backend.job.modelcfg import ModelConfig
+from backend.job.modelcfg import VIDEO_FAMILIES, ModelConfig
 from backend.job.spec import JobSpec
 
 GIB = 2**30
@@ -472,10 +472,13 @@ def estimate_memory(spec: JobSpec, model: ModelConfig, layout: Layout | None = N
                      "not known here)")
     elif model.vision_tower:
         trains = not (spec.freeze_vit and spec.freeze_aligner) and model.vision_shape is not None
+        # a video's frames are bounded by max_length's visual tokens alone, more than an image of max_pixels
+        videos = " (a sample's video may take more, up to visual tokens filling max_length: not counted)" \
+            if spec.max_pixels and model.multimodal_type in VIDEO_FAMILIES else ""
         notes.append(f"vision tower {model.vision_params / 1e6:.0f}M and aligner {model.aligner_params / 1e6:.1f}M "
                      "parameters counted; images take their visual tokens of max_length" + (
                          f"; the {'aligner' if spec.freeze_vit else 'tower'}'s activations for "
-                         + ("one image of max_pixels" if spec.max_pixels else "visual tokens filling max_length")
+                         + ("one image of max_pixels" + videos if spec.max_pixels else "visual tokens filling max_length")
                          + " a sample" if trains else " (a frozen tower keeps no activations)"))
     activations, activations_on_host = _activation_bytes(spec, model, layout)
     activations += _tower_activation_bytes(spec, model)  # whole on every TP rank, as its weights
