@@ -44,7 +44,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from backend.job.chat import EXPORT_MARKER, ChatError, Request, cancelled_id, parse_request, request_id
 from backend.job.errors import UserError
-from backend.job.records import IMAGE_TAG, VIDEO_TAG, DataError, with_system
+from backend.job.records import IMAGE_TAG, MEDIA_TAGS, VIDEO_TAG, DataError, with_system
 from launcher import checkpoint
 from launcher.data import DEFAULT_CHAT_TEMPLATE, IGNORE, expand_media, render
 from launcher.export import ExportError, base_model, is_lora, trained_model
@@ -114,7 +114,7 @@ def message_media(message: dict, clips: Clips) -> list[str]:
     """A message's images (data: URIs) and videos (their clips' paths) in the order of their tags."""
     queues = {IMAGE_TAG: iter(message.get("images", ())),
               VIDEO_TAG: iter([clips.path(uri) for uri in message.get("videos", ())])}
-    tags = [tag for tag, field in ((IMAGE_TAG, "images"), (VIDEO_TAG, "videos")) if message.get(field)]
+    tags = [tag for name, tag in MEDIA_TAGS.items() if message.get(name)]
     return [next(queues[tag]) for tag in re.findall("|".join(map(re.escape, tags)), message["content"])] if tags else []
 
 

@@ -13,7 +13,7 @@ import gradio as gr
 
 from backend.job.chat import MAX_IMAGE_CHARS, MAX_VIDEO_CHARS
 from backend.job.chat import MODELS as SIDES
-from backend.job.records import IMAGE_TAG, VIDEO_TAG
+from backend.job.records import IMAGE_TAG, MEDIA_TAGS, VIDEO_TAG
 from studio.context import Studio
 from studio.errors import user_message
 from studio.run_view import checkpoint_choices, listed_runs
@@ -115,8 +115,8 @@ def on_screen(turns: list[dict], answering: bool = False) -> list[dict]:
         text = turn["content"]
         if turn.get("shown"):
             out += [{"role": "user", "content": {"path": path}} for path in turn["shown"]]
-            for tag, field in ((IMAGE_TAG, "images"), (VIDEO_TAG, "videos")):
-                text = text.replace(tag, "", len(turn.get(field, ())))
+            for name, tag in MEDIA_TAGS.items():
+                text = text.replace(tag, "", len(turn.get(name, ())))
             if not text.strip():
                 continue
         elif turn["role"] == "assistant" and not text.strip() and not (answering and i == last):
