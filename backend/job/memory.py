@@ -250,7 +250,14 @@ def _activation_bytes(spec: JobSpec, model: ModelConfig, layout: Layout) -> tupl
     # beside them: ~7h per token for attention, norms and residual, ~2 x intermediate for the
     # SwiGLU (one tile's under TiledMLP). Fitted to LoRA on the Llama-3.1-8B shape at 16K-128K, with
     # and without tiling and offload, on an H200 (bench/results/h200-long-context-8b.jsonl).
-    backward = tokens * width * (7 * h + (0 if spec.tiled_mlp else 2 * mlp_width)) / layout.tp
+    # A LoRA layer's 2 x intermediate are the SwiGLU's new gate and up gradients, or, with fp32
+    # adapters, down_proj's adapter's fp32 input gradient. Liger's SwiGLU writes its gradients over
+    # the inputs it saved, so LoRA with Liger and adapters in the compute dtype has neither: its
+    # ZeRO-1/2/3 and FSDP2 rows at 8 x 8K were 5-12% high with them (bench/results/h100-advisor-5*).
+    in_place_swiglu = spec.use_liger_kernel and not model.is_moe and spec.train_type == "lora" \
+        and not _casts_adapter_inputs(spec)
+    swiglu = 0 if spec.tiled_mlp or in_place_swiglu else 2 * mlp_width
+    backward = tokens * width * (7 * h + swiglu) / layout.tp
     if spec.torch_compile and spec.train_type == "lora" and not spec.tiled_mlp and not model.is_moe:
         # inductor's backward of a LoRA-adapted dense layer holds five more values of the SwiGLU's
         # width and five fewer of the model's than eager's at its peak: the allocator's blocks live
