@@ -10,7 +10,13 @@ testing.md): on the suite's two cores that start-up, not the training, is what t
 wait for. The product launches with torchrun itself; so do the tests of the launch paths, and
 tests/worker.py's other scripts: a forked rank that returns lives on until every rank has (the
 agent collects their return values), which only a module that closes its process group first,
-as the worker does, can be run under."""
+as the worker does, can be run under.
+
+One forkserver per test process (`start_server`, named to the agent by FORKSERVER_ENV) serves
+every launch whose environment is the one it was started with: its imports, about 4 CPU-seconds,
+are then paid once, not once a launch. Other launches start a forkserver of their own. A rank of
+the shared server is no descendant of its agent, so it takes from the agent what a descendant
+would inherit (the environment, standard output and error) and ends when the agent does."""
 from __future__ import annotations
 
 import atexit
@@ -19,12 +25,23 @@ import logging
 import multiprocessing
 import os
 import runpy
+import select
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+from multiprocessing import forkserver, reduction, resource_tracker
 
 # What a rank imports before it reads its job; the forkserver imports them once per launch.
 PRELOAD = ("launcher.train", "launcher.trainer", "launcher.dist", "transformers", "peft",
            "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
            "torch.distributed.checkpoint", "torch.distributed.fsdp")
+# "<socket path>:<fd of the alive pipe's write end>" of a shared forkserver, in an agent's environment.
+FORKSERVER_ENV = "SWIFT_STUDIO_TEST_FORKSERVER"
+# The environment this module was imported with: in a forkserver, what its ranks start with.
+_SERVER_ENV = dict(os.environ)
 
 
 class _Left(BaseException):
@@ -40,11 +57,45 @@ def _leave(code: int | None) -> None:
     raise _Left(code)
 
 
-def rank_main(module: str, *args: str) -> None:
+class _AgentFd:
+    """One of the agent's file descriptors, passed to a rank as the forkserver passes descriptors."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detached, (reduction.DupFd(self.fd),)
+
+
+def _detached(dup) -> int:
+    return dup.detach()
+
+
+def _end_with(agent_pid: int) -> None:
+    """SIGKILL this process once the agent's is gone (its forkserver's ranks are no descendants of it)."""
+    agent = os.pidfd_open(agent_pid)
+
+    def watch() -> None:
+        select.select([agent], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def rank_main(agent: dict, module: str, *args: str) -> None:
     """One rank: `module` run as `__main__` with `args` as its sys.argv, its output unbuffered; a
     non-zero exit code ends the process with that code. A worker that succeeded has closed its
     process group: its process outliving it until every rank is done (the agent's wait) holds
-    nothing of its peers'."""
+    nothing of its peers'. `agent`: its pid, environment, standard output and error, which the
+    rank takes in place of its forkserver's, keeping the variables torchrun set for the rank."""
+    _end_with(agent["pid"])
+    rank_vars = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({**agent["env"], **rank_vars})
+    os.dup2(agent["stdout"], 1)
+    os.dup2(agent["stderr"], 2)
+    os.close(agent["stdout"])
+    os.close(agent["stderr"])
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         stream.flush()
@@ -70,6 +121,33 @@ def rank_main(module: str, *args: str) -> None:
         os._exit(code if isinstance(code, int) else 1)
 
 
+def start_server(env: dict[str, str], cwd: str) -> tuple[subprocess.Popen, str]:
+    """A forkserver for many agents, with PRELOAD imported in `env`: the process and the value of
+    FORKSERVER_ENV that names it to an agent started with the pipe's write end among its pass_fds.
+    It ends once every holder of that end (the caller, the agents, their ranks) has closed it."""
+    address = os.path.join(tempfile.mkdtemp(prefix="forkserver-"), "socket")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    main = os.path.normpath(os.path.abspath(__file__))
+    code = (f"from multiprocessing.forkserver import main; "
+            f"main({listener.fileno()}, {alive_r}, {['__main__', *PRELOAD]!r}, main_path={main!r})")
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, pass_fds=(listener.fileno(), alive_r))
+    listener.close()
+    os.close(alive_r)
+    return server, f"{address}:{alive_w}"
+
+
+def _use_server(named: str) -> None:
+    """multiprocessing's forkserver of this process: the shared one FORKSERVER_ENV names (started
+    by another process, so not waited for, nor started again)."""
+    address, alive_fd = named.rsplit(":", 1)
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd = address, int(alive_fd)
+    server.ensure_running = resource_tracker.ensure_running
+
+
 if __name__ == "__main__":
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -80,7 +158,11 @@ if __name__ == "__main__":
         config, _, cmd_args = torchrun.config_from_args(torchrun.parse_args(argv))
         assert cmd_args[:2] == ["-u", "-m"], cmd_args  # `python -u -m`: rank_main unbuffers the output itself
         config.start_method = "forkserver"
-        multiprocessing.set_forkserver_preload(["__main__", *PRELOAD])
-        elastic_launch(config=config, entrypoint=rank_main)(*cmd_args[2:])
+        if FORKSERVER_ENV in os.environ:
+            _use_server(os.environ[FORKSERVER_ENV])
+        else:
+            multiprocessing.set_forkserver_preload(["__main__", *PRELOAD])
+        agent = dict(pid=os.getpid(), env=dict(os.environ), stdout=_AgentFd(1), stderr=_AgentFd(2))
+        elastic_launch(config=config, entrypoint=rank_main)(agent, *cmd_args[2:])
 
     main(sys.argv[1:])

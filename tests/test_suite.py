@@ -3,6 +3,7 @@ the worker tests' ranks are forked by tests/forkrun.py."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,33 +91,84 @@ def test_only_the_workers_torchrun_is_forked():
 
 
 RANK_MODULE = '''
-import os, sys
+import os, sys, time
 import forkrun
 from launcher.leave import leave
 rank = int(os.environ["RANK"])
 missing = [m for m in forkrun.PRELOAD if m not in sys.modules]
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} run {os.environ['TORCHELASTIC_RUN_ID']} argv {sys.argv[1:]} "
-      f"missing {missing}")
+      f"missing {missing} agent's {os.environ.get('AGENT_ONLY')} cwd {os.getcwd()}")
+with open(os.path.join(os.getcwd(), f"pid-{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+if sys.argv[1] == "sleep":
+    time.sleep(300)
 leave(int(sys.argv[1]) if rank == 1 else 0)
 '''
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("code", [0, 7])
-def test_forked_ranks_get_torchruns_environment_and_end_with_their_exit_code(tmp_path, code):
-    """Each rank of tests/forkrun.py starts with the forkserver's imports (PRELOAD: a name that no
-    longer imports would be passed over without a word, and every rank would import it again), gets
-    torchrun's environment and its arguments, writes its lines unbuffered, and ends with the code
-    it leaves with: torchrun then fails, naming it."""
-    from worker import FORKRUN, torchrun, worker_env
+def forkrun_argv(*args: str) -> list[str]:
+    from worker import FORKRUN, torchrun
+
+    return [sys.executable, str(FORKRUN), *torchrun(2, "--rdzv_id", "r1", "-m", "rank_module", *args)[3:]]
+
+
+def rank_env(tmp_path: Path, shared: bool) -> tuple[dict, tuple, subprocess.Popen | None]:
+    """The agent's environment (a variable the forkserver lacks, rank_module on its path), its
+    pass_fds, and the shared forkserver, where `shared`."""
+    from worker import FORKSERVER_ENV, ROOT, start_server, worker_env
 
     (tmp_path / "rank_module.py").write_text(RANK_MODULE)
     env = worker_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(HERE), env["PYTHONPATH"]])
-    argv = [sys.executable, str(FORKRUN), *torchrun(2, "--rdzv_id", "r1", "-m", "rank_module", str(code))[3:]]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    if not shared:
+        return {**env, "AGENT_ONLY": "yes"}, (), None
+    server, named = start_server(env, str(ROOT))
+    return {**env, "AGENT_ONLY": "yes", FORKSERVER_ENV: named}, (int(named.rsplit(":", 1)[1]),), server
+
+
+def close_server(server: subprocess.Popen, pass_fds: tuple) -> None:
+    """The shared forkserver ends once its last holder of the alive pipe, here the test, closes it."""
+    os.close(pass_fds[0])
+    assert server.wait(timeout=30) == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("shared", [False, True], ids=["own-forkserver", "shared-forkserver"])
+@pytest.mark.parametrize("code", [0, 7])
+def test_forked_ranks_get_torchruns_environment_and_end_with_their_exit_code(tmp_path, code, shared):
+    """Each rank of tests/forkrun.py starts with the forkserver's imports (PRELOAD: a name that no
+    longer imports would be passed over without a word, and every rank would import it again), gets
+    torchrun's environment and its arguments, writes its lines unbuffered, and ends with the code
+    it leaves with: torchrun then fails, naming it. From a forkserver shared with other launches
+    too: its ranks take the agent's environment, directory and output, not the server's."""
+    env, pass_fds, server = rank_env(tmp_path, shared)
+    done = subprocess.run(forkrun_argv(str(code)), env=env, cwd=tmp_path, pass_fds=pass_fds, capture_output=True,
+                          text=True, timeout=120)
     out = done.stdout + done.stderr
     for rank in (0, 1):
-        assert f"rank {rank} of 2 run r1 argv ['{code}'] missing []" in out, out[-3000:]
+        assert f"rank {rank} of 2 run r1 argv ['{code}'] missing [] agent's yes cwd {tmp_path}" in out, out[-3000:]
     assert done.returncode == (1 if code else 0), out[-3000:]
     assert (f"exitcode: {code}" in out) == bool(code), out[-3000:]
+    if server:
+        close_server(server, pass_fds)
+
+
+@pytest.mark.e2e
+def test_the_ranks_of_a_shared_forkserver_end_with_their_agent(tmp_path):
+    """The shared forkserver's ranks are no descendants of their agent: killed (a test's timeout,
+    kill_tree), it takes them with it as it would its own children."""
+    import psutil
+
+    env, pass_fds, server = rank_env(tmp_path, shared=True)
+    agent = subprocess.Popen(forkrun_argv("sleep"), env=env, cwd=tmp_path, pass_fds=pass_fds,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"pid-{rank}").is_file() for rank in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ranks = [psutil.Process(int((tmp_path / f"pid-{rank}").read_text())) for rank in (0, 1)]
+    assert not {r.pid for r in ranks} & {c.pid for c in psutil.Process(agent.pid).children(recursive=True)}
+    agent.kill()
+    agent.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, alive
+    close_server(server, pass_fds)

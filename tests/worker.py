@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from forkrun import FORKSERVER_ENV, start_server
 from sshd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,6 +248,24 @@ def forked(argv: list[str]) -> list[str]:
     return [argv[0], str(FORKRUN), *argv[3:]]
 
 
+_FORKSERVER: tuple[dict[str, str], str, subprocess.Popen] | None = None
+"""This test process's shared forkserver (tests/forkrun.py): the environment it was started with, the
+value of FORKSERVER_ENV that names it, and its process (it ends after this one)."""
+
+
+def shared_forkserver(env: dict[str, str]) -> str | None:
+    """The value of FORKSERVER_ENV (tests/forkrun.py) for a forked launch in `env`: the forkserver this process
+    shares among its launches, started with worker_env() at the first; None where `env` is another
+    (its imports could differ: a launch of its own forkserver imports them in `env`)."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        start_env = worker_env()
+        server, named = start_server(start_env, str(ROOT))
+        _FORKSERVER = start_env, named, server
+    start_env, named, _ = _FORKSERVER
+    return named if env == start_env else None
+
+
 def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
     """The launches (run_worker's arguments), in order, each started once the ranks still running
     and its own fit in RANK_SLOTS (or nothing else runs), each given `timeout` seconds from its start.
@@ -263,11 +282,13 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
             run_dir = launch["run_dir"]
             log = run_dir / "logs" / "local.log"
             log.parent.mkdir(parents=True, exist_ok=True)
+            argv = launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2), launch.get("resume"))
+            env, pass_fds = {**worker_env(), **(launch.get("env") or {})}, ()
+            if forked(argv) != argv and (named := shared_forkserver(env)):
+                env, pass_fds = {**env, FORKSERVER_ENV: named}, (int(named.rsplit(":", 1)[1]),)
             with open(log, "a") as out:
-                proc = subprocess.Popen(forked(launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2),
-                                                                                   launch.get("resume"))),
-                                        cwd=ROOT, env={**worker_env(), **(launch.get("env") or {})},
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(forked(argv), cwd=ROOT, env=env, pass_fds=pass_fds, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             proc.log_path, proc.ranks, proc.deadline = log, ranks, time.monotonic() + timeout
             procs.append(proc)
         while any(p.poll() is None for p in procs):
