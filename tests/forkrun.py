@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,7 +126,9 @@ def start_server(env: dict[str, str], cwd: str) -> tuple[subprocess.Popen, str]:
     """A forkserver for many agents, with PRELOAD imported in `env`: the process and the value of
     FORKSERVER_ENV that names it to an agent started with the pipe's write end among its pass_fds.
     It ends once every holder of that end (the caller, the agents, their ranks) has closed it."""
-    address = os.path.join(tempfile.mkdtemp(prefix="forkserver-"), "socket")
+    where = tempfile.mkdtemp(prefix="forkserver-")
+    atexit.register(shutil.rmtree, where, True)  # the listening socket outlives its path
+    address = os.path.join(where, "socket")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen()
