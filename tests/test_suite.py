@@ -90,6 +90,19 @@ def test_only_the_workers_torchrun_is_forked():
         assert forked(other) == other
 
 
+def test_a_launch_shares_the_forkserver_unless_what_its_imports_read_differs():
+    """The shared forkserver's ranks imported in its environment: a launch whose import-time
+    variables differ (the video tests' PYTHONPATH) needs a forkserver of its own; one that differs
+    in what the ranks read later (from their agent) does not."""
+    from worker import import_env, worker_env
+
+    env = worker_env()
+    assert import_env({**env, "MASTER_ADDR": "127.0.0.9", "MLFLOW_ALLOW_FILE_STORE": "true"}) == import_env(env)
+    for key, value in (("PYTHONPATH", "/elsewhere"), ("HF_HOME", "/h"), ("OMP_NUM_THREADS", "4"),
+                       ("TRANSFORMERS_VERBOSITY", "info")):
+        assert import_env({**env, key: value}) != import_env(env), key
+
+
 RANK_MODULE = '''
 import os, sys, time
 import forkrun

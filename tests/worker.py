@@ -253,17 +253,30 @@ _FORKSERVER: tuple[dict[str, str], str, subprocess.Popen] | None = None
 value of FORKSERVER_ENV that names it, and its process (it ends after this one)."""
 
 
+# The variables a forkserver's imports read (Python's start-up, the native libraries', the ML
+# libraries'). A launch whose values differ from the shared forkserver's starts one of its own that
+# imports in its environment; every other variable reaches the ranks from their agent (in-process
+# tests and libraries set some in the test process as the suite runs: MASTER_ADDR, MLFLOW_*).
+IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "TRANSFORMERS",
+                       "HF_", "HUGGINGFACE", "TOKENIZERS", "PEFT", "DEEPSPEED", "DS_", "ACCELERATE", "TRITON", "XDG_",
+                       "HOME", "TMPDIR")
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
+
+
 def shared_forkserver(env: dict[str, str]) -> str | None:
     """The value of FORKSERVER_ENV (tests/forkrun.py) for a forked launch in `env`: the forkserver this process
-    shares among its launches, started with worker_env() at the first; None where `env` is another
-    (its imports could differ: a launch of its own forkserver imports them in `env`)."""
+    shares among its launches, started with worker_env() at the first; None where `env`'s import_env
+    is another."""
     global _FORKSERVER
     if _FORKSERVER is None:
         start_env = worker_env()
         server, named = start_server(start_env, str(ROOT))
         _FORKSERVER = start_env, named, server
     start_env, named, _ = _FORKSERVER
-    return named if env == start_env else None
+    return named if import_env(env) == import_env(start_env) else None
 
 
 def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
