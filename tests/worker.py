@@ -248,35 +248,35 @@ def forked(argv: list[str]) -> list[str]:
     return [argv[0], str(FORKRUN), *argv[3:]]
 
 
-_FORKSERVER: tuple[dict[str, str], str, subprocess.Popen] | None = None
-"""This test process's shared forkserver (tests/forkrun.py): the environment it was started with, the
-value of FORKSERVER_ENV that names it, and its process (it ends after this one)."""
-
-
 # The variables a forkserver's imports read (Python's start-up, the native libraries', the ML
-# libraries'). A launch whose values differ from the shared forkserver's starts one of its own that
-# imports in its environment; every other variable reaches the ranks from their agent (in-process
-# tests and libraries set some in the test process as the suite runs: MASTER_ADDR, MLFLOW_*).
+# libraries'): launches that agree on them share a forkserver. Every other variable reaches the
+# ranks from their agent (in-process tests and libraries set some in the test process as the suite
+# runs: MASTER_ADDR, MLFLOW_*).
 IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "TRANSFORMERS",
                        "HF_", "HUGGINGFACE", "TOKENIZERS", "PEFT", "DEEPSPEED", "DS_", "ACCELERATE", "TRITON", "XDG_",
                        "HOME", "TMPDIR")
+MAX_FORKSERVERS = 4  # each holds ~0.4 GB of imports; the suite's launches use two or three environments
+_FORKSERVERS: dict[tuple, tuple[str, subprocess.Popen]] = {}
+"""This test process's forkservers (tests/forkrun.py), by import_env, oldest first: the value of
+FORKSERVER_ENV that names each, and its process."""
 
 
 def import_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
 
 
-def shared_forkserver(env: dict[str, str]) -> str | None:
-    """The value of FORKSERVER_ENV (tests/forkrun.py) for a forked launch in `env`: the forkserver this process
-    shares among its launches, started with worker_env() at the first; None where `env`'s import_env
-    is another."""
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        start_env = worker_env()
-        server, named = start_server(start_env, str(ROOT))
-        _FORKSERVER = start_env, named, server
-    start_env, named, _ = _FORKSERVER
-    return named if import_env(env) == import_env(start_env) else None
+def shared_forkserver(env: dict[str, str]) -> str:
+    """The value of FORKSERVER_ENV (tests/forkrun.py) for a forked launch in `env`: the forkserver this
+    process shares among its launches of the same import_env, started in `env` at the first of them.
+    Past MAX_FORKSERVERS the oldest is let go: it ends once the ranks it forked have."""
+    key = tuple(sorted(import_env(env).items()))
+    if key not in _FORKSERVERS:
+        if len(_FORKSERVERS) >= MAX_FORKSERVERS:
+            named, _ = _FORKSERVERS.pop(next(iter(_FORKSERVERS)))
+            os.close(int(named.rsplit(":", 1)[1]))
+        server, named = start_server(env, str(ROOT))
+        _FORKSERVERS[key] = named, server
+    return _FORKSERVERS[key][0]
 
 
 def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.CompletedProcess]:
@@ -297,7 +297,8 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
             log.parent.mkdir(parents=True, exist_ok=True)
             argv = launch.get("argv") or torchrun_argv(run_dir, launch.get("nproc", 2), launch.get("resume"))
             env, pass_fds = {**worker_env(), **(launch.get("env") or {})}, ()
-            if forked(argv) != argv and (named := shared_forkserver(env)):
+            if forked(argv) != argv:
+                named = shared_forkserver(env)
                 env, pass_fds = {**env, FORKSERVER_ENV: named}, (int(named.rsplit(":", 1)[1]),)
             with open(log, "a") as out:
                 proc = subprocess.Popen(forked(argv), cwd=ROOT, env=env, pass_fds=pass_fds, stdout=out,
