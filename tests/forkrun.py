@@ -12,11 +12,12 @@ tests/worker.py's other scripts: a forked rank that returns lives on until every
 agent collects their return values), which only a module that closes its process group first,
 as the worker does, can be run under.
 
-One forkserver per test process (`start_server`, named to the agent by FORKSERVER_ENV) serves
-every launch whose environment is the one it was started with: its imports, about 4 CPU-seconds,
-are then paid once, not once a launch. Other launches start a forkserver of their own. A rank of
-the shared server is no descendant of its agent, so it takes from the agent what a descendant
-would inherit (the environment, standard output and error) and ends when the agent does."""
+A forkserver can serve many launches (`start_server`; tests/worker.py keeps one per test process
+and environment its imports read, named to each agent by FORKSERVER_ENV): its imports, about 4
+CPU-seconds, are then paid once, not once a launch. Without FORKSERVER_ENV an agent starts a
+forkserver of its own. A rank of a shared server is no descendant of its agent, so it takes from
+the agent what a descendant would inherit (the environment, standard output and error) and ends
+when the agent does."""
 from __future__ import annotations
 
 import atexit
@@ -35,7 +36,7 @@ import tempfile
 import threading
 from multiprocessing import forkserver, reduction, resource_tracker
 
-# What a rank imports before it reads its job; the forkserver imports them once per launch.
+# What a rank imports before it reads its job; a forkserver imports them once, before its first rank.
 PRELOAD = ("launcher.train", "launcher.trainer", "launcher.dist", "transformers", "peft",
            "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
            "torch.distributed.checkpoint", "torch.distributed.fsdp")

@@ -91,9 +91,9 @@ def test_only_the_workers_torchrun_is_forked():
 
 
 def test_a_launch_shares_the_forkserver_unless_what_its_imports_read_differs():
-    """The shared forkserver's ranks imported in its environment: a launch whose import-time
-    variables differ (the video tests' PYTHONPATH) needs a forkserver of its own; one that differs
-    in what the ranks read later (from their agent) does not."""
+    """A shared forkserver's ranks imported in its environment: a launch whose import-time
+    variables differ (the video tests' PYTHONPATH) needs another forkserver, shared by the launches
+    of that environment; one that differs in what the ranks read later (from their agent) does not."""
     from worker import import_env, worker_env
 
     env = worker_env()
@@ -101,6 +101,35 @@ def test_a_launch_shares_the_forkserver_unless_what_its_imports_read_differs():
     for key, value in (("PYTHONPATH", "/elsewhere"), ("HF_HOME", "/h"), ("OMP_NUM_THREADS", "4"),
                        ("TRANSFORMERS_VERBOSITY", "info")):
         assert import_env({**env, key: value}) != import_env(env), key
+
+
+def test_launches_of_one_import_environment_share_a_forkserver_and_the_oldest_is_let_go(monkeypatch):
+    """One forkserver per import environment; past MAX_FORKSERVERS the test process closes its end
+    of the oldest's alive pipe, so that server ends once the ranks it forked have."""
+    import worker
+
+    started = []
+
+    def start_server(env, cwd):
+        alive_r, alive_w = os.pipe()
+        started.append((env["HF_HOME"], alive_r))
+        return None, f"/sockets/{len(started)}:{alive_w}"
+
+    monkeypatch.setattr(worker, "_FORKSERVERS", {})
+    monkeypatch.setattr(worker, "start_server", start_server)
+    env = worker.worker_env()
+    first = worker.shared_forkserver({**env, "HF_HOME": "/h0"})
+    assert worker.shared_forkserver({**env, "HF_HOME": "/h0", "MASTER_PORT": "1"}) == first
+    for n in range(1, worker.MAX_FORKSERVERS + 1):
+        worker.shared_forkserver({**env, "HF_HOME": f"/h{n}"})
+    assert [home for home, _ in started] == [f"/h{n}" for n in range(worker.MAX_FORKSERVERS + 1)]
+    os.set_blocking(started[0][1], False)  # a writer left would raise BlockingIOError, not hang
+    assert os.read(started[0][1], 1) == b""  # the oldest's alive pipe: no writer left
+    assert worker.shared_forkserver({**env, "HF_HOME": "/h0"}) != first  # started again
+    for _, alive_r in started:
+        os.close(alive_r)
+    for named, _ in worker._FORKSERVERS.values():
+        os.close(int(named.rsplit(":", 1)[1]))
 
 
 RANK_MODULE = '''
