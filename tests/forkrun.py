@@ -143,12 +143,16 @@ def start_server(env: dict[str, str], cwd: str) -> tuple[subprocess.Popen, str]:
     return server, f"{address}:{alive_w}"
 
 
+def alive_fd(named: str) -> int:
+    """The alive pipe's write end in a value of FORKSERVER_ENV: an agent's pass_fds."""
+    return int(named.rsplit(":", 1)[1])
+
+
 def _use_server(named: str) -> None:
     """multiprocessing's forkserver of this process: the shared one FORKSERVER_ENV names (started
     by another process, so not waited for, nor started again)."""
-    address, alive_fd = named.rsplit(":", 1)
     server = forkserver._forkserver
-    server._forkserver_address, server._forkserver_alive_fd = address, int(alive_fd)
+    server._forkserver_address, server._forkserver_alive_fd = named.rsplit(":", 1)[0], alive_fd(named)
     server.ensure_running = resource_tracker.ensure_running
 
 

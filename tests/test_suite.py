@@ -129,7 +129,7 @@ def test_launches_of_one_import_environment_share_a_forkserver_and_the_oldest_is
     for _, alive_r in started:
         os.close(alive_r)
     for named, _ in worker._FORKSERVERS.values():
-        os.close(int(named.rsplit(":", 1)[1]))
+        os.close(worker.alive_fd(named))
 
 
 RANK_MODULE = '''
@@ -157,7 +157,7 @@ def forkrun_argv(*args: str) -> list[str]:
 def rank_env(tmp_path: Path, shared: bool) -> tuple[dict, tuple, subprocess.Popen | None]:
     """The agent's environment (a variable the forkserver lacks, rank_module on its path), its
     pass_fds, and the shared forkserver, where `shared`."""
-    from worker import FORKSERVER_ENV, ROOT, start_server, worker_env
+    from worker import FORKSERVER_ENV, ROOT, alive_fd, start_server, worker_env
 
     (tmp_path / "rank_module.py").write_text(RANK_MODULE)
     env = worker_env()
@@ -165,7 +165,7 @@ def rank_env(tmp_path: Path, shared: bool) -> tuple[dict, tuple, subprocess.Pope
     if not shared:
         return {**env, "AGENT_ONLY": "yes"}, (), None
     server, named = start_server(env, str(ROOT))
-    return {**env, "AGENT_ONLY": "yes", FORKSERVER_ENV: named}, (int(named.rsplit(":", 1)[1]),), server
+    return {**env, "AGENT_ONLY": "yes", FORKSERVER_ENV: named}, (alive_fd(named),), server
 
 
 def close_server(server: subprocess.Popen, pass_fds: tuple) -> None:

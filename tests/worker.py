@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from forkrun import FORKSERVER_ENV, start_server
+from forkrun import FORKSERVER_ENV, alive_fd, start_server
 from sshd import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,7 +273,7 @@ def shared_forkserver(env: dict[str, str]) -> str:
     if key not in _FORKSERVERS:
         if len(_FORKSERVERS) >= MAX_FORKSERVERS:
             named, _ = _FORKSERVERS.pop(next(iter(_FORKSERVERS)))
-            os.close(int(named.rsplit(":", 1)[1]))
+            os.close(alive_fd(named))
         server, named = start_server(env, str(ROOT))
         _FORKSERVERS[key] = named, server
     return _FORKSERVERS[key][0]
@@ -299,7 +299,7 @@ def run_workers(launches: list[dict], timeout: int = 240) -> list[subprocess.Com
             env, pass_fds = {**worker_env(), **(launch.get("env") or {})}, ()
             if forked(argv) != argv:
                 named = shared_forkserver(env)
-                env, pass_fds = {**env, FORKSERVER_ENV: named}, (int(named.rsplit(":", 1)[1]),)
+                env, pass_fds = {**env, FORKSERVER_ENV: named}, (alive_fd(named),)
             with open(log, "a") as out:
                 proc = subprocess.Popen(forked(argv), cwd=ROOT, env=env, pass_fds=pass_fds, stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=True)
